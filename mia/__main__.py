@@ -1,0 +1,3 @@
+from mia.cli import main
+
+raise SystemExit(main())

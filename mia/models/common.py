@@ -1,0 +1,227 @@
+"""Building blocks shared by the decoder families: rotary embedding, norms, attention with a prefix cache.
+
+Dimension legend (used in einsum strings and variable suffixes across ``mia.models``):
+  B batch, T query length, S key length (cache + current), D model width, H query heads,
+  K key/value heads (GQA: H = K * G), G query heads per kv head, E head dim, F MLP width, V vocabulary.
+
+Masking is by *position ids*, not array index: a key may be attended to when it is valid and its
+position is <= the query's position (and, for a local window, > q_pos - window). This makes right
+padding, left-padded prefixes and a cached prefix all the same case.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+Array = jax.Array
+
+# A finite "minus infinity": a fully masked row (a left pad) then softmaxes to a uniform row, not NaN.
+MASK_VALUE = -1e30
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json asks for something we cannot reproduce exactly."""
+
+
+@struct.dataclass
+class KVCache:
+    """Keys/values of an already-processed prefix, per layer.
+
+    keys[l], values[l]: [B, S, K, E] (keys after rotary); positions: [B, S] int32; valid: [B, S] bool.
+    """
+
+    keys: tuple
+    values: tuple
+    positions: Array
+    valid: Array
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    def next_positions(self) -> Array:
+        """[B] position id that the first token after this prefix takes."""
+        return jnp.max(jnp.where(self.valid, self.positions, -1), axis=1) + 1
+
+    def broadcast_to(self, batch: int) -> "KVCache":
+        """Repeat a batch-1 cache for ``batch`` targets."""
+        rep = lambda a: jnp.broadcast_to(a, (batch,) + a.shape[1:])
+        return KVCache(tuple(map(rep, self.keys)), tuple(map(rep, self.values)), rep(self.positions), rep(self.valid))
+
+
+def activation(name: str) -> Callable[[Array], Array]:
+    """HF ``hidden_act`` / ``activation_function`` name -> function."""
+    table = {
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+        "relu": jax.nn.relu,
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+    }
+    if name not in table:
+        raise ConfigError(f"unsupported activation {name!r}; supported: {sorted(table)}")
+    return table[name]
+
+
+def rope_theta_from(hf: dict, default: float = 10000.0, legacy_key: str = "rope_theta") -> float:
+    """Rotary base from either the transformers<5 flat keys or the >=5 ``rope_parameters`` dict.
+
+    Refuses any RoPE scaling (linear, dynamic, yarn, llama3 ...): it changes the math and we do not implement it.
+    """
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if scaling not in (None, {}) and (scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
+        raise ConfigError(f"config field rope_scaling={scaling!r} is not supported (only unscaled RoPE)")
+    if rope_type not in ("default", None):
+        raise ConfigError(f"config field rope_parameters.rope_type={rope_type!r} is not supported (only 'default')")
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(hf.get(legacy_key, hf.get("rope_theta", default)))
+
+
+def rotary_tables(positions_bt: Array, rot_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos, sin of shape [B, T, rot_dim] in float32 (HF 'rotate_half' layout: frequencies repeated twice)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rot_dim, 2, dtype=jnp.float32) / rot_dim))
+    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rot_dim/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x_bthe: Array, cos_bte: Array, sin_bte: Array) -> Array:
+    """Rotate the first ``rot_dim`` channels of each head (partial rotary when rot_dim < E), rotate_half layout."""
+    rot_dim = cos_bte.shape[-1]
+    x_rot, x_pass = x_bthe[..., :rot_dim], x_bthe[..., rot_dim:]
+    half = rot_dim // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    cos, sin = cos_bte[:, :, None, :].astype(x_bthe.dtype), sin_bte[:, :, None, :].astype(x_bthe.dtype)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+class LayerNorm(nn.Module):
+    """torch.nn.LayerNorm: statistics in float32; ``use_scale``/``use_bias`` False gives OLMo's non-parametric LN."""
+
+    eps: float = 1e-5
+    use_scale: bool = True
+    use_bias: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        d = x.shape[-1]
+        xf = x.astype(jnp.float32)
+        mean = xf.mean(-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), -1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        if self.use_scale:
+            y = y * self.param("weight", nn.initializers.ones, (d,), self.param_dtype).astype(jnp.float32)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Llama/OLMo-2 RMSNorm: normalise in float32, cast back, then scale by ``weight``."""
+
+    eps: float = 1e-6
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), -1, keepdims=True) + self.eps)
+        return (w.astype(jnp.float32) * y).astype(self.dtype)
+
+
+def dot_product_attention(
+    q_bthe: Array,
+    k_bske: Array,
+    v_bske: Array,
+    q_pos_bt: Array,
+    k_pos_bs: Array,
+    k_valid_bs: Array,
+    *,
+    scale: float,
+    window: Optional[int] = None,
+) -> Array:
+    """Causal (by position id) grouped-query attention; scores and softmax in float32. Returns [B, T, H, E]."""
+    b, t, h, e = q_bthe.shape
+    kv_heads = k_bske.shape[2]
+    q = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e)
+    scores = jnp.einsum("btkge,bske->bkgts", q.astype(jnp.float32), k_bske.astype(jnp.float32)) * scale
+    allowed = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]
+    if window is not None:
+        allowed = allowed & (q_pos_bt[:, :, None] - k_pos_bs[:, None, :] < window)
+    scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bske.dtype)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v_bske)
+    return out.reshape(b, t, h, e)
+
+
+def join_cache(
+    layer: int, cache: Optional[KVCache], k_btke: Array, v_btke: Array, pos_bt: Array, valid_bt: Array
+) -> tuple[Array, Array, Array, Array]:
+    """Keys/values/positions/validity over [cached prefix ; current tokens]."""
+    if cache is None:
+        return k_btke, v_btke, pos_bt, valid_bt
+    return (
+        jnp.concatenate([cache.keys[layer].astype(k_btke.dtype), k_btke], axis=1),
+        jnp.concatenate([cache.values[layer].astype(v_btke.dtype), v_btke], axis=1),
+        jnp.concatenate([cache.positions, pos_bt], axis=1),
+        jnp.concatenate([cache.valid, valid_bt], axis=1),
+    )
+
+
+def default_positions(tokens_bt: Array, valid_bt: Array, cache: Optional[KVCache]) -> Array:
+    """Position ids: count of valid tokens before each one (so left pads do not shift positions), offset by the cache."""
+    pos = jnp.cumsum(valid_bt.astype(jnp.int32), axis=1) - 1
+    pos = jnp.maximum(pos, 0)
+    if cache is not None:
+        pos = pos + cache.next_positions()[:, None]
+    return pos
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMapping:
+    """One HF tensor <-> one leaf of our params pytree.
+
+    ``transpose``: HF torch Linear stores [out, in]; flax Dense kernels are [in, out].
+    """
+
+    hf_name: str
+    path: tuple[str, ...]
+    transpose: bool = False
+
+
+def linear_maps(hf_prefix: str, path: tuple[str, ...], bias: bool) -> list[ParamMapping]:
+    """Mappings for a torch ``nn.Linear`` stored at ``hf_prefix`` and a flax ``Dense`` at ``path``."""
+    out = [ParamMapping(f"{hf_prefix}.weight", path + ("kernel",), transpose=True)]
+    if bias:
+        out.append(ParamMapping(f"{hf_prefix}.bias", path + ("bias",)))
+    return out
+
+
+def norm_maps(hf_prefix: str, path: tuple[str, ...], scale: bool = True, bias: bool = True) -> list[ParamMapping]:
+    out = []
+    if scale:
+        out.append(ParamMapping(f"{hf_prefix}.weight", path + ("weight",)))
+    if bias:
+        out.append(ParamMapping(f"{hf_prefix}.bias", path + ("bias",)))
+    return out
+
+
+def check_no_unknown_fields(model_type: str, hf: dict, known: Sequence[str], refuse: dict[str, Callable[[Any], bool]]):
+    """Raise ConfigError on any field in ``refuse`` whose value changes the math in a way we do not implement."""
+    for field, is_bad in refuse.items():
+        if field in hf and is_bad(hf[field]):
+            raise ConfigError(f"{model_type}: config field {field}={hf[field]!r} is not supported")

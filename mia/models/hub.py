@@ -1,0 +1,336 @@
+"""Load and save Hugging Face-layout checkpoints from LOCAL directories. Never touches the network.
+
+``load(path)`` reads ``config.json``, ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) and the
+tokenizer, and returns a :class:`Model`. Loading is strict: every parameter of our module must be filled with a
+tensor of the right shape, and every tensor in the checkpoint must be used (a few known buffers excepted).
+``save(model, path)`` writes a directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .common import ConfigError, ParamMapping
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# model_type -> module name inside mia.models. Each module defines MODEL_TYPE, a frozen config class with
+# from_hf/to_hf, a Flax CausalLM with hidden/unembed methods, param_mappings(cfg) and IGNORED_HF_KEYS.
+FAMILIES = {
+    "gpt_neox": ("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "llama": ("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "gpt2": ("gpt2", "GPT2Config", "GPT2LMHeadModel"),
+    "gpt_neo": ("gpt_neo", "GPTNeoConfig", "GPTNeoForCausalLM"),
+    "olmo": ("olmo", "OlmoConfig", "OlmoForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2Config", "Olmo2ForCausalLM"),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, incomplete or inconsistent with its config."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_type: str
+    config_cls: Any
+    module_cls: Any
+    param_mappings: Any
+    ignored_keys: tuple
+
+
+def family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    mod_name, cfg_name, cls_name = FAMILIES[model_type]
+    try:
+        mod = importlib.import_module(f"mia.models.{mod_name}")
+    except ModuleNotFoundError as e:  # a family listed but not implemented yet
+        raise ConfigError(f"model_type {model_type!r} is not implemented yet ({e})") from None
+    return Family(model_type, getattr(mod, cfg_name), getattr(mod, cls_name), mod.param_mappings,
+                  tuple(getattr(mod, "IGNORED_HF_KEYS", ())))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A Flax module, its params pytree, its tokenizer and config. ``params`` is passed explicitly everywhere."""
+
+    module: Any
+    params: Any
+    tokenizer: Any
+    config: Any
+    model_type: str
+    path: Optional[str] = None
+    fingerprint: str = ""
+
+    def hidden(self, params, tokens, valid=None, positions=None, cache=None):
+        """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens)."""
+        return self.module.apply({"params": params}, tokens, valid, positions, cache, method="hidden")
+
+    def unembed(self, params, h):
+        """Pure: hidden [..., D] -> logits [..., V] (activation dtype)."""
+        return self.module.apply({"params": params}, h, method="unembed")
+
+    def logits(self, params, tokens, valid=None, positions=None, cache=None):
+        return self.module.apply({"params": params}, tokens, valid, positions, cache)
+
+    @property
+    def max_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048) or 2048)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------- safetensors I/O
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Memory-mapped numpy views of every tensor in a .safetensors file (bfloat16 via ml_dtypes)."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(header_len))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        lo, hi = info["data_offsets"]
+        out[name] = data[lo:hi].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Optional[dict] = None) -> None:
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset, blobs = 0, []
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        blob = arr.tobytes()
+        header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for blob in blobs:
+            f.write(blob)
+    os.replace(tmp, path)
+
+
+def _weight_files(root: Path) -> list[Path]:
+    single, index = root / "model.safetensors", root / "model.safetensors.index.json"
+    if single.exists():
+        return [single]
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: malformed shard index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (root / f).exists()]
+        if missing:
+            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
+        return [root / f for f in files]
+    if any(root.glob("*.bin")) or any(root.glob("*.pt")) or any(root.glob("*.ckpt")):
+        raise CheckpointError(f"{root}: only safetensors weights are supported (pickled .bin/.pt files are never loaded); "
+                              "convert with transformers' save_pretrained(safe_serialization=True)")
+    raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json found")
+
+
+def fingerprint(root: Path) -> str:
+    """Cheap content hash: config.json plus each weight file's name, size and first/last MiB."""
+    h = hashlib.sha256((root / "config.json").read_bytes())
+    for f in _weight_files(root):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------- params <-> HF
+def _set(tree: dict, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def abstract_params(fam: Family, cfg, dtype=jnp.float32, param_dtype=jnp.float32):
+    module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
+    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))["params"]
+    return module, shapes
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, param_dtype, source: str = "checkpoint"):
+    """HF-named numpy tensors -> our params pytree, strict on names and shapes."""
+    mappings: list[ParamMapping] = fam.param_mappings(cfg)
+    params: dict = {}
+    used = set()
+    for m in mappings:
+        name = m.hf_name
+        if name not in tensors:
+            # checkpoints saved from the base model (no "gpt_neox." / "model." prefix)
+            alt = name.split(".", 1)[1] if "." in name else name
+            if alt in tensors:
+                name = alt
+            else:
+                raise CheckpointError(f"{source}: tensor {m.hf_name!r} is missing")
+        arr = np.asarray(tensors[name])
+        if m.transpose:
+            arr = arr.T
+        want = _get(shapes, m.path).shape
+        if tuple(arr.shape) != tuple(want):
+            got = tuple(tensors[name].shape)
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {got}, expected "
+                                  f"{tuple(want[::-1]) if m.transpose else tuple(want)} for this config")
+        _set(params, m.path, jnp.asarray(arr.astype(np.float32), dtype=param_dtype))
+        used.add(name)
+    extra = [k for k in tensors if k not in used and not any(re.search(p, k) for p in fam.ignored_keys)]
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensor(s) not used by {fam.model_type}: {', '.join(sorted(extra)[:8])}"
+                              + (" ..." if len(extra) > 8 else ""))
+    missing = [p for p in _leaf_paths(shapes) if p not in {m.path for m in mappings}]
+    if missing:  # a mapping table bug, not a user error
+        raise AssertionError(f"{fam.model_type}: no HF mapping for params {missing[:5]}")
+    return params
+
+
+def params_to_hf(params, fam: Family, cfg) -> dict[str, np.ndarray]:
+    out = {}
+    for m in fam.param_mappings(cfg):
+        arr = np.asarray(jax.device_get(_get(params, m.path)))
+        out[m.hf_name] = np.ascontiguousarray(arr.T if m.transpose else arr)
+    return out
+
+
+def _leaf_paths(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaf_paths(v, prefix + (k,))
+    else:
+        yield prefix
+
+
+# ----------------------------------------------------------------------------------------------- public API
+def _dtype(x):
+    if x is None:
+        return None
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(x, x) if isinstance(x, str) else x
+
+
+def load_config(path) -> tuple[Family, Any, dict]:
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"model directory not found: {root}")
+    cfg_file = root / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{root}: config.json is missing")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
+    if "model_type" not in hf:
+        raise CheckpointError(f"{cfg_file}: field 'model_type' is missing")
+    fam = family(hf["model_type"])
+    try:
+        cfg = fam.config_cls.from_hf(hf)
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_file}: {e}") from None
+    return fam, cfg, hf
+
+
+def load_tokenizer(path):
+    root = Path(path)
+    if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+
+
+def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True) -> Model:
+    """Load a local HF-layout checkpoint directory. ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
+
+    Log-probabilities are always computed in float32 downstream, whatever ``dtype`` is.
+    """
+    root = Path(path)
+    fam, cfg, _ = load_config(root)
+    dtype = _dtype(dtype)
+    param_dtype = _dtype(param_dtype) or dtype
+    files = _weight_files(root)
+    tensors: dict = {}
+    for f in files:
+        tensors.update(read_safetensors(f))
+    module, shapes = abstract_params(fam, cfg, dtype, param_dtype)
+    params = params_from_hf(tensors, fam, cfg, shapes, param_dtype, source=str(root))
+    tok = load_tokenizer(root) if tokenizer else None
+    return Model(module, params, tok, cfg, fam.model_type, str(root), fingerprint(root))
+
+
+def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", param_dtype=None) -> Model:
+    """Build a Model from a config object (random init when ``params`` is None)."""
+    model_type = next(t for t, (m, c, _) in FAMILIES.items() if type(cfg).__name__ == c)
+    fam = family(model_type)
+    dtype = _dtype(dtype)
+    param_dtype = _dtype(param_dtype) or dtype
+    module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
+    if params is None:
+        key = jax.random.PRNGKey(0) if key is None else key
+        params = module.init(key, jnp.zeros((1, 2), jnp.int32))["params"]
+    h = hashlib.sha256(json.dumps(cfg.to_hf(), sort_keys=True).encode())
+    for leaf in jax.tree_util.tree_leaves(params):
+        h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
+    return Model(module, params, tokenizer, cfg, model_type, None, h.hexdigest()[:16])
+
+
+def save(model: Model, path, dtype: str = "float32") -> Path:
+    """Write config.json, model.safetensors and the tokenizer so that transformers loads the same model back."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    fam = family(model.model_type)
+    hf_cfg = dict(model.config.to_hf())
+    hf_cfg["torch_dtype"] = dtype
+    hf_cfg["dtype"] = dtype
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    tensors = {k: v.astype(np_dtype) for k, v in params_to_hf(model.params, fam, model.config).items()}
+    write_safetensors(tensors, root / "model.safetensors")
+    (root / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(root))
+    return root
