@@ -1,0 +1,1 @@
+"""Data: training orders (Megatron indexed files, OLMo global indices), split files, local text benchmarks, corpora."""
