@@ -3,10 +3,22 @@
 - ``roc``: sklearn ``roc_curve`` (ties count 1/2 in the trapezoid AUC).
 - ``tpr_at_fpr``: the largest TPR whose FPR is at most ``fpr`` (no interpolation), as CheckMIABench ``plot_ROC``.
 - ``bootstrap_auc_se``: seeded bootstrap standard error of the AUC (std with ddof=1 over resamples).
+- ``bootstrap``: seeded bootstrap (stratified by default) of AUC and TPR@FPR: SEs and percentile confidence intervals.
+- ``paired_bootstrap_test``: is method A better than method B on the same examples? (paired bootstrap p-value)
+- ``auc_vs_chance``: one-sided Mann-Whitney test of AUC > 0.5 (normal approximation with tie and continuity correction).
+
+All bootstraps are vectorised: each resample's AUC is the rank-sum (Mann-Whitney) statistic computed with midranks
+over a [R, n] matrix, which equals sklearn's trapezoid AUC exactly (ties count 1/2); TPR@FPR of a resample is the
+fraction of its members scoring strictly above its (k+1)-th highest non-member, k = floor(FPR * n_nonmembers), which
+equals the ROC-point definition above.
 """
 from __future__ import annotations
 
+import math
+from typing import Optional, Sequence
+
 import numpy as np
+from scipy.stats import norm, rankdata
 from sklearn.metrics import roc_auc_score, roc_curve
 
 
@@ -14,7 +26,10 @@ class MetricError(ValueError):
     pass
 
 
-def _check(scores, labels) -> tuple[np.ndarray, np.ndarray]:
+_EPS = 1e-12  # FPR slack so that e.g. 10/1000 counts as <= 0.01
+
+
+def _check(scores, labels, ids: Optional[Sequence] = None) -> tuple[np.ndarray, np.ndarray]:
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(labels)
     if s.shape != y.shape or s.ndim != 1:
@@ -23,55 +38,197 @@ def _check(scores, labels) -> tuple[np.ndarray, np.ndarray]:
         raise MetricError("labels must be 0 (non-member) or 1 (member)")
     if len(np.unique(y)) < 2:
         raise MetricError("need both members (1) and non-members (0) to compute ROC metrics")
-    if not np.isfinite(s).all():
-        raise MetricError(f"{int((~np.isfinite(s)).sum())} non-finite score(s) at positions {np.flatnonzero(~np.isfinite(s))[:10].tolist()}")
+    bad = np.flatnonzero(~np.isfinite(s))
+    if len(bad):
+        if ids is not None:
+            names = [str(ids[i]) for i in bad[:10]]
+            where = f"for id(s) {', '.join(names)}"
+        else:
+            where = f"at positions {bad[:10].tolist()}"
+        raise MetricError(f"{len(bad)} non-finite score(s) {where}" + (" ..." if len(bad) > 10 else ""))
     return s, y.astype(int)
 
 
-def roc(scores, labels) -> tuple[np.ndarray, np.ndarray]:
+def roc(scores, labels, ids=None) -> tuple[np.ndarray, np.ndarray]:
     """(fpr, tpr) arrays of the ROC curve."""
-    s, y = _check(scores, labels)
+    s, y = _check(scores, labels, ids)
     fpr, tpr, _ = roc_curve(y, s)
     return fpr, tpr
 
 
-def auc(scores, labels) -> float:
-    s, y = _check(scores, labels)
+def auc(scores, labels, ids=None) -> float:
+    s, y = _check(scores, labels, ids)
     return float(roc_auc_score(y, s))
 
 
-def tpr_at_fpr(scores, labels, fpr: float = 0.01) -> float:
+def tpr_at_fpr(scores, labels, fpr: float = 0.01, ids=None) -> float:
     """Largest TPR among ROC points whose FPR <= ``fpr``."""
-    f, t = roc(scores, labels)
-    ok = f <= fpr + 1e-12
+    f, t = roc(scores, labels, ids)
+    ok = f <= fpr + _EPS
     return float(t[ok].max()) if ok.any() else 0.0
+
+
+# ----------------------------------------------------------------------------------------------- vectorised core
+def _auc_rows(s_rn: np.ndarray, y_rn: np.ndarray) -> np.ndarray:
+    """AUC of each row: (sum of member midranks - n1(n1+1)/2) / (n1 n0). NaN for a row with one class only."""
+    ranks = rankdata(s_rn, axis=1)  # 'average' = midranks, so ties count 1/2
+    n1 = y_rn.sum(1).astype(np.float64)
+    n0 = y_rn.shape[1] - n1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ((ranks * y_rn).sum(1) - n1 * (n1 + 1) / 2) / (n1 * n0)
+
+
+def _tpr_rows(s_rn: np.ndarray, y_rn: np.ndarray, fpr: float) -> np.ndarray:
+    """TPR@FPR of each row (largest TPR over ROC points with FPR <= fpr). NaN for a row with one class only."""
+    pos = y_rn.astype(bool)
+    n1 = pos.sum(1)
+    n0 = (~pos).sum(1)
+    neg_desc = -np.sort(-np.where(pos, -np.inf, s_rn), axis=1)  # non-member scores, descending, -inf padded
+    k = np.floor(n0 * (fpr + _EPS)).astype(int)  # how many non-members may score at or above the threshold
+    full = k >= n0
+    v = np.take_along_axis(neg_desc, np.minimum(k, s_rn.shape[1] - 1)[:, None], axis=1)[:, 0]
+    above = (pos & (s_rn > v[:, None])).sum(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(full, 1.0, above / n1)
+    return np.where((n1 == 0) | (n0 == 0), np.nan, out)
+
+
+def _resample_idx(y: np.ndarray, n_resamples: int, rng: np.random.Generator, stratified: bool) -> np.ndarray:
+    """[R, n] indices into the data: per class (stratified) or over the pooled set."""
+    if stratified:
+        pos, neg = np.flatnonzero(y == 1), np.flatnonzero(y == 0)
+        return np.concatenate([pos[rng.integers(0, len(pos), (n_resamples, len(pos)))],
+                               neg[rng.integers(0, len(neg), (n_resamples, len(neg)))]], axis=1)
+    return rng.integers(0, len(y), (n_resamples, len(y)))
+
+
+def _chunks(n_resamples: int, n: int, budget: int = 4_000_000):
+    step = max(1, budget // max(n, 1))
+    for lo in range(0, n_resamples, step):
+        yield min(step, n_resamples - lo)
+
+
+def _metric_key(fpr: float) -> str:
+    """0.01 -> 'tpr_at_1pct_fpr', 0.001 -> 'tpr_at_0.1pct_fpr'."""
+    pct = fpr * 100
+    return f"tpr_at_{pct:g}pct_fpr"
+
+
+def bootstrap(scores, labels, *, n_resamples: int = 1000, seed: int = 0, stratified: bool = True,
+              fprs: Sequence[float] = (0.01, 0.001), confidence: float = 0.95, ids=None) -> dict:
+    """Point estimates, bootstrap SEs (std, ddof=1) and percentile CIs of AUC and TPR@each FPR.
+
+    Returns a flat dict: ``auc, auc_se, auc_ci_low, auc_ci_high`` and the same four for each ``tpr_at_{x}pct_fpr``,
+    plus ``n, n_members, n_nonmembers, n_resamples``. ``stratified`` resamples members and non-members separately
+    (class counts fixed); ``stratified=False`` resamples the pooled set as CheckMIABench does (scipy.stats.bootstrap),
+    dropping resamples that contain a single class.
+    """
+    s, y = _check(scores, labels, ids)
+    rng = np.random.default_rng(seed)
+    boot = {"auc": []} | {_metric_key(f): [] for f in fprs}
+    for r in _chunks(n_resamples, len(s)):
+        idx = _resample_idx(y, r, rng, stratified)
+        s_rn, y_rn = s[idx], y[idx]
+        boot["auc"].append(_auc_rows(s_rn, y_rn))
+        for f in fprs:
+            boot[_metric_key(f)].append(_tpr_rows(s_rn, y_rn, f))
+    point = {"auc": auc(s, y)} | {_metric_key(f): tpr_at_fpr(s, y, f) for f in fprs}
+    a = (1 - confidence) / 2
+    out: dict = {}
+    for name, parts in boot.items():
+        vals = np.concatenate(parts)
+        vals = vals[np.isfinite(vals)]
+        out[name] = point[name]
+        out[f"{name}_se"] = float(np.std(vals, ddof=1)) if len(vals) > 1 else float("nan")
+        lo, hi = np.quantile(vals, [a, 1 - a]) if len(vals) else (np.nan, np.nan)
+        out[f"{name}_ci_low"], out[f"{name}_ci_high"] = float(lo), float(hi)
+    out.update(n=int(len(s)), n_members=int(y.sum()), n_nonmembers=int(len(y) - y.sum()), n_resamples=int(n_resamples))
+    return out
 
 
 def bootstrap_auc_se(scores, labels, n_resamples: int = 1000, seed: int = 0, stratified: bool = False) -> float:
     """Standard error of the AUC from ``n_resamples`` seeded bootstrap resamples (pooled, or per-class if stratified)."""
-    s, y = _check(scores, labels)
+    return bootstrap(scores, labels, n_resamples=n_resamples, seed=seed, stratified=stratified, fprs=())["auc_se"]
+
+
+def paired_bootstrap_test(scores_a, scores_b, labels, *, metric: str = "auc", n_resamples: int = 1000, seed: int = 0,
+                          stratified: bool = True, alternative: str = "two-sided", ids=None) -> dict:
+    """Paired bootstrap test of metric(A) vs metric(B) on the SAME examples (each resample is shared by A and B).
+
+    ``metric``: "auc" or an FPR such as 0.01 for TPR@FPR. With Δ = m(A) − m(B) and Δ*_r its bootstrap replicates,
+    the null distribution is the centred one, Δ*_r − Δ (Hall & Wilson 1991), and
+      two-sided: p = (1 + #{|Δ*_r − Δ| >= |Δ|}) / (R + 1);  "greater" (A better): p = (1 + #{Δ*_r − Δ >= Δ}) / (R + 1).
+    Returns ``{"delta", "se", "ci_low", "ci_high", "p_value", "metric", "alternative", "n_resamples"}`` (95% percentile CI).
+    """
+    if alternative not in ("two-sided", "greater", "less"):
+        raise MetricError(f"alternative must be 'two-sided', 'greater' or 'less', got {alternative!r}")
+    sa, y = _check(scores_a, labels, ids)
+    sb, _ = _check(scores_b, labels, ids)
+    if metric == "auc":
+        stat = _auc_rows
+        delta = auc(sa, y) - auc(sb, y)
+    else:
+        f = float(metric)
+        stat = lambda s_rn, y_rn: _tpr_rows(s_rn, y_rn, f)  # noqa: E731
+        delta = tpr_at_fpr(sa, y, f) - tpr_at_fpr(sb, y, f)
     rng = np.random.default_rng(seed)
-    n = len(s)
-    aucs = []
-    pos, neg = np.flatnonzero(y == 1), np.flatnonzero(y == 0)
-    for _ in range(n_resamples):
-        if stratified:
-            idx = np.concatenate([rng.choice(pos, len(pos)), rng.choice(neg, len(neg))])
-        else:
-            idx = rng.integers(0, n, n)
-        yy = y[idx]
-        if yy.min() == yy.max():
-            continue
-        aucs.append(roc_auc_score(yy, s[idx]))
-    return float(np.std(aucs, ddof=1))
+    reps = []
+    for r in _chunks(n_resamples, 2 * len(y)):
+        idx = _resample_idx(y, r, rng, stratified)
+        reps.append(stat(sa[idx], y[idx]) - stat(sb[idx], y[idx]))
+    d = np.concatenate(reps)
+    d = d[np.isfinite(d)]
+    c = d - delta
+    if alternative == "two-sided":
+        extreme = np.abs(c) >= abs(delta) - 1e-15
+    elif alternative == "greater":
+        extreme = c >= delta - 1e-15
+    else:
+        extreme = c <= delta + 1e-15
+    p = (1 + int(extreme.sum())) / (len(d) + 1)
+    lo, hi = np.quantile(d, [0.025, 0.975])
+    return {"delta": float(delta), "se": float(np.std(d, ddof=1)), "ci_low": float(lo), "ci_high": float(hi),
+            "p_value": float(p), "metric": metric, "alternative": alternative, "n_resamples": int(n_resamples)}
 
 
-def summary_row(method: str, scores, labels, n_resamples: int = 1000, seed: int = 0) -> dict:
-    """{"method", "auc", "auc_se", "tpr_at_1pct_fpr", "n"}."""
-    return {
-        "method": method,
-        "auc": auc(scores, labels),
-        "auc_se": bootstrap_auc_se(scores, labels, n_resamples=n_resamples, seed=seed),
-        "tpr_at_1pct_fpr": tpr_at_fpr(scores, labels, 0.01),
-        "n": int(len(labels)),
-    }
+def auc_vs_chance(scores, labels, ids=None) -> dict:
+    """One-sided test of H0: AUC = 0.5 against H1: AUC > 0.5 (members score higher).
+
+    Mann-Whitney U = AUC·n1·n0 with the normal approximation, tie-corrected variance
+    n1·n0/12·((n+1) − Σ(t³−t)/(n(n−1))) and a 0.5 continuity correction: the same p-value as
+    ``scipy.stats.mannwhitneyu(members, nonmembers, alternative="greater", method="asymptotic")``.
+    Returns ``{"auc", "z", "p_value"}``.
+    """
+    s, y = _check(scores, labels, ids)
+    n1, n0 = int(y.sum()), int(len(y) - y.sum())
+    n = n1 + n0
+    ranks = rankdata(s)
+    u = ranks[y == 1].sum() - n1 * (n1 + 1) / 2
+    _, counts = np.unique(s, return_counts=True)
+    tie = float((counts.astype(np.float64) ** 3 - counts).sum())
+    var = n1 * n0 / 12 * ((n + 1) - tie / (n * (n - 1)))
+    if var <= 0:  # every score equal
+        return {"auc": 0.5, "z": 0.0, "p_value": 1.0}
+    z = (u - n1 * n0 / 2 - 0.5) / math.sqrt(var)
+    return {"auc": float(u / (n1 * n0)), "z": float(z), "p_value": float(norm.sf(z))}
+
+
+def summary_row(method: str, scores, labels, n_resamples: int = 1000, seed: int = 0, *, ids=None,
+                stratified: bool = False) -> dict:
+    """{"method", "auc", "auc_se", "tpr_at_1pct_fpr", "n", ...} plus CIs, TPR@0.1%FPR and the p-value vs chance.
+
+    ``auc_se`` uses the pooled bootstrap by default, as CheckMIABench reports it.
+    """
+    b = bootstrap(scores, labels, n_resamples=n_resamples, seed=seed, stratified=stratified, ids=ids)
+    row = {"method": method}
+    row.update({k: b[k] for k in ("auc", "auc_se", "auc_ci_low", "auc_ci_high", "tpr_at_1pct_fpr", "tpr_at_1pct_fpr_se",
+                                  "tpr_at_0.1pct_fpr", "tpr_at_0.1pct_fpr_se")})
+    row["p_auc_gt_half"] = auc_vs_chance(scores, labels, ids=ids)["p_value"]
+    row["n"] = b["n"]
+    return row
+
+
+def bonferroni_significant(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
+    """Which of m tests are significant at family-wise level ``alpha`` (p < alpha / m)."""
+    m = max(len(p_values), 1)
+    return [p < alpha / m for p in p_values]

@@ -1,0 +1,89 @@
+"""What an attack can ask for: the evaluated examples, their token stats, the model, learned-from partitions."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+
+from ..data.examples import Example
+from ..scoring import ScoringSettings, compute_token_stats, pad_stats
+from .registry import AttackError
+
+
+@dataclasses.dataclass
+class AttackContext:
+    """Shared state of one scoring run. Expensive results (token stats) are computed once and shared by attacks.
+
+    ``partitions`` holds data that attacks *learn from* ("prefix", "calib", "train"); they are checked disjoint from
+    ``examples`` (by id and by token content) before any attack runs.
+    """
+
+    model: Any
+    examples: list  # list[Example]: the evaluated examples (all valid, >= 2 tokens)
+    settings: ScoringSettings = dataclasses.field(default_factory=ScoringSettings)
+    partitions: dict = dataclasses.field(default_factory=dict)  # name -> list[Example]
+    options: dict = dataclasses.field(default_factory=dict)  # ref_model, mlm, seed, ...
+    notes: list = dataclasses.field(default_factory=list)  # said to the user with the results
+    _stats: Optional[list] = None
+    _padded: Optional[dict] = None
+
+    @property
+    def seed(self) -> int:
+        return int(self.options.get("seed", 0))
+
+    def stats(self) -> list:
+        """Per-example token stats (list of {stat: [T_i-1]}), computed once per run (and cached on disk)."""
+        if self._stats is None:
+            self._stats = compute_token_stats(self.model, [e.tokens for e in self.examples], self.settings)
+        return self._stats
+
+    def padded(self) -> dict:
+        """Token stats stacked as [N, L] float32 arrays plus ``mask`` [N, L] bool."""
+        if self._padded is None:
+            self._padded = pad_stats(self.stats())
+        return self._padded
+
+    def stats_for(self, examples: list, desc: str = "scoring") -> list:
+        return compute_token_stats(self.model, [e.tokens for e in examples], self.settings, desc=desc)
+
+    def texts(self, examples: Optional[list] = None) -> list:
+        """Texts of examples; token-only examples are decoded once with the model's tokenizer (noted in the output)."""
+        examples = self.examples if examples is None else examples
+        out = []
+        decoded = 0
+        for e in examples:
+            if e.text is not None and not e.truncated:
+                out.append(e.text)
+                continue
+            if self.model.tokenizer is None:
+                raise AttackError("this attack needs text, but the examples are token ids and the model has no tokenizer")
+            out.append(self.model.tokenizer.decode(e.tokens.tolist()))
+            decoded += 1
+        if decoded:
+            note = f"{decoded} example(s) were token ids (or truncated) and were decoded with the target tokenizer for text-based steps"
+            if note not in self.notes:
+                self.notes.append(note)
+        return out
+
+    def partition(self, name: str, min_size: int = 1, flag: str = "") -> list:
+        """Examples of a learned-from partition; a clear error when missing or too small."""
+        part = self.partitions.get(name) or []
+        if len(part) < min_size:
+            how = f" (give {flag} FILE or a split with a '{name}' partition)" if flag else ""
+            raise AttackError(f"needs at least {min_size} '{name}' example(s), got {len(part)}{how}")
+        return part
+
+    def labels(self) -> np.ndarray:
+        return np.array([-1 if e.label is None else e.label for e in self.examples])
+
+
+def assert_disjoint(evaluated: list, learned: list, what: str) -> None:
+    """Refuse to evaluate examples that an attack learns from (same id or same token sequence)."""
+    ids = {e.id for e in evaluated}
+    toks = {e.tokens.tobytes(): e.id for e in evaluated if e.tokens is not None}
+    clash = sorted({e.id for e in learned if e.id in ids} |
+                   {toks[e.tokens.tobytes()] for e in learned if e.tokens is not None and e.tokens.tobytes() in toks})
+    if clash:
+        shown = ", ".join(clash[:10]) + (" ..." if len(clash) > 10 else "")
+        raise AttackError(f"{what} overlaps the evaluated examples ({len(clash)}): {shown}")

@@ -1,0 +1,182 @@
+"""Command line: ``mia score | split | blind ...`` (also ``python -m mia``).
+
+Errors in user input are printed as one line (``error: ...``) with exit status 2; ``--debug`` shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _add_score_parser(sub) -> None:
+    p = sub.add_parser("score", help="score examples with one or more attacks",
+                       description="Score a JSONL file ({id, text|tokens, label?}) with membership inference attacks. "
+                                   "Every score: higher = more likely member.")
+    p.add_argument("--model", required=True, help="local Hugging Face-layout model directory")
+    p.add_argument("--data", required=True, help="JSONL examples or a split file")
+    p.add_argument("--attacks", default="loss", help="comma-separated, each NAME[:key=value,...]; `mia attacks` lists them")
+    p.add_argument("--out", required=True, help="output JSONL, one line per evaluated example")
+    p.add_argument("--max-length", type=int, default=None, help="truncate to this many tokens (default: model context)")
+    p.add_argument("--skip-invalid", action="store_true", help="record unusable lines (empty, <2 tokens) and continue")
+    p.add_argument("--prefix-data", help="JSONL of non-members for ReCaLL prefixes (disjoint from --data)")
+    p.add_argument("--calib-data", help="JSONL of calibration non-members for CAMIA p-values (disjoint from --data)")
+    p.add_argument("--train-data", help="JSONL of labelled training examples for learned combiners (disjoint from --data)")
+    p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
+    p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter/activation dtype")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per batch")
+    p.add_argument("--cache-dir", default=None, help="on-disk cache of model outputs (default: ~/.cache/mia)")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk cache")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the AUC standard error")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_score)
+
+
+def default_cache_dir() -> str:
+    import os
+
+    return os.environ.get("MIA_CACHE_DIR", str(Path.home() / ".cache" / "mia"))
+
+
+def cmd_score(args) -> int:
+    from .attacks import AttackContext, assert_disjoint, parse_attacks
+    from .attacks.registry import get
+    from .data.examples import read_examples, tokenize_examples
+    from .models import load
+    from .scoring import ScoringSettings
+
+    attacks = parse_attacks(args.attacks)  # fail on a bad name before loading anything
+    _, examples = read_examples(args.data)
+    model = load(args.model, dtype=args.dtype)
+    max_length = args.max_length or model.max_length
+    if max_length > model.max_length:
+        raise ValueError(f"--max-length {max_length} exceeds the model context ({model.max_length})")
+    tokenize_examples(examples, model.tokenizer, max_length, args.skip_invalid, model.vocab_size)
+
+    partitions: dict = {}
+    for e in examples:
+        if e.partition != "eval":
+            partitions.setdefault(e.partition, []).append(e)
+    for name, path in (("prefix", args.prefix_data), ("calib", args.calib_data), ("train", args.train_data)):
+        if path:
+            _, extra = read_examples(path)
+            tokenize_examples(extra, model.tokenizer, max_length, True, model.vocab_size)
+            partitions.setdefault(name, []).extend(e for e in extra if e.invalid is None)
+    evaluated = [e for e in examples if e.partition == "eval" and e.invalid is None]
+    if not evaluated:
+        raise ValueError(f"{args.data}: no valid examples in the evaluation partition")
+    for name, part in partitions.items():
+        assert_disjoint(evaluated, part, f"partition {name!r}")
+
+    settings = ScoringSettings(token_budget=args.batch_tokens, progress=not args.no_progress,
+                               cache_dir=None if args.no_cache else (args.cache_dir or default_cache_dir()))
+    options = {"seed": args.seed, "ref_model": args.ref_model, "mlm": args.mlm, "max_length": max_length}
+    ctx = AttackContext(model, evaluated, settings, partitions, options)
+    scores: dict[str, np.ndarray] = {}
+    timings = {}
+    for label, name, params in attacks:
+        t0 = time.perf_counter()
+        s = np.asarray(get(name).fn(ctx, **params), dtype=np.float64)
+        if s.shape != (len(evaluated),):
+            raise AssertionError(f"attack {name} returned shape {s.shape}, expected ({len(evaluated)},)")
+        scores[label] = s
+        timings[label] = time.perf_counter() - t0
+
+    write_scores(args.out, examples, evaluated, scores)
+    for note in ctx.notes:
+        print(f"note: {note}", file=sys.stderr)
+    labels = np.array([e.label if e.label is not None else -1 for e in evaluated])
+    if (labels >= 0).all() and len(set(labels.tolist())) == 2:
+        print(metrics_table(scores, labels, n_resamples=args.bootstrap, seed=args.seed))
+    print(f"wrote {len(evaluated)} scored example(s) to {args.out}", file=sys.stderr)
+    return 0
+
+
+def write_scores(path, examples, evaluated, scores: dict) -> None:
+    """One line per example of the evaluation partition, input order; invalid ones keep their reason."""
+    row_of = {id(e): i for i, e in enumerate(evaluated)}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for e in examples:
+            if e.partition != "eval":
+                continue
+            line = {"id": e.id, "label": e.label, "n_tokens": e.n_tokens, "truncated": e.truncated}
+            if e.invalid is not None:
+                line["invalid"] = e.invalid
+                line["scores"] = None
+            else:
+                r = row_of[id(e)]
+                line["scores"] = {k: _finite_or_none(v[r]) for k, v in scores.items()}
+            f.write(json.dumps(line) + "\n")
+    tmp.replace(out)
+
+
+def _finite_or_none(x):
+    x = float(x)
+    return x if np.isfinite(x) else None
+
+
+def metrics_table(scores: dict, labels: np.ndarray, n_resamples: int = 1000, seed: int = 0) -> str:
+    from .metrics import summary_row
+
+    lines = [f"{'attack':<28} {'AUC':>7} {'AUC SE':>7} {'TPR@1%FPR':>10}", "-" * 55]
+    for name, s in scores.items():
+        ok = np.isfinite(s)
+        if ok.sum() < len(s):
+            lines.append(f"{name:<28} {int((~ok).sum())} non-finite score(s); metrics on the rest")
+        r = summary_row(name, s[ok], labels[ok], n_resamples=n_resamples, seed=seed)
+        lines.append(f"{name:<28} {r['auc']:7.4f} {r['auc_se']:7.4f} {r['tpr_at_1pct_fpr']:10.4f}")
+    return "\n".join(lines)
+
+
+def cmd_attacks(args) -> int:
+    from .attacks.registry import get, available
+
+    for name in available():
+        spec = get(name)
+        print(f"{spec.describe()}\n    {spec.doc.splitlines()[0] if spec.doc else ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mia", description="Membership inference attacks on language models.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_score_parser(sub)
+    a = sub.add_parser("attacks", help="list registered attacks and their parameters")
+    a.set_defaults(func=cmd_attacks)
+    for module, fn in (("mia.data.cli", "add_split_parser"), ("mia.blind.cli", "add_blind_parser")):
+        try:
+            mod = __import__(module, fromlist=[fn])
+        except ImportError:
+            continue
+        getattr(mod, fn)(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        if args.debug:
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; finished batches are cached and will be reused", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""Shared fixtures: a tiny GPT-NeoX checkpoint with a real (tiny) BPE tokenizer, built once per session."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_tiny.py
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
+    """A byte-level BPE trained on a few stdlib sources (no download), saved as tokenizer.json."""
+    import textwrap
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [Path(textwrap.__file__).read_text(), Path(json.__file__).read_text()]
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_neox_dir(tmp_path_factory) -> Path:
+    """Directory with config.json, model.safetensors and tokenizer.json of a 2-layer random GPT-NeoX."""
+    from transformers import GPTNeoXConfig
+
+    from hf_tiny import save_tiny
+
+    path = tmp_path_factory.mktemp("tiny_neox")
+    tok = build_tiny_tokenizer(path)
+    cfg = GPTNeoXConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False)
+    save_tiny(cfg, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_neox_dir):
+    import mia.models as mm
+
+    return mm.load(tiny_neox_dir)

@@ -1,0 +1,141 @@
+"""Metrics against slow plain references: loop bootstrap, brute-force threshold scan, scipy's Mann-Whitney."""
+import numpy as np
+import pytest
+from scipy.stats import mannwhitneyu
+from sklearn.metrics import roc_auc_score
+
+from mia import metrics as M
+
+
+def _data(n1=150, n0=170, shift=0.5, seed=0, ties=False):
+    rng = np.random.default_rng(seed)
+    s = np.concatenate([rng.normal(shift, 1, n1), rng.normal(0, 1, n0)])
+    if ties:
+        s = np.round(s, 1)
+    y = np.concatenate([np.ones(n1, int), np.zeros(n0, int)])
+    return s, y
+
+
+def _brute_tpr(s, y, fpr):
+    """Scan every threshold t (predict member iff s >= t), keep the best TPR with FPR <= fpr."""
+    best = 0.0
+    for t in np.concatenate([np.unique(s), [np.inf]]):
+        f = ((s >= t) & (y == 0)).sum() / (y == 0).sum()
+        if f <= fpr + 1e-12:
+            best = max(best, ((s >= t) & (y == 1)).sum() / (y == 1).sum())
+    return best
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("fpr", [0.0, 0.01, 0.001, 0.05, 0.3])
+def test_tpr_at_fpr_equals_brute_force(ties, fpr):
+    s, y = _data(ties=ties, seed=3)
+    want = _brute_tpr(s, y, fpr)
+    assert M.tpr_at_fpr(s, y, fpr) == pytest.approx(want)
+    assert M._tpr_rows(s[None], y[None], fpr)[0] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_rank_auc_equals_sklearn(ties):
+    rng = np.random.default_rng(1)
+    s_rn = np.round(rng.normal(size=(20, 60)), 1 if ties else 8)
+    y_rn = (rng.random((20, 60)) < 0.5).astype(int)
+    want = [roc_auc_score(y, s) for s, y in zip(s_rn, y_rn)]
+    np.testing.assert_allclose(M._auc_rows(s_rn, y_rn), want, atol=1e-12)
+
+
+def _loop_bootstrap(s, y, n_resamples, seed, stratified):
+    rng = np.random.default_rng(seed + 1000)
+    pos, neg = np.flatnonzero(y == 1), np.flatnonzero(y == 0)
+    aucs, tprs = [], []
+    for _ in range(n_resamples):
+        if stratified:
+            idx = np.concatenate([rng.choice(pos, len(pos)), rng.choice(neg, len(neg))])
+        else:
+            idx = rng.integers(0, len(y), len(y))
+        if y[idx].min() == y[idx].max():
+            continue
+        aucs.append(roc_auc_score(y[idx], s[idx]))
+        tprs.append(M.tpr_at_fpr(s[idx], y[idx], 0.05))
+    return np.std(aucs, ddof=1), np.std(tprs, ddof=1)
+
+
+@pytest.mark.parametrize("stratified", [True, False])
+def test_bootstrap_se_matches_plain_loop(stratified):
+    s, y = _data(n1=200, n0=200)
+    b = M.bootstrap(s, y, n_resamples=1000, seed=0, stratified=stratified, fprs=(0.05,))
+    auc_se, tpr_se = _loop_bootstrap(s, y, 600, 0, stratified)
+    assert b["auc_se"] == pytest.approx(auc_se, rel=0.10)
+    assert b["tpr_at_5pct_fpr_se"] == pytest.approx(tpr_se, rel=0.15)
+    assert b["auc_ci_low"] < b["auc"] < b["auc_ci_high"]
+    assert b["auc"] == pytest.approx(roc_auc_score(y, s))
+    # the legacy function agrees and is seeded
+    assert M.bootstrap_auc_se(s, y, n_resamples=300, seed=4) == M.bootstrap_auc_se(s, y, n_resamples=300, seed=4)
+
+
+def test_bootstrap_is_seeded_and_fast():
+    import time
+
+    s, y = _data(n1=1000, n0=1000)
+    t0 = time.perf_counter()
+    a = M.bootstrap(s, y, n_resamples=1000, seed=7)
+    assert time.perf_counter() - t0 < 10
+    assert a == M.bootstrap(s, y, n_resamples=1000, seed=7)
+    assert set(a) >= {"auc", "auc_se", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr", "tpr_at_1pct_fpr_ci_high"}
+
+
+def test_auc_vs_chance_matches_scipy():
+    for ties in (False, True):
+        s, y = _data(shift=0.2, ties=ties, seed=5)
+        want = mannwhitneyu(s[y == 1], s[y == 0], alternative="greater", method="asymptotic").pvalue
+        assert M.auc_vs_chance(s, y)["p_value"] == pytest.approx(want, rel=1e-9)
+
+
+def test_auc_vs_chance_null_rate():
+    rng = np.random.default_rng(0)
+    p = [M.auc_vs_chance(rng.normal(size=100), np.r_[np.ones(50), np.zeros(50)])["p_value"] for _ in range(400)]
+    assert 0.02 <= np.mean(np.array(p) < 0.05) <= 0.09
+
+
+def test_paired_test_detects_better_method():
+    rng = np.random.default_rng(0)
+    y = np.r_[np.ones(200, int), np.zeros(200, int)]
+    signal = y * 1.0
+    good = signal + rng.normal(0, 0.7, 400)
+    bad = signal + rng.normal(0, 2.0, 400)
+    r = M.paired_bootstrap_test(good, bad, y, n_resamples=500, seed=1)
+    assert r["delta"] > 0 and r["p_value"] < 0.01
+    assert M.paired_bootstrap_test(good, bad, y, n_resamples=500, seed=1, alternative="greater")["p_value"] < 0.01
+    assert M.paired_bootstrap_test(good, bad, y, n_resamples=500, seed=1, alternative="less")["p_value"] > 0.5
+
+
+def test_paired_test_nominal_rate_for_equal_methods():
+    """Two equally good methods (independent noise): the 5% test rejects about 5% of the time."""
+    rng = np.random.default_rng(42)
+    y = np.r_[np.ones(60, int), np.zeros(60, int)]
+    rejections = 0
+    sims = 150
+    for i in range(sims):
+        a = y * 0.8 + rng.normal(size=120)
+        b = y * 0.8 + rng.normal(size=120)
+        rejections += M.paired_bootstrap_test(a, b, y, n_resamples=300, seed=i)["p_value"] < 0.05
+    assert 0.0 <= rejections / sims <= 0.12
+
+
+def test_errors_name_ids():
+    s = np.array([0.1, np.nan, 0.3, np.inf])
+    y = np.array([1, 0, 1, 0])
+    with pytest.raises(M.MetricError, match="id.*b, d"):
+        M.bootstrap(s, y, ids=["a", "b", "c", "d"])
+    with pytest.raises(M.MetricError, match="positions"):
+        M.auc(s, y)
+    with pytest.raises(M.MetricError, match="both"):
+        M.auc([0.1, 0.2], [1, 1])
+
+
+def test_summary_row_keys():
+    s, y = _data()
+    row = M.summary_row("x", s, y, n_resamples=200)
+    assert {"method", "auc", "auc_se", "tpr_at_1pct_fpr", "n", "p_auc_gt_half"} <= set(row)
+    assert row["p_auc_gt_half"] < 1e-3
+    assert M.bonferroni_significant([0.01, 0.02, 0.3], alpha=0.05) == [True, False, False]
