@@ -1,0 +1,357 @@
+"""OLMo training order: ``global_indices`` + token memmaps -> training instances, checkpoint splits, OLMoMIA documents.
+
+Facts (ALGORITHMS.md §7, §1.3):
+
+* ``global_indices.npy`` (epoch 1) is a **raw uint32 memmap without a .npy header**;
+* instance ``k`` is the ``k``-th ``seq_len``-token chunk of the ordered list of raw uint16 token files
+  (``cfg.data.paths``); each file contributes ``floor(tokens / seq_len)`` chunks, the remainder is dropped;
+* batch ``b`` = ``global_indices[b*B:(b+1)*B]`` with ``B = 2160`` and ``seq_len = 2048``;
+* OLMoMIA documents: split an instance at EOS (50279), keep the segments strictly between two consecutive EOS,
+  keep the first with ``L/2 < len <= L`` (at most one per instance).
+
+Members are drawn from positions of steps ``[0, S)`` and non-members from ``[S2, E)``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .splits import SplitError, assign_partitions, file_record, partition_counts
+
+BATCH_SIZE = 2160
+SEQ_LEN = 2048
+EOS = 50279
+PAD = 1
+DOC_LEN = 128
+
+
+class OlmoDataError(SplitError):
+    """Inconsistent OLMo order / token files (the message names the file)."""
+
+
+def read_data_paths(list_file) -> list:
+    """One token file per line (blank lines and ``#`` comments skipped). Relative paths are resolved against
+    the list file's folder when they exist there, else against the working directory."""
+    list_file = Path(list_file)
+    if not list_file.exists():
+        raise OlmoDataError(f"{list_file}: data path list not found")
+    out = []
+    for line in list_file.read_text().splitlines():
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        p = Path(s)
+        if not p.is_absolute() and (list_file.parent / p).exists():
+            p = list_file.parent / p
+        out.append(p)
+    if not out:
+        raise OlmoDataError(f"{list_file}: no data paths listed")
+    return out
+
+
+class TokenFiles:
+    """The ordered token files as a list of ``seq_len``-token instances."""
+
+    def __init__(self, paths: Sequence, seq_len: int = SEQ_LEN, dtype=np.uint16):
+        self.paths = [Path(p) for p in paths]
+        self.seq_len = int(seq_len)
+        self.dtype = np.dtype(dtype)
+        if self.seq_len <= 0:
+            raise OlmoDataError(f"seq_len must be positive, got {seq_len}")
+        counts = []
+        for p in self.paths:
+            if not p.exists():
+                raise OlmoDataError(f"{p}: token file not found")
+            counts.append(os.path.getsize(p) // self.dtype.itemsize // self.seq_len)
+        self.chunks = np.asarray(counts, dtype=np.int64)
+        self.starts = np.zeros(len(self.paths) + 1, dtype=np.int64)
+        np.cumsum(self.chunks, out=self.starts[1:])
+        self._maps = [None] * len(self.paths)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, k: int) -> tuple:
+        """``(file number, chunk within the file)`` of instance ``k``."""
+        k = int(k)
+        if not 0 <= k < len(self):
+            raise IndexError(f"instance {k} out of range ({len(self)} instances in {len(self.paths)} files)")
+        f = int(np.searchsorted(self.starts, k, side="right")) - 1
+        return f, k - int(self.starts[f])
+
+    def _map(self, f: int):
+        if self._maps[f] is None:
+            n = int(self.chunks[f]) * self.seq_len
+            self._maps[f] = np.memmap(self.paths[f], dtype=self.dtype.newbyteorder("<"), mode="r", shape=(n,)) if n else np.zeros(0, self.dtype)
+        return self._maps[f]
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        f, c = self.locate(k)
+        return np.asarray(self._map(f)[c * self.seq_len:(c + 1) * self.seq_len], dtype=self.dtype)
+
+    def get_many(self, ks) -> np.ndarray:
+        ks = list(ks)
+        out = np.empty((len(ks), self.seq_len), dtype=self.dtype)
+        for r, k in enumerate(ks):
+            out[r] = self[k]
+        return out
+
+
+def load_global_indices(path, fmt: str = "raw", dtype=np.uint32) -> np.ndarray:
+    """Memory-map the order file: ``fmt="raw"`` (OLMo's headerless uint32 memmap) or ``"npy"``."""
+    path = Path(path)
+    if not path.exists():
+        raise OlmoDataError(f"{path}: global indices file not found")
+    if fmt == "npy":
+        try:
+            return np.load(path, mmap_mode="r")
+        except ValueError as e:
+            raise OlmoDataError(f"{path}: not a .npy file ({e}); OLMo's file is raw, use the raw format") from None
+    if fmt != "raw":
+        raise OlmoDataError(f"unknown global indices format {fmt!r} (raw | npy)")
+    dt = np.dtype(dtype)
+    size = os.path.getsize(path)
+    if size % dt.itemsize:
+        raise OlmoDataError(f"{path}: {size} bytes is not a whole number of {dt} entries")
+    if size == 0:
+        return np.zeros(0, dtype=dt)
+    return np.memmap(path, dtype=dt.newbyteorder("<"), mode="r")
+
+
+class OlmoOrder:
+    """``global_indices`` + token files; ``order[q]`` is the instance at global position ``q``."""
+
+    def __init__(self, global_indices, data_paths, seq_len: int = SEQ_LEN, batch_size: int = BATCH_SIZE,
+                 token_dtype=np.uint16, indices_format: str = "raw"):
+        self.global_indices_path = None
+        if isinstance(global_indices, (str, os.PathLike)):
+            self.global_indices_path = Path(global_indices)
+            global_indices = load_global_indices(global_indices, indices_format)
+        self.global_indices = global_indices
+        if isinstance(data_paths, (str, os.PathLike)):
+            self.data_paths_file = Path(data_paths)
+            data_paths = read_data_paths(data_paths)
+        else:
+            self.data_paths_file = None
+        self.tokens = TokenFiles(data_paths, seq_len=seq_len, dtype=token_dtype)
+        self.seq_len = int(seq_len)
+        self.batch_size = int(batch_size)
+        if self.batch_size <= 0:
+            raise OlmoDataError(f"batch size must be positive, got {batch_size}")
+        n_gi, n_inst = len(self.global_indices), len(self.tokens)
+        if n_gi != n_inst:
+            name = self.global_indices_path or "global indices"
+            raise OlmoDataError(f"{name}: {n_gi} entries but the {len(self.tokens.paths)} token files hold {n_inst} "
+                                f"instances of {self.seq_len} tokens (wrong file list, order, seq_len or dtype?)")
+
+    def __len__(self) -> int:
+        return len(self.global_indices)
+
+    @property
+    def steps(self) -> int:
+        """Complete batches in the order."""
+        return len(self) // self.batch_size
+
+    def instance_id(self, q: int) -> int:
+        return int(self.global_indices[int(q)])
+
+    def __getitem__(self, q: int) -> np.ndarray:
+        return self.tokens[self.instance_id(q)]
+
+    def batch(self, b: int) -> np.ndarray:
+        """Instance ids of batch ``b``."""
+        lo, hi = step_positions(b, self.batch_size)
+        if hi > len(self):
+            raise IndexError(f"batch {b} is past the order ({self.steps} complete batches)")
+        return np.asarray(self.global_indices[lo:hi], dtype=np.int64)
+
+
+def step_positions(step: int, batch_size: int = BATCH_SIZE) -> tuple:
+    """Global positions ``[lo, hi)`` trained on at step ``step``."""
+    return int(step) * batch_size, (int(step) + 1) * batch_size
+
+
+# ------------------------------------------------------------------------------------------- documents
+
+def split_documents(tokens, eos: int = EOS) -> list:
+    """Segments strictly between two consecutive EOS: list of ``(segment_no, start, end)`` with
+    ``tokens[start:end]`` the document (EOS excluded). The leading and trailing partial documents are dropped;
+    empty segments (two adjacent EOS) are kept as empty and numbered (they never pass a length filter)."""
+    t = np.asarray(tokens)
+    pos = np.nonzero(t == eos)[0]
+    return [(j, int(pos[j]) + 1, int(pos[j + 1])) for j in range(len(pos) - 1)]
+
+
+def pick_document(tokens, eos: int = EOS, doc_len: int = DOC_LEN):
+    """The first inner document with ``doc_len/2 < length <= doc_len``: ``(segment_no, start, end)`` or None."""
+    for seg, s, e in split_documents(tokens, eos):
+        n = e - s
+        if 2 * n > doc_len and n <= doc_len:
+            return seg, s, e
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- drawing
+
+def _positions(rng, lo: int, hi: int, n: int, what: str) -> np.ndarray:
+    size = hi - lo
+    if n > size:
+        raise OlmoDataError(f"asked for {n} {what} but positions [{lo}, {hi}) hold only {size}")
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64)
+    return lo + rng.choice(size, size=n, replace=False).astype(np.int64)
+
+
+def _draw_documents(order: OlmoOrder, rng, lo: int, hi: int, n: int, eos: int, doc_len: int, pool: Optional[int], what: str):
+    size = hi - lo
+    k = min(size, pool if pool is not None else max(20 * n, 1000))
+    if n > size:
+        raise OlmoDataError(f"asked for {n} {what} but positions [{lo}, {hi}) hold only {size} instances")
+    cand = lo + rng.choice(size, size=k, replace=False).astype(np.int64) if n > 0 else np.zeros(0, np.int64)
+    out = []
+    for q in cand.tolist():
+        if len(out) == n:
+            break
+        toks = order[q]
+        d = pick_document(toks, eos, doc_len)
+        if d is not None:
+            out.append((q, d, toks[d[1]:d[2]]))
+    if len(out) < n:
+        raise OlmoDataError(f"only {len(out)} of {n} {what} found in {k} candidate instances "
+                            f"({doc_len // 2} < length <= {doc_len} between two EOS {eos}); raise --pool or --doc-len")
+    return out
+
+
+def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonmembers: int, seed: int,
+                          nonmember_start: Optional[int] = None, end_step: Optional[int] = None,
+                          batch_size: Optional[int] = None, partitions=None, documents: bool = False,
+                          eos: int = EOS, doc_len: int = DOC_LEN, pool: Optional[int] = None,
+                          hash_limit: int = 64 << 20):
+    """Members from the positions of steps ``[0, step)``, non-members from ``[nonmember_start, end_step)``
+    (default: ``step`` and the last complete batch), uniformly without replacement
+    (``numpy.random.default_rng(seed)``: members first, then non-members).
+
+    ``documents=True`` turns each drawn position into one OLMoMIA document (see ``pick_document``): candidate
+    positions are drawn (``pool`` per class, default ``max(20 n, 1000)``) and scanned in drawn order."""
+    order = dataset
+    B = int(batch_size or order.batch_size)
+    step = int(step)
+    S2 = step if nonmember_start is None else int(nonmember_start)
+    E = order.steps if end_step is None else int(end_step)
+    total_steps = len(order) // B
+    if step < 0 or S2 < 0:
+        raise OlmoDataError("steps must be non-negative")
+    if step > total_steps:
+        raise OlmoDataError(f"step {step} is past the data: {len(order)} positions hold {total_steps} steps of {B}")
+    if E > total_steps:
+        raise OlmoDataError(f"non-member range [{S2}, {E}) crosses the end of the order "
+                            f"({len(order)} positions = {total_steps} steps of {B}); lower --end-step")
+    if S2 < step:
+        raise OlmoDataError(f"non-member start {S2} is before the checkpoint step {step}: those positions were trained on")
+    if S2 >= E and n_nonmembers:
+        raise OlmoDataError(f"non-member range [{S2}, {E}) is empty")
+    if step == 0 and n_members:
+        raise OlmoDataError("member range [0, 0) is empty (step 0)")
+    rng = np.random.default_rng(seed)
+    m_rng, n_rng = (0, step * B), (S2 * B, max(E, S2) * B)
+    examples = []
+    if documents:
+        if doc_len <= 0:
+            raise OlmoDataError("doc_len must be positive")
+        for label, (lo, hi), n, what in ((1, m_rng, n_members, "member documents"),
+                                         (0, n_rng, n_nonmembers, "non-member documents")):
+            for q, (seg, s, e), toks in _draw_documents(order, rng, lo, hi, int(n), eos, doc_len, pool, what):
+                examples.append({"id": f"olmo{q}-{seg}", "label": label, "partition": "eval", "tokens": toks.tolist(),
+                                 "step": q // B, "batch_pos": q % B, "index": q, "instance": order.instance_id(q),
+                                 "segment": seg, "offset": s})
+    else:
+        for label, (lo, hi), n, what in ((1, m_rng, n_members, "members"), (0, n_rng, n_nonmembers, "non-members")):
+            for q in _positions(rng, lo, hi, int(n), what).tolist():
+                examples.append({"id": f"olmo{q}", "label": label, "partition": "eval", "tokens": order[q].tolist(),
+                                 "step": q // B, "batch_pos": q % B, "index": q, "instance": order.instance_id(q)})
+    if partitions:
+        assign_partitions(examples, partitions, seed)
+    src = {
+        "kind": "olmo",
+        "global_indices": (file_record(order.global_indices_path, full_limit=hash_limit)
+                           if order.global_indices_path else None),
+        "global_indices_format": "raw",
+        "data_paths": [file_record(p, full_limit=hash_limit) for p in order.tokens.paths],
+        "data_paths_file": str(order.data_paths_file.resolve()) if order.data_paths_file else None,
+        "token_dtype": str(order.tokens.dtype),
+        "n_instances": len(order.tokens),
+    }
+    params = {"step": step, "seed": seed, "batch_size": B, "seq_len": order.seq_len, "end_step": E,
+              "nonmember_start": S2, "member_steps": [0, step], "nonmember_steps": [S2, E],
+              "member_positions": list(m_rng), "nonmember_positions": list(n_rng),
+              "documents": bool(documents),
+              "sampler": "numpy.random.default_rng(seed).choice(range, n, replace=False): members, then non-members"}
+    if documents:
+        params.update({"eos": eos, "doc_len": doc_len, "pool": pool,
+                       "doc_rule": "first segment strictly between two EOS with doc_len/2 < len <= doc_len, "
+                                   "one per instance, candidates scanned in drawn order"})
+    header = {"source": src, "params": params}
+    header.update(partition_counts(examples))
+    return header, examples
+
+
+def verify_examples(header: dict, examples: list, problems: list) -> None:
+    src, params = header.get("source", {}), header.get("params", {})
+    try:
+        gi = (src.get("global_indices") or {})["path"]
+        paths = [r["path"] for r in src["data_paths"]]
+        order = OlmoOrder(gi, paths, seq_len=int(params.get("seq_len", SEQ_LEN)),
+                          batch_size=int(params.get("batch_size", BATCH_SIZE)),
+                          token_dtype=src.get("token_dtype", "uint16"),
+                          indices_format=src.get("global_indices_format", "raw"))
+    except (KeyError, TypeError) as e:
+        problems.append(f"line 1: olmo source incomplete ({e})")
+        return
+    except (ValueError, OSError) as e:
+        problems.append(f"line 1: cannot open sources: {e}")
+        return
+    B = order.batch_size
+    ranges = {1: tuple(params.get("member_steps", (0, 0))), 0: tuple(params.get("nonmember_steps", (0, 0)))}
+    names = {1: "member", 0: "non-member"}
+    docs = bool(params.get("documents"))
+    eos, doc_len = int(params.get("eos", EOS)), int(params.get("doc_len", DOC_LEN))
+    for e in examples:
+        ln = e.get("_line", "?")
+        q, st, pos = e.get("index"), e.get("step"), e.get("batch_pos")
+        if not all(isinstance(v, int) for v in (q, st, pos)):
+            problems.append(f"line {ln}: index/step/batch_pos must be integers")
+            continue
+        if q != st * B + pos or not 0 <= pos < B:
+            problems.append(f"line {ln}: index {q} != step {st} * {B} + batch_pos {pos}")
+        lab = e.get("label")
+        if lab in ranges:
+            lo, hi = ranges[lab]
+            if not lo <= q // B < hi:
+                problems.append(f"line {ln}: {names[lab]} position {q} is at step {q // B}, outside the "
+                                f"{names[lab]} steps [{lo}, {hi})")
+        if not 0 <= q < len(order):
+            problems.append(f"line {ln}: position {q} is past the order ({len(order)})")
+            continue
+        inst = order.instance_id(q)
+        if e.get("instance") is not None and e["instance"] != inst:
+            problems.append(f"line {ln}: instance {e['instance']} but global_indices[{q}] = {inst}")
+        toks = e.get("tokens")
+        if toks is None:
+            problems.append(f"line {ln}: no tokens")
+            continue
+        full = order.tokens[inst]
+        if docs:
+            d = pick_document(full, eos, doc_len)
+            if d is None or d[0] != e.get("segment") or d[1] != e.get("offset"):
+                problems.append(f"line {ln}: segment {e.get('segment')} at offset {e.get('offset')} is not the "
+                                f"document picked from instance {inst} ({d})")
+                continue
+            ref = full[d[1]:d[2]]
+        else:
+            ref = full
+        if len(toks) != len(ref) or not np.array_equal(np.asarray(toks), ref):
+            diff = next((j for j, (a, b) in enumerate(zip(toks, ref.tolist())) if a != b), min(len(toks), len(ref)))
+            problems.append(f"line {ln}: tokens differ from the data at position {q} (first at token {diff})")
