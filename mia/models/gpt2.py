@@ -1,0 +1,213 @@
+"""GPT-2 as a Flax module, following transformers' ``modeling_gpt2.py``.
+
+Layout notes:
+- Projections are ``Conv1D``, whose weight is stored [in, out] (x @ W + b), like a flax Dense kernel: NO transpose.
+  Only an untied ``lm_head`` (a torch Linear) is transposed.
+- ``c_attn`` is fused as three contiguous D-wide blocks q | k | v (unlike GPT-NeoX's per-head interleave).
+- Learned absolute position embeddings ``wpe``; no rotary. Pre-LayerNorm blocks, final ``ln_f``.
+- Score scale: 1/sqrt(E) if ``scale_attn_weights``, further divided by (layer + 1) if ``scale_attn_by_inverse_layer_idx``.
+- The LM head is tied to ``wte`` by default.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from .common import (
+    ConfigError,
+    KVCache,
+    LayerNorm,
+    ParamMapping,
+    activation,
+    check_no_unknown_fields,
+    default_positions,
+    dot_product_attention,
+    join_cache,
+    norm_maps,
+)
+
+MODEL_TYPE = "gpt2"
+
+REFUSED = {"add_cross_attention": bool}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_positions: int = 1024
+    n_inner: Optional[int] = None
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    tie_word_embeddings: bool = True
+    bos_token_id: Optional[int] = 50256
+    eos_token_id: Any = 50256
+
+    # Names shared with the other families.
+    @property
+    def hidden_size(self) -> int:
+        return self.n_embd
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.n_layer
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.n_head
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.n_positions
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "GPT2Config":
+        check_no_unknown_fields(MODEL_TYPE, hf, (), REFUSED)
+        # transformers' attribute_map lets a config.json use the generic names too
+        get = lambda name, alias, default: hf.get(name, hf.get(alias, default))
+        d, h = get("n_embd", "hidden_size", 768), get("n_head", "num_attention_heads", 12)
+        if d % h:
+            raise ConfigError(f"{MODEL_TYPE}: n_embd={d} must be divisible by n_head={h}")
+        act = hf.get("activation_function", "gelu_new")
+        activation(act)
+        return cls(
+            vocab_size=hf["vocab_size"],
+            n_embd=d,
+            n_layer=get("n_layer", "num_hidden_layers", 12),
+            n_head=h,
+            n_positions=get("n_positions", "max_position_embeddings", 1024),
+            n_inner=hf.get("n_inner"),
+            activation_function=act,
+            layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            scale_attn_weights=hf.get("scale_attn_weights", True),
+            scale_attn_by_inverse_layer_idx=hf.get("scale_attn_by_inverse_layer_idx", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", True),
+            bos_token_id=hf.get("bos_token_id", 50256),
+            eos_token_id=hf.get("eos_token_id", 50256),
+        )
+
+    def to_hf(self) -> dict:
+        return {
+            "model_type": MODEL_TYPE,
+            "architectures": ["GPT2LMHeadModel"],
+            "vocab_size": self.vocab_size,
+            "n_embd": self.n_embd,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_positions": self.n_positions,
+            "n_inner": self.n_inner,
+            "activation_function": self.activation_function,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "scale_attn_weights": self.scale_attn_weights,
+            "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
+            "add_cross_attention": False,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+
+
+class GPT2Block(nn.Module):
+    config: GPT2Config
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_btd, pos_bt, valid_bt, layer: int, cache: Optional[KVCache]):
+        cfg = self.config
+        b, t, d = x_btd.shape
+        h, e = cfg.n_head, cfg.head_dim
+        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        norm = lambda name: LayerNorm(cfg.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+        qkv = dense(3 * d, "attn_c_attn")(norm("ln_1")(x_btd))
+        q, k, v = (a.reshape(b, t, h, e) for a in jnp.split(qkv, 3, axis=-1))
+        scale = e ** -0.5 if cfg.scale_attn_weights else 1.0
+        if cfg.scale_attn_by_inverse_layer_idx:
+            scale /= float(layer + 1)
+        k_all, v_all, kpos, kvalid = join_cache(layer, cache, k, v, pos_bt, valid_bt)
+        attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=scale)
+        x_btd = x_btd + dense(d, "attn_c_proj")(attn.reshape(b, t, d))
+
+        y = activation(cfg.activation_function)(dense(cfg.intermediate_size, "mlp_c_fc")(norm("ln_2")(x_btd)))
+        return x_btd + dense(d, "mlp_c_proj")(y), (k, v)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """Methods: ``hidden`` (final normed hidden states + this call's keys/values), ``unembed``, ``__call__`` (logits)."""
+
+    config: GPT2Config
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        cfg = self.config
+        self.wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=self.dtype, param_dtype=self.param_dtype)
+        self.wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=self.dtype, param_dtype=self.param_dtype)
+        self.h = [GPT2Block(cfg, self.dtype, self.param_dtype, name=f"h_{i}") for i in range(cfg.n_layer)]
+        self.ln_f = LayerNorm(cfg.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
+        """tokens [B, T] int -> (h [B, T, D], KVCache of this call's tokens only). Positions must be < n_positions."""
+        valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
+        if positions_bt is None:
+            positions_bt = default_positions(tokens_bt, valid_bt, cache)
+        x = self.wte(tokens_bt) + self.wpe(positions_bt)
+        ks, vs = [], []
+        for i, block in enumerate(self.h):
+            x, (k, v) = block(x, positions_bt, valid_bt, i, cache)
+            ks.append(k)
+            vs.append(v)
+        return self.ln_f(x), KVCache(tuple(ks), tuple(vs), positions_bt, valid_bt)
+
+    def unembed(self, h_btd):
+        if self.config.tie_word_embeddings:
+            return self.wte.attend(h_btd)
+        return self.lm_head(h_btd)
+
+    def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
+        h, _ = self.hidden(tokens_bt, valid_bt, positions_bt, cache)
+        return self.unembed(h)
+
+
+def _conv1d_maps(hf_prefix: str, path: tuple) -> list[ParamMapping]:
+    """Conv1D weight is already [in, out]: no transpose."""
+    return [ParamMapping(f"{hf_prefix}.weight", path + ("kernel",)), ParamMapping(f"{hf_prefix}.bias", path + ("bias",))]
+
+
+def param_mappings(cfg: GPT2Config) -> list[ParamMapping]:
+    m = [ParamMapping("transformer.wte.weight", ("wte", "embedding")),
+         ParamMapping("transformer.wpe.weight", ("wpe", "embedding"))]
+    for i in range(cfg.n_layer):
+        hf, p = f"transformer.h.{i}", (f"h_{i}",)
+        m += norm_maps(f"{hf}.ln_1", p + ("ln_1",))
+        m += _conv1d_maps(f"{hf}.attn.c_attn", p + ("attn_c_attn",))
+        m += _conv1d_maps(f"{hf}.attn.c_proj", p + ("attn_c_proj",))
+        m += norm_maps(f"{hf}.ln_2", p + ("ln_2",))
+        m += _conv1d_maps(f"{hf}.mlp.c_fc", p + ("mlp_c_fc",))
+        m += _conv1d_maps(f"{hf}.mlp.c_proj", p + ("mlp_c_proj",))
+    m += norm_maps("transformer.ln_f", ("ln_f",))
+    if not cfg.tie_word_embeddings:
+        m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))
+    return m
+
+
+# The causal-mask buffers that old checkpoints (e.g. the original ``gpt2``) carry.
+IGNORED_HF_KEYS = (r"\.attn\.bias$", r"\.attn\.masked_bias$")
