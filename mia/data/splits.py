@@ -182,7 +182,7 @@ def assign_partitions(examples: list, partitions, seed: int) -> list:
         has_rest = any(v == "rest" for v in partitions.values())
         what = {1: "members", 0: "non-members"}.get(label, f"label {label}")
         if fixed > len(idx) or (not has_rest and fixed != len(idx)):
-            raise SplitError(f"partitions {_fmt_parts(partitions)} need {fixed} {what} per class but {len(idx)} were drawn")
+            raise SplitError(f"partitions {_fmt_parts(partitions)} need {fixed} per class but {len(idx)} {what} were drawn")
         order = rng.permutation(len(idx))
         pos = 0
         for name, count in partitions.items():
