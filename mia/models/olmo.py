@@ -1,0 +1,193 @@
+"""OLMo (v1, ``model_type: olmo``) as a Flax module, following transformers' ``modeling_olmo.py``.
+
+Layout notes:
+- Llama-shaped (separate q/k/v/o projections, GQA, full rotary rotate_half, SwiGLU), but every norm is a
+  NON-parametric LayerNorm (no weight, no bias, eps fixed at 1e-5): the checkpoint has no norm tensors at all.
+- ``clip_qkv``: when set, q, k and v are clamped to [-clip_qkv, clip_qkv] right after the projections.
+- Rotary is applied in float32 and cast back (cos/sin are not cast down first, unlike Llama).
+- ``lm_head`` untied by default (OLMo-1B ties it; OLMo-7B does not).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from .common import (
+    KVCache,
+    LayerNorm,
+    ParamMapping,
+    activation,
+    apply_rotary,
+    check_no_unknown_fields,
+    default_positions,
+    dot_product_attention,
+    join_cache,
+    rope_theta_from,
+    rotary_tables,
+)
+from .llama import LLAMA_REFUSED, SwiGLU, attention_maps, gqa_heads, mlp_maps
+
+MODEL_TYPE = "olmo"
+LN_EPS = 1e-5  # hard-coded in transformers' OlmoLayerNorm
+
+
+def rotary_f32(x_bthe, cos, sin):
+    """OLMo/OLMo-2 rotary: computed in float32 (cos/sin stay float32), then cast back to x's dtype."""
+    return apply_rotary(x_bthe.astype(jnp.float32), cos, sin).astype(x_bthe.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class OlmoConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    clip_qkv: Optional[float] = None
+    tie_word_embeddings: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_id: Any = 50279
+    pad_token_id: Optional[int] = 1
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "OlmoConfig":
+        check_no_unknown_fields(MODEL_TYPE, hf, (), LLAMA_REFUSED)
+        h, kv, e = gqa_heads(MODEL_TYPE, hf)
+        activation(hf.get("hidden_act", "silu"))
+        clip = hf.get("clip_qkv")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=h,
+            intermediate_size=hf["intermediate_size"],
+            num_key_value_heads=kv,
+            head_dim=e,
+            rope_theta=rope_theta_from(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            hidden_act=hf.get("hidden_act", "silu"),
+            attention_bias=hf.get("attention_bias", False),
+            clip_qkv=None if clip is None else float(clip),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id", 50279),
+            pad_token_id=hf.get("pad_token_id", 1),
+        )
+
+    def to_hf(self) -> dict:
+        return {
+            "model_type": MODEL_TYPE,
+            "architectures": ["OlmoForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": self.hidden_act,
+            "attention_bias": self.attention_bias,
+            "clip_qkv": self.clip_qkv,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+
+
+class OlmoLayer(nn.Module):
+    config: OlmoConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer: int, cache: Optional[KVCache]):
+        cfg = self.config
+        b, t, _ = x_btd.shape
+        h, kv, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        dense = lambda n, name: nn.Dense(n, use_bias=cfg.attention_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        norm = LayerNorm(LN_EPS, use_scale=False, use_bias=False, dtype=self.dtype)  # stateless: one instance serves both
+        clip = (lambda a: jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv)) if cfg.clip_qkv is not None else (lambda a: a)
+
+        y = norm(x_btd)
+        q = clip(dense(h * e, "self_attn_q_proj")(y)).reshape(b, t, h, e)
+        k = clip(dense(kv * e, "self_attn_k_proj")(y)).reshape(b, t, kv, e)
+        v = clip(dense(kv * e, "self_attn_v_proj")(y)).reshape(b, t, kv, e)
+        q, k = rotary_f32(q, cos, sin), rotary_f32(k, cos, sin)
+        k_all, v_all, kpos, kvalid = join_cache(layer, cache, k, v, pos_bt, valid_bt)
+        attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=e ** -0.5)
+        x_btd = x_btd + dense(cfg.hidden_size, "self_attn_o_proj")(attn.reshape(b, t, h * e))
+
+        mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, self.dtype, self.param_dtype, name="mlp")
+        return x_btd + mlp(norm(x_btd)), (k, v)
+
+
+class OlmoForCausalLM(nn.Module):
+    """Methods: ``hidden`` (final normed hidden states + this call's keys/values), ``unembed``, ``__call__`` (logits)."""
+
+    config: OlmoConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        cfg = self.config
+        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
+        self.layers = [OlmoLayer(cfg, self.dtype, self.param_dtype, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)]
+        self.norm = LayerNorm(LN_EPS, use_scale=False, use_bias=False, dtype=self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
+        """tokens [B, T] int -> (h [B, T, D], KVCache of this call's tokens only)."""
+        valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
+        if positions_bt is None:
+            positions_bt = default_positions(tokens_bt, valid_bt, cache)
+        cos, sin = rotary_tables(positions_bt, self.config.head_dim, self.config.rope_theta)
+        x = self.embed_tokens(tokens_bt)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            x, (k, v) = layer(x, cos, sin, positions_bt, valid_bt, i, cache)
+            ks.append(k)
+            vs.append(v)
+        return self.norm(x), KVCache(tuple(ks), tuple(vs), positions_bt, valid_bt)
+
+    def unembed(self, h_btd):
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(h_btd)
+        return self.lm_head(h_btd)
+
+    def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
+        h, _ = self.hidden(tokens_bt, valid_bt, positions_bt, cache)
+        return self.unembed(h)
+
+
+def param_mappings(cfg: OlmoConfig) -> list[ParamMapping]:
+    m = [ParamMapping("model.embed_tokens.weight", ("embed_tokens", "embedding"))]
+    for i in range(cfg.num_hidden_layers):
+        hf, p = f"model.layers.{i}", (f"layers_{i}",)
+        m += attention_maps(hf, p, cfg.attention_bias)
+        m += mlp_maps(hf, p, False)
+    if not cfg.tie_word_embeddings:
+        m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))
+    return m
+
+
+IGNORED_HF_KEYS = (r"rotary_emb\.inv_freq$",)
