@@ -1,0 +1,19 @@
+PY ?= python3
+
+.PHONY: setup demo test test-all bench
+
+setup:            ## install mia with test extras (torch CPU 2.13.0 for the parity tests)
+	$(PY) -m pip install -e ".[test]"
+
+demo: setup       ## the main job: testbed + checkpoint split + blind baselines + every attack
+	$(PY) -m experiments.checkmia
+
+test: setup       ## the default (fast) test suite, as CI runs it
+	$(PY) -m pytest -q
+
+test-all: setup   ## everything, including @pytest.mark.slow
+	$(PY) -m pytest -q -m "slow or not slow"
+
+bench:            ## performance against named baselines (prints tables)
+	$(PY) -m experiments.bench_scoring
+	$(PY) -m experiments.bench_attacks

@@ -1,0 +1,43 @@
+"""Min-K%++ (Zhang et al. 2024, "Min-K%++: Improved Baseline for Detecting Pre-Training Data from LLMs").
+
+At each position, with p = softmax over the full logit vector (padded vocabulary entries included):
+mu_i = sum_v p_v log p_v, sigma_i^2 = sum_v p_v (log p_v)^2 - mu_i^2, z_i = (l_i - mu_i) / sigma_i (no epsilon, as the
+official code). The score is the mean of the k_n = max(1, floor(k (T-1))) smallest z_i. Higher = member (official code).
+
+mu and sigma come from the shared scoring pass (``mean_logp``, ``std_logp``), so this attack costs no extra model call.
+pandora's variant (unweighted vocabulary mean and unbiased std of log p, +1e-8, negated) is NOT offered: it needs
+unweighted vocabulary moments, which the shared token stats do not hold. ALGORITHMS.md section 4.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .mink import bottom_k_mean, check_k, pad_batch
+from .registry import register
+
+
+def z_scores(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Array) -> jax.Array:
+    """[B, L] z_i = (l_i - mu_i) / sigma_i (padding may be NaN; callers mask it)."""
+    return (logprob_bl - mean_logp_bl) / std_logp_bl
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def min_k_plus_plus(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Array, mask_bl: jax.Array,
+                    *, k: float = 0.2) -> jax.Array:
+    """Min-K%++: [B, L] log-probs, mu, sigma and mask -> [B] mean of the k_n lowest z-scores (higher = member)."""
+    z = z_scores(logprob_bl.astype(jnp.float32), mean_logp_bl.astype(jnp.float32), std_logp_bl.astype(jnp.float32))
+    return bottom_k_mean(z, mask_bl, k=k)
+
+
+@register("minkpp", needs=("stats",), k=0.2)
+def _minkpp(ctx, *, k: float) -> np.ndarray:
+    """Min-K%++: mean of the max(1, floor(k(T-1))) lowest z = (logp - mu)/sigma (higher = member). Zhang et al. 2024."""
+    k = check_k("minkpp", k)
+    p = ctx.padded()
+    padded, n = pad_batch({s: p[s] for s in ("logprob", "mean_logp", "std_logp", "mask")})
+    return np.asarray(min_k_plus_plus(padded["logprob"], padded["mean_logp"], padded["std_logp"], padded["mask"],
+                                      k=k))[:n]

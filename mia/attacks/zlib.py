@@ -1,0 +1,50 @@
+"""Zlib ratio (Carlini et al. 2021, "Extracting Training Data from Large Language Models").
+
+z(x) = len(zlib.compress(text.encode("utf-8"))) in bytes at the default level, on the example's text (or the tokens
+decoded with the target tokenizer when only token ids, or a truncated text, are available).
+
+  zlib          LL(x) / z(x), LL = mean token log-likelihood. Higher = member (ReCaLL, em-mia, Min-K%++ repos; Carlini
+                and mimir use Loss / z, lower = member, the same ranking).
+  zlib_entropy  -z(x) alone: pandora's model-free "zlib" feature, used as "Zlib" by CheckMIABench (AUC ~0.5 there).
+                A sanity baseline, not a membership signal; higher = member only by the convention.
+
+ALGORITHMS.md section 5.
+"""
+from __future__ import annotations
+
+import zlib as _zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .loss import mean_loglik
+from .mink import pad_batch
+from .registry import register
+
+
+def zlib_length(text: str) -> int:
+    """Bytes of the zlib-compressed UTF-8 text (default level)."""
+    return len(_zlib.compress(text.encode("utf-8")))
+
+
+@jax.jit
+def zlib_ratio(loglik_b: jax.Array, zlen_b: jax.Array) -> jax.Array:
+    """[B] LL and [B] compressed lengths -> [B] LL / z (higher = member)."""
+    return loglik_b.astype(jnp.float32) / zlen_b.astype(jnp.float32)
+
+
+@register("zlib", needs=("stats", "text"))
+def _zlib_attack(ctx) -> np.ndarray:
+    """LL / zlib-compressed byte length of the text (higher = member). Carlini et al. 2021."""
+    p = ctx.padded()
+    padded, n = pad_batch({"logprob": p["logprob"], "mask": p["mask"]})
+    z = np.ones(padded["mask"].shape[0], np.float32)
+    z[:n] = [zlib_length(t) for t in ctx.texts()]
+    return np.asarray(zlib_ratio(mean_loglik(padded["logprob"], padded["mask"]), z))[:n]
+
+
+@register("zlib_entropy", needs=("text",))
+def _zlib_entropy(ctx) -> np.ndarray:
+    """-zlib-compressed byte length (pandora's model-free "zlib"; a sanity baseline, expect AUC ~0.5)."""
+    return -np.array([zlib_length(t) for t in ctx.texts()], np.float64)

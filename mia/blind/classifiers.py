@@ -1,0 +1,127 @@
+"""Blind classifiers (CheckMIABench App. A): logistic regression, random forest and a small MLP in JAX/optax.
+
+``fit_predict(name, x_train, y_train, x_eval, seed=...)`` returns P(member) for each evaluation example
+(HIGHER = MEMBER; the paper's code outputs −P(member) and negates it again in ``plot_ROC``, the same ranking).
+
+- ``lr``: StandardScaler, then LogisticRegression(lbfgs, L2, C=1, max_iter=1000).
+- ``rf``: RandomForestClassifier(100 trees, gini, no depth limit), seeded, one job (no scaler: trees ignore scale).
+- ``mlp``: StandardScaler, then in → 250 → 100 → 10 → 1 with ReLU, sigmoid BCE loss, Adam(1e-3), 10 epochs,
+  batch 128, shuffled each epoch from ``seed``. Sparse features are densified one batch at a time.
+Sparse inputs are scaled without centring (``with_mean=False``), which keeps them sparse.
+The paper's classifier module is not public: C = 1, the scaler and the NN loss are UNCONFIRMED (ALGORITHMS.md §6).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+
+CLASSIFIER_NAMES = ("lr", "rf", "mlp")
+DISPLAY = {"lr": "LR", "rf": "RF", "mlp": "MLP"}
+
+
+class ClassifierError(ValueError):
+    pass
+
+
+def _scale(x_train, x_eval):
+    from sklearn.preprocessing import StandardScaler
+
+    sc = StandardScaler(with_mean=not sp.issparse(x_train))
+    return sc.fit_transform(x_train), sc.transform(x_eval)
+
+
+def logistic_regression(x_train, y_train, x_eval, *, seed: int = 0) -> np.ndarray:
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+
+    xt, xe = _scale(x_train, x_eval)
+    clf = LogisticRegression(solver="lbfgs", C=1.0, max_iter=1000, random_state=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        clf.fit(xt, y_train)
+    return clf.predict_proba(xe)[:, list(clf.classes_).index(1)]
+
+
+def random_forest(x_train, y_train, x_eval, *, seed: int = 0) -> np.ndarray:
+    from sklearn.ensemble import RandomForestClassifier
+
+    clf = RandomForestClassifier(n_estimators=100, criterion="gini", max_depth=None, random_state=seed, n_jobs=1)
+    clf.fit(x_train, y_train)
+    return clf.predict_proba(x_eval)[:, list(clf.classes_).index(1)]
+
+
+def _mlp_module(hidden: Sequence[int] = (250, 100, 10)):
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for h in hidden:
+                x = nn.relu(nn.Dense(h)(x))
+            return nn.Dense(1)(x)[..., 0]
+
+    return MLP()
+
+
+def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size: int = 128, lr: float = 1e-3,
+        hidden: Sequence[int] = (250, 100, 10)) -> np.ndarray:
+    """in -> 250 -> 100 -> 10 -> 1 (ReLU), BCE on logits, Adam; returns sigmoid(logit) = P(member)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    xt, xe = _scale(x_train, x_eval)
+    y = np.asarray(y_train, np.float32)
+    n, d = xt.shape
+    model = _mlp_module(hidden)
+    key = jax.random.PRNGKey(seed)
+    key, init_key = jax.random.split(key)
+    params = model.init(init_key, jnp.zeros((1, d), jnp.float32))["params"]
+    opt = optax.adam(lr)
+    state = opt.init(params)
+
+    def dense(x, idx):
+        b = x[idx]
+        return np.asarray(b.toarray() if sp.issparse(b) else b, np.float32)
+
+    @jax.jit
+    def step(params, state, xb, yb, wb):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, xb)
+            return (optax.sigmoid_binary_cross_entropy(logits, yb) * wb).sum() / jnp.maximum(wb.sum(), 1)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    b = min(batch_size, n)
+    for _ in range(epochs):
+        key, sub = jax.random.split(key)
+        perm = np.asarray(jax.random.permutation(sub, n))
+        for lo in range(0, n, b):
+            idx = perm[lo: lo + b]
+            w = np.ones(b, np.float32)
+            if len(idx) < b:  # pad the last batch (zero weight) so that one shape is compiled
+                w[len(idx):] = 0
+                idx = np.concatenate([idx, np.zeros(b - len(idx), idx.dtype)])
+            params, state, _ = step(params, state, dense(xt, idx), y[idx], w)
+    predict = jax.jit(lambda p, x: jax.nn.sigmoid(model.apply({"params": p}, x)))
+    out = [np.asarray(predict(params, dense(xe, np.arange(lo, min(lo + 1024, xe.shape[0])))))
+           for lo in range(0, xe.shape[0], 1024)]
+    return np.concatenate(out).astype(np.float64)
+
+
+_FNS = {"lr": logistic_regression, "rf": random_forest, "mlp": mlp}
+
+
+def fit_predict(name: str, x_train, y_train, x_eval, *, seed: int = 0) -> np.ndarray:
+    """Train classifier ``name`` on (x_train, y_train); return P(member) for x_eval."""
+    if name not in _FNS:
+        raise ClassifierError(f"unknown classifier {name!r}; known: {', '.join(CLASSIFIER_NAMES)}")
+    y = np.asarray(y_train)
+    if len(np.unique(y)) < 2:
+        raise ClassifierError("the training set has one class only; need members (1) and non-members (0)")
+    return np.asarray(_FNS[name](x_train, y, x_eval, seed=seed), np.float64)

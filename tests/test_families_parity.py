@@ -1,0 +1,141 @@
+"""Parity of every decoder family with transformers' PyTorch model, on tiny random configs (prime-ish dims).
+
+One checkpoint per case is built once per module; each case is checked for logits parity on a right-padded batch,
+a save -> transformers round trip, and prefix-cache equivalence of ``hidden``.
+"""
+import json
+
+import numpy as np
+import pytest
+import transformers as tf
+
+import mia.models as mm
+from mia.models.common import ConfigError
+from hf_tiny import padded_batch, save_tiny, torch_logits
+
+V = 97
+LENGTHS = [13, 7, 1, 10]
+
+CASES = {
+    # GQA (6 query heads on 2 kv heads), untied head, non-default rope base
+    "llama_gqa": lambda: tf.LlamaConfig(
+        vocab_size=V, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    # MHA, tied head, explicit head_dim != hidden/heads, biases on
+    "llama_tied": lambda: tf.LlamaConfig(
+        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=5, head_dim=12,
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "gpt2": lambda: tf.GPT2Config(
+        vocab_size=V, n_embd=40, n_layer=2, n_head=5, n_positions=32, n_inner=52, scale_attn_by_inverse_layer_idx=True),
+    # 3 layers: global, local, local; window 4 < sequence 13
+    "gpt_neo": lambda: tf.GPTNeoConfig(
+        vocab_size=V, hidden_size=40, num_layers=3, num_heads=5, intermediate_size=52, max_position_embeddings=32,
+        window_size=4, attention_types=[[["global", "local"], 1], [["local"], 1]]),
+    # clip_qkv small enough that it clips; GQA
+    "olmo": lambda: tf.OlmoConfig(
+        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, clip_qkv=0.05),
+    "olmo2": lambda: tf.Olmo2Config(
+        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    ref = save_tiny(CASES[request.param](), path, seed=1)
+    return request.param, path, ref, mm.load(path)
+
+
+def _assert_real_close(got, want, mask, atol):
+    worst = 0.0
+    for i, n in enumerate(mask.sum(1)):
+        np.testing.assert_allclose(got[i, :n], want[i, :n], atol=atol, rtol=0)
+        worst = max(worst, float(np.abs(got[i, :n] - want[i, :n]).max()))
+    return worst
+
+
+def test_logits_match_transformers(case):
+    name, _, ref, model = case
+    tokens, mask = padded_batch(V, LENGTHS, seed=2)
+    got = np.asarray(model.logits(model.params, tokens, mask.astype(bool)))
+    worst = _assert_real_close(got, torch_logits(ref, tokens, mask), mask, 1e-4)
+    print(f"{name}: max |logit diff| = {worst:.2e}")
+
+
+def test_save_roundtrip_loads_in_transformers(case, tmp_path):
+    name, _, _, model = case
+    mm.save(model, tmp_path)
+    back = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+    assert type(back).__name__ == mm.hub.FAMILIES[model.model_type][2]
+    tokens, mask = padded_batch(V, [11, 5], seed=3)
+    got = np.asarray(model.logits(model.params, tokens, mask.astype(bool)))
+    _assert_real_close(got, torch_logits(back, tokens, mask), mask, 1e-4)
+    again = mm.load(tmp_path)
+    assert again.config == model.config
+
+
+def test_prefix_cache_matches_full_sequence(case):
+    name, _, _, model = case
+    prefix, _ = padded_batch(V, [6, 6], seed=4)
+    target, tmask = padded_batch(V, [7, 4], seed=5)
+    full = np.concatenate([prefix, target], axis=1)
+    fmask = np.concatenate([np.ones_like(prefix, bool), tmask.astype(bool)], axis=1)
+    h_full, _ = model.hidden(model.params, full, fmask)
+    _, cache = model.hidden(model.params, prefix)
+    h_cached, _ = model.hidden(model.params, target, tmask.astype(bool), cache=cache)
+    _assert_real_close(np.asarray(h_cached), np.asarray(h_full)[:, prefix.shape[1]:], tmask, 1e-5)
+
+
+def test_bfloat16_close_to_float32(tmp_path):
+    save_tiny(CASES["llama_gqa"](), tmp_path, seed=1)
+    m32, m16 = mm.load(tmp_path), mm.load(tmp_path, dtype="bfloat16")
+    tokens, mask = padded_batch(V, [9, 4], seed=6)
+    a = np.asarray(m32.logits(m32.params, tokens, mask.astype(bool)))
+    b = np.asarray(m16.logits(m16.params, tokens, mask.astype(bool)).astype(np.float32))
+    assert m16.params["embed_tokens"]["embedding"].dtype == np.dtype("bfloat16")
+    assert np.isfinite(b).all()
+    _assert_real_close(b, a, mask, 0.1)
+
+
+def _write_config(path, hf):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
+LLAMA_HF = dict(model_type="llama", vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2,
+                num_attention_heads=5)
+
+
+@pytest.mark.parametrize("extra, field", [
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "rope_type"),
+    (dict(sliding_window=4), "sliding_window"),
+])
+def test_math_changing_config_is_refused(tmp_path, extra, field):
+    with pytest.raises(ConfigError, match=field):
+        mm.load_config(_write_config(tmp_path, {**LLAMA_HF, **extra}))
+
+
+@pytest.mark.parametrize("hf, field", [
+    (dict(model_type="olmo", rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling"),
+    (dict(model_type="olmo2", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type"),
+    (dict(model_type="gpt2", n_embd=40, n_layer=2, n_head=5, add_cross_attention=True), "add_cross_attention"),
+    (dict(model_type="gpt_neo", hidden_size=40, num_layers=2, num_heads=5, attention_types=[[["global", "sparse"], 1]]),
+     "attention_types"),
+    (dict(model_type="gpt_neo", hidden_size=40, num_layers=3, num_heads=5, attention_types=[[["global", "local"], 1]]),
+     "attention_types"),
+])
+def test_other_families_refuse(tmp_path, hf, field):
+    base = dict(vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4)
+    with pytest.raises(ConfigError, match=field):
+        mm.load_config(_write_config(tmp_path, {**base, **hf}))
+
+
+def test_unsupported_model_type_lists_supported(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        mm.load_config(_write_config(tmp_path, {"model_type": "mamba", "vocab_size": V}))
+    for supported in ("gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2"):
+        assert supported in str(e.value)

@@ -1,0 +1,115 @@
+"""Token stats against a plain NumPy computation from transformers' PyTorch logits; invariances; disk cache."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from transformers import AutoModelForCausalLM
+
+from hf_tiny import padded_batch, torch_logits
+from mia.scoring import ScoringSettings, compute_token_stats, plan_batches, token_stats
+
+
+def numpy_stats(logits_tv: np.ndarray, tokens_t: np.ndarray) -> dict:
+    """Obviously-correct reference for one sequence: loops over positions."""
+    out = {k: [] for k in ("logprob", "mean_logp", "std_logp", "entropy")}
+    for i in range(len(tokens_t) - 1):
+        z = logits_tv[i].astype(np.float64)
+        logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        p = np.exp(logp)
+        mu = (p * logp).sum()
+        out["logprob"].append(logp[tokens_t[i + 1]])
+        out["mean_logp"].append(mu)
+        out["std_logp"].append(np.sqrt((p * logp ** 2).sum() - mu ** 2))
+        out["entropy"].append(-(p * logp).sum())
+    return {k: np.array(v) for k, v in out.items()}
+
+
+def test_token_stats_match_numpy_reference(tiny_neox_dir, tiny_model):
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_neox_dir)).float().eval()
+    lengths = [17, 9, 2, 12]
+    tokens, mask = padded_batch(tiny_model.vocab_size, lengths, seed=3)
+    logits = torch_logits(ref, tokens, mask)
+    got = token_stats(tiny_model, tiny_model.params, tokens, mask.astype(bool), chunk=4)  # chunk smaller than T
+    for i, n in enumerate(lengths):
+        want = numpy_stats(logits[i, :n], tokens[i, :n])
+        for k, v in want.items():
+            np.testing.assert_allclose(np.asarray(got[k])[i, : n - 1], v, atol=2e-4, rtol=1e-4, err_msg=k)
+        assert np.asarray(got["mask"])[i].sum() == n - 1
+
+
+def _random_lists(vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
+
+
+def test_scores_do_not_depend_on_batch_padding_or_bucket(tiny_model):
+    seqs = _random_lists(tiny_model.vocab_size, [5, 40, 17, 3, 64, 33, 8, 21])
+    alone = [compute_token_stats(tiny_model, [s], ScoringSettings(progress=False))[0] for s in seqs]
+    batched = compute_token_stats(tiny_model, seqs, ScoringSettings(progress=False, token_budget=256))
+    other = compute_token_stats(tiny_model, seqs[::-1], ScoringSettings(progress=False, token_budget=4096, min_bucket=64))[::-1]
+    for a, b, c in zip(alone, batched, other):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=0)
+            np.testing.assert_allclose(a[k], c[k], atol=1e-5, rtol=0)
+
+
+def test_plan_batches_uses_few_shapes():
+    lengths = list(range(2, 600, 7))
+    plan = plan_batches(lengths, ScoringSettings(token_budget=2048))
+    assert sorted(i for _, m in plan for i in m) == list(range(len(lengths)))
+    assert len({(blen, 1 << (len(m) - 1).bit_length()) for blen, m in plan}) <= 12
+    for blen, members in plan:
+        assert all(lengths[i] <= blen for i in members)
+
+
+def test_disk_cache_is_reused_and_resumes(tiny_model, tmp_path, monkeypatch):
+    seqs = _random_lists(tiny_model.vocab_size, [6, 9, 30, 12])
+    s = ScoringSettings(progress=False, cache_dir=str(tmp_path), token_budget=32)
+    first = compute_token_stats(tiny_model, seqs[:2], s)  # an "interrupted" run that finished two examples
+    calls = []
+    import mia.scoring as sc
+
+    real = sc.jitted_token_stats
+
+    def counting(model, chunk=None):
+        fn = real(model, chunk)
+        return lambda *a: calls.append(a[1].shape) or fn(*a)
+
+    monkeypatch.setattr(sc, "jitted_token_stats", counting)
+    full = compute_token_stats(tiny_model, seqs, s)
+    assert sum(shape[0] for shape in calls) < 4 + 2  # the two cached examples were not recomputed
+    np.testing.assert_array_equal(first[0]["logprob"], full[0]["logprob"])
+    calls.clear()
+    again = compute_token_stats(tiny_model, seqs, s)
+    assert calls == []
+    for a, b in zip(full, again):
+        np.testing.assert_array_equal(a["logprob"], b["logprob"])
+
+
+SHARDED = r"""
+import os, sys, numpy as np, jax
+sys.path.insert(0, sys.argv[2])
+import mia.models as mm
+from mia.scoring import ScoringSettings, compute_token_stats
+assert len(jax.devices()) == 8, jax.devices()
+m = mm.load(sys.argv[1])
+rng = np.random.default_rng(0)
+seqs = [rng.integers(0, m.vocab_size, n).astype(np.int32) for n in [5, 40, 17, 3, 64, 33, 8, 21, 9, 11]]
+out = compute_token_stats(m, seqs, ScoringSettings(progress=False))
+np.savez(sys.argv[3], *[o["logprob"] for o in out])
+"""
+
+
+def test_scores_do_not_depend_on_device_count(tiny_neox_dir, tiny_model, tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = tmp_path / "sharded.npz"
+    subprocess.run([sys.executable, "-c", SHARDED, str(tiny_neox_dir), os.path.dirname(__file__), str(out)],
+                   check=True, env=env, timeout=300)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, tiny_model.vocab_size, n).astype(np.int32) for n in [5, 40, 17, 3, 64, 33, 8, 21, 9, 11]]
+    single = compute_token_stats(tiny_model, seqs, ScoringSettings(progress=False))
+    with np.load(out) as z:
+        for i, s in enumerate(single):
+            np.testing.assert_allclose(z[f"arr_{i}"], s["logprob"], atol=1e-5, rtol=0)
