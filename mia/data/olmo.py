@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .splits import SplitError, assign_partitions, file_record, partition_counts
+from .splits import SplitError, assign_partitions, file_record, partition_counts, rows_to_lists
 
 BATCH_SIZE = 2160
 SEQ_LEN = 2048
@@ -264,13 +264,13 @@ def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonme
         for label, (lo, hi), n, what in ((1, m_rng, n_members, "member documents"),
                                          (0, n_rng, n_nonmembers, "non-member documents")):
             for q, (seg, s, e), toks in _draw_documents(order, rng, lo, hi, int(n), eos, doc_len, pool, what):
-                examples.append({"id": f"olmo{q}-{seg}", "label": label, "partition": "eval", "tokens": toks.tolist(),
+                examples.append({"id": f"olmo{q}-{seg}", "label": label, "partition": "eval", "tokens": rows_to_lists(toks[None])[0],
                                  "step": q // B, "batch_pos": q % B, "index": q, "instance": order.instance_id(q),
                                  "segment": seg, "offset": s})
     else:
         for label, (lo, hi), n, what in ((1, m_rng, n_members, "members"), (0, n_rng, n_nonmembers, "non-members")):
             for q in _positions(rng, lo, hi, int(n), what).tolist():
-                examples.append({"id": f"olmo{q}", "label": label, "partition": "eval", "tokens": order[q].tolist(),
+                examples.append({"id": f"olmo{q}", "label": label, "partition": "eval", "tokens": rows_to_lists(order[q][None])[0],
                                  "step": q // B, "batch_pos": q % B, "index": q, "instance": order.instance_id(q)})
     if partitions:
         assign_partitions(examples, partitions, seed)

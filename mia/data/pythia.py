@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from .indexed import IndexedDataset
-from .splits import SplitError, assign_partitions, file_record, partition_counts
+from .splits import SplitError, assign_partitions, file_record, partition_counts, rows_to_lists
 
 BATCH_SIZE = 1024
 ROW_LEN = 2049
@@ -99,10 +99,11 @@ def draw_checkpoint_split(dataset, step: int, n_members: int, n_nonmembers: int,
     indices = np.concatenate([members, nonmembers])
     labels = [1] * len(members) + [0] * len(nonmembers)
     rows = ds.get_rows(indices) if len(indices) else np.zeros((0, 0), dtype=ds.dtype)
+    token_lists = rows_to_lists(rows)
     examples = []
     for k, (index, label) in enumerate(zip(indices.tolist(), labels)):
         s, pos = row_step(index, batch_size)
-        examples.append({"id": f"row{index}", "label": label, "partition": "eval", "tokens": rows[k].tolist(),
+        examples.append({"id": f"row{index}", "label": label, "partition": "eval", "tokens": token_lists[k],
                          "step": s, "batch_pos": pos, "index": index})
     if partitions:
         assign_partitions(examples, partitions, seed)

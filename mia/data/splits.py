@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
+import numpy as np
+
 FORMAT = "mia-split/1"
 
 
@@ -47,8 +49,11 @@ def write_split(path, header: dict, examples: Iterable[dict]) -> Path:
     return path
 
 
-def read_split(path) -> Split:
-    """Read a split file; a file without a header line is read as plain examples (header = {})."""
+def read_split(path, compact_tokens: bool = False) -> Split:
+    """Read a split file; a file without a header line is read as plain examples (header = {}).
+
+    ``compact_tokens=True`` stores each ``tokens`` list as an int64 numpy array while reading (about 5x less
+    memory than Python lists for 2049-token rows)."""
     path = Path(path)
     if not path.exists():
         raise SplitError(f"split file not found: {path}")
@@ -71,6 +76,11 @@ def read_split(path) -> Split:
                 continue
             obj.setdefault("partition", "eval")
             obj["_line"] = lineno
+            if compact_tokens and isinstance(obj.get("tokens"), list):
+                try:
+                    obj["tokens"] = np.asarray(obj["tokens"], dtype=np.int64)
+                except (TypeError, ValueError, OverflowError):
+                    pass  # left as a list: check_split reports it
             examples.append(obj)
     return Split(header or {}, examples)
 
@@ -215,11 +225,34 @@ def partition_counts(examples: list) -> dict:
 # ----------------------------------------------------------------------------------------- disjointness
 
 def _content_key(e: dict):
+    """("tokens", digest) or ("text", digest): equal for equal token sequences / texts."""
+    import hashlib
+
     if e.get("tokens") is not None:
-        return ("tokens", tuple(int(t) for t in e["tokens"]))
+        try:
+            a = np.asarray(e["tokens"], dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return ("tokens", repr(e["tokens"]))
+        return ("tokens", hashlib.blake2b(a.tobytes(), digest_size=16).digest())
     if e.get("text") is not None:
-        return ("text", e["text"])
+        return ("text", hashlib.blake2b(str(e["text"]).encode("utf-8", "surrogatepass"), digest_size=16).digest())
     return None
+
+
+_INTERNED = None
+
+
+def rows_to_lists(rows) -> list:
+    """``[n, L]`` integer array -> list of Python lists. For (u)int8/16 data the int objects are shared from
+    one table, so 20,000 2049-token rows cost ~330 MB of list slots instead of ~1.6 GB of int objects."""
+    global _INTERNED
+    rows = np.asarray(rows)
+    if rows.dtype.kind in "iu" and rows.dtype.itemsize <= 2:
+        if _INTERNED is None:
+            _INTERNED = np.array(list(range(-32768, 65536)), dtype=object)
+        table = _INTERNED
+        return [table[r.astype(np.int64) + 32768].tolist() for r in rows]
+    return [r.tolist() for r in rows]
 
 
 def assert_disjoint(eval_examples: Iterable[dict], learned_examples: Iterable[dict], what: str = "ReCaLL prefix") -> None:
@@ -257,7 +290,7 @@ def check_split(path, verify_sources: bool = True, verify_hashes: bool = True) -
     rows; exact duplicate token sequences (or texts) across the two classes."""
     problems: list = []
     try:
-        split = read_split(path)
+        split = read_split(path, compact_tokens=True)
     except SplitError as e:
         return [str(e)]
     h = split.header
