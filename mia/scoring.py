@@ -34,12 +34,21 @@ STATS_VERSION = "1"  # bump when the meaning of cached statistics changes
 
 # ------------------------------------------------------------------------------------------------ pure functions
 def stats_from_logits(logits_bcv: jax.Array, next_bc: jax.Array) -> dict:
-    """Float32 statistics of one chunk of logits [B, C, V] with next tokens [B, C]."""
-    logp = jax.nn.log_softmax(logits_bcv.astype(jnp.float32), axis=-1)
-    tok = jnp.take_along_axis(logp, next_bc[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    p = jnp.exp(logp)
-    mu = jnp.sum(p * logp, axis=-1)
-    var = jnp.sum(p * jnp.square(logp - mu[..., None]), axis=-1)
+    """Float32 statistics of one chunk of logits [B, C, V] with next tokens [B, C].
+
+    One max pass and one fused pass of sums over the vocabulary: with z' = z - max z and e = exp(z'),
+    S = sum e, A = sum e z', Q = sum e z'^2: log p(tok) = z'_tok - log S, mu = A/S - log S, and since log p and z'
+    differ by a constant, sigma^2 = Q/S - (A/S)^2 (the variance of z' under p).
+    """
+    z = logits_bcv.astype(jnp.float32)
+    zs = z - jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(zs)
+    s, a, q = jnp.sum(e, -1), jnp.sum(e * zs, -1), jnp.sum(e * zs * zs, -1)
+    log_s = jnp.log(s)
+    tok = jnp.take_along_axis(zs, next_bc[..., None].astype(jnp.int32), axis=-1)[..., 0] - log_s
+    mean_z = a / s
+    mu = mean_z - log_s
+    var = jnp.maximum(q / s - jnp.square(mean_z), 0.0)
     return {"logprob": tok, "mean_logp": mu, "std_logp": jnp.sqrt(var), "entropy": -mu}
 
 
