@@ -257,3 +257,12 @@ def test_cli_errors_are_value_errors(tmp_path, pdata):
     with pytest.raises(ValueError, match="pass the single .idx"):
         run_cli(["split", "pythia", "--data", bins[0], "--data", bins[1], "--step", "3",
                  "--n-members", "1", "--n-nonmembers", "1", "--out", str(tmp_path / "x")])
+
+
+def test_check_reports_same_content_in_two_partitions(tmp_path):
+    from mia.data.splits import write_split
+    ex = [{"id": "a", "label": 1, "partition": "prefix", "text": "same"},
+          {"id": "b", "label": 1, "partition": "eval", "text": "same"},
+          {"id": "c", "label": 0, "partition": "eval", "text": "other"}]
+    p = write_split(tmp_path / "t.jsonl", {"source": {"kind": "text"}}, ex)
+    assert check_split(p) == ["line 3: same text as line 2 but in partition 'eval' vs 'prefix'"]

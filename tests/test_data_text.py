@@ -108,7 +108,8 @@ def test_cli_text_wikimia_with_partitions_and_filter(tmp_path, capsys):
     assert run_cli(["split", "check", str(out)]) == 0
     # a tampered text split: duplicate text across classes is reported
     lines = out.read_text().splitlines()
-    a, b = json.loads(lines[1]), next(json.loads(x) for x in lines[1:] if json.loads(x)["label"] == 0)
+    a, b = json.loads(lines[1]), next(json.loads(x) for x in lines[1:]
+                                          if json.loads(x)["label"] == 0 and json.loads(x)["partition"] == json.loads(lines[1])["partition"])
     k = next(i for i, x in enumerate(lines) if json.loads(x).get("id") == b["id"])
     b["text"] = a["text"]
     lines[k] = json.dumps(b)

@@ -343,6 +343,15 @@ def check_split(path, verify_sources: bool = True, verify_hashes: bool = True) -
         if 0 in d and 1 in d:
             problems.append(f"line {d[0][0]}: non-member has the same {k[0]} as member on line {d[1][0]}"
                             + (f" ({len(d[0]) + len(d[1]) - 2} more lines alike)" if len(d[0]) + len(d[1]) > 2 else ""))
+    # the same content in two partitions (an attack learning from one would see a scored example)
+    by_part: dict = {}
+    for e in ex:
+        k = _content_key(e)
+        if k is not None:
+            first = by_part.setdefault(k, e)
+            if first.get("partition", "eval") != e.get("partition", "eval"):
+                problems.append(f"line {e.get('_line')}: same {k[0]} as line {first.get('_line')} but in partition "
+                                f"{e.get('partition', 'eval')!r} vs {first.get('partition', 'eval')!r}")
     kind = (h.get("source") or {}).get("kind")
     if verify_sources and kind in ("pythia", "olmo"):
         src = h["source"]
