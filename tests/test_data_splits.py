@@ -255,7 +255,7 @@ def test_cli_errors_are_value_errors(tmp_path, pdata):
         run_cli(["split", "pythia", "--data", bins[0], "--data", bins[1], "--idx", idx, "--step", "3",
                  "--n-members", "1", "--n-nonmembers", "1", "--batch-size", "4", "--out", str(tmp_path / "x")])
     with pytest.raises(ValueError, match="pass the single .idx"):
-        run_cli(["split", "pythia", "--data", bins[0], "--data", bins[1], "--step", "3",
+        run_cli(["split", "pythia", "--data", bins[0], bins[1], "--step", "3",
                  "--n-members", "1", "--n-nonmembers", "1", "--out", str(tmp_path / "x")])
 
 

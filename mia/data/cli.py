@@ -149,8 +149,9 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
         p.add_argument("--out", required=True, help="output split file (.jsonl)")
 
     p = sub.add_parser("pythia", help="checkpoint split from the Pythia order (Megatron .bin/.idx)")
-    p.add_argument("--data", action="append", required=True,
-                   help="a .bin (or prefix); repeat in order for shards read as one concatenation")
+    p.add_argument("--data", action="extend", nargs="+", required=True, metavar="BIN",
+                   help="a .bin (or prefix); several (repeated or a shell glob, in order) are shards read as one "
+                        "byte concatenation with the single --idx")
     p.add_argument("--idx", default=None, help="the .idx (default: next to a single --data)")
     p.add_argument("--step", type=int, required=True, help="checkpoint revision stepS")
     p.add_argument("--end-step", type=int, default=98_500, help="epoch end: non-members come from [S+G, end) (98500)")
