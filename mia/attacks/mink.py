@@ -9,8 +9,6 @@ the batch to power-of-two shapes so that batches of other sizes reuse the compil
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,10 +39,12 @@ def bottom_k_mean(values_bl: jax.Array, mask_bl: jax.Array, *, k: float) -> jax.
     return jnp.sum(jnp.where(take_bl, sorted_bl, 0.0), axis=1) / kn_b.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def min_k(logprob_bl: jax.Array, mask_bl: jax.Array, *, k: float = 0.2) -> jax.Array:
+def _min_k(logprob_bl: jax.Array, mask_bl: jax.Array, *, k: float = 0.2) -> jax.Array:
     """Min-K%: [B, L] token log-probs, [B, L] bool mask -> [B] mean of the k_n lowest log-probs (higher = member)."""
     return bottom_k_mean(logprob_bl.astype(jnp.float32), mask_bl, k=k)
+
+
+min_k = jax.jit(_min_k, static_argnames=("k",))
 
 
 def check_k(name: str, k: float) -> float:

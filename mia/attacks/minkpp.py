@@ -10,8 +10,6 @@ unweighted vocabulary moments, which the shared token stats do not hold. ALGORIT
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,12 +23,14 @@ def z_scores(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Ar
     return (logprob_bl - mean_logp_bl) / std_logp_bl
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def min_k_plus_plus(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Array, mask_bl: jax.Array,
+def _min_k_plus_plus(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Array, mask_bl: jax.Array,
                     *, k: float = 0.2) -> jax.Array:
     """Min-K%++: [B, L] log-probs, mu, sigma and mask -> [B] mean of the k_n lowest z-scores (higher = member)."""
     z = z_scores(logprob_bl.astype(jnp.float32), mean_logp_bl.astype(jnp.float32), std_logp_bl.astype(jnp.float32))
     return bottom_k_mean(z, mask_bl, k=k)
+
+
+min_k_plus_plus = jax.jit(_min_k_plus_plus, static_argnames=("k",))
 
 
 @register("minkpp", needs=("stats",), k=0.2)
