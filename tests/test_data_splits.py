@@ -266,3 +266,11 @@ def test_check_reports_same_content_in_two_partitions(tmp_path):
           {"id": "c", "label": 0, "partition": "eval", "text": "other"}]
     p = write_split(tmp_path / "t.jsonl", {"source": {"kind": "text"}}, ex)
     assert check_split(p) == ["line 3: same text as line 2 but in partition 'eval' vs 'prefix'"]
+
+
+def test_read_write_roundtrip_drops_line_numbers(tmp_path, pdata):
+    p = _draw_to(tmp_path, pdata[0])
+    s = read_split(p, compact_tokens=True)
+    assert isinstance(s.examples[0]["tokens"], np.ndarray)
+    q = write_split(tmp_path / "again.jsonl", s.header, s.examples)
+    assert "_line" not in q.read_text() and check_split(q) == []

@@ -43,6 +43,9 @@ def write_split(path, header: dict, examples: Iterable[dict]) -> Path:
         f.write(json.dumps(header) + "\n")
         for e in examples:
             e = dict(e)
+            e.pop("_line", None)  # added by read_split
+            if isinstance(e.get("tokens"), np.ndarray):
+                e["tokens"] = e["tokens"].tolist()
             e.setdefault("partition", "eval")
             f.write(json.dumps(e) + "\n")
     os.replace(tmp, path)
