@@ -12,6 +12,7 @@ The paper's classifier module is not public: C = 1, the scaler and the NN loss a
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Sequence
 
@@ -53,8 +54,14 @@ def random_forest(x_train, y_train, x_eval, *, seed: int = 0) -> np.ndarray:
     return clf.predict_proba(x_eval)[:, list(clf.classes_).index(1)]
 
 
-def _mlp_module(hidden: Sequence[int] = (250, 100, 10)):
+@functools.lru_cache(maxsize=8)
+def _mlp_fns(hidden: tuple, lr: float):
+    """(model, optimizer, jitted train step) shared by every call with these hyperparameters, so that jax reuses
+    its compiled step for a feature width it has already seen."""
     import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
 
     class MLP(nn.Module):
         @nn.compact
@@ -63,29 +70,7 @@ def _mlp_module(hidden: Sequence[int] = (250, 100, 10)):
                 x = nn.relu(nn.Dense(h)(x))
             return nn.Dense(1)(x)[..., 0]
 
-    return MLP()
-
-
-def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size: int = 128, lr: float = 1e-3,
-        hidden: Sequence[int] = (250, 100, 10)) -> np.ndarray:
-    """in -> 250 -> 100 -> 10 -> 1 (ReLU), BCE on logits, Adam; returns sigmoid(logit) = P(member)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    xt, xe = _scale(x_train, x_eval)
-    y = np.asarray(y_train, np.float32)
-    n, d = xt.shape
-    model = _mlp_module(hidden)
-    key = jax.random.PRNGKey(seed)
-    key, init_key = jax.random.split(key)
-    params = model.init(init_key, jnp.zeros((1, d), jnp.float32))["params"]
-    opt = optax.adam(lr)
-    state = opt.init(params)
-
-    def dense(x, idx):
-        b = x[idx]
-        return np.asarray(b.toarray() if sp.issparse(b) else b, np.float32)
+    model, opt = MLP(), optax.adam(lr)
 
     @jax.jit
     def step(params, state, xb, yb, wb):
@@ -96,6 +81,28 @@ def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
+
+    return model, opt, step
+
+
+def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size: int = 128, lr: float = 1e-3,
+        hidden: Sequence[int] = (250, 100, 10)) -> np.ndarray:
+    """in -> 250 -> 100 -> 10 -> 1 (ReLU), BCE on logits, Adam; returns sigmoid(logit) = P(member)."""
+    import jax
+    import jax.numpy as jnp
+
+    xt, xe = _scale(x_train, x_eval)
+    y = np.asarray(y_train, np.float32)
+    n, d = xt.shape
+    model, opt, step = _mlp_fns(tuple(hidden), float(lr))
+    key = jax.random.PRNGKey(seed)
+    key, init_key = jax.random.split(key)
+    params = model.init(init_key, jnp.zeros((1, d), jnp.float32))["params"]
+    state = opt.init(params)
+
+    def dense(x, idx):
+        b = x[idx]
+        return np.asarray(b.toarray() if sp.issparse(b) else b, np.float32)
 
     b = min(batch_size, n)
     for _ in range(epochs):
@@ -108,9 +115,9 @@ def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size
                 w[len(idx):] = 0
                 idx = np.concatenate([idx, np.zeros(b - len(idx), idx.dtype)])
             params, state, _ = step(params, state, dense(xt, idx), y[idx], w)
-    predict = jax.jit(lambda p, x: jax.nn.sigmoid(model.apply({"params": p}, x)))
-    out = [np.asarray(predict(params, dense(xe, np.arange(lo, min(lo + 1024, xe.shape[0])))))
-           for lo in range(0, xe.shape[0], 1024)]
+    # prediction runs eagerly (a few matmuls): no compile per evaluation-set shape
+    out = [np.asarray(jax.nn.sigmoid(model.apply({"params": params}, dense(xe, np.arange(lo, min(lo + 4096, xe.shape[0]))))))
+           for lo in range(0, xe.shape[0], 4096)]
     return np.concatenate(out).astype(np.float64)
 
 

