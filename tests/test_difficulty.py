@@ -1,0 +1,131 @@
+"""Graded-difficulty splits: the spec's rules, and easy > hard blind AUC on a synthetic embedding set."""
+import argparse
+import json
+import random
+
+import numpy as np
+import pytest
+
+from mia.blind import fit_predict
+from mia.data import difficulty as D
+from mia.data.splits import read_split, write_split
+from mia.metrics import auc
+
+
+def _pools(seed=0, d=64, topics=4, per_topic=80, sigma=0.3):
+    """Member topics t_0..t_3; non-member topics: t_0 (same as a member topic: hard), -t_1 (opposite: easy), 2 others."""
+    rng = np.random.default_rng(seed)
+    centers = D.l2_normalize(rng.normal(size=(topics + 2, d)))
+    m_centers = centers[:topics]
+    n_centers = np.stack([centers[0], -centers[1], centers[topics], centers[topics + 1]])
+
+    def draw(cs):
+        return D.l2_normalize(np.concatenate([c + rng.normal(0, sigma, (per_topic, d)) for c in cs]))
+
+    xm, xn = draw(m_centers), draw(n_centers)
+    pm, pn = rng.permutation(len(xm)), rng.permutation(len(xn))  # pool order is not topic order
+    return xm[pm], xn[pn]
+
+
+@pytest.fixture(scope="module")
+def splits():
+    xm, xn = _pools()
+    return xm, xn, D.graded_splits(xm, xn, size=40, k=4, niter=20, seed=42)
+
+
+def test_spherical_kmeans_recovers_topics():
+    xm, _ = _pools()
+    c, assign = D.spherical_kmeans(xm, 4, niter=20, seed=42)
+    np.testing.assert_allclose(np.linalg.norm(c, axis=1), 1)
+    assert all(70 <= n <= 90 for n in np.bincount(assign, minlength=4))  # 4 topics of 80
+    c2, assign2 = D.spherical_kmeans(xm, 4, niter=20, seed=42)
+    np.testing.assert_array_equal(assign, assign2)
+
+
+def test_distance_filter_is_greedy_in_index_order():
+    rng = np.random.default_rng(0)
+    x = D.l2_normalize(rng.normal(size=(50, 4)))
+    kept = D.distance_filter(x, list(range(50)), 0.6)
+    assert kept[0] == 0
+    d = 1 - x[kept] @ x[kept].T
+    assert (d[np.triu_indices(len(kept), 1)] >= 0.6).all()
+    for b in set(range(50)) - set(kept):  # each dropped point is close to an earlier kept one
+        assert any(1 - x[a] @ x[b] < 0.6 for a in kept if a < b)
+
+
+def test_split_rules(splits):
+    xm, xn, s = splits
+    for name in D.DIFFICULTIES:
+        assert len(s[name]["members"]) == 20 and len(s[name]["nonmembers"]) == 20, name
+        assert len(set(s[name]["members"])) == 20
+    assert s["mix-1"] == {"members": s["random"]["members"], "nonmembers": s["hard"]["nonmembers"]}
+    assert s["mix-2"] == {"members": s["hard"]["members"], "nonmembers": s["random"]["nonmembers"]}
+    assert s["random"]["members"] == sorted(random.Random(42).sample(range(len(xm)), 20))
+    info = s["_info"]
+    assert info["pairs"]["easy"][2] > info["pairs"]["medium"][2] >= info["pairs"]["hard"][2]
+    for name in ("easy", "hard"):  # chosen points are far apart from each other (0.6 filter)
+        for key, x in (("members", xm), ("nonmembers", xn)):
+            e = x[s[name][key]]
+            assert (1 - e @ e.T)[np.triu_indices(20, 1)].min() >= 0.6
+    assert s == D.graded_splits(xm, xn, size=40, k=4, niter=20, seed=42)  # deterministic
+
+
+def _blind_auc(xm, xn, sel, seed=0):
+    """LR on the embeddings, trained on half of each class and scored on the other half."""
+    x = np.concatenate([xm[sel["members"]], xn[sel["nonmembers"]]])
+    y = np.r_[np.ones(len(sel["members"]), int), np.zeros(len(sel["nonmembers"]), int)]
+    rng = np.random.default_rng(seed)
+    tr = np.zeros(len(y), bool)
+    for c in (0, 1):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        tr[idx[: len(idx) // 2]] = True
+    return auc(fit_predict("lr", x[tr], y[tr], x[~tr]), y[~tr])
+
+
+def test_difficulty_orders_blind_auc(splits):
+    xm, xn, s = splits
+    a = {name: _blind_auc(xm, xn, s[name]) for name in ("easy", "medium", "hard", "random")}
+    assert a["easy"] > 0.95 and a["hard"] < 0.8 and a["easy"] > a["hard"], a
+
+
+def test_too_few_points_is_one_clear_error():
+    xm, xn = _pools(per_topic=10)
+    with pytest.raises(D.DifficultyError, match="no valid"):
+        D.graded_splits(xm, xn, size=40, k=4)
+
+
+def test_cli_writes_six_split_files(tmp_path, splits):
+    xm, xn, _ = splits
+    ex = [{"id": f"m{i}", "label": 1, "text": f"member {i}"} for i in range(len(xm))]
+    ex += [{"id": f"n{i}", "label": 0, "text": f"non-member {i}"} for i in range(len(xn))]
+    pool = write_split(tmp_path / "pool.jsonl", {"source": {"kind": "text"}}, ex)
+    np.savez(tmp_path / "emb.npz", ids=np.array([e["id"] for e in ex]), emb=np.concatenate([xm, xn]))
+    parser = argparse.ArgumentParser(prog="mia split")
+    D.add_difficulty_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["difficulty", "--pool", str(pool), "--out", str(tmp_path / "out"), "--size", "40",
+                              "--k", "4", "--niter", "20", "--embeddings", str(tmp_path / "emb.npz")])
+    assert args.func(args) == 0
+    easy = read_split(tmp_path / "out" / "easy.jsonl")
+    assert easy.header["format"] == "mia-split/1" and easy.header["params"]["difficulty"] == "easy"
+    assert easy.header["counts"]["members"] == 20 and len(easy.partition("eval")) == 40
+    assert easy.header["source"]["pool"]["sha256"]
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {f"{n}.jsonl" for n in D.DIFFICULTIES}
+    assert json.loads((tmp_path / "out" / "difficulty.json").read_text())["params"]["k"] == 4
+
+
+def test_pool_embedding_with_the_encoder(tmp_path):
+    from mia.models.bert import EncoderNotFoundError, default_encoder_dir
+
+    try:
+        default_encoder_dir()
+    except EncoderNotFoundError as e:
+        pytest.skip(str(e))
+    words = "river stone music garden code python compiler kernel".split()
+    rng = np.random.default_rng(0)
+    ex = [{"id": f"{lab}{i}", "label": lab, "text": " ".join(rng.choice(words[:4] if lab else words[4:], 6))}
+          for lab in (1, 0) for i in range(12)]
+    paths = D.build_difficulty_splits(write_split(tmp_path / "p.jsonl", {}, ex), tmp_path / "o", size=4, k=2,
+                                      niter=10, threshold=0.05)
+    z = np.load(tmp_path / "o" / "embeddings.npz")
+    assert z["emb"].shape == (24, 384) and np.allclose(np.linalg.norm(z["emb"], axis=1), 1, atol=1e-5)
+    assert len(read_split(paths["easy"]).examples) == 4
