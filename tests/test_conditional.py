@@ -1,0 +1,131 @@
+"""Cached-prefix conditional log-likelihood (mia.conditional) against the plain concatenated computation."""
+import chex
+import jax
+import numpy as np
+import pytest
+
+import mia.conditional as C
+import mia.models as mm
+from mia.models.gpt_neox import GPTNeoXConfig
+from mia.scoring import ScoringSettings
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=40, num_hidden_layers=2, num_attention_heads=5,
+                        intermediate_size=56, rotary_pct=0.4, max_position_embeddings=128)
+    m = mm.from_config(cfg, key=jax.random.PRNGKey(3))
+    # larger-than-init weights so that the prefix visibly changes the target's log-probs
+    params = jax.tree_util.tree_map(lambda a: a * 1.5, m.params)
+    return mm.from_config(cfg, params=params)
+
+
+@pytest.fixture(scope="module")
+def ref_logits(model):
+    fn = jax.jit(model.logits)
+
+    def logits(seq):  # one compiled shape: right-pad to 64 (causal, so pads after the sequence change nothing)
+        tok, val = np.zeros((1, 64), np.int32), np.zeros((1, 64), bool)
+        tok[0, :len(seq)], val[0, :len(seq)] = seq, True
+        return np.asarray(fn(model.params, tok, val), np.float64)[0, :len(seq)]
+
+    return logits
+
+
+def seqs(lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, n).astype(np.int32) for n in lengths]
+
+
+def numpy_cond_ll(ref_logits, prefix, target, include_first):
+    """Reference: logits of [p ; x] in one pass, float64 log-softmax, mean over x's counted tokens."""
+    seq = np.concatenate([prefix, target])
+    logits = ref_logits(seq)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    start = len(prefix) + (0 if include_first else 1)
+    return np.mean([logp[i - 1, seq[i]] for i in range(start, len(seq))])
+
+
+SETTINGS = ScoringSettings(progress=False, min_bucket=32)  # few shapes: compiling dominates on a small CPU
+
+
+@pytest.mark.parametrize("include_first", [True, False])
+def test_matrix_matches_concatenation(model, ref_logits, include_first):
+    prefixes = seqs([5, 17, 1, 9, 31], 0)
+    targets = seqs([2, 7, 30, 12, 3, 16, 17], 1)
+    got = C.loglik_matrix(model, prefixes, targets, include_first=include_first, settings=SETTINGS)
+    want = np.array([[numpy_cond_ll(ref_logits, p, x, include_first) for x in targets] for p in prefixes])
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    plain = C.plain_loglik_matrix(model, prefixes, targets, include_first=include_first, settings=SETTINGS)
+    np.testing.assert_allclose(plain, want, atol=1e-4, rtol=0)
+    # the prefix matters (otherwise this test would not test the cache)
+    assert np.ptp(got, axis=0).max() > 1e-2
+
+
+@pytest.mark.parametrize("include_first", [True, False])
+def test_pure_left_padded_prefix_batch(model, ref_logits, include_first):
+    prefixes, targets = seqs([3, 11, 6], 2), seqs([9, 4, 12], 3)
+    s, t = 32, 32
+    ptok, pval = np.zeros((3, s), np.int32), np.zeros((3, s), bool)
+    ttok, tval = np.zeros((3, t), np.int32), np.zeros((3, t), bool)
+    for r, (p, x) in enumerate(zip(prefixes, targets)):
+        ptok[r, s - len(p):], pval[r, s - len(p):] = p, True
+        ttok[r, :len(x)], tval[r, :len(x)] = x, True
+    cache = C.prefix_cache(model, model.params, ptok, pval)
+    got = np.asarray(C.conditional_loglik(model, model.params, cache, ttok, tval, include_first=include_first))
+    want = [numpy_cond_ll(ref_logits, p, x, include_first) for p, x in zip(prefixes, targets)]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # a batch-1 cache broadcasts over the targets
+    one = C.prefix_cache(model, model.params, prefixes[1])
+    got1 = np.asarray(C.conditional_loglik(model, model.params, one, ttok, tval, include_first=include_first))
+    np.testing.assert_allclose(got1, [numpy_cond_ll(ref_logits, prefixes[1], x, include_first) for x in targets], atol=1e-4)
+
+
+def test_batching_does_not_change_values(model):
+    prefixes, targets = seqs([4, 20, 9, 2], 4), seqs([5, 31, 8, 14, 2, 6], 5)
+    a = C.loglik_matrix(model, prefixes, targets, include_first=True, settings=SETTINGS)
+    b = C.loglik_matrix(model, prefixes, targets, include_first=True,
+                        settings=ScoringSettings(progress=False, token_budget=64, min_bucket=32))
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_bucketed_shapes_compile_once(model, monkeypatch):
+    monkeypatch.setattr(C, "_TRACE_WRAP", lambda f: chex.assert_max_traces(f, n=1))
+    for fn in (C._jit_prefix, C._jit_cond):
+        fn.cache_clear()
+    try:
+        # every length is in the 32-bucket, 2 prefixes and 4 targets: one shape each, whatever the lengths
+        for seed in range(3):
+            rng = np.random.default_rng(seed)
+            prefixes = seqs(rng.integers(2, 16, 2), seed)
+            targets = seqs(rng.integers(2, 16, 4), seed + 10)
+            C.loglik_matrix(model, prefixes, targets, include_first=False, settings=SETTINGS)
+    finally:
+        for fn in (C._jit_prefix, C._jit_cond):
+            fn.cache_clear()
+        chex.clear_trace_counter()
+
+
+def test_disk_cache_makes_no_model_call(model, tmp_path, monkeypatch):
+    prefixes, targets = seqs([6, 3], 6), seqs([5, 9, 4], 7)
+    settings = ScoringSettings(progress=False, min_bucket=32, cache_dir=str(tmp_path))
+    a = C.loglik_matrix(model, prefixes, targets, include_first=False, settings=settings)
+    assert list(tmp_path.glob("condll-*/part-*.npz"))
+
+    def boom(*a, **k):
+        raise AssertionError("model called although every pair is cached")
+
+    monkeypatch.setattr(C, "_jit_prefix", boom)
+    monkeypatch.setattr(C, "_jit_cond", boom)
+    b = C.loglik_matrix(model, prefixes[::-1], targets, include_first=False, settings=settings)
+    np.testing.assert_array_equal(a[::-1], b)
+    # the include_first setting is part of the key
+    with pytest.raises(AssertionError, match="model called"):
+        C.loglik_matrix(model, prefixes, targets, include_first=True, settings=settings)
+
+
+def test_short_target_refused(model):
+    with pytest.raises(ValueError, match="target 0 has 1 token"):
+        C.loglik_matrix(model, seqs([3], 0), seqs([1], 1), include_first=False, settings=SETTINGS)
