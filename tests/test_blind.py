@@ -151,3 +151,8 @@ def test_cli_writes_tables_and_verdict(tmp_path, capsys):
     assert r"\toprule" in (out / "blind.tex").read_text() and (out / "blind_roc.png").exists()
     assert "WARNING" in capsys.readouterr().out
     assert read_split(path).partitions == ["eval", "train"]
+
+
+def test_bert_on_tokens_without_tokenizer_fails_first():
+    with pytest.raises(BlindError, match="tokenizer"):
+        run_blind(_examples(n_train=10, n_eval=10), ["bow", "bert"], ["lr"], warn=lambda m: None)

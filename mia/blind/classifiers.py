@@ -116,8 +116,9 @@ def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size
                 idx = np.concatenate([idx, np.zeros(b - len(idx), idx.dtype)])
             params, state, _ = step(params, state, dense(xt, idx), y[idx], w)
     # prediction runs eagerly (a few matmuls): no compile per evaluation-set shape
-    out = [np.asarray(jax.nn.sigmoid(model.apply({"params": params}, dense(xe, np.arange(lo, min(lo + 4096, xe.shape[0]))))))
-           for lo in range(0, xe.shape[0], 4096)]
+    chunk = max(1, min(4096, (1 << 25) // max(d, 1)))  # at most ~128 MiB of densified features at a time
+    out = [np.asarray(jax.nn.sigmoid(model.apply({"params": params}, dense(xe, np.arange(lo, min(lo + chunk, xe.shape[0]))))))
+           for lo in range(0, xe.shape[0], chunk)]
     return np.concatenate(out).astype(np.float64)
 
 

@@ -131,6 +131,14 @@ def run_blind(split: Union[Split, str, Path, Sequence[dict]], features: Sequence
     y_tr, y_ev = _labels(train), _labels(ev)
     ids = [str(e.get("id")) for e in ev]
     tok = _load_tokenizer(tokenizer, split) if any(f in ("w2v", "bert") for f in features) and kind == "tokens" else None
+    if "bert" in features:  # fail before any work: a missing encoder or tokenizer is a one-line error
+        if kind == "tokens" and tok is None:
+            raise BlindError("bert features of token ids need the target model's tokenizer to decode them "
+                             "(pass --tokenizer DIR, or a split whose header names source.tokenizer)")
+        if encoder is None:
+            from ..models.bert import load_encoder
+
+            encoder = load_encoder(encoder_dir)
     rows, best, scores = [], [], {}
     for fname in features:
         t0 = time.perf_counter()
