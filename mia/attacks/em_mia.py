@@ -1,0 +1,118 @@
+"""EM-MIA (Kim et al. 2024, "Detecting Training Data of Large Language Models via Expectation Maximization") and
+the ReCaLL-Avg baseline from the same code. ALGORITHMS.md 1.2.
+
+Pairwise ReCaLL matrix over the evaluated set D (N texts), every text once as a 1-shot prefix (p = x included):
+  R[p, x] = LL(x | p) / LL(x)
+LL(x | p) averages over x's tokens 2..L (em-mia: x's first token, predicted from p, is dropped), p's tokens alone
+concatenated before x's ids with no separator (prefixes left-padded; ``mia.conditional`` caches each prefix once).
+A prefix longer than the context allows is cut from the LEFT so that prefix + longest text fits (noted).
+
+em_mia, from an initial score f0 (higher = member; NaN -> 0), ``iters`` = 10 times, no convergence test:
+  y_x = 1[f(x) > median(f)]              (strict >)
+  r_p = AUC(R[p, :], y)                  (ties count 1/2; ``prefix_score=rankdist``: 1 - mean|rank R[p,:] - rank f|/(N-1))
+  f(x) = -r_x                            (a good non-member prefix is a non-member); NaN -> 0
+Output f after the last iteration. HIGHER = MEMBER (em-mia's own convention too). The initial score is one of
+loss | zlib | mink | minkpp | ref, computed by that registered attack with its defaults (em-mia: Min-K k = 0.2).
+
+recall_avg(x) = mean_p R[p, x]  (ReCaLL-Avg; higher = member, as ReCaLL).
+The iterations make no model call; with an on-disk cache a rerun with another ``init`` makes none at all.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..conditional import loglik_matrix
+from .recall import context_length, memo, unconditional_ll
+from .registry import AttackError, get, register
+
+INITS = ("loss", "zlib", "mink", "minkpp", "ref")
+
+
+# ------------------------------------------------------------------------------------------------ pure numpy
+def average_ranks(a_rn: np.ndarray) -> np.ndarray:
+    """Row-wise 1-based ranks with ties given their average rank (scipy ``rankdata(axis=1)``)."""
+    a = np.asarray(a_rn, np.float64)
+    r, n = a.shape
+    order = np.argsort(a, axis=1, kind="mergesort")
+    s = np.take_along_axis(a, order, axis=1)
+    new = np.ones((r, n), bool)
+    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    gid = np.cumsum(new.ravel()) - 1  # tie-group id over the flattened rows (each row starts a group)
+    pos = np.tile(np.arange(1, n + 1, dtype=np.float64), r)
+    mean = np.bincount(gid, weights=pos) / np.bincount(gid)
+    out = np.empty((r, n))
+    np.put_along_axis(out, order, mean[gid].reshape(r, n), axis=1)
+    return out
+
+
+def rowwise_auc(scores_rn: np.ndarray, labels_n: np.ndarray) -> np.ndarray:
+    """[R] AUC of each row of scores against the same 0/1 labels (ties 1/2); NaN when labels have one class."""
+    y = np.asarray(labels_n, bool)
+    n1 = float(y.sum())
+    n0 = y.size - n1
+    if n1 == 0 or n0 == 0:
+        return np.full(len(scores_rn), np.nan)
+    ranks = average_ranks(scores_rn)
+    return (ranks[:, y].sum(1) - n1 * (n1 + 1) / 2) / (n1 * n0)
+
+
+def rank_dist(scores_rn: np.ndarray, f_n: np.ndarray) -> np.ndarray:
+    """[R] 1 - mean|rank(row) - rank(f)| / (N - 1), average ranks (em-mia's RankDist)."""
+    n = len(f_n)
+    return 1.0 - np.abs(average_ranks(scores_rn) - average_ranks(np.asarray(f_n)[None])).mean(1) / max(n - 1, 1)
+
+
+def em_mia_scores(r_pn: np.ndarray, f0: np.ndarray, *, iters: int = 10, prefix_score: str = "auc") -> np.ndarray:
+    """EM-MIA iterations on a ReCaLL matrix R [N, N] (rows = prefixes) from the initial score f0 [N]."""
+    f = np.nan_to_num(np.asarray(f0, np.float64), nan=0.0)
+    r_pn = np.asarray(r_pn, np.float64)
+    for _ in range(iters):
+        if prefix_score == "auc":
+            r = rowwise_auc(r_pn, f > np.median(f))
+        elif prefix_score == "rankdist":
+            r = rank_dist(r_pn, f)
+        else:
+            raise AttackError(f"attack em_mia: prefix_score must be 'auc' or 'rankdist', got {prefix_score!r}")
+        f = np.nan_to_num(-r, nan=0.0)
+    return f
+
+
+# ------------------------------------------------------------------------------------------------ host
+def recall_matrix(ctx) -> np.ndarray:
+    """R[p, x] = LL(x | p) / LL(x) over the evaluated examples, [N, N] float64 (computed once per run)."""
+    m = memo(ctx)
+    if "em_R" not in m:
+        toks = [np.asarray(e.tokens, np.int32) for e in ctx.examples]
+        room = context_length(ctx) - max(len(t) for t in toks)
+        if room < 1:
+            raise AttackError("em_mia: the longest example fills the model context; no room for a prefix "
+                              "(lower --max-length)")
+        prefixes = [t[-room:] for t in toks]
+        cut = sum(len(t) > room for t in toks)
+        if cut:
+            ctx.notes.append(f"em_mia: {cut} prefix(es) cut to their last {room} tokens so that prefix + longest "
+                             "text fits the context")
+        ll_cond = loglik_matrix(ctx.model, prefixes, toks, include_first=False, settings=ctx.settings,
+                                desc="em_mia: pairwise conditional LL")
+        m["em_R"] = ll_cond.astype(np.float64) / unconditional_ll(ctx)[None, :]
+    return m["em_R"]
+
+
+def initial_score(ctx, init: str) -> np.ndarray:
+    if init not in INITS:
+        raise AttackError(f"attack em_mia: init must be one of {', '.join(INITS)}; got {init!r}")
+    spec = get(init)  # raises, listing the registered attacks, when that attack is not available
+    return np.asarray(spec.fn(ctx, **spec.defaults), np.float64)
+
+
+@register("em_mia", needs=("model", "stats"), init="loss", iters=10, prefix_score="auc")
+def _em_mia(ctx, *, init: str, iters: int, prefix_score: str) -> np.ndarray:
+    """EM-MIA: prefix scores (AUC of R[p,:] vs median pseudo-labels) and membership f = -r, iterated (higher = member)."""
+    f0 = initial_score(ctx, init)
+    return em_mia_scores(recall_matrix(ctx), f0, iters=iters, prefix_score=prefix_score)
+
+
+@register("recall_avg", needs=("model", "stats"))
+def _recall_avg(ctx) -> np.ndarray:
+    """ReCaLL-Avg: mean over every evaluated text p of LL(x|p)/LL(x) (higher = member). em-mia baseline."""
+    return recall_matrix(ctx).mean(axis=0)

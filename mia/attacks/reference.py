@@ -1,0 +1,81 @@
+"""Reference-model calibration (Carlini et al. 2021 "Ref"; em-mia's Ref init). ALGORITHMS.md 1.2.
+
+  ref(x) = LL_target(x) - LL_ref(x)
+
+LL = mean token log-likelihood (T-1 terms), each under its own model and tokenizer. HIGHER = MEMBER (the target
+finds x likelier than a model that never saw it; em-mia's Ref = LL - LL_ref, the same sign).
+
+The reference model is ``--ref-model DIR`` (a local HF-layout directory, loaded with ``mia.models.load``):
+  - same vocabulary as the target (or no tokenizer in DIR and the same vocab size): the target token ids are
+    scored as they are;
+  - otherwise texts are re-tokenized with the reference tokenizer; examples given as token ids (or truncated)
+    are first decoded ONCE with the target tokenizer (noted in the output);
+  - sequences longer than the reference context are truncated to it (noted).
+Reference stats go through the scoring engine, so they are cached on disk under the reference model's fingerprint.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..models import load
+from ..scoring import compute_token_stats
+from .recall import memo, unconditional_ll
+from .registry import AttackError, register
+
+
+def load_reference(ctx):
+    """The reference Model for this run (loaded once)."""
+    m = memo(ctx)
+    if "ref_model" not in m:
+        path = ctx.options.get("ref_model")
+        if not path:
+            raise AttackError("attack ref needs a reference model: give --ref-model DIR (a local model directory)")
+        try:
+            m["ref_model"] = load(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise AttackError(f"--ref-model {path}: {e}") from None
+    return m["ref_model"]
+
+
+def reference_tokens(ctx, ref) -> list:
+    """Token ids of each evaluated example for the reference model (see module docstring)."""
+    tgt_tok, ref_tok = ctx.model.tokenizer, ref.tokenizer
+    if ref_tok is None or (tgt_tok is not None and ref_tok.get_vocab() == tgt_tok.get_vocab()):
+        if ref_tok is None and ref.vocab_size != ctx.model.vocab_size:
+            raise AttackError(f"--ref-model {ref.path}: no tokenizer and a different vocabulary size "
+                              f"({ref.vocab_size} vs {ctx.model.vocab_size}); cannot score the target token ids")
+        toks = [np.asarray(e.tokens, np.int32) for e in ctx.examples]
+    else:
+        decoded = sum(e.text is None or e.truncated for e in ctx.examples)
+        texts = ctx.texts()
+        toks = [np.asarray(ref_tok(t)["input_ids"], np.int32) for t in texts]
+        ctx.notes.append("ref: texts re-tokenized with the reference model's tokenizer"
+                         + (f"; {decoded} example(s) given as token ids (or truncated) were decoded with the target "
+                            "tokenizer first" if decoded else ""))
+    cut = sum(len(t) > ref.max_length for t in toks)
+    if cut:
+        ctx.notes.append(f"ref: {cut} example(s) truncated to the reference context ({ref.max_length} tokens)")
+    return [t[: ref.max_length] for t in toks]
+
+
+def reference_ll(ctx) -> np.ndarray:
+    """[N] LL_ref(x) (NaN where the reference tokenization has fewer than 2 tokens)."""
+    m = memo(ctx)
+    if "ref_ll" not in m:
+        ref = load_reference(ctx)
+        toks = reference_tokens(ctx, ref)
+        ok = [i for i, t in enumerate(toks) if len(t) >= 2]
+        ll = np.full(len(toks), np.nan)
+        if len(ok) < len(toks):
+            ctx.notes.append(f"ref: {len(toks) - len(ok)} example(s) have < 2 reference tokens; their ref score is NaN")
+        stats = compute_token_stats(ref, [toks[i] for i in ok], ctx.settings, desc="reference model")
+        for i, s in zip(ok, stats):
+            ll[i] = float(np.mean(s["logprob"], dtype=np.float64))
+        m["ref_ll"] = ll
+    return m["ref_ll"]
+
+
+@register("ref", needs=("stats", "ref"))
+def _ref(ctx) -> np.ndarray:
+    """LL_target(x) - LL_ref(x) with --ref-model DIR (higher = member). Carlini et al. 2021."""
+    return unconditional_ll(ctx) - reference_ll(ctx)

@@ -1,0 +1,258 @@
+"""Model-querying attacks (recall, em_mia, recall_avg, mope, ref, neighbor) against small NumPy references."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from mia.attacks import AttackContext, AttackError, get
+from mia.attacks import em_mia as E
+from mia.attacks.mope import jitted_mope
+from mia.data.examples import Example, tokenize_examples
+from mia.scoring import ScoringSettings
+
+WORDS = ("the of and to in is that for it as with was on be by this are from not but have which "
+         "data model train member loss token text line file value").split()
+SETTINGS = ScoringSettings(progress=False, min_bucket=32)
+
+
+def make_text(rng, n):
+    return " ".join(rng.choice(WORDS, n))
+
+
+def make_examples(tok, n, seed, words=(3, 14), partition="eval", prefix="e"):
+    rng = np.random.default_rng(seed)
+    ex = [Example(f"{prefix}{i}", text=make_text(rng, int(rng.integers(*words))), label=i % 2, partition=partition)
+          for i in range(n)]
+    return tokenize_examples(ex, tok, 256)
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def ref_logits(tiny_model):
+    fn = jax.jit(tiny_model.logits)
+
+    def logits(seq, params=None):  # one compiled shape (right padding is invisible to a causal model)
+        tok, val = np.zeros((1, 256), np.int32), np.zeros((1, 256), bool)
+        tok[0, :len(seq)], val[0, :len(seq)] = seq, True
+        return np.asarray(fn(tiny_model.params if params is None else params, tok, val), np.float64)[0, :len(seq)]
+
+    return logits
+
+
+def np_ll(ref_logits, seq, start=1, params=None):
+    """mean over i >= start of log p(seq[i] | seq[:i])."""
+    lp = log_softmax(ref_logits(np.asarray(seq), params))
+    return np.mean([lp[i - 1, seq[i]] for i in range(start, len(seq))])
+
+
+@pytest.fixture(scope="module")
+def data(tiny_model):
+    return make_examples(tiny_model.tokenizer, 8, 0)
+
+
+def ctx_for(model, examples, prefix=(), **options):
+    return AttackContext(model, list(examples), SETTINGS, {"prefix": list(prefix)} if prefix else {},
+                         {"seed": 0, **options})
+
+
+# ------------------------------------------------------------------------------------------------ ReCaLL
+def test_recall_matches_numpy(tiny_model, data, ref_logits):
+    shots = make_examples(tiny_model.tokenizer, 12, 1, words=(2, 5), partition="prefix", prefix="p")
+    ctx = ctx_for(tiny_model, data, shots)
+    got = get("recall").fn(ctx, n=12, include_first=True)
+    p = np.asarray(tiny_model.tokenizer("".join(e.text for e in shots))["input_ids"])
+    want = [np_ll(ref_logits, np.concatenate([p, e.tokens]), start=len(p)) / np_ll(ref_logits, e.tokens) for e in data]
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert any("12 shot(s) joined as text" in n for n in ctx.notes)
+    # em-mia's variant: L-1 terms
+    got = get("recall").fn(ctx, n=3, include_first=False)
+    p = np.asarray(tiny_model.tokenizer("".join(e.text for e in shots[:3]))["input_ids"])
+    want = [np_ll(ref_logits, np.concatenate([p, e.tokens]), start=len(p) + 1) / np_ll(ref_logits, e.tokens) for e in data]
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_recall_token_shots_and_overlength(tiny_model, data, ref_logits):
+    rng = np.random.default_rng(5)
+    shots = [Example(f"t{i}", tokens=rng.integers(1, 300, 30).astype(np.int32), partition="prefix") for i in range(12)]
+    ctx = ctx_for(tiny_model, data, shots)
+    got = get("recall").fn(ctx, n=12, include_first=True)
+    room = 256 - max(len(e.tokens) for e in data)
+    k = room // 30
+    assert k < 12
+    p = np.concatenate([e.tokens for e in shots[12 - k:]])  # the LAST k shots, token ids concatenated
+    want = [np_ll(ref_logits, np.concatenate([p, e.tokens]), start=len(p)) / np_ll(ref_logits, e.tokens) for e in data]
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert any(f"kept the last {k} of 12" in n and "token ids" in n for n in ctx.notes)
+
+
+def test_recall_refuses_overlap_and_missing_prefix(tiny_model, data):
+    shots = make_examples(tiny_model.tokenizer, 12, 1, words=(2, 5), partition="prefix", prefix="p")
+    clash = Example("p_copy", tokens=data[3].tokens.copy(), partition="prefix")
+    with pytest.raises(AttackError, match=r"overlaps the evaluated examples \(2\): e3, e5"):
+        get("recall").fn(ctx_for(tiny_model, data, shots[:10] + [clash, data[5]]), n=12, include_first=True)
+    with pytest.raises(AttackError, match="--prefix-data"):
+        get("recall").fn(ctx_for(tiny_model, data), n=12, include_first=True)
+    with pytest.raises(AttackError, match="at least 12 'prefix'"):
+        get("recall").fn(ctx_for(tiny_model, data, shots[:4]), n=12, include_first=True)
+
+
+def test_cli_refuses_missing_prefix_and_ref_dir(tiny_neox_dir, tmp_path, capsys):
+    from mia.cli import main
+
+    rows = [{"id": f"x{i}", "text": f"the data {i} is a line of text", "label": i % 2} for i in range(4)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    base = ["score", "--model", str(tiny_neox_dir), "--data", str(tmp_path / "d.jsonl"), "--out",
+            str(tmp_path / "o.jsonl"), "--no-cache", "--no-progress", "--bootstrap", "10"]
+    assert main(base + ["--attacks", "recall"]) == 2
+    assert "--prefix-data" in capsys.readouterr().err
+    assert main(base + ["--attacks", "ref", "--ref-model", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "--ref-model" in err and "nowhere" in err
+
+
+# ------------------------------------------------------------------------------------------------ EM-MIA
+def test_em_matrix_and_recall_avg_match_numpy(tiny_model, data, ref_logits):
+    ctx = ctx_for(tiny_model, data)
+    R = E.recall_matrix(ctx)
+    ll = np.array([np_ll(ref_logits, e.tokens) for e in data])
+    want = np.array([[np_ll(ref_logits, np.concatenate([p.tokens, x.tokens]), start=len(p.tokens) + 1) / ll[j]
+                      for j, x in enumerate(data)] for p in data])
+    np.testing.assert_allclose(R, want, rtol=1e-4)
+    np.testing.assert_allclose(get("recall_avg").fn(ctx), want.mean(0), rtol=1e-4)
+    # every available init runs off the same matrix (no further model call) and is used as f0
+    for init in ("loss", "zlib", "mink", "minkpp"):
+        try:
+            spec = get(init)
+        except AttackError:
+            continue
+        f0 = spec.fn(ctx, **spec.defaults)
+        np.testing.assert_array_equal(get("em_mia").fn(ctx, init=init, iters=10, prefix_score="auc"),
+                                      E.em_mia_scores(want if False else R, f0, iters=10))
+    with pytest.raises(AttackError, match="init must be one of"):
+        get("em_mia").fn(ctx, init="nope", iters=10, prefix_score="auc")
+
+
+def numpy_em(R, f0, iters):
+    """ALGORITHMS.md 1.2, step by step with sklearn's AUC."""
+    from sklearn.metrics import roc_auc_score
+
+    f = np.where(np.isnan(f0), 0.0, f0)
+    for _ in range(iters):
+        y = (f > np.median(f)).astype(int)
+        r = np.array([roc_auc_score(y, R[p]) if 0 < y.sum() < len(y) else np.nan for p in range(len(R))])
+        f = np.where(np.isnan(-r), 0.0, -r)
+    return f
+
+
+def test_em_iterations_match_plain_loop():
+    rng = np.random.default_rng(0)
+    n = 40
+    member = rng.random(n) < 0.5
+    # hand-made R: member prefixes raise R on members; rounded so that ties occur
+    R = np.round(1 + 0.05 * rng.standard_normal((n, n)) + 0.04 * np.outer(~member, member), 2)
+    f0 = rng.standard_normal(n) + member
+    f0[[3, 7]] = np.nan
+    for iters in (1, 3, 10):
+        np.testing.assert_allclose(E.em_mia_scores(R, f0, iters=iters), numpy_em(R, f0, iters), atol=1e-12)
+    # degenerate pseudo-labels (all f equal -> no member above the median) -> NaN AUCs -> f = 0
+    np.testing.assert_array_equal(E.em_mia_scores(R, np.ones(n), iters=2), np.zeros(n))
+
+
+def test_average_ranks_match_scipy():
+    from scipy.stats import rankdata
+
+    a = np.round(np.random.default_rng(1).standard_normal((5, 30)), 1)
+    np.testing.assert_array_equal(E.average_ranks(a), rankdata(a, axis=1))
+
+
+# ------------------------------------------------------------------------------------------------ MoPe
+def padded(seqs, t=64):
+    tok, val = np.zeros((len(seqs), t), np.int32), np.zeros((len(seqs), t), bool)
+    for r, x in enumerate(seqs):
+        tok[r, :len(x)], val[r, :len(x)] = x, True
+    return tok, val
+
+
+def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, ref_logits):
+    model = tiny_model
+    toks = [e.tokens for e in data[:4]]
+    tok, val = padded(toks)
+    key, n, sigma = jax.random.PRNGKey(7), 5, 0.05
+    # chunk 2 pads the 5 copies to 6 (the extra one is dropped); chunk 5 vmaps all copies at once
+    scores = {c: np.asarray(jitted_mope(model, n, sigma, c)(key, model.params, tok, val)) for c in (2, 5)}
+    # explicit loop over perturbed copies, same keys, NumPy log-softmax
+    leaves, treedef = jax.tree_util.tree_flatten(model.params)
+    offsets = np.cumsum([0] + [l.size for l in leaves])
+
+    @jax.jit
+    def noisy(k):  # one flat N(0, 1) draw per model, cut into the leaves in tree order
+        z = jax.random.normal(k, (int(offsets[-1]),))
+        return [l + sigma * z[a:b].reshape(l.shape) for l, a, b in zip(leaves, offsets[:-1], offsets[1:])]
+    losses = []
+    for k in jax.random.split(key, n):
+        p = jax.tree_util.tree_unflatten(treedef, noisy(k))
+        losses.append([-np_ll(ref_logits, x, params=p) for x in toks])
+    l0 = np.array([-np_ll(ref_logits, x) for x in toks])
+    want = np.mean(losses, axis=0) - l0
+    for c, s in scores.items():
+        np.testing.assert_allclose(s, want, atol=2e-4, err_msg=f"chunk={c}")
+    np.testing.assert_allclose(scores[2], scores[5], atol=1e-5)
+    # registered attack: key from the seed and the same n models in every batch, so batching changes nothing:
+    # length-sorted batches of 4 (token budget 1280 / chunk 5 / length 64) vs the examples in file order
+    fn = jitted_mope(model, n, sigma, 5)
+    direct = np.concatenate([np.asarray(fn(jax.random.PRNGKey(0), model.params, *padded([e.tokens for e in part])))
+                             for part in (data[:4], data[4:])])
+    ctx = ctx_for(model, data)
+    ctx.settings = ScoringSettings(progress=False, min_bucket=32, token_budget=1280)
+    np.testing.assert_allclose(get("mope").fn(ctx, n=n, sigma=sigma, chunk=5), direct, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ reference model
+@pytest.fixture(scope="module")
+def other_ref_dir(tmp_path_factory):
+    """A tiny GPT-NeoX with its own, different BPE vocabulary."""
+    from transformers import GPTNeoXConfig
+
+    from conftest import build_tiny_tokenizer
+    from hf_tiny import save_tiny
+
+    path = tmp_path_factory.mktemp("ref_other")
+    tok = build_tiny_tokenizer(path, vocab_size=290)
+    save_tiny(GPTNeoXConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=64), path, seed=5)
+    return path
+
+
+def test_ref_same_model_is_zero_and_other_matches_numpy(tiny_model, tiny_neox_dir, other_ref_dir, data):
+    import mia.models as mm
+
+    np.testing.assert_allclose(get("ref").fn(ctx_for(tiny_model, data, ref_model=str(tiny_neox_dir))), 0, atol=1e-5)
+    ref = mm.load(other_ref_dir)
+    # token-id examples: decoded with the target tokenizer, re-tokenized with the reference one, noted
+    tok_only = [Example(e.id, tokens=e.tokens, label=e.label) for e in data]
+    ctx = ctx_for(tiny_model, tok_only, ref_model=str(other_ref_dir))
+    got = get("ref").fn(ctx)
+    ll_t = np.asarray(get("loss").fn(ctx), np.float64)
+    fn = jax.jit(ref.logits)
+    want = []
+    for e in data:
+        ids = np.asarray(ref.tokenizer(tiny_model.tokenizer.decode(e.tokens.tolist()))["input_ids"])[:64]
+        tok = np.zeros((1, 64), np.int32)
+        tok[0, :len(ids)] = ids
+        lp = log_softmax(np.asarray(fn(ref.params, tok), np.float64)[0])
+        want.append(np.mean([lp[i - 1, ids[i]] for i in range(1, len(ids))]))
+    np.testing.assert_allclose(got, ll_t - np.array(want), rtol=1e-4, atol=1e-5)
+    assert any("re-tokenized with the reference" in n and "decoded with the target" in n for n in ctx.notes)
+
+
+def test_ref_refuses_missing_model(tiny_model, data, tmp_path):
+    with pytest.raises(AttackError, match="--ref-model DIR"):
+        get("ref").fn(ctx_for(tiny_model, data))
+    with pytest.raises(AttackError, match="not found"):
+        get("ref").fn(ctx_for(tiny_model, data, ref_model=str(tmp_path / "missing")))
