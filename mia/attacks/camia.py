@@ -1,0 +1,245 @@
+"""CAMIA (Chang et al., "Context-Aware Membership Inference Attacks against Pre-trained LLMs"), ALGORITHMS.md section 2.
+
+75 signals in 11 groups per example (``FEATURE_NAMES``, ``FEATURE_GROUPS``; definitions in ``camia_signals``):
+  7 keys {loss, ppl, count_above, lz, count_mean, cal_loss, cal_ppl} x 3 variants x {base, Rep1, Rep2}  = 63
+  token_diversity, slope, ApEn, count_above_pre (CBPM), 3 variants each                                = 12
+Rep1 = key(copy_0) - key(copy_1), Rep2 = key(copy_0) - key(copy_2), where the copies are located in one pass over the
+6x repeated text ``X + (" " + X) * 5`` (``locate_copies``); slope and ApEn use that pass's whole log-prob series.
+Texts longer than the context are scored with mimir's sliding window (window = context, stride = half).
+
+Orientation (label-free, the paper's hypotheses; smaller = member after it): negate loss, cal_loss, slope (code values
+are log-probs; the paper's units are losses) and CB, CBM, CBPM (higher = member); keep ppl, cal_ppl, LZ, ApEn. Rep
+differences take their base key's sign. token_diversity is UNCONFIRMED in the sources; we default to LOWER diversity =
+member (``diversity="low"``): repetitive texts have low loss (the paper's reason for f_Cal), so low diversity points
+the same way as the loss signals; ``diversity="high"`` flips it. (The official code orients every key with the
+ground-truth labels of the whole dataset; we do not, as that leaks labels.)
+
+``camia``: each signal's empirical p-value against a calibration set of non-members (partition "calib" /
+--calib-data), p = percentileofscore(calib, f, kind='rank')/100 (the code's form; the paper's is #<= / M, equal
+without ties), combined over the 75 signals by ``method``:
+  edgington  mean p (the code's "agg"; the sum p_E ranks identically)
+  fisher / pearson / george  scipy.stats.combine_pvalues (george = 'mudholkar_george'), after replacing exact p = 0
+             by 1e-10 and p = 1 by 1 - 1e-10.
+Score = -p_combined: HIGHER = MEMBER. The calibration set must hold at least ``min_calib`` (default 20, never less
+than 10) examples whose 75 signals are all defined: p-values then live on a grid of 1/(2M) <= 1/40.
+
+``camia_lr``: logistic regression on group-PCA features (App. B), trained on the labelled "train" partition
+(--train-data): per group PCA(components) fitted on the training columns (centred, not scaled), concatenated;
+LogisticRegression(solver='liblinear', max_iter=5000); score = predict_proba[:, 1] (higher = member). The paper's best
+is components = 2 (Table 14); the released script uses 1.
+
+Examples whose signals cannot all be computed (fewer than 4 tokens, or copies not found in the repeated text) get a
+NaN score and a note. sklearn and scipy are imported lazily (host-side statistics only).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..scoring import compute_token_stats, example_key
+from . import camia_signals as cs
+from .mink import pow2
+from .registry import AttackError, register
+
+KEYS = ("loss", "ppl", "count_above", "lz", "count_mean", "cal_loss", "cal_ppl")
+GROUPS = KEYS + ("token_diversity", "slope", "apen", "count_above_pre")
+_CUT_NAMES = ("T*", "200", "300")
+_VARIANTS = {
+    "loss": _CUT_NAMES, "ppl": _CUT_NAMES, "count_above": tuple(f"tau{t}" for t in cs.TAUS),
+    "lz": tuple(f"bins{b}" for b in cs.LZ_BINS), "count_mean": _CUT_NAMES, "cal_loss": _CUT_NAMES,
+    "cal_ppl": _CUT_NAMES, "token_diversity": _CUT_NAMES, "slope": tuple(str(c) for c in cs.REP_CUTS),
+    "apen": tuple(str(c) for c in cs.REP_CUTS), "count_above_pre": ("inf", "200", "300"),
+}
+# +1: smaller = member already; -1: negate. token_diversity is set by the `diversity` parameter.
+_SIGN = {"loss": -1, "ppl": 1, "count_above": -1, "lz": 1, "count_mean": -1, "cal_loss": -1, "cal_ppl": 1,
+         "token_diversity": 1, "slope": -1, "apen": 1, "count_above_pre": -1}
+
+
+def _feature_table():
+    names, groups = [], []
+    for g, key in enumerate(GROUPS):
+        parts = ("", "rep1_", "rep2_") if key in KEYS else ("",)
+        for part in parts:
+            for v in _VARIANTS[key]:
+                names.append(f"{part}{key}@{v}")
+                groups.append(g)
+    return tuple(names), np.array(groups)
+
+
+FEATURE_NAMES, FEATURE_GROUPS = _feature_table()
+assert len(FEATURE_NAMES) == 75 and len(GROUPS) == 11
+METHODS = ("edgington", "fisher", "pearson", "george")
+MIN_CALIB_FLOOR = 10
+REPEATS = 6
+
+
+def repeated_text(text: str) -> str:
+    """X + (" " + X) * 5: six copies."""
+    return text + (" " + text) * (REPEATS - 1)
+
+
+def orientation(diversity: str = "low") -> np.ndarray:
+    """[75] signs that make every raw signal smaller = member."""
+    if diversity not in ("low", "high"):
+        raise AttackError(f"attack camia: diversity must be 'low' or 'high' (which diversity is member-like), got {diversity!r}")
+    sign = dict(_SIGN, token_diversity=1 if diversity == "low" else -1)
+    return np.array([sign[GROUPS[g]] for g in FEATURE_GROUPS], np.float64)
+
+
+# ------------------------------------------------------------------------------------------------ signals
+def repeated_logprobs(model, rep_id_lists, settings, max_length: int) -> list:
+    """Log-prob series of each repeated text (mimir's sliding window when longer than ``max_length``)."""
+    plans = [cs.window_plan(len(r), max_length) for r in rep_id_lists]
+    windows = [np.asarray(r[b:e], np.int32) for r, plan in zip(rep_id_lists, plans) for b, e, _ in plan]
+    stats = compute_token_stats(model, windows, settings, desc="camia: repeated texts")
+    out, j = [], 0
+    for plan in plans:
+        parts = []
+        for _, _, keep in plan:
+            lp = stats[j]["logprob"]
+            parts.append(lp[len(lp) - keep:])
+            j += 1
+        out.append(np.concatenate(parts).astype(np.float32))
+    return out
+
+
+def raw_features(x_list, ids_list, xrep_list, copies_list) -> np.ndarray:
+    """[N, 75] signals in the code's units (not yet oriented), in the order of FEATURE_NAMES.
+
+    x_list: original log-prob series (T-1); ids_list: original token ids (T); xrep_list: the repeated text's series;
+    copies_list: per example a list of three copy series (copy_0, copy_1, copy_2), or None (row becomes NaN).
+    """
+    n = len(x_list)
+    ok = np.array([c is not None for c in copies_list])
+    copies = [c if c is not None else [x, x, x] for c, x in zip(copies_list, x_list)]
+    series = list(x_list) + [c[k] for k in range(3) for c in copies]  # 4N rows: base, copy_0, copy_1, copy_2
+    f32, i32 = np.float32, np.int32
+    keys = cs.map_rows(cs.series_keys, (series, f32)).astype(np.float64).reshape(4, n, 12)
+    lz = np.array([[cs.lempel_ziv(s[:200], b) for b in cs.LZ_BINS] for s in series], np.float64).reshape(4, n, 3)
+    orig = cs.map_rows(cs.original_keys, (x_list, f32), (ids_list, i32)).astype(np.float64)
+    d, cbpm = orig[:, 0:3], orig[:, 3:6]
+    rep = cs.map_rows(cs.repeat_keys, ([r[: max(cs.REP_CUTS)] for r in xrep_list], f32)).astype(np.float64)
+
+    def key_block(s):  # s in 0..3 (base, copies) -> dict key -> [N, 3]
+        k = keys[s]
+        blk = {"loss": k[:, 0:3], "ppl": k[:, 3:6], "count_above": k[:, 6:9], "lz": lz[s], "count_mean": k[:, 9:12]}
+        blk["cal_loss"] = blk["loss"] / d
+        blk["cal_ppl"] = blk["ppl"] / d
+        return blk
+
+    base, c0, c1, c2 = (key_block(s) for s in range(4))
+    cols = []
+    for key in KEYS:
+        cols += [base[key], c0[key] - c1[key], c0[key] - c2[key]]
+    cols += [d, rep[:, 0:3], rep[:, 3:6], cbpm]
+    out = np.concatenate(cols, axis=1)
+    out[~ok] = np.nan
+    return out
+
+
+def features(ctx, examples, stats, what: str) -> np.ndarray:
+    """[N, 75] raw signals of ``examples`` (memoized on the context by token content)."""
+    memo = ctx.options.setdefault("_camia_features", {})
+    key = tuple(example_key(e.tokens) for e in examples)
+    if key in memo:
+        return memo[key]
+    tok = ctx.model.tokenizer
+    if tok is None:
+        raise AttackError("attack camia: the model directory has no tokenizer (needed to tokenize the repeated text)")
+    texts = ctx.texts(examples)
+    rep_ids = [np.asarray(tok(repeated_text(t))["input_ids"], np.int32) for t in texts]
+    max_length = int(ctx.options.get("max_length") or ctx.model.max_length)
+    xrep = repeated_logprobs(ctx.model, rep_ids, ctx.settings, max_length)
+    x_list = [np.asarray(s["logprob"], np.float32) for s in stats]
+    copies, failed = [], 0
+    for e, r, xr in zip(examples, rep_ids, xrep):
+        found = cs.locate_copies(e.tokens, r) if len(e.tokens) >= 4 else None
+        if found is None:
+            copies.append(None)
+            failed += 1
+            continue
+        starts, length = found
+        copies.append([xr[s - 1 : s - 1 + length] for s in starts])
+    if failed:
+        ctx.notes.append(f"camia: {failed} {what} example(s) have fewer than 4 tokens or their copies were not found "
+                         f"in the repeated text; their signals are undefined (NaN)")
+    out = raw_features(x_list, [np.asarray(e.tokens) for e in examples], xrep, copies)
+    memo[key] = out
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ combination
+def combine(p_nf: np.ndarray, method: str) -> np.ndarray:
+    """[N, F] p-values -> [N] combined p (small = member). edgington: mean p; others: scipy after clipping."""
+    p = np.asarray(p_nf, np.float64)
+    if method == "edgington":
+        return p.mean(axis=1)
+    from scipy.stats import combine_pvalues
+
+    p = np.where(p == 0.0, 1e-10, np.where(p == 1.0, 1 - 1e-10, p))
+    scipy_name = {"fisher": "fisher", "pearson": "pearson", "george": "mudholkar_george"}[method]
+    return np.asarray(combine_pvalues(p, method=scipy_name, axis=1).pvalue, np.float64)
+
+
+def _finite_rows(f: np.ndarray) -> np.ndarray:
+    return np.isfinite(f).all(axis=1)
+
+
+@register("camia", needs=("stats", "model", "text", "calib"), method="edgington", min_calib=20, diversity="low")
+def _camia(ctx, *, method: str, min_calib: int, diversity: str) -> np.ndarray:
+    """CAMIA: 75 context-aware signals, empirical p-values vs calibration non-members, combined; -p (higher = member)."""
+    if method not in METHODS:
+        raise AttackError(f"attack camia: unknown method {method!r}; valid: {', '.join(METHODS)}")
+    if min_calib < MIN_CALIB_FLOOR:
+        raise AttackError(f"attack camia: min_calib must be at least {MIN_CALIB_FLOOR}, got {min_calib}")
+    sign = orientation(diversity)
+    calib = ctx.partition("calib", min_calib, flag="--calib-data")
+    f_eval = features(ctx, ctx.examples, ctx.stats(), "evaluated") * sign
+    f_cal = features(ctx, calib, ctx.stats_for(calib, desc="camia: calibration"), "calibration") * sign
+    f_cal = f_cal[_finite_rows(f_cal)]
+    if len(f_cal) < min_calib:
+        raise AttackError(f"attack camia: only {len(f_cal)} of {len(calib)} calibration examples have all 75 signals; "
+                          f"needs at least min_calib={min_calib}")
+    ok = _finite_rows(f_eval)
+    n = len(f_eval)
+    target = np.zeros((pow2(n), f_eval.shape[1]), np.float32)  # power-of-two rows: fewer compiles
+    target[:n] = np.where(ok[:, None], f_eval, 0.0)
+    p = np.asarray(cs.empirical_pvalues(target, f_cal.astype(np.float32)))[:n]
+    score = -combine(p, method)
+    score[~ok] = np.nan
+    return score
+
+
+@register("camia_lr", needs=("stats", "model", "text", "train"), components=2, diversity="low")
+def _camia_lr(ctx, *, components: int, diversity: str) -> np.ndarray:
+    """CAMIA signals -> per-group PCA -> logistic regression trained on labelled --train-data (higher = member)."""
+    from sklearn.decomposition import PCA
+    from sklearn.linear_model import LogisticRegression
+
+    if not 1 <= components <= 3:
+        raise AttackError(f"attack camia_lr: components must be 1, 2 or 3 (the smallest group has 3 signals), got {components}")
+    sign = orientation(diversity)
+    train = [e for e in (ctx.partitions.get("train") or []) if e.label in (0, 1)]
+    counts = [sum(e.label == c for e in train) for c in (0, 1)]
+    if min(counts) == 0:
+        raise AttackError(f"attack camia_lr needs a labelled 'train' partition with both members and non-members "
+                          f"(give --train-data FILE with label 0/1); got {counts[1]} member(s), {counts[0]} non-member(s)")
+    f_tr = features(ctx, train, ctx.stats_for(train, desc="camia: training"), "training") * sign
+    y = np.array([e.label for e in train])
+    keep = _finite_rows(f_tr)
+    f_tr, y = f_tr[keep], y[keep]
+    if len(set(y.tolist())) < 2 or len(y) < max(2, components):
+        raise AttackError(f"attack camia_lr: after dropping examples with undefined signals, {len(y)} training "
+                          f"example(s) remain ({int(y.sum())} member(s)); need both classes and at least {max(2, components)}")
+    f_ev = features(ctx, ctx.examples, ctx.stats(), "evaluated") * sign
+    ok = _finite_rows(f_ev)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a constant group (zero variance) is harmless here
+        pcas = [PCA(n_components=components).fit(f_tr[:, FEATURE_GROUPS == g]) for g in range(len(GROUPS))]
+
+    def project(f):
+        return np.concatenate([pca.transform(f[:, FEATURE_GROUPS == g]) for g, pca in enumerate(pcas)], axis=1)
+
+    clf = LogisticRegression(solver="liblinear", max_iter=5000).fit(project(f_tr), y)
+    score = np.full(len(f_ev), np.nan)
+    if ok.any():
+        score[ok] = clf.predict_proba(project(f_ev[ok]))[:, 1]
+    return score
