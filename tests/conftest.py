@@ -52,3 +52,11 @@ def tiny_model(tiny_neox_dir):
     import mia.models as mm
 
     return mm.load(tiny_neox_dir)
+
+
+@pytest.fixture(scope="session")
+def smoke_testbed(tmp_path_factory):
+    """The smoke-preset testbed (mia.testbed), built once per session (~20-30 s on 2 cores)."""
+    from mia.testbed import build_testbed
+
+    return build_testbed("smoke", tmp_path_factory.mktemp("testbed_smoke"), progress=False)

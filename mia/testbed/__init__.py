@@ -1,0 +1,13 @@
+"""A small Pythia-architecture model trained with a recorded data order and checkpoints, for checkpoint MIAs.
+
+``build_testbed("smoke", out_dir)`` (or ``python -m mia.testbed --preset smoke --out DIR``) trains a byte-level BPE
+tokenizer on a corpus (the Python standard library by default), packs the corpus into rows of ``seq_len + 1``
+tokens joined with EOD = 0 as Pythia does, shuffles the rows with a seeded permutation, and trains a GPT-NeoX model
+on them in order: step ``s`` sees rows ``[s*B, (s+1)*B)`` and checkpoint ``step{N}`` has seen rows ``[0, N*B)``.
+See ``build`` for the directory layout and ``config.PRESETS`` for the presets.
+"""
+from .build import Testbed, build_testbed, model_config, open_testbed
+from .config import PRESETS, TestbedConfig, TestbedError, preset
+
+__all__ = ["PRESETS", "Testbed", "TestbedConfig", "TestbedError", "build_testbed", "model_config", "open_testbed",
+           "preset"]

@@ -1,0 +1,68 @@
+"""``python -m mia.testbed --preset smoke --out DIR``: build (or resume, or reuse) a testbed."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from .config import PRESETS, TestbedConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mia.testbed",
+                                description="Train a small Pythia-architecture model with a recorded data order and "
+                                            "checkpoints. Rerunning resumes an interrupted build or reuses a finished one.")
+    p.add_argument("--preset", default="smoke", choices=sorted(PRESETS), help="size preset (default: smoke)")
+    p.add_argument("--out", default=None, help="testbed directory (default: testbeds/<preset>)")
+    p.add_argument("--corpus", default=None, help="directory of .txt/.md/.py files, or a .jsonl/.parquet file "
+                                                  "(default: this Python's standard library)")
+    p.add_argument("--text-column", default=None, help="text field of a .jsonl/.parquet corpus (default: text)")
+    for f in dataclasses.fields(TestbedConfig):
+        if f.name in ("preset", "corpus", "text_column", "checkpoints"):
+            continue
+        typ = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), float)
+        p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--checkpoints", default=None, help="extra checkpoint steps, comma-separated (0 and the last are always saved)")
+    p.add_argument("--memorize-epochs", type=int, default=0,
+                   help="memorization dial: after the last checkpoint, train E more epochs on a fixed member subset "
+                        "only, saved as checkpoints/step{N}-mem{E}-{hash}/ (non-members stay unseen)")
+    p.add_argument("--memorize-rows", type=int, default=256, help="size of that member subset (default 256)")
+    p.add_argument("--save-every", type=int, default=50, help="steps between resume states (default 50)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from . import build_testbed
+
+    overrides = {}
+    for f in dataclasses.fields(TestbedConfig):
+        v = getattr(args, f.name, None)
+        if f.name not in ("preset", "checkpoints") and v is not None:
+            overrides[f.name] = v
+    if args.checkpoints:
+        overrides["checkpoints"] = tuple(int(s) for s in args.checkpoints.split(",") if s.strip())
+    t0 = time.perf_counter()
+    try:
+        tb = build_testbed(args.preset, args.out, progress=not args.no_progress, save_every=args.save_every,
+                           memorize_epochs=args.memorize_epochs, memorize_rows=args.memorize_rows, **overrides)
+    except (ValueError, FileNotFoundError) as e:
+        if args.debug:
+            raise
+        print(f"error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume from the last saved state", file=sys.stderr)
+        return 130
+    print(tb.summary())
+    if tb.memorized is not None:
+        print(f"memorized checkpoint: {tb.memorized}")
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,349 @@
+"""Build (or reuse, or resume) a testbed directory and open it as a :class:`Testbed`.
+
+Layout of ``out_dir``::
+
+    testbed.json               manifest: config + config_hash, corpus / tokenizer / order / checkpoint hashes, stages
+    corpus.json                every corpus document's path and sha256
+    tokenizer.json, tokenizer_config.json    (AutoTokenizer.from_pretrained(out_dir) loads it; id 0 = EOD)
+    data/order.bin, .idx       the training order (Megatron indexed, uint16 rows of seq_len + 1 tokens)
+    data/order.perm.npy        order[i] = packed row at training position i
+    checkpoints/step{N}/       HF directories (transformers loads them) + train_state.safetensors; step0 = init
+    checkpoints/step{c}-mem{E}-{h}/   the memorization dial's checkpoints (see Testbed.memorize)
+    train_log.jsonl, loss.png  per-step loss / lr / grad norm, and its plot
+    resume/                    the latest training state between checkpoints
+
+Every stage records itself in ``testbed.json`` when done, so an interrupted build resumes where it stopped;
+a complete testbed with the same config hash is reused without retraining.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..data.splits import file_record
+from .config import FORMAT, TestbedConfig, TestbedError, preset as get_preset
+from .tokenizer import EOD_ID
+
+MANIFEST = "testbed.json"
+DEFAULT_ROOT = "testbeds"
+
+
+def _sha_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def model_config(cfg: TestbedConfig, vocab_size: int):
+    from ..models.gpt_neox import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=int(vocab_size), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, intermediate_size=cfg.ffn_size, rotary_pct=cfg.rotary_pct,
+                         max_position_embeddings=2048, bos_token_id=EOD_ID, eos_token_id=EOD_ID)
+
+
+@dataclasses.dataclass
+class Testbed:
+    """A built testbed directory. ``load_model(step)`` gives a ``mia.models.Model`` of checkpoint ``step``."""
+
+    root: Path
+    config: TestbedConfig
+    manifest: dict
+    memorized: Optional[Path] = None  # the dial's checkpoint made by build_testbed(memorize_epochs=E)
+
+    # -- data
+    @property
+    def data_prefix(self) -> Path:
+        return self.root / "data" / "order"
+
+    def dataset(self):
+        from ..data.indexed import IndexedDataset
+
+        return IndexedDataset(self.data_prefix)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.manifest["data"]["n_rows"])
+
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch_size
+
+    @property
+    def row_len(self) -> int:
+        return self.config.row_len
+
+    @property
+    def epoch_steps(self) -> int:
+        """Whole steps in one pass over the order: the first epoch is steps [0, epoch_steps)."""
+        return self.n_rows // self.batch_size
+
+    @property
+    def train_steps(self) -> int:
+        return self.config.train_steps
+
+    # -- checkpoints
+    @property
+    def steps(self) -> list:
+        from .train import saved_steps
+
+        return saved_steps(self.root)
+
+    def checkpoint_dir(self, step: Optional[int] = None, create: bool = True) -> Path:
+        """Directory of checkpoint ``step`` (default: the last). A step <= train_steps that was not saved is
+        re-created by training from the nearest earlier saved state (the order is fixed, so it is exact)."""
+        from .train import checkpoint_dir
+
+        step = self.train_steps if step is None else int(step)
+        if step < 0 or step > self.train_steps:
+            raise TestbedError(f"checkpoint step {step} is beyond the run: it trained {self.train_steps} steps "
+                               f"(checkpoints: {', '.join(map(str, self.steps))})")
+        path = checkpoint_dir(self.root, step)
+        if not path.is_dir():
+            if not create:
+                raise TestbedError(f"no checkpoint at step {step}; saved: {', '.join(map(str, self.steps))}")
+            self._train(until=step, extra_saves=(step,), progress=True)
+        return path
+
+    def load_model(self, step: Optional[int] = None, dtype: str = "float32"):
+        from ..models import load
+
+        return load(self.checkpoint_dir(step), dtype=dtype)
+
+    def tokenizer(self):
+        from .tokenizer import load_tokenizer
+
+        return load_tokenizer(self.root)
+
+    def checkpoint_hash(self, step: Optional[int] = None) -> str:
+        return _sha_file(self.checkpoint_dir(step) / "model.safetensors")
+
+    def _train(self, until=None, extra_saves=(), progress=True, save_every=50, stop_after=None):
+        from ..models import from_config
+        from .train import train
+        import jax
+
+        tok = self.tokenizer()
+        model = from_config(model_config(self.config, len(tok)), tokenizer=tok,
+                            key=jax.random.PRNGKey(self.config.seed))
+        return train(model, self.config, self.dataset(), self.root, until=until, save_every=save_every,
+                     progress=progress, stop_after=stop_after, extra_saves=extra_saves)
+
+    # -- memorization dial
+    def memorize(self, rows, epochs: int, step: Optional[int] = None, seed: int = 0, progress: bool = True) -> Path:
+        """Checkpoint ``step`` (default: last) trained ``epochs`` more passes over training rows ``rows`` only.
+
+        ``rows``: row indices of the order, all < step * batch_size (rows the checkpoint has already seen, so they
+        stay members; every other row stays unseen). Saved as ``checkpoints/step{c}-mem{E}-{hash}/`` with
+        ``memorize.json`` (rows, epochs, seed, lr, per-epoch loss) and reused when asked again.
+        """
+        from ..models import load, save
+
+        step = self.train_steps if step is None else int(step)
+        idx = np.asarray(sorted({int(r) for r in rows}), np.int64)
+        if epochs <= 0:
+            return self.checkpoint_dir(step)
+        if idx.size == 0:
+            raise TestbedError("the memorization dial needs at least one member row")
+        hi = step * self.batch_size
+        if idx.min() < 0 or idx.max() >= hi:
+            raise TestbedError(f"memorized rows must be members of checkpoint step{step}: indices in [0, {hi}), "
+                               f"got [{idx.min()}, {idx.max()}]")
+        lr = self.config.memorize_lr or self.config.lr
+        h = hashlib.sha256(idx.tobytes() + f"|{epochs}|{seed}|{lr}".encode()).hexdigest()[:10]
+        out = self.root / "checkpoints" / f"step{step}-mem{epochs}-{h}"
+        if (out / "memorize.json").exists():
+            return out
+        from .train import memorize as run_memorize
+
+        base = load(self.checkpoint_dir(step))
+        params, log = run_memorize(base, base.params, self.config, self.dataset().get_rows(idx), epochs, seed=seed,
+                                   progress=progress, lr=lr)
+        tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+        save(dataclasses.replace(base, params=params), tmp)
+        _write_json(tmp / "memorize.json", {"base_step": step, "epochs": int(epochs), "seed": int(seed), "lr": lr,
+                                            "n_rows": int(idx.size), "rows": idx.tolist(), "log": log})
+        os.replace(tmp, out)
+        return out
+
+    def default_memorize_rows(self, n: int, step: Optional[int] = None, seed: int = 0) -> np.ndarray:
+        """``n`` seeded member rows of checkpoint ``step`` (the fixed subset of ``python -m mia.testbed``)."""
+        step = self.train_steps if step is None else int(step)
+        hi = step * self.batch_size
+        if n > hi:
+            raise TestbedError(f"asked to memorize {n} rows but step{step} has seen only {hi}")
+        return np.sort(np.random.default_rng([int(seed), 0x3E3]).choice(hi, size=n, replace=False))
+
+    def summary(self) -> str:
+        m = self.manifest
+        return (f"testbed {self.root} (preset {self.config.preset}, config {self.config.config_hash}): "
+                f"{m['corpus']['n_documents']} documents, {m['data']['n_rows']} rows of {self.row_len} tokens "
+                f"({self.epoch_steps} steps/epoch at batch {self.batch_size}), trained {self.train_steps} steps, "
+                f"checkpoints {', '.join(map(str, self.steps))}")
+
+
+def open_testbed(path) -> Testbed:
+    """Open a complete testbed directory (no building)."""
+    root = Path(path)
+    mf = root / MANIFEST
+    if not mf.exists():
+        raise TestbedError(f"{root}: not a testbed (no {MANIFEST}); build one with python -m mia.testbed")
+    m = json.loads(mf.read_text())
+    if not m.get("complete"):
+        raise TestbedError(f"{root}: testbed build is incomplete; rerun python -m mia.testbed --out {root} to finish it")
+    cfg = TestbedConfig(**{**m["config"], "checkpoints": tuple(m["config"]["checkpoints"])})
+    return Testbed(root, cfg, m)
+
+
+def _check_complete(root: Path, m: dict) -> Optional[str]:
+    """None when every file a complete testbed needs is there, else what is missing."""
+    for rel in ("tokenizer.json", "data/order.bin", "data/order.idx"):
+        if not (root / rel).exists():
+            return rel
+    if os.path.getsize(root / "data/order.bin") != m["data"]["bin"]["bytes"]:
+        return "data/order.bin (size changed)"
+    for s in m.get("checkpoints", {}):
+        if not (root / "checkpoints" / f"step{s}" / "model.safetensors").exists():
+            return f"checkpoints/step{s}"
+    return None
+
+
+def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True, save_every: int = 50,
+                  stop_after: Optional[int] = None, memorize_epochs: int = 0, memorize_rows: int = 256,
+                  **overrides) -> Testbed:
+    """Build the testbed of ``preset`` (with ``overrides`` of :class:`TestbedConfig` fields) in ``out_dir``
+    (default ``testbeds/<preset>``), or reuse / resume the one already there.
+
+    ``memorize_epochs`` > 0 also makes the memorization dial's checkpoint over ``memorize_rows`` seeded member
+    rows of the last checkpoint (``Testbed.memorized`` holds its path). ``stop_after`` stops training after that
+    step (an interruption, for tests); the next call resumes.
+    """
+    from tqdm.auto import tqdm
+
+    cfg = get_preset(preset, **overrides)
+    root = Path(out_dir) if out_dir is not None else Path(DEFAULT_ROOT) / preset
+    root.mkdir(parents=True, exist_ok=True)
+    mf_path = root / MANIFEST
+    m: dict = {}
+    if mf_path.exists():
+        m = json.loads(mf_path.read_text())
+        if m.get("config_hash") != cfg.config_hash:
+            old = m.get("config", {})
+            diff = sorted(k for k in set(old) | set(cfg.hash_dict()) if old.get(k) != cfg.to_dict().get(k) and k != "preset")
+            raise TestbedError(f"{root} holds a testbed with another config (differs in: {', '.join(diff) or '?'}); "
+                               f"use another --out or delete it")
+        if m.get("complete") and _check_complete(root, m) is None:
+            tb = Testbed(root, cfg, m)
+            return _with_memorized(tb, memorize_epochs, memorize_rows, progress)
+    m = {"format": FORMAT, "preset": cfg.preset, "config": cfg.to_dict(), "config_hash": cfg.config_hash,
+         "complete": False, **{k: v for k, v in m.items() if k in ("corpus", "tokenizer", "data", "timings")}}
+    m.setdefault("timings", {})
+    _write_json(mf_path, m)
+    say = (lambda msg: tqdm.write(msg)) if progress else (lambda msg: None)
+
+    # 1. corpus (cheap to re-read; it must not have changed since earlier stages used it)
+    from ..data.corpus import load_corpus
+
+    t0 = time.perf_counter()
+    corpus = load_corpus(cfg.corpus, cfg.text_column, cfg.max_corpus_bytes)
+    if "corpus" in m and m["corpus"]["sha256"] != corpus.sha256:
+        raise TestbedError(f"{root}: the corpus changed since this testbed was started "
+                           f"({m['corpus']['sha256'][:12]} -> {corpus.sha256[:12]}); use another --out")
+    corpus.write_manifest(root / "corpus.json")
+    m["corpus"] = corpus.manifest(with_documents=False) | {"manifest": "corpus.json"}
+    m["timings"]["corpus_s"] = round(time.perf_counter() - t0, 2)
+    say(f"corpus: {len(corpus)} documents, {corpus.n_bytes / 1e6:.1f} MB ({corpus.kind}: {corpus.root})")
+
+    # 2. tokenizer
+    from .tokenizer import encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
+
+    if "tokenizer" in m and (root / "tokenizer.json").exists() and _sha_file(root / "tokenizer.json") == m["tokenizer"]["sha256"]:
+        tok = load_tokenizer(root)
+    else:
+        t0 = time.perf_counter()
+        say(f"training a byte-level BPE tokenizer (vocab {cfg.vocab_size}) ...")
+        tok = train_tokenizer(corpus.texts, cfg.vocab_size)
+        save_tokenizer(tok, root)
+        tok = load_tokenizer(root)
+        m["tokenizer"] = {"path": "tokenizer.json", "sha256": _sha_file(root / "tokenizer.json"),
+                          "vocab_size": len(tok), "eod_id": EOD_ID, "eod_token": "<|endoftext|>"}
+        m["timings"]["tokenizer_s"] = round(time.perf_counter() - t0, 2)
+        m.pop("data", None)  # a new tokenizer invalidates the order
+        _write_json(mf_path, m)
+
+    # 3. packing into the training order
+    from .packing import pack_rows, row_permutation, write_order
+
+    prefix = root / "data" / "order"
+    if not ("data" in m and prefix.with_suffix(".bin").exists()
+            and os.path.getsize(prefix.with_suffix(".bin")) == m["data"]["bin"]["bytes"]):
+        t0 = time.perf_counter()
+        say("tokenizing and packing the corpus ...")
+        docs = encode_documents(tok, corpus.texts)
+        rows = pack_rows(docs, cfg.row_len)
+        order = row_permutation(len(rows), cfg.seed)
+        write_order(prefix, rows, order)
+        n_tokens = sum(len(d) + 1 for d in docs)
+        m["data"] = {"prefix": "data/order", "bin": file_record(prefix.with_suffix(".bin"), full_limit=None),
+                     "idx": file_record(prefix.with_suffix(".idx"), full_limit=None),
+                     "perm_sha256": _sha_file(str(prefix) + ".perm.npy"), "n_rows": int(len(rows)),
+                     "row_len": cfg.row_len, "batch_size": cfg.batch_size, "epoch_steps": int(len(rows) // cfg.batch_size),
+                     "n_tokens": int(n_tokens), "dtype": "uint16", "eod_id": EOD_ID,
+                     "permutation": "numpy.random.default_rng([seed, 0x7E57]).permutation(n_rows)"}
+        for rec in (m["data"]["bin"], m["data"]["idx"]):
+            rec["path"] = os.path.relpath(rec["path"], root)
+        m["timings"]["packing_s"] = round(time.perf_counter() - t0, 2)
+        _write_json(mf_path, m)
+    n_rows, need = m["data"]["n_rows"], cfg.train_steps * cfg.batch_size
+    if n_rows < need:
+        raise TestbedError(f"corpus too small: {len(corpus)} documents made {n_rows} rows of {cfg.row_len} tokens, "
+                           f"but {cfg.train_steps} steps x batch {cfg.batch_size} need {need} rows "
+                           f"(lower train_steps/batch_size or give a larger corpus)")
+    say(f"order: {n_rows} rows of {cfg.row_len} tokens = {n_rows // cfg.batch_size} steps/epoch at batch "
+        f"{cfg.batch_size}; training {cfg.train_steps} steps")
+
+    # 4. training (resumes from the latest saved state)
+    tb = Testbed(root, cfg, m)
+    t0 = time.perf_counter()
+    _, _, reached = tb._train(progress=progress, save_every=save_every, stop_after=stop_after)
+    m["timings"]["train_s"] = round(m["timings"].get("train_s", 0.0) + time.perf_counter() - t0, 2)
+    if reached < cfg.train_steps:
+        _write_json(mf_path, m)
+        return tb  # interrupted on purpose (stop_after); a later call resumes
+    from .train import checkpoint_dir, plot_losses
+
+    m["checkpoints"] = {str(s): {"path": f"checkpoints/step{s}",
+                                 "sha256": _sha_file(checkpoint_dir(root, s) / "model.safetensors")}
+                        for s in cfg.checkpoint_steps}
+    recs = [json.loads(l) for l in (root / "train_log.jsonl").read_text().splitlines() if l.strip()]
+    tail = [r["loss"] for r in recs[-max(1, len(recs) // 20):]]
+    m["train"] = {"steps": cfg.train_steps, "final_loss": float(np.mean(tail)) if tail else None,
+                  "first_loss": recs[0]["loss"] if recs else None, "log": "train_log.jsonl", "plot": "loss.png"}
+    plot_losses(root / "train_log.jsonl", root / "loss.png", cfg.checkpoint_steps,
+                title=f"testbed {cfg.preset} ({cfg.config_hash})")
+    m["complete"] = True
+    _write_json(mf_path, m)
+    tb = Testbed(root, cfg, m)
+    return _with_memorized(tb, memorize_epochs, memorize_rows, progress)
+
+
+def _with_memorized(tb: Testbed, epochs: int, n_rows: int, progress: bool) -> Testbed:
+    tb.memorized = None
+    if epochs and epochs > 0:
+        tb.memorized = tb.memorize(tb.default_memorize_rows(n_rows), epochs, progress=progress)
+    return tb

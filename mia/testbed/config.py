@@ -1,0 +1,125 @@
+"""Testbed configuration: a frozen dataclass, named presets, and the hash that identifies a built testbed."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Optional
+
+FORMAT = "mia-testbed/1"
+
+
+class TestbedError(ValueError):
+    """A testbed that cannot be built or used as asked; the message is one line meant for the user."""
+
+    __test__ = False  # not a pytest class
+
+
+@dataclasses.dataclass(frozen=True)
+class TestbedConfig:
+    """Everything that determines the trained checkpoints (and so enters ``config_hash``)."""
+
+    preset: str = "custom"
+    # corpus
+    corpus: Optional[str] = None  # None = the Python standard library; or a directory / .jsonl / .parquet
+    text_column: str = "text"
+    max_corpus_bytes: Optional[int] = None  # first documents (path order) up to this many UTF-8 bytes
+    # tokenizer and packing
+    vocab_size: int = 2048
+    seq_len: int = 128  # rows hold seq_len + 1 tokens (input row[:-1], labels row[1:]), as Pythia's 2049
+    # model (GPT-NeoX / Pythia architecture)
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: Optional[int] = None  # default 4 * hidden_size
+    rotary_pct: float = 0.25
+    # optimisation (AdamW, linear warmup then cosine decay to min_lr_ratio * lr)
+    batch_size: int = 32
+    train_steps: int = 400
+    checkpoints: tuple = ()  # extra checkpoint steps; step 0 (init) and train_steps are always saved
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 40
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0  # model init and row permutation
+    # memorization dial (continue after a checkpoint on a fixed member subset only; see Testbed.memorize)
+    memorize_lr: Optional[float] = None  # constant learning rate of the dial (default: lr)
+
+    def __post_init__(self):
+        object.__setattr__(self, "checkpoints", tuple(sorted({int(s) for s in self.checkpoints})))
+        problems = []
+        for name in ("vocab_size", "seq_len", "hidden_size", "num_layers", "num_heads", "batch_size", "train_steps"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % max(self.num_heads, 1):
+            problems.append(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
+        if self.vocab_size < 258 or self.vocab_size > 65535:
+            problems.append(f"vocab_size must be in [258, 65535] (byte alphabet + EOD; uint16 rows), got {self.vocab_size}")
+        bad = [s for s in self.checkpoints if s < 0 or s > self.train_steps]
+        if bad:
+            problems.append(f"checkpoint step(s) {bad} outside [0, train_steps={self.train_steps}]")
+        if self.warmup_steps < 0 or self.lr <= 0:
+            problems.append("warmup_steps must be >= 0 and lr > 0")
+        if problems:
+            raise TestbedError("; ".join(problems))
+
+    @property
+    def row_len(self) -> int:
+        return self.seq_len + 1
+
+    @property
+    def ffn_size(self) -> int:
+        return self.intermediate_size or 4 * self.hidden_size
+
+    @property
+    def checkpoint_steps(self) -> tuple:
+        return tuple(sorted({0, self.train_steps, *self.checkpoints}))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["checkpoints"] = list(self.checkpoints)
+        return d
+
+    def hash_dict(self) -> dict:
+        """The fields that change what is trained (``preset`` is only a name)."""
+        d = self.to_dict()
+        d.pop("preset")
+        return d
+
+    @property
+    def config_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.hash_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def replace(self, **overrides) -> "TestbedConfig":
+        valid = {f.name for f in dataclasses.fields(self)}
+        bad = sorted(set(overrides) - valid)
+        if bad:
+            raise TestbedError(f"unknown testbed option(s) {', '.join(bad)}; valid: {', '.join(sorted(valid))}")
+        return dataclasses.replace(self, **overrides)
+
+
+PRESETS = {
+    # < 60 s on 2 CPU cores from nothing: 0.4 MB of the stdlib, a 0.2M-parameter model
+    "smoke": TestbedConfig(preset="smoke", max_corpus_bytes=800_000, vocab_size=512, seq_len=64, hidden_size=64,
+                           num_layers=2, num_heads=4, batch_size=16, train_steps=100, checkpoints=(50,), lr=3e-3,
+                           warmup_steps=10),
+    # the main job's default: the whole stdlib (~11 MB), a 0.9M-parameter model, ~6 minutes of training on 2 cores
+    "default": TestbedConfig(preset="default", vocab_size=2048, seq_len=128, hidden_size=128, num_layers=2,
+                             num_heads=4, batch_size=32, train_steps=400, checkpoints=(100, 200, 300), lr=2e-3,
+                             warmup_steps=40),
+    # for an accelerator: 25M parameters; give a larger corpus (--corpus) for more than one epoch's worth of steps
+    "large": TestbedConfig(preset="large", vocab_size=8192, seq_len=256, hidden_size=512, num_layers=6, num_heads=8,
+                           batch_size=32, train_steps=200, checkpoints=(50, 100, 150), lr=1e-3, warmup_steps=20),
+}
+
+
+def preset(name: str, **overrides) -> TestbedConfig:
+    if name not in PRESETS:
+        raise TestbedError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    base = PRESETS[name]
+    if "train_steps" in overrides and "checkpoints" not in overrides:  # keep the preset's checkpoints that still fit
+        overrides["checkpoints"] = tuple(s for s in base.checkpoints if s <= int(overrides["train_steps"]))
+    return base.replace(**overrides) if overrides else base

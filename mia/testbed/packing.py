@@ -1,0 +1,41 @@
+"""Pack documents into a Pythia-style training order.
+
+Documents (in corpus order) are each followed by EOD (id 0, no BOS), concatenated, and cut into rows of
+``row_len = seq_len + 1`` tokens (the remainder is dropped). The rows are permuted with
+``numpy.random.default_rng(seed).permutation`` and written with ``mia.data.indexed.write_indexed``: row ``i`` of
+the file is the ``i``-th row of the training order, so step ``s`` trains on rows ``[s*B, (s+1)*B)``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .tokenizer import EOD_ID
+
+
+def pack_rows(docs: Sequence[Sequence[int]], row_len: int, eod: int = EOD_ID) -> np.ndarray:
+    """[n_rows, row_len] uint16 rows of the EOD-joined token stream (in document order, remainder dropped)."""
+    total = sum(len(d) + 1 for d in docs)
+    stream = np.empty(total, np.int64)
+    pos = 0
+    for d in docs:
+        stream[pos:pos + len(d)] = d
+        stream[pos + len(d)] = eod
+        pos += len(d) + 1
+    n_rows = total // row_len
+    return stream[: n_rows * row_len].reshape(n_rows, row_len).astype(np.uint16)
+
+
+def row_permutation(n_rows: int, seed: int) -> np.ndarray:
+    """order[i] = packed row that is the i-th row of the training order."""
+    return np.random.default_rng([int(seed), 0x7E57]).permutation(n_rows)
+
+
+def write_order(prefix, rows: np.ndarray, order: np.ndarray) -> Path:
+    from ..data.indexed import write_indexed
+
+    write_indexed(prefix, rows[order], dtype=np.uint16)
+    np.save(str(prefix) + ".perm.npy", order.astype(np.int64), allow_pickle=False)
+    return Path(str(prefix) + ".bin")
