@@ -404,7 +404,7 @@ def test_bad_input_messages(tiny_model):
         get("camia").fn(ctx, method="edgington", min_calib=5, diversity="low")
     with pytest.raises(AttackError, match="unknown method 'stouffer'; valid: edgington, fisher, pearson, george"):
         get("camia").fn(ctx, method="stouffer", min_calib=10, diversity="low")
-    with pytest.raises(AttackError, match="camia_lr needs a labelled 'train' partition with both members and non-members"):
+    with pytest.raises(AttackError, match="needs a labelled 'train' partition with both members and non-members"):
         get("camia_lr").fn(ctx, components=2, diversity="low")
     one_class = _ctx(tiny_model, ev, train=cal)
     with pytest.raises(AttackError, match="got 0 member"):

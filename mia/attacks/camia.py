@@ -80,7 +80,8 @@ def repeated_text(text: str) -> str:
 def orientation(diversity: str = "low") -> np.ndarray:
     """[75] signs that make every raw signal smaller = member."""
     if diversity not in ("low", "high"):
-        raise AttackError(f"attack camia: diversity must be 'low' or 'high' (which diversity is member-like), got {diversity!r}")
+        raise AttackError(f"attack camia: diversity must be 'low' or 'high' (the member-like token diversity), "
+                          f"got {diversity!r}")
     sign = dict(_SIGN, token_diversity=1 if diversity == "low" else -1)
     return np.array([sign[GROUPS[g]] for g in FEATURE_GROUPS], np.float64)
 
@@ -186,7 +187,7 @@ def _finite_rows(f: np.ndarray) -> np.ndarray:
 
 @register("camia", needs=("stats", "model", "text", "calib"), method="edgington", min_calib=20, diversity="low")
 def _camia(ctx, *, method: str, min_calib: int, diversity: str) -> np.ndarray:
-    """CAMIA: 75 context-aware signals, empirical p-values vs calibration non-members, combined; -p (higher = member)."""
+    """CAMIA: 75 context-aware signals, p-values vs calibration non-members, combined; -p (higher = member)."""
     if method not in METHODS:
         raise AttackError(f"attack camia: unknown method {method!r}; valid: {', '.join(METHODS)}")
     if min_calib < MIN_CALIB_FLOOR:
@@ -216,20 +217,23 @@ def _camia_lr(ctx, *, components: int, diversity: str) -> np.ndarray:
     from sklearn.linear_model import LogisticRegression
 
     if not 1 <= components <= 3:
-        raise AttackError(f"attack camia_lr: components must be 1, 2 or 3 (the smallest group has 3 signals), got {components}")
+        raise AttackError(f"attack camia_lr: components must be 1, 2 or 3 (the smallest group has 3 signals), "
+                          f"got {components}")
     sign = orientation(diversity)
     train = [e for e in (ctx.partitions.get("train") or []) if e.label in (0, 1)]
     counts = [sum(e.label == c for e in train) for c in (0, 1)]
     if min(counts) == 0:
         raise AttackError(f"attack camia_lr needs a labelled 'train' partition with both members and non-members "
-                          f"(give --train-data FILE with label 0/1); got {counts[1]} member(s), {counts[0]} non-member(s)")
+                          f"(give --train-data FILE with label 0/1); got {counts[1]} member(s), "
+                          f"{counts[0]} non-member(s)")
     f_tr = features(ctx, train, ctx.stats_for(train, desc="camia: training"), "training") * sign
     y = np.array([e.label for e in train])
     keep = _finite_rows(f_tr)
     f_tr, y = f_tr[keep], y[keep]
     if len(set(y.tolist())) < 2 or len(y) < max(2, components):
         raise AttackError(f"attack camia_lr: after dropping examples with undefined signals, {len(y)} training "
-                          f"example(s) remain ({int(y.sum())} member(s)); need both classes and at least {max(2, components)}")
+                          f"example(s) remain ({int(y.sum())} member(s)); need both classes and at least "
+                          f"{max(2, components)}")
     f_ev = features(ctx, ctx.examples, ctx.stats(), "evaluated") * sign
     ok = _finite_rows(f_ev)
     with np.errstate(divide="ignore", invalid="ignore"):  # a constant group (zero variance) is harmless here

@@ -1,4 +1,4 @@
-"""The per-example signals of CAMIA (Chang et al., "Context-Aware Membership Inference Attacks against Pre-trained LLMs").
+"""Per-example signals of CAMIA (Chang et al., "Context-Aware Membership Inference Attacks against Pre-trained LLMs").
 
 Definitions follow the released code (changhongyan123/context_aware_mia ``util_features.py``), as written out in
 ALGORITHMS.md section 2. All values here are in the code's units (x = token log-probs, <= 0); orientation and
@@ -16,7 +16,6 @@ the repeated text's ids), window_plan (mimir's sliding window for texts longer t
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence, Union
 
 import jax
