@@ -156,3 +156,19 @@ def test_cli_writes_tables_and_verdict(tmp_path, capsys):
 def test_bert_on_tokens_without_tokenizer_fails_first():
     with pytest.raises(BlindError, match="tokenizer"):
         run_blind(_examples(n_train=10, n_eval=10), ["bow", "bert"], ["lr"], warn=lambda m: None)
+
+
+def test_mlp_sparse_path_equals_dense_path(monkeypatch):
+    import scipy.sparse as sp
+
+    from mia.blind import classifiers
+    from mia.blind.classifiers import mlp
+
+    monkeypatch.setattr(classifiers, "_scale", lambda a, b: (a, b))  # dense inputs are centred, sparse ones not
+
+    rng = np.random.default_rng(0)
+    x = (rng.random((150, 40)) < 0.1) * rng.integers(1, 4, (150, 40)).astype(float)
+    y = (x[:, :5].sum(1) > 0.5).astype(int)
+    a = mlp(x[:100], y[:100], x[100:], seed=1)
+    b = mlp(sp.csr_matrix(x[:100]), y[:100], sp.csr_matrix(x[100:]), seed=1)
+    np.testing.assert_allclose(a, b, atol=2e-4)

@@ -6,7 +6,7 @@
 - ``lr``: StandardScaler, then LogisticRegression(lbfgs, L2, C=1, max_iter=1000).
 - ``rf``: RandomForestClassifier(100 trees, gini, no depth limit), seeded, one job (no scaler: trees ignore scale).
 - ``mlp``: StandardScaler, then in → 250 → 100 → 10 → 1 with ReLU, sigmoid BCE loss, Adam(1e-3), 10 epochs,
-  batch 128, shuffled each epoch from ``seed``. Sparse features are densified one batch at a time.
+  batch 128, shuffled each epoch from ``seed``. Sparse features (BoW, TF-IDF) enter the first layer as an embedding bag, never densified.
 Sparse inputs are scaled without centring (``with_mean=False``), which keeps them sparse.
 The paper's classifier module is not public: C = 1, the scaler and the NN loss are UNCONFIRMED (ALGORITHMS.md §6).
 """
@@ -56,33 +56,69 @@ def random_forest(x_train, y_train, x_eval, *, seed: int = 0) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def _mlp_fns(hidden: tuple, lr: float):
-    """(model, optimizer, jitted train step) shared by every call with these hyperparameters, so that jax reuses
-    its compiled step for a feature width it has already seen."""
+    """(model, optimizer, jitted dense step, jitted sparse step, first-layer function) shared by every call with these
+    hyperparameters, so that jax reuses its compiled steps for shapes it has already seen.
+
+    The sparse path is the same network: its first Dense layer is computed as an embedding bag,
+    x @ W = sum_j x[c_j] W[c_j] over the row's non-zero columns c_j (padded with value 0), so a 50k-word
+    vocabulary never gets densified.
+    """
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import optax
 
     class MLP(nn.Module):
-        @nn.compact
+        def setup(self):
+            self.layers = [nn.Dense(h) for h in hidden] + [nn.Dense(1)]
+
         def __call__(self, x):
-            for h in hidden:
-                x = nn.relu(nn.Dense(h)(x))
-            return nn.Dense(1)(x)[..., 0]
+            return self.rest(self.layers[0](x))
+
+        def rest(self, h):
+            for layer in self.layers[1:]:
+                h = layer(nn.relu(h))
+            return h[..., 0]
 
     model, opt = MLP(), optax.adam(lr)
 
-    @jax.jit
-    def step(params, state, xb, yb, wb):
-        def loss_fn(p):
-            logits = model.apply({"params": p}, xb)
-            return (optax.sigmoid_binary_cross_entropy(logits, yb) * wb).sum() / jnp.maximum(wb.sum(), 1)
+    def first_sparse(p, cols_bl, vals_bl):
+        w = p["layers_0"]
+        return jnp.einsum("bl,blh->bh", vals_bl, w["kernel"][cols_bl]) + w["bias"]
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
+    def logits_dense(p, xb):
+        return model.apply({"params": p}, xb)
 
-    return model, opt, step
+    def logits_sparse(p, xb):
+        return model.apply({"params": p}, first_sparse(p, *xb), method=MLP.rest)
+
+    def make_step(logits_fn):
+        @jax.jit
+        def step(params, state, xb, yb, wb):
+            def loss_fn(p):
+                return (optax.sigmoid_binary_cross_entropy(logits_fn(p, xb), yb) * wb).sum() / jnp.maximum(wb.sum(), 1)
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        return step
+
+    return model, opt, make_step(logits_dense), make_step(logits_sparse), logits_dense, logits_sparse
+
+
+def _padded_rows(x: sp.csr_matrix, width: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """CSR rows -> (columns [N, L] int32, values [N, L] float32), zero-padded to L = max non-zeros per row."""
+    x = sp.csr_matrix(x)
+    nnz = np.diff(x.indptr)
+    width = max(width, int(nnz.max()) if len(nnz) else 0, 1)
+    cols = np.zeros((x.shape[0], width), np.int32)
+    vals = np.zeros((x.shape[0], width), np.float32)
+    for i in range(x.shape[0]):
+        lo, hi = x.indptr[i], x.indptr[i + 1]
+        cols[i, : hi - lo] = x.indices[lo:hi]
+        vals[i, : hi - lo] = x.data[lo:hi]
+    return cols, vals
 
 
 def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size: int = 128, lr: float = 1e-3,
@@ -94,15 +130,21 @@ def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size
     xt, xe = _scale(x_train, x_eval)
     y = np.asarray(y_train, np.float32)
     n, d = xt.shape
-    model, opt, step = _mlp_fns(tuple(hidden), float(lr))
+    model, opt, step_dense, step_sparse, logits_dense, logits_sparse = _mlp_fns(tuple(hidden), float(lr))
     key = jax.random.PRNGKey(seed)
     key, init_key = jax.random.split(key)
     params = model.init(init_key, jnp.zeros((1, d), jnp.float32))["params"]
     state = opt.init(params)
-
-    def dense(x, idx):
-        b = x[idx]
-        return np.asarray(b.toarray() if sp.issparse(b) else b, np.float32)
+    sparse = sp.issparse(xt)
+    if sparse:
+        xt = _padded_rows(xt)
+        xe = _padded_rows(xe)
+        take = lambda x, idx: (x[0][idx], x[1][idx])  # noqa: E731
+        step, logits = step_sparse, logits_sparse
+    else:
+        xt, xe = np.asarray(xt, np.float32), np.asarray(xe, np.float32)
+        take = lambda x, idx: x[idx]  # noqa: E731
+        step, logits = step_dense, logits_dense
 
     b = min(batch_size, n)
     for _ in range(epochs):
@@ -114,11 +156,13 @@ def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size
             if len(idx) < b:  # pad the last batch (zero weight) so that one shape is compiled
                 w[len(idx):] = 0
                 idx = np.concatenate([idx, np.zeros(b - len(idx), idx.dtype)])
-            params, state, _ = step(params, state, dense(xt, idx), y[idx], w)
-    # prediction runs eagerly (a few matmuls): no compile per evaluation-set shape
-    chunk = max(1, min(4096, (1 << 25) // max(d, 1)))  # at most ~128 MiB of densified features at a time
-    out = [np.asarray(jax.nn.sigmoid(model.apply({"params": params}, dense(xe, np.arange(lo, min(lo + chunk, xe.shape[0]))))))
-           for lo in range(0, xe.shape[0], chunk)]
+            params, state, _ = step(params, state, take(xt, idx), y[idx], w)
+    # prediction runs eagerly (no compile per evaluation-set shape), in bounded chunks
+    n_eval = len(xe[0]) if sparse else len(xe)
+    width = xe[0].shape[1] if sparse else d
+    chunk = max(1, min(4096, (1 << 22) // max(width, 1)))
+    out = [np.asarray(jax.nn.sigmoid(logits(params, take(xe, np.arange(lo, min(lo + chunk, n_eval))))))
+           for lo in range(0, n_eval, chunk)]
     return np.concatenate(out).astype(np.float64)
 
 
