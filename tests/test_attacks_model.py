@@ -256,3 +256,87 @@ def test_ref_refuses_missing_model(tiny_model, data, tmp_path):
         get("ref").fn(ctx_for(tiny_model, data))
     with pytest.raises(AttackError, match="not found"):
         get("ref").fn(ctx_for(tiny_model, data, ref_model=str(tmp_path / "missing")))
+
+
+# ------------------------------------------------------------------------------------------------ neighbourhood
+@pytest.fixture(scope="module")
+def tiny_mlm_dir(tmp_path_factory):
+    """A tiny random BertForMaskedLM (saved with transformers/torch) with a WordPiece vocabulary of WORDS."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_mlm")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(set(WORDS))
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(str(path))
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=2,
+                                       num_attention_heads=2, intermediate_size=32, max_position_embeddings=64))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # spread the candidate probabilities (no near-ties)
+    model.eval().save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def torch_neighbours(path, text, n, k):
+    """Mattern et al.'s generate_neighbors (dropout p = 0), restricted to non-special positions and candidates."""
+    import torch
+    from transformers import AutoTokenizer, BertForMaskedLM
+
+    tok, model = AutoTokenizer.from_pretrained(str(path)), BertForMaskedLM.from_pretrained(str(path)).eval()
+    ids = tok(text, return_tensors="pt").input_ids
+    special = set(tok.all_special_ids)
+    scores = {}
+    with torch.no_grad():
+        for i in range(1, ids.shape[1] - 1):
+            emb = model.bert.embeddings(ids)
+            probs = torch.softmax(model(inputs_embeds=emb).logits, dim=2)[0, i]
+            orig = probs[ids[0, i]].item()
+            cp, cs = torch.topk(probs, k + 1)
+            for pr, c in zip(cp, cs):
+                if c == ids[0, i] or int(c) in special:
+                    continue
+                scores[(int(c), i)] = pr.item() / (1 - orig)
+    from heapq import nlargest
+
+    out = []
+    for c, i in nlargest(n, scores, key=scores.get):
+        new = ids[0].clone()
+        new[i] = c
+        out.append(tok.decode(new, skip_special_tokens=True))
+    return out
+
+
+def test_mlm_logits_and_neighbours_match_transformers(tiny_mlm_dir):
+    import torch
+    from transformers import BertForMaskedLM
+
+    from mia.attacks._mlm import load_mlm, mlm_logits, neighbours
+
+    mlm = load_mlm(tiny_mlm_dir)
+    ids = np.asarray(mlm.tokenizer("the data model is not a token line")["input_ids"])[None]
+    with torch.no_grad():
+        want = BertForMaskedLM.from_pretrained(str(tiny_mlm_dir)).eval()(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(mlm_logits(mlm.config, mlm.params, ids, np.ones_like(ids, bool)))
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    text = "the data of this model was not from the file"
+    assert neighbours(mlm, text, jax.random.PRNGKey(0), n=6, k=3, p=0.0) == torch_neighbours(tiny_mlm_dir, text, 6, 3)
+    # with dropout the search is random but reproducible for a key
+    a = neighbours(mlm, text, jax.random.PRNGKey(1), n=6, k=3, p=0.7)
+    assert a == neighbours(mlm, text, jax.random.PRNGKey(1), n=6, k=3, p=0.7) and len(a) == 6
+
+
+def test_neighbor_score_matches_numpy_and_is_cached(tiny_model, tiny_mlm_dir, data, ref_logits, tmp_path):
+    from mia.attacks.neighbor import neighbour_texts
+
+    ctx = ctx_for(tiny_model, data[:4], mlm=str(tiny_mlm_dir))
+    ctx.settings = ScoringSettings(progress=False, min_bucket=32, cache_dir=str(tmp_path))
+    got = get("neighbor").fn(ctx, n=4, k=3, p=0.7)
+    nbs = neighbour_texts(ctx, n=4, k=3, p=0.7)
+    assert [len(x) for x in nbs] == [4] * 4 and list(tmp_path.glob("neighbors-*/*.json"))
+    tok = tiny_model.tokenizer
+    want = [np_ll(ref_logits, e.tokens) - np.mean([np_ll(ref_logits, np.asarray(tok(t)["input_ids"])) for t in nb])
+            for e, nb in zip(data[:4], nbs)]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(AttackError, match="--mlm DIR"):
+        get("neighbor").fn(ctx_for(tiny_model, data[:4]), n=4, k=3, p=0.7)

@@ -1,0 +1,103 @@
+"""Neighbourhood comparison (Mattern et al. 2023, "Membership Inference Attacks against Language Models via
+Neighbourhood Comparison").
+
+  neighbor(x) = LL(x) - mean_j LL(x~_j)
+
+x~_1..x~_n are single-token replacements of x proposed by a masked LM (``--mlm DIR``, a local BertForMaskedLM
+directory, run in Flax: ``mia.attacks._mlm``, which documents the search and its two small deviations). LL is the
+target's mean token log-likelihood, each neighbour tokenized with the target tokenizer (truncated to the context).
+HIGHER = MEMBER: the source's statistic is loss(x) - mean loss(x~) with lower = member; ours is its negative.
+
+Defaults: n = 10 neighbours, k = 5 candidates per position, dropout p = 0.7 on the replaced token's embedding
+(the reference code's k and p; its n is 50, the paper sweeps n; 10 keeps the cost at 10 extra scoring passes).
+Examples given as token ids are decoded once with the target tokenizer (noted). Neighbours depend on the MLM, the
+text, n, k, p and the seed; they are cached on disk (``<cache_dir>/neighbors-<key>/``) and reused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ..scoring import compute_token_stats
+from .recall import memo, unconditional_ll
+from .registry import AttackError, register
+
+NEIGHBOR_VERSION = "1"
+
+
+def load_masked_lm(ctx):
+    m = memo(ctx)
+    if "mlm" not in m:
+        from ._mlm import load_mlm
+
+        path = ctx.options.get("mlm")
+        if not path:
+            raise AttackError("attack neighbor needs a masked language model: give --mlm DIR (a local BERT MLM directory)")
+        try:
+            m["mlm"] = load_mlm(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise AttackError(f"--mlm {path}: {e}") from None
+    return m["mlm"]
+
+
+def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
+    """[N] lists of neighbour texts (disk-cached per text)."""
+    from tqdm.auto import tqdm
+
+    from ._mlm import neighbours
+
+    mlm = load_masked_lm(ctx)
+    texts = ctx.texts()
+    tag = hashlib.sha256(f"{mlm.fingerprint}|{n}|{k}|{p}|{ctx.seed}|{NEIGHBOR_VERSION}".encode()).hexdigest()[:20]
+    root = Path(ctx.settings.cache_dir) / f"neighbors-{tag}" if ctx.settings.cache_dir else None
+    key = jax.random.PRNGKey(ctx.seed)
+    out = []
+    for text in tqdm(texts, desc="neighbor: MLM search", disable=not ctx.settings.progress, leave=False):
+        h = hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+        f = root / f"{h}.json" if root else None
+        if f is not None and f.exists():
+            try:
+                out.append(json.loads(f.read_text())["neighbors"])
+                continue
+            except (json.JSONDecodeError, KeyError):
+                pass
+        # the text's hash picks the dropout stream, so a text's neighbours do not depend on its position in the data
+        nb = neighbours(mlm, text, jax.random.fold_in(key, int(h[:7], 16)), n=n, k=k, p=p)
+        if f is not None:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = f.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"text": text, "neighbors": nb}))
+            os.replace(tmp, f)
+        out.append(nb)
+    return out
+
+
+@register("neighbor", needs=("stats", "text", "mlm"), n=10, k=5, p=0.7)
+def _neighbor(ctx, *, n: int, k: int, p: float) -> np.ndarray:
+    """LL(x) - mean LL(masked-LM neighbours of x) (higher = member). Mattern et al. 2023."""
+    if n < 1 or k < 1 or not 0 <= p < 1:
+        raise AttackError(f"attack neighbor: need n >= 1, k >= 1, 0 <= p < 1; got n={n}, k={k}, p={p}")
+    if ctx.model.tokenizer is None:
+        raise AttackError("attack neighbor needs the target model's tokenizer to score neighbour texts")
+    nbs = neighbour_texts(ctx, n=n, k=k, p=p)
+    flat, owner = [], []
+    for i, texts in enumerate(nbs):
+        for t in texts:
+            ids = np.asarray(ctx.model.tokenizer(t)["input_ids"], np.int32)[: ctx.model.max_length]
+            if len(ids) >= 2:
+                flat.append(ids)
+                owner.append(i)
+    stats = compute_token_stats(ctx.model, flat, ctx.settings, desc="neighbor: scoring neighbours") if flat else []
+    total, count = np.zeros(len(nbs)), np.zeros(len(nbs))
+    for i, s in zip(owner, stats):
+        total[i] += float(np.mean(s["logprob"], dtype=np.float64))
+        count[i] += 1
+    if (count == 0).any():
+        ctx.notes.append(f"neighbor: {int((count == 0).sum())} example(s) got no usable neighbour; their score is NaN")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return unconditional_ll(ctx) - total / count
