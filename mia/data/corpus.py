@@ -1,7 +1,7 @@
 """Text corpora for the testbed: the running Python's standard library by default, or local files.
 
 A :class:`Corpus` is an ordered list of :class:`Document` (``path``, ``sha256``, ``text``), sorted by path so that the
-same files always give the same corpus. Its ``sha256`` hashes every (path, document hash) pair; ``manifest()`` is the
+same files always give the same corpus. Exact duplicate documents (same sha256) are kept once (first path). Its ``sha256`` hashes every (path, document hash) pair; ``manifest()`` is the
 JSON record written next to anything built from it.
 
 Sources (``load_corpus(source)``):
@@ -101,6 +101,16 @@ def _read_text(path: Path) -> str:
         raise CorpusError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
+def _dedup(docs: list) -> tuple:
+    """Documents with distinct content (the first path of each sha256 is kept) and how many were dropped."""
+    seen, out = set(), []
+    for d in docs:
+        if d.sha256 not in seen:
+            seen.add(d.sha256)
+            out.append(d)
+    return out, len(docs) - len(out)
+
+
 def _limit(docs: list, max_bytes: Optional[int], max_docs: Optional[int]) -> list:
     """The first documents (in path order) up to ``max_docs`` and ``max_bytes`` (always at least one)."""
     out, total = [], 0
@@ -143,8 +153,10 @@ def stdlib_corpus(max_bytes: Optional[int] = None, max_docs: Optional[int] = Non
             docs.append(Document(rel, _sha(text), text))
     if not docs:
         raise CorpusError(f"{root}: no standard library sources found")
+    docs, dropped = _dedup(docs)
     return Corpus("stdlib", str(root), tuple(_limit(docs, max_bytes, max_docs)),
-                  {"max_bytes": max_bytes, "max_docs": max_docs, "exclude": sorted(STDLIB_EXCLUDE)})
+                  {"max_bytes": max_bytes, "max_docs": max_docs, "exclude": sorted(STDLIB_EXCLUDE),
+                   "duplicates_dropped": dropped})
 
 
 def directory_corpus(root, suffixes=DIR_SUFFIXES, max_bytes: Optional[int] = None,
@@ -164,8 +176,10 @@ def directory_corpus(root, suffixes=DIR_SUFFIXES, max_bytes: Optional[int] = Non
             docs.append(Document(p.relative_to(root).as_posix(), _sha(text), text))
     if not docs:
         raise CorpusError(f"corpus directory {root} is empty: all {len(paths)} file(s) hold only whitespace")
+    docs, dropped = _dedup(docs)
     return Corpus("directory", str(root.resolve()), tuple(_limit(docs, max_bytes, max_docs)),
-                  {"suffixes": list(suffixes), "max_bytes": max_bytes, "max_docs": max_docs})
+                  {"suffixes": list(suffixes), "max_bytes": max_bytes, "max_docs": max_docs,
+                   "duplicates_dropped": dropped})
 
 
 def table_corpus(path, text_column: str = "text", max_bytes: Optional[int] = None,
@@ -198,8 +212,10 @@ def table_corpus(path, text_column: str = "text", max_bytes: Optional[int] = Non
             docs.append(Document(f"{path.name}#{i}", _sha(text), text))
     if not docs:
         raise CorpusError(f"corpus file {path} is empty: no non-blank {text_column!r} values")
+    docs, dropped = _dedup(docs)
     return Corpus("table", str(path.resolve()), tuple(_limit(docs, max_bytes, max_docs)),
-                  {"text_column": text_column, "max_bytes": max_bytes, "max_docs": max_docs})
+                  {"text_column": text_column, "max_bytes": max_bytes, "max_docs": max_docs,
+                   "duplicates_dropped": dropped})
 
 
 def load_corpus(source=None, text_column: str = "text", max_bytes: Optional[int] = None,

@@ -242,6 +242,9 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
     m: dict = {}
     if mf_path.exists():
         m = json.loads(mf_path.read_text())
+        if m.get("format") != FORMAT:
+            raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, "
+                               f"now {FORMAT}); use another --out or delete it")
         if m.get("config_hash") != cfg.config_hash:
             old = m.get("config", {})
             diff = sorted(k for k in set(old) | set(cfg.hash_dict()) if old.get(k) != cfg.to_dict().get(k) and k != "preset")
@@ -287,7 +290,7 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
         _write_json(mf_path, m)
 
     # 3. packing into the training order
-    from .packing import pack_rows, row_permutation, write_order
+    from .packing import dedup_rows, pack_rows, row_permutation, write_order
 
     prefix = root / "data" / "order"
     if not ("data" in m and prefix.with_suffix(".bin").exists()
@@ -295,7 +298,7 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
         t0 = time.perf_counter()
         say("tokenizing and packing the corpus ...")
         docs = encode_documents(tok, corpus.texts)
-        rows = pack_rows(docs, cfg.row_len)
+        rows, n_dup = dedup_rows(pack_rows(docs, cfg.row_len))
         order = row_permutation(len(rows), cfg.seed)
         write_order(prefix, rows, order)
         n_tokens = sum(len(d) + 1 for d in docs)
@@ -303,7 +306,7 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
                      "idx": file_record(prefix.with_suffix(".idx"), full_limit=None),
                      "perm_sha256": _sha_file(str(prefix) + ".perm.npy"), "n_rows": int(len(rows)),
                      "row_len": cfg.row_len, "batch_size": cfg.batch_size, "epoch_steps": int(len(rows) // cfg.batch_size),
-                     "n_tokens": int(n_tokens), "dtype": "uint16", "eod_id": EOD_ID,
+                     "n_tokens": int(n_tokens), "duplicate_rows_dropped": n_dup, "dtype": "uint16", "eod_id": EOD_ID,
                      "permutation": "numpy.random.default_rng([seed, 0x7E57]).permutation(n_rows)"}
         for rec in (m["data"]["bin"], m["data"]["idx"]):
             rec["path"] = os.path.relpath(rec["path"], root)

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Optional
 
-FORMAT = "mia-testbed/1"
+FORMAT = "mia-testbed/2"  # 2: duplicate documents and rows dropped
 
 
 class TestbedError(ValueError):
@@ -87,6 +87,7 @@ class TestbedConfig:
         """The fields that change what is trained (``preset`` is only a name)."""
         d = self.to_dict()
         d.pop("preset")
+        d["format"] = FORMAT  # a change of how testbeds are built invalidates old ones
         return d
 
     @property

@@ -1,7 +1,8 @@
 """Pack documents into a Pythia-style training order.
 
 Documents (in corpus order) are each followed by EOD (id 0, no BOS), concatenated, and cut into rows of
-``row_len = seq_len + 1`` tokens (the remainder is dropped). The rows are permuted with
+``row_len = seq_len + 1`` tokens (the remainder is dropped). Exact duplicate rows are kept once (first occurrence):
+otherwise a non-member row could have a verbatim copy among the members (the deduplicated Pile's role). The rows are permuted with
 ``numpy.random.default_rng(seed).permutation`` and written with ``mia.data.indexed.write_indexed``: row ``i`` of
 the file is the ``i``-th row of the training order, so step ``s`` trains on rows ``[s*B, (s+1)*B)``.
 """
@@ -26,6 +27,16 @@ def pack_rows(docs: Sequence[Sequence[int]], row_len: int, eod: int = EOD_ID) ->
         pos += len(d) + 1
     n_rows = total // row_len
     return stream[: n_rows * row_len].reshape(n_rows, row_len).astype(np.uint16)
+
+
+def dedup_rows(rows: np.ndarray) -> tuple:
+    """(rows with distinct content in their original order, number of duplicates dropped)."""
+    if len(rows) == 0:
+        return rows, 0
+    flat = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+    _, first = np.unique(flat, return_index=True)
+    keep = np.sort(first)
+    return rows[keep], int(len(rows) - len(keep))
 
 
 def row_permutation(n_rows: int, seed: int) -> np.ndarray:

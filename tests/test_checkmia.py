@@ -1,0 +1,135 @@
+"""The main job (experiments.checkmia) on the smoke testbed: the split by construction, outputs, bad inputs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments.checkmia import JobError, draw_split, main, run
+
+
+def test_split_correct_by_construction(smoke_testbed, tmp_path):
+    from mia.data.splits import check_split, read_split, write_split
+
+    tb = smoke_testbed
+    c, B, end = 50, tb.batch_size, tb.epoch_steps
+    header, ex = draw_split(tb, c, 60, 70, 40, 20, 5, seed=3)
+    mem = [e for e in ex if e["label"] == 1]
+    non = [e for e in ex if e["label"] == 0]
+    assert len(mem) == 60 + 40 and len(non) == 70 + 40 + 20 + 5
+    assert all(0 <= e["index"] < c * B for e in mem)
+    assert all(c * B <= e["index"] < end * B for e in non)
+    idx = [e["index"] for e in ex]
+    assert len(set(idx)) == len(idx)  # disjoint, no repeats
+    assert all(e["index"] == e["step"] * B + e["batch_pos"] and e["id"] == f"row{e['index']}" for e in ex)
+    rows = tb.dataset().get_rows(idx)
+    np.testing.assert_array_equal(np.array([e["tokens"] for e in ex]), rows)
+    parts = {(e["partition"], e["label"]) for e in ex}
+    assert ("calib", 1) not in parts and ("prefix", 1) not in parts  # learned-from non-member partitions
+    assert header["partitions"] == {"eval": {"members": 60, "nonmembers": 70}, "train": {"members": 40, "nonmembers": 40},
+                                    "calib": {"members": 0, "nonmembers": 20}, "prefix": {"members": 0, "nonmembers": 5}}
+    assert header["source"]["kind"] == "testbed" and header["params"]["member_rows"] == [0, c * B]
+    assert header["params"]["nonmember_rows"] == [c * B, end * B]
+    again = draw_split(tb, c, 60, 70, 40, 20, 5, seed=3)[1]
+    assert again == ex
+    other = draw_split(tb, c, 60, 70, 40, 20, 5, seed=4)[1]
+    assert [e["index"] for e in other] != idx
+    path = write_split(tmp_path / "s.jsonl", header, ex)
+    assert check_split(path) == []
+    back = read_split(path)
+    assert [e["tokens"] for e in back.examples] == [e["tokens"] for e in ex]
+
+
+def test_split_errors(smoke_testbed):
+    tb = smoke_testbed
+    with pytest.raises(JobError, match=r"checkpoint step 5000 is beyond the run: the testbed trained 100 steps"):
+        draw_split(tb, 5000, 10, 10, 0, 0, 0, seed=0)
+    with pytest.raises(JobError, match=r"asks for 2000 members .* has seen only 1600 rows"):
+        draw_split(tb, 100, 2000, 10, 0, 0, 0, seed=0)
+    with pytest.raises(JobError, match=r"non-members .* hold only \d+ rows"):
+        draw_split(tb, 100, 10, 100_000, 0, 0, 0, seed=0)
+    with pytest.raises(JobError, match="no members"):
+        draw_split(tb, 0, 10, 10, 0, 0, 0, seed=0)
+
+
+def test_main_job_end_to_end(smoke_testbed, tmp_path):
+    out = tmp_path / "run"
+    s = run("smoke", out, testbed_dir=smoke_testbed.root, attacks="loss,mink,zlib", blind_features=("bow",),
+            bootstrap=200, progress=False)
+    for f in ("report.md", "summary.json", "scores.jsonl", "split.jsonl", "roc.png", "manifest.json"):
+        assert (out / f).exists() and (out / f).stat().st_size > 0, f
+    summary = json.loads((out / "summary.json").read_text())
+    methods = [r["method"] for r in summary["rows"]]
+    assert methods[0] == "BoW (tokens)" and {"loss", "mink", "zlib"} <= set(methods)
+    for r in summary["rows"]:
+        assert set(r) >= {"method", "auc", "auc_se", "tpr_at_1pct_fpr"} and 0 <= r["auc"] <= 1
+    assert summary["split"]["step"] == 100 and summary["split"]["n_eval_members"] == 100
+    assert summary["blind_verdict"]["text"].startswith(("PASS", "WARNING"))
+    assert [r["group"] for r in summary["recency"]] == ["last 5% of steps", "5-25% of steps", "older (>25%)"]
+    assert sum(r["n_members"] for r in summary["recency"]) == 100
+    lines = [json.loads(l) for l in (out / "scores.jsonl").read_text().splitlines()]
+    assert len(lines) == 200 and set(lines[0]["scores"]) == {"loss", "mink", "zlib"}
+    assert all(l["index"] < 100 * 16 for l in lines if l["label"] == 1)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["hashes"]["corpus_sha256"] == smoke_testbed.manifest["corpus"]["sha256"]
+    assert len(man["hashes"]["checkpoint_sha256"]) == 64 and man["seeds"]["split"] == 0
+    report = (out / "report.md").read_text()
+    assert "| loss |" in report and "Recency" in report and "Blind baselines" in report
+    # reusing the same testbed and seed gives the same split file
+    s2 = run("smoke", tmp_path / "run2", testbed_dir=smoke_testbed.root, attacks="loss", blind=False, bootstrap=50,
+             progress=False)
+    assert (tmp_path / "run2" / "split.jsonl").read_text() == (out / "split.jsonl").read_text()
+    assert s2["rows"][0]["auc"] == next(r["auc"] for r in s["rows"] if r["method"] == "loss")
+
+
+def test_main_job_default_attacks_skip_what_the_testbed_lacks(smoke_testbed, tmp_path):
+    from experiments.checkmia import select_attacks
+
+    run_, skipped = select_attacks(None)
+    names = [n for _, n, _ in run_]
+    assert "loss" in names and "ref" not in names and "ref" in skipped
+    assert all(n not in names for n in ("em_mia", "recall_avg") if n in skipped)
+
+
+def test_main_job_bad_inputs(smoke_testbed, tmp_path, capsys):
+    base = ["--preset", "smoke", "--testbed", str(smoke_testbed.root), "--no-progress", "--no-blind", "--attacks", "loss"]
+    assert main(base + ["--out", str(tmp_path / "a"), "--step", "900"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint step 900 is beyond the run" in err[0]
+    assert main(base + ["--out", str(tmp_path / "b"), "--n-members", "5000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "asks for 5100 members" in err[0] and "1600 rows" in err[0]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["--preset", "smoke", "--testbed", str(tmp_path / "tb"), "--corpus", str(empty), "--no-progress",
+                 "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "empty" in err[0]
+
+
+def test_main_job_with_memorization_dial(smoke_testbed, tmp_path):
+    # same members and seed as test_testbed's dial test, so the dial checkpoint is reused when both run
+    s = run("smoke", tmp_path / "mem", testbed_dir=smoke_testbed.root, attacks="loss", blind=False, bootstrap=100,
+            memorize_epochs=8, n_members=100, n_train=0, n_calib=0, n_prefix=0, seed=1, progress=False)
+    loss = next(r for r in s["rows"] if r["method"] == "loss")
+    ref = next(r for r in s["rows"] if r["kind"] == "reference")
+    assert loss["auc"] >= 0.8 and loss["auc"] > ref["auc"]
+    assert s["memorize"]["epochs"] == 8 and s["memorize"]["n_rows"] == 100
+
+
+def test_quickstart_notebook_runs(smoke_testbed, monkeypatch):
+    from pathlib import Path
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb_path = Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
+    nb = nbformat.read(nb_path, as_version=4)
+    monkeypatch.setenv("MIA_TESTBED_DIR", str(smoke_testbed.root))
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(nb_path.parent)}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "loss" in outputs and "AUC" in outputs
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 2  # ROC and the per-token traces
