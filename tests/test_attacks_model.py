@@ -70,11 +70,7 @@ def test_recall_matches_numpy(tiny_model, data, ref_logits):
     want = [np_ll(ref_logits, np.concatenate([p, e.tokens]), start=len(p)) / np_ll(ref_logits, e.tokens) for e in data]
     np.testing.assert_allclose(got, want, rtol=1e-4)
     assert any("12 shot(s) joined as text" in n for n in ctx.notes)
-    # em-mia's variant: L-1 terms
-    got = get("recall").fn(ctx, n=3, include_first=False)
-    p = np.asarray(tiny_model.tokenizer("".join(e.text for e in shots[:3]))["input_ids"])
-    want = [np_ll(ref_logits, np.concatenate([p, e.tokens]), start=len(p) + 1) / np_ll(ref_logits, e.tokens) for e in data]
-    np.testing.assert_allclose(got, want, rtol=1e-4)
+    # (include_first=False, em-mia's L-1 terms, is checked on the engine in test_conditional.py)
 
 
 def test_recall_token_shots_and_overlength(tiny_model, data, ref_logits):
@@ -117,8 +113,12 @@ def test_cli_refuses_missing_prefix_and_ref_dir(tiny_neox_dir, tmp_path, capsys)
 
 
 # ------------------------------------------------------------------------------------------------ EM-MIA
-def test_em_matrix_and_recall_avg_match_numpy(tiny_model, data, ref_logits):
+def test_em_matrix_and_recall_avg_match_numpy(tiny_model, data, ref_logits, tmp_path, monkeypatch):
+    import mia.conditional as C
+
+    cached = ScoringSettings(progress=False, min_bucket=32, cache_dir=str(tmp_path))
     ctx = ctx_for(tiny_model, data)
+    ctx.settings = cached
     R = E.recall_matrix(ctx)
     ll = np.array([np_ll(ref_logits, e.tokens) for e in data])
     want = np.array([[np_ll(ref_logits, np.concatenate([p.tokens, x.tokens]), start=len(p.tokens) + 1) / ll[j]
@@ -133,9 +133,19 @@ def test_em_matrix_and_recall_avg_match_numpy(tiny_model, data, ref_logits):
             continue
         f0 = spec.fn(ctx, **spec.defaults)
         np.testing.assert_array_equal(get("em_mia").fn(ctx, init=init, iters=10, prefix_score="auc"),
-                                      E.em_mia_scores(want if False else R, f0, iters=10))
+                                      E.em_mia_scores(R, f0, iters=10))
     with pytest.raises(AttackError, match="init must be one of"):
         get("em_mia").fn(ctx, init="nope", iters=10, prefix_score="auc")
+    # a new run with another init reads the matrix from the disk cache: no conditional-LL model call
+    def boom(*a, **k):
+        raise AssertionError("model called")
+
+    monkeypatch.setattr(C, "_jit_prefix", boom)
+    monkeypatch.setattr(C, "_jit_cond", boom)
+    again = ctx_for(tiny_model, data)
+    again.settings = cached
+    np.testing.assert_array_equal(get("em_mia").fn(again, init="loss", iters=3, prefix_score="rankdist"),
+                                  E.em_mia_scores(R, get("loss").fn(again), iters=3, prefix_score="rankdist"))
 
 
 def numpy_em(R, f0, iters):
@@ -160,6 +170,12 @@ def test_em_iterations_match_plain_loop():
     f0[[3, 7]] = np.nan
     for iters in (1, 3, 10):
         np.testing.assert_allclose(E.em_mia_scores(R, f0, iters=iters), numpy_em(R, f0, iters), atol=1e-12)
+    # RankDist alternative: 1 - mean|rank(R[p]) - rank(f)| / (N - 1), average ranks
+    from scipy.stats import rankdata
+
+    f = np.nan_to_num(f0)
+    want = -np.array([1 - np.abs(rankdata(R[p]) - rankdata(f)).mean() / (n - 1) for p in range(n)])
+    np.testing.assert_allclose(E.em_mia_scores(R, f0, iters=1, prefix_score="rankdist"), want, atol=1e-12)
     # degenerate pseudo-labels (all f equal -> no member above the median) -> NaN AUCs -> f = 0
     np.testing.assert_array_equal(E.em_mia_scores(R, np.ones(n), iters=2), np.zeros(n))
 

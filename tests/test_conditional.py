@@ -73,13 +73,15 @@ def test_pure_left_padded_prefix_batch(model, ref_logits, include_first):
     for r, (p, x) in enumerate(zip(prefixes, targets)):
         ptok[r, s - len(p):], pval[r, s - len(p):] = p, True
         ttok[r, :len(x)], tval[r, :len(x)] = x, True
-    cache = C.prefix_cache(model, model.params, ptok, pval)
-    got = np.asarray(C.conditional_loglik(model, model.params, cache, ttok, tval, include_first=include_first))
+    prefix = jax.jit(lambda p, t, v: C.prefix_cache(model, p, t, v))
+    cond = jax.jit(lambda p, c, t, v: C.conditional_loglik(model, p, c, t, v, include_first=include_first))
+    cache = prefix(model.params, ptok, pval)
+    got = np.asarray(cond(model.params, cache, ttok, tval))
     want = [numpy_cond_ll(ref_logits, p, x, include_first) for p, x in zip(prefixes, targets)]
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     # a batch-1 cache broadcasts over the targets
-    one = C.prefix_cache(model, model.params, prefixes[1])
-    got1 = np.asarray(C.conditional_loglik(model, model.params, one, ttok, tval, include_first=include_first))
+    one = prefix(model.params, prefixes[1][None], np.ones((1, len(prefixes[1])), bool))
+    got1 = np.asarray(cond(model.params, one, ttok, tval))
     np.testing.assert_allclose(got1, [numpy_cond_ll(ref_logits, prefixes[1], x, include_first) for x in targets], atol=1e-4)
 
 
