@@ -36,11 +36,15 @@ import numpy as np
 # Examples per class in each partition, per preset (non-members only in calib / prefix).
 SIZES = {
     "smoke": {"eval": 100, "train": 100, "calib": 30, "prefix": 12},
-    "default": {"eval": 1000, "train": 1000, "calib": 200, "prefix": 12},
+    "default": {"eval": 500, "train": 500, "calib": 100, "prefix": 12},  # sized for < 15 min on 2 CPU cores
     "large": {"eval": 1000, "train": 1000, "calib": 200, "prefix": 12},
 }
 # Pairwise (N x N conditional likelihood) attacks: run only when named in --attacks (or --attacks all).
 QUADRATIC = ("em_mia", "recall_avg")
+# Attacks too slow for a preset's time budget on 2 CPU cores (measured on the default split: CAMIA's signals take
+# ~0.2 s per example, so camia + camia_lr alone would take ~7 minutes): run only when named or with --attacks all.
+COSTLY = {"default": {"camia": "~0.2 s per example on 2 CPU cores (75 signals incl. repeated-text passes)",
+                      "camia_lr": "CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores"}}
 UNAVAILABLE_NEEDS = {"ref": "needs a reference model (--ref-model), which the testbed does not have",
                      "mlm": "needs a masked language model (--mlm), which the testbed does not have"}
 BLIND_FEATURES = ("bow", "tfidf", "w2v", "bert")
@@ -106,7 +110,7 @@ def draw_split(tb, step: int, n_eval_members: int, n_eval_nonmembers: int, n_tra
 
 
 # ---------------------------------------------------------------------------------------------- attacks
-def select_attacks(spec: Optional[str]):
+def select_attacks(spec: Optional[str], preset: str = "default"):
     """[(label, name, params)] to run and {name: reason} skipped."""
     from mia.attacks import available, get, parse_attacks
 
@@ -119,6 +123,10 @@ def select_attacks(spec: Optional[str]):
             s = get(name)
             if spec != "all" and name in QUADRATIC:
                 skipped[name] = ("pairwise N x N conditional likelihoods (O(N^2) model calls); "
+                                 "run with --attacks all or name it in --attacks")
+                continue
+            if spec != "all" and name in COSTLY.get(preset, {}):
+                skipped[name] = (f"not in the {preset} preset's time budget: {COSTLY[preset][name]}; "
                                  "run with --attacks all or name it in --attacks")
                 continue
             chosen.append((name, name, dict(s.defaults)))
@@ -391,7 +399,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
 
     # 4. attacks
     t0 = time.perf_counter()
-    to_run, skipped = select_attacks(attacks)
+    to_run, skipped = select_attacks(attacks, preset)
     evaluated, scores, atk_t, failed, notes = score_attacks(model, examples, to_run, settings, seed, progress)
     skipped.update(failed)
     timings["attacks"] = round(time.perf_counter() - t0, 1)
@@ -499,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memorize-epochs", type=int, default=0,
                    help="memorization dial: train checkpoint c E more epochs on the split's members only and evaluate that")
     p.add_argument("--attacks", default=None, help="'all', or NAME[:k=v,...] list (default: every registered attack "
-                                                   "except ref/mlm ones and the O(N^2) em_mia, recall_avg)")
+                                                   "except ref/mlm ones, the O(N^2) em_mia, recall_avg, and with "
+                                                   "--preset default the slow camia, camia_lr)")
     p.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
     p.add_argument("--corpus", default=None, help="corpus for a new testbed: directory or .jsonl/.parquet (default: stdlib)")
     p.add_argument("--train-steps", type=int, default=None, help="testbed override: steps to train")

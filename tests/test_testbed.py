@@ -224,3 +224,23 @@ def test_cli_one_line_error(tmp_path, capsys):
     assert main(["--preset", "smoke", "--out", str(tmp_path / "tb"), "--corpus", str(empty), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: corpus directory") and "empty" in err[0]
+
+
+def test_presets_are_consistent():
+    """Every preset builds a valid model config; the large one only through jax.eval_shape (no memory)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mia.models.gpt_neox import GPTNeoXForCausalLM
+    from mia.testbed import PRESETS, TestbedError, model_config, preset
+
+    for name, cfg in PRESETS.items():
+        assert cfg.preset == name and cfg.checkpoint_steps[0] == 0 and cfg.checkpoint_steps[-1] == cfg.train_steps
+        mc = model_config(cfg, cfg.vocab_size)
+        shapes = jax.eval_shape(lambda: GPTNeoXForCausalLM(mc).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))
+        n = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+        assert n > 0
+    assert preset("smoke", train_steps=20).checkpoints == ()  # preset checkpoints past the run are dropped
+    assert preset("smoke").config_hash != preset("smoke", seed=1).config_hash
+    with pytest.raises(TestbedError, match="unknown testbed option"):
+        preset("smoke", vocab=3)
