@@ -496,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.checkmia", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="default", help="testbed preset: smoke, default, large (default: default)")
-    p.add_argument("--testbed", default=None, help="testbed directory (default: testbeds/<preset>; built if missing)")
+    p.add_argument("--testbed", default=None, help="testbed directory (default: testbeds/<preset>, or "
+                                                   "testbeds/<preset>-<hash> with overrides; built if missing)")
     p.add_argument("--out", default=None, help="results directory (default: results/checkmia-<preset>-<time>)")
     p.add_argument("--step", type=int, default=None, help="checkpoint c to evaluate (default: the last)")
     p.add_argument("--n-members", type=int, default=None, help="members in the eval partition (default per preset)")

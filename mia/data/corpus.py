@@ -1,8 +1,9 @@
 """Text corpora for the testbed: the running Python's standard library by default, or local files.
 
 A :class:`Corpus` is an ordered list of :class:`Document` (``path``, ``sha256``, ``text``), sorted by path so that the
-same files always give the same corpus. Exact duplicate documents (same sha256) are kept once (first path). Its ``sha256`` hashes every (path, document hash) pair; ``manifest()`` is the
-JSON record written next to anything built from it.
+same files always give the same corpus; exact duplicate documents (same sha256) are kept once (first path).
+Its ``sha256`` hashes every (path, document hash) pair; ``manifest()`` is the JSON record written next to
+anything built from it.
 
 Sources (``load_corpus(source)``):
   None / "stdlib"          the standard library ``.py`` sources of this interpreter (``sysconfig`` "stdlib" path),

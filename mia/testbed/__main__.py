@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Train a small Pythia-architecture model with a recorded data order and "
                                             "checkpoints. Rerunning resumes an interrupted build or reuses a finished one.")
     p.add_argument("--preset", default="smoke", choices=sorted(PRESETS), help="size preset (default: smoke)")
-    p.add_argument("--out", default=None, help="testbed directory (default: testbeds/<preset>)")
+    p.add_argument("--out", default=None,
+                   help="testbed directory (default: testbeds/<preset>, or testbeds/<preset>-<hash> with overrides)")
     p.add_argument("--corpus", default=None, help="directory of .txt/.md/.py files, or a .jsonl/.parquet file "
                                                   "(default: this Python's standard library)")
     p.add_argument("--text-column", default=None, help="text field of a .jsonl/.parquet corpus (default: text)")
@@ -22,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name in ("preset", "corpus", "text_column", "checkpoints"):
             continue
         typ = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), float)
-        p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=None, help=argparse.SUPPRESS)
+        p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=None,
+                       help=f"override the preset's {f.name} (mia.testbed.TestbedConfig)")
     p.add_argument("--checkpoints", default=None, help="extra checkpoint steps, comma-separated (0 and the last are always saved)")
     p.add_argument("--memorize-epochs", type=int, default=0,
                    help="memorization dial: after the last checkpoint, train E more epochs on a fixed member subset "

@@ -227,7 +227,8 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
                   stop_after: Optional[int] = None, memorize_epochs: int = 0, memorize_rows: int = 256,
                   **overrides) -> Testbed:
     """Build the testbed of ``preset`` (with ``overrides`` of :class:`TestbedConfig` fields) in ``out_dir``
-    (default ``testbeds/<preset>``), or reuse / resume the one already there.
+    (default ``testbeds/<preset>``, or ``testbeds/<preset>-<config hash>`` with overrides), or reuse / resume the
+    one already there.
 
     ``memorize_epochs`` > 0 also makes the memorization dial's checkpoint over ``memorize_rows`` seeded member
     rows of the last checkpoint (``Testbed.memorized`` holds its path). ``stop_after`` stops training after that
@@ -236,7 +237,10 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
     from tqdm.auto import tqdm
 
     cfg = get_preset(preset, **overrides)
-    root = Path(out_dir) if out_dir is not None else Path(DEFAULT_ROOT) / preset
+    if out_dir is not None:
+        root = Path(out_dir)
+    else:  # testbeds/<preset>, or testbeds/<preset>-<hash> when options were overridden
+        root = Path(DEFAULT_ROOT) / (preset if cfg == get_preset(preset) else f"{preset}-{cfg.config_hash[:8]}")
     root.mkdir(parents=True, exist_ok=True)
     mf_path = root / MANIFEST
     m: dict = {}

@@ -1,10 +1,11 @@
 """Pack documents into a Pythia-style training order.
 
 Documents (in corpus order) are each followed by EOD (id 0, no BOS), concatenated, and cut into rows of
-``row_len = seq_len + 1`` tokens (the remainder is dropped). Exact duplicate rows are kept once (first occurrence):
-otherwise a non-member row could have a verbatim copy among the members (the deduplicated Pile's role). The rows are permuted with
-``numpy.random.default_rng(seed).permutation`` and written with ``mia.data.indexed.write_indexed``: row ``i`` of
-the file is the ``i``-th row of the training order, so step ``s`` trains on rows ``[s*B, (s+1)*B)``.
+``row_len = seq_len + 1`` tokens (the remainder is dropped). Exact duplicate rows are kept once (first
+occurrence): otherwise a non-member row could have a verbatim copy among the members (the deduplicated Pile's
+role). The rows are permuted with ``numpy.random.default_rng([seed, 0x7E57]).permutation`` and written with
+``mia.data.indexed.write_indexed``: row ``i`` of the file is the ``i``-th row of the training order, so step
+``s`` trains on rows ``[s*B, (s+1)*B)``.
 """
 from __future__ import annotations
 
