@@ -133,3 +133,21 @@ def test_quickstart_notebook_runs(smoke_testbed, monkeypatch):
     assert "loss" in outputs and "AUC" in outputs
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 2  # ROC and the per-token traces
+
+
+@pytest.mark.slow
+def test_default_main_job_from_nothing(tmp_path):
+    """The README main job on the default preset: < 15 min on 2 CPU cores from nothing (measured ~5 min idle)."""
+    import time
+
+    t0 = time.perf_counter()
+    s = run("default", tmp_path / "run", testbed_dir=tmp_path / "tb", progress=False)
+    assert time.perf_counter() - t0 < 15 * 60
+    for f in ("report.md", "summary.json", "scores.jsonl", "split.jsonl", "roc.png", "manifest.json"):
+        assert (tmp_path / "run" / f).exists()
+    loss = next(r for r in s["rows"] if r["method"] == "loss")
+    assert abs(loss["auc"] - 0.5) < 3 * loss["auc_se"], loss  # clean one-epoch split: no real signal expected
+    assert s["blind_verdict"]["passed"]
+    mem = run("default", tmp_path / "mem", testbed_dir=tmp_path / "tb", attacks="loss", blind=False,
+              memorize_epochs=4, progress=False)
+    assert next(r for r in mem["rows"] if r["method"] == "loss")["auc"] >= 0.8
