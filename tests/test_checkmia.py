@@ -39,6 +39,14 @@ def test_split_correct_by_construction(smoke_testbed, tmp_path):
     assert check_split(path) == []
     back = read_split(path)
     assert [e["tokens"] for e in back.examples] == [e["tokens"] for e in ex]
+    # check_split re-reads the testbed's .bin: a changed token and a member moved past c are caught, by line
+    bad = [dict(e, tokens=list(e["tokens"])) for e in ex]
+    bad[2]["tokens"][5] = (bad[2]["tokens"][5] + 1) % 50
+    moved = next(i for i, e in enumerate(bad) if e["label"] == 0)
+    bad[moved]["label"] = 1
+    problems = check_split(write_split(tmp_path / "bad.jsonl", header, bad))
+    assert any(p.startswith("line 4:") and "tokens differ" in p for p in problems), problems
+    assert any(p.startswith(f"line {moved + 2}:") for p in problems), problems
 
 
 def test_split_errors(smoke_testbed):

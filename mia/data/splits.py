@@ -356,11 +356,11 @@ def check_split(path, verify_sources: bool = True, verify_hashes: bool = True) -
                 problems.append(f"line {e.get('_line')}: same {k[0]} as line {first.get('_line')} but in partition "
                                 f"{e.get('partition', 'eval')!r} vs {first.get('partition', 'eval')!r}")
     kind = (h.get("source") or {}).get("kind")
-    if verify_sources and kind in ("pythia", "olmo"):
+    if verify_sources and kind in ("pythia", "testbed", "olmo"):  # testbed orders are Pythia-format files
         src = h["source"]
         if verify_hashes:
             recs = []
-            if kind == "pythia":
+            if kind in ("pythia", "testbed"):
                 recs = list(src.get("bin", [])) + [src.get("idx", {})]
             else:
                 recs = [src.get("global_indices", {})] + list(src.get("data_paths", []))
@@ -368,7 +368,7 @@ def check_split(path, verify_sources: bool = True, verify_hashes: bool = True) -
                 msg = verify_file_record(r)
                 if msg:
                     problems.append(f"line 1: {msg}")
-        if kind == "pythia":
+        if kind in ("pythia", "testbed"):
             from . import pythia
             pythia.verify_examples(h, ex, problems)
         else:
