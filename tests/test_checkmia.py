@@ -159,3 +159,13 @@ def test_default_main_job_from_nothing(tmp_path):
     mem = run("default", tmp_path / "mem", testbed_dir=tmp_path / "tb", attacks="loss", blind=False,
               memorize_epochs=4, progress=False)
     assert next(r for r in mem["rows"] if r["method"] == "loss")["auc"] >= 0.8
+
+
+def test_attacks_detect_the_memorization_dial(smoke_testbed, tmp_path):
+    """Issue 'attack suite': on the dial split, every attack the testbed supports sees the signal."""
+    attacks = "loss,mink,minkpp,zlib,recall:n=4,mope,camia"
+    s = run("smoke", tmp_path / "dial", testbed_dir=smoke_testbed.root, attacks=attacks, blind=False, bootstrap=100,
+            memorize_epochs=8, n_members=100, n_train=0, n_calib=30, n_prefix=4, seed=1, progress=False)
+    auc = {r["method"]: r["auc"] for r in s["rows"] if r["kind"] == "attack"}
+    assert set(auc) == {"loss", "mink", "minkpp", "zlib", "recall:n=4", "mope", "camia"}, s["skipped"]
+    assert all(a >= 0.7 for a in auc.values()), auc
