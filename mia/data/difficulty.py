@@ -214,7 +214,11 @@ def build_difficulty_splits(pool, out_dir, *, encoder: Any = None, encoder_dir: 
                         threshold=threshold)
     params = {"size": size, "k": k, "niter": niter, "seed": seed, "threshold": threshold, "medium_seeds": [43, 44],
               "random_seeds": [seed, seed + 1], "distance": "1 - cos", "clustering": "spherical k-means (numpy)"}
-    source = {"kind": (pool.header.get("source") or {}).get("kind", "text"), "pool": {},
+    pool_source = pool.header.get("source") or {}
+    # kind "difficulty": the rows are re-selected, so check_split must not verify them as a checkpoint split;
+    # the tokenizer is carried over so token-id splits can still be decoded (blind BERT features, zlib).
+    source = {"kind": "difficulty", "pool_kind": pool_source.get("kind", "text"), "pool": {},
+              "tokenizer": pool_source.get("tokenizer"),
               "encoder": getattr(encoder, "path", None) if embeddings is None else None, "embeddings": embeddings}
     if pool_path is not None:
         source["pool"] = {"path": str(pool_path), "bytes": pool_path.stat().st_size, "sha256": _sha256(pool_path)}
