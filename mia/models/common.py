@@ -225,3 +225,54 @@ def check_no_unknown_fields(model_type: str, hf: dict, known: Sequence[str], ref
     for field, is_bad in refuse.items():
         if field in hf and is_bad(hf[field]):
             raise ConfigError(f"{model_type}: config field {field}={hf[field]!r} is not supported")
+
+
+class DecoderLM(nn.Module):
+    """The top of every decoder family: embed -> layers (collecting this call's keys/values) -> final norm -> head.
+
+    A family subclasses it, builds its submodules in ``setup()`` under its HF-style names (so parameter paths
+    mirror the checkpoint), and names them with class attributes:
+      EMBED           token ``nn.Embed``                       LAYERS  list of decoder layers
+      NORM            final norm                               HEAD    untied output ``nn.Dense`` (tied: EMBED.attend)
+      POSITION_EMBED  learned position ``nn.Embed`` or None    ROTARY_DIM  config attribute with the rotary width, or None
+    Each layer is called as ``layer(x, *(cos, sin if rotary), positions, valid, layer_index, cache) -> (x, (k, v))``.
+    """
+
+    config: Any
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    EMBED = "embed_tokens"
+    LAYERS = "layers"
+    NORM = "norm"
+    HEAD = "lm_head"
+    POSITION_EMBED = None
+    ROTARY_DIM = "head_dim"
+
+    def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
+        """tokens [B, T] int -> (final normed hidden states [B, T, D], KVCache of this call's tokens only)."""
+        valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
+        if positions_bt is None:
+            positions_bt = default_positions(tokens_bt, valid_bt, cache)
+        x = getattr(self, self.EMBED)(tokens_bt)
+        if self.POSITION_EMBED is not None:  # learned positions: must stay < the table size
+            x = x + getattr(self, self.POSITION_EMBED)(positions_bt)
+        rotary = ()
+        if self.ROTARY_DIM is not None:
+            rotary = rotary_tables(positions_bt, getattr(self.config, self.ROTARY_DIM), self.config.rope_theta)
+        ks, vs = [], []
+        for i, layer in enumerate(getattr(self, self.LAYERS)):
+            x, (k, v) = layer(x, *rotary, positions_bt, valid_bt, i, cache)
+            ks.append(k)
+            vs.append(v)
+        return getattr(self, self.NORM)(x), KVCache(tuple(ks), tuple(vs), positions_bt, valid_bt)
+
+    def unembed(self, h_btd):
+        """Hidden states [..., D] -> logits [..., V] (activation dtype)."""
+        if self.config.tie_word_embeddings:
+            return getattr(self, self.EMBED).attend(h_btd)
+        return getattr(self, self.HEAD)(h_btd)
+
+    def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
+        h, _ = self.hidden(tokens_bt, valid_bt, positions_bt, cache)
+        return self.unembed(h)

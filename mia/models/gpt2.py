@@ -17,13 +17,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .common import (
+    DecoderLM,
     ConfigError,
     KVCache,
     LayerNorm,
     ParamMapping,
     activation,
     check_no_unknown_fields,
-    default_positions,
     dot_product_attention,
     join_cache,
     norm_maps,
@@ -148,12 +148,10 @@ class GPT2Block(nn.Module):
         return x_btd + dense(d, "mlp_c_proj")(y), (k, v)
 
 
-class GPT2LMHeadModel(nn.Module):
-    """Methods: ``hidden`` (final normed hidden states + this call's keys/values), ``unembed``, ``__call__`` (logits)."""
+class GPT2LMHeadModel(DecoderLM):
+    """GPT-2 causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
-    config: GPT2Config
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    EMBED, LAYERS, NORM, POSITION_EMBED, ROTARY_DIM = "wte", "h", "ln_f", "wpe", None
 
     def setup(self):
         cfg = self.config
@@ -163,28 +161,6 @@ class GPT2LMHeadModel(nn.Module):
         self.ln_f = LayerNorm(cfg.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
-
-    def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        """tokens [B, T] int -> (h [B, T, D], KVCache of this call's tokens only). Positions must be < n_positions."""
-        valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
-        if positions_bt is None:
-            positions_bt = default_positions(tokens_bt, valid_bt, cache)
-        x = self.wte(tokens_bt) + self.wpe(positions_bt)
-        ks, vs = [], []
-        for i, block in enumerate(self.h):
-            x, (k, v) = block(x, positions_bt, valid_bt, i, cache)
-            ks.append(k)
-            vs.append(v)
-        return self.ln_f(x), KVCache(tuple(ks), tuple(vs), positions_bt, valid_bt)
-
-    def unembed(self, h_btd):
-        if self.config.tie_word_embeddings:
-            return self.wte.attend(h_btd)
-        return self.lm_head(h_btd)
-
-    def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        h, _ = self.hidden(tokens_bt, valid_bt, positions_bt, cache)
-        return self.unembed(h)
 
 
 def _conv1d_maps(hf_prefix: str, path: tuple) -> list[ParamMapping]:

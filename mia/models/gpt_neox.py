@@ -16,19 +16,18 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .common import (
+    DecoderLM,
     ConfigError,
     KVCache,
     LayerNorm,
     ParamMapping,
     activation,
     apply_rotary,
-    default_positions,
     dot_product_attention,
     join_cache,
     linear_maps,
     norm_maps,
     rope_theta_from,
-    rotary_tables,
 )
 
 MODEL_TYPE = "gpt_neox"
@@ -139,12 +138,11 @@ class GPTNeoXLayer(nn.Module):
         return out, (k, v)
 
 
-class GPTNeoXForCausalLM(nn.Module):
-    """Methods: ``hidden`` (final normed hidden states + this call's keys/values), ``unembed``, ``__call__`` (logits)."""
+class GPTNeoXForCausalLM(DecoderLM):
+    """GPT-NeoX (Pythia) causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
-    config: GPTNeoXConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    EMBED, LAYERS, NORM, HEAD = "embed_in", "layers", "final_layer_norm", "embed_out"
+    ROTARY_DIM = "rotary_dim"
 
     def setup(self):
         cfg = self.config
@@ -153,29 +151,6 @@ class GPTNeoXForCausalLM(nn.Module):
         self.final_layer_norm = LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         if not cfg.tie_word_embeddings:
             self.embed_out = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
-
-    def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        """tokens [B, T] int -> (h [B, T, D], KVCache of this call's tokens only)."""
-        valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
-        if positions_bt is None:
-            positions_bt = default_positions(tokens_bt, valid_bt, cache)
-        cos, sin = rotary_tables(positions_bt, self.config.rotary_dim, self.config.rope_theta)
-        x = self.embed_in(tokens_bt)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, cos, sin, positions_bt, valid_bt, i, cache)
-            ks.append(k)
-            vs.append(v)
-        return self.final_layer_norm(x), KVCache(tuple(ks), tuple(vs), positions_bt, valid_bt)
-
-    def unembed(self, h_btd):
-        if self.config.tie_word_embeddings:
-            return self.embed_in.attend(h_btd)
-        return self.embed_out(h_btd)
-
-    def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        h, _ = self.hidden(tokens_bt, valid_bt, positions_bt, cache)
-        return self.unembed(h)
 
 
 def param_mappings(cfg: GPTNeoXConfig) -> list[ParamMapping]:

@@ -16,17 +16,16 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .common import (
+    DecoderLM,
     KVCache,
     LayerNorm,
     ParamMapping,
     activation,
     apply_rotary,
     check_no_unknown_fields,
-    default_positions,
     dot_product_attention,
     join_cache,
     rope_theta_from,
-    rotary_tables,
 )
 from .llama import LLAMA_REFUSED, SwiGLU, attention_maps, gqa_heads, mlp_maps
 
@@ -140,12 +139,8 @@ class OlmoLayer(nn.Module):
         return x_btd + mlp(norm(x_btd)), (k, v)
 
 
-class OlmoForCausalLM(nn.Module):
-    """Methods: ``hidden`` (final normed hidden states + this call's keys/values), ``unembed``, ``__call__`` (logits)."""
-
-    config: OlmoConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+class OlmoForCausalLM(DecoderLM):
+    """OLMo causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
     def setup(self):
         cfg = self.config
@@ -154,29 +149,6 @@ class OlmoForCausalLM(nn.Module):
         self.norm = LayerNorm(LN_EPS, use_scale=False, use_bias=False, dtype=self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
-
-    def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        """tokens [B, T] int -> (h [B, T, D], KVCache of this call's tokens only)."""
-        valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
-        if positions_bt is None:
-            positions_bt = default_positions(tokens_bt, valid_bt, cache)
-        cos, sin = rotary_tables(positions_bt, self.config.head_dim, self.config.rope_theta)
-        x = self.embed_tokens(tokens_bt)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, cos, sin, positions_bt, valid_bt, i, cache)
-            ks.append(k)
-            vs.append(v)
-        return self.norm(x), KVCache(tuple(ks), tuple(vs), positions_bt, valid_bt)
-
-    def unembed(self, h_btd):
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(h_btd)
-        return self.lm_head(h_btd)
-
-    def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        h, _ = self.hidden(tokens_bt, valid_bt, positions_bt, cache)
-        return self.unembed(h)
 
 
 def param_mappings(cfg: OlmoConfig) -> list[ParamMapping]:

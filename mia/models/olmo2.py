@@ -15,17 +15,16 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .common import (
+    DecoderLM,
     KVCache,
     ParamMapping,
     RMSNorm,
     activation,
     check_no_unknown_fields,
-    default_positions,
     dot_product_attention,
     join_cache,
     norm_maps,
     rope_theta_from,
-    rotary_tables,
 )
 from .llama import LLAMA_REFUSED, SwiGLU, attention_maps, gqa_heads, mlp_maps
 from .olmo import rotary_f32
@@ -132,12 +131,8 @@ class Olmo2Layer(nn.Module):
         return x_btd + norm("post_feedforward_layernorm")(mlp(x_btd)), (k, v)
 
 
-class Olmo2ForCausalLM(nn.Module):
-    """Methods: ``hidden`` (final normed hidden states + this call's keys/values), ``unembed``, ``__call__`` (logits)."""
-
-    config: Olmo2Config
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+class Olmo2ForCausalLM(DecoderLM):
+    """OLMo-2 causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
     def setup(self):
         cfg = self.config
@@ -146,29 +141,6 @@ class Olmo2ForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
-
-    def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        """tokens [B, T] int -> (h [B, T, D], KVCache of this call's tokens only)."""
-        valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
-        if positions_bt is None:
-            positions_bt = default_positions(tokens_bt, valid_bt, cache)
-        cos, sin = rotary_tables(positions_bt, self.config.head_dim, self.config.rope_theta)
-        x = self.embed_tokens(tokens_bt)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, cos, sin, positions_bt, valid_bt, i, cache)
-            ks.append(k)
-            vs.append(v)
-        return self.norm(x), KVCache(tuple(ks), tuple(vs), positions_bt, valid_bt)
-
-    def unembed(self, h_btd):
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(h_btd)
-        return self.lm_head(h_btd)
-
-    def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        h, _ = self.hidden(tokens_bt, valid_bt, positions_bt, cache)
-        return self.unembed(h)
 
 
 def param_mappings(cfg: Olmo2Config) -> list[ParamMapping]:
