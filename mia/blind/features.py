@@ -21,6 +21,8 @@ a plain BERT directory such as bert-base-uncased: the [CLS] state, as the paper)
 """
 from __future__ import annotations
 
+import abc
+
 import zlib
 from typing import Any, Optional, Sequence
 
@@ -52,14 +54,18 @@ def _stable_hash(s: str) -> int:
     return zlib.crc32(s.encode("utf-8"))
 
 
-class Feature:
+class Feature(abc.ABC):
+    """A model-free feature map: ``fit`` on the training partition only, then ``transform`` any examples."""
+
     name = ""
 
+    @abc.abstractmethod
     def fit(self, train: Sequence[dict]) -> "Feature":
-        raise NotImplementedError
+        """Learn vocabulary / idf / vectors from training examples; returns self."""
 
+    @abc.abstractmethod
     def transform(self, examples: Sequence[dict]):
-        raise NotImplementedError
+        """[N, F] feature matrix (dense or scipy sparse)."""
 
 
 class TokenBoW(Feature):
