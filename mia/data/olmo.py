@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .splits import SplitError, assign_partitions, file_record, partition_counts, rows_to_lists
+from .splits import (SplitError, assign_partitions, file_record, partition_counts, position_problems,
+                     rows_to_lists)
 
 BATCH_SIZE = 2160
 SEQ_LEN = 2048
@@ -314,27 +315,15 @@ def verify_examples(header: dict, examples: list, problems: list) -> None:
         problems.append(f"line 1: cannot open sources: {e}")
         return
     B = order.batch_size
-    ranges = {1: tuple(params.get("member_steps", (0, 0))), 0: tuple(params.get("nonmember_steps", (0, 0)))}
-    names = {1: "member", 0: "non-member"}
     docs = bool(params.get("documents"))
     eos, doc_len = int(params.get("eos", EOS)), int(params.get("doc_len", DOC_LEN))
     for e in examples:
         ln = e.get("_line", "?")
-        q, st, pos = e.get("index"), e.get("step"), e.get("batch_pos")
-        if not all(isinstance(v, int) for v in (q, st, pos)):
-            problems.append(f"line {ln}: index/step/batch_pos must be integers")
+        found, readable = position_problems(e, params, B, len(order), "position", f"order ({len(order)})")
+        problems.extend(found)
+        if not readable:
             continue
-        if q != st * B + pos or not 0 <= pos < B:
-            problems.append(f"line {ln}: index {q} != step {st} * {B} + batch_pos {pos}")
-        lab = e.get("label")
-        if lab in ranges:
-            lo, hi = ranges[lab]
-            if not lo <= q // B < hi:
-                problems.append(f"line {ln}: {names[lab]} position {q} is at step {q // B}, outside the "
-                                f"{names[lab]} steps [{lo}, {hi})")
-        if not 0 <= q < len(order):
-            problems.append(f"line {ln}: position {q} is past the order ({len(order)})")
-            continue
+        q = e["index"]
         inst = order.instance_id(q)
         if e.get("instance") is not None and e["instance"] != inst:
             problems.append(f"line {ln}: instance {e['instance']} but global_indices[{q}] = {inst}")

@@ -14,7 +14,8 @@ from typing import Optional
 import numpy as np
 
 from .indexed import IndexedDataset
-from .splits import SplitError, assign_partitions, file_record, partition_counts, rows_to_lists
+from .splits import (SplitError, assign_partitions, file_record, partition_counts, position_problems,
+                     rows_to_lists)
 
 BATCH_SIZE = 1024
 ROW_LEN = 2049
@@ -145,25 +146,13 @@ def verify_examples(header: dict, examples: list, problems: list) -> None:
 
 def _verify_rows(ds, params, examples, problems):
     B = int(params.get("batch_size", BATCH_SIZE))
-    ranges = {1: tuple(params.get("member_steps", (0, 0))), 0: tuple(params.get("nonmember_steps", (0, 0)))}
-    names = {1: "member", 0: "non-member"}
     for e in examples:
         ln = e.get("_line", "?")
-        index, step, pos = e.get("index"), e.get("step"), e.get("batch_pos")
-        if not all(isinstance(v, int) for v in (index, step, pos)):
-            problems.append(f"line {ln}: index/step/batch_pos must be integers")
+        found, readable = position_problems(e, params, B, len(ds), "row", f"data ({len(ds)} rows)")
+        problems.extend(found)
+        if not readable:
             continue
-        if index != step * B + pos or not 0 <= pos < B:
-            problems.append(f"line {ln}: index {index} != step {step} * {B} + batch_pos {pos}")
-        lab = e.get("label")
-        if lab in ranges:
-            lo, hi = ranges[lab]
-            if not lo <= index // B < hi:
-                problems.append(f"line {ln}: {names[lab]} row {index} is at step {index // B}, outside the "
-                                f"{names[lab]} steps [{lo}, {hi})")
-        if not 0 <= index < len(ds):
-            problems.append(f"line {ln}: row {index} is past the data ({len(ds)} rows)")
-            continue
+        index = e["index"]
         toks = e.get("tokens")
         if toks is None:
             problems.append(f"line {ln}: no tokens")

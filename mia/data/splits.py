@@ -380,3 +380,30 @@ def check_split(path, verify_sources: bool = True, verify_hashes: bool = True) -
             if msg:
                 problems.append(f"line 1: {msg}")
     return problems
+
+
+def position_problems(e: dict, params: dict, batch_size: int, total: int, unit: str, past: str) -> tuple[list, bool]:
+    """Checks of one example's place in a training order: ``index == step * B + batch_pos``, the label's step range
+    (``params["member_steps"]`` / ``["nonmember_steps"]``), and ``index < total``.
+
+    ``unit`` names a position ("row", "position"); ``past`` ends the message for one past the end.
+    Returns (problems, readable): ``readable`` is False when the content at ``index`` cannot be looked up.
+    """
+    ln = e.get("_line", "?")
+    index, step, pos = e.get("index"), e.get("step"), e.get("batch_pos")
+    if not all(isinstance(v, int) for v in (index, step, pos)):
+        return [f"line {ln}: index/step/batch_pos must be integers"], False
+    out = []
+    if index != step * batch_size + pos or not 0 <= pos < batch_size:
+        out.append(f"line {ln}: index {index} != step {step} * {batch_size} + batch_pos {pos}")
+    label = e.get("label")
+    if label in (0, 1):
+        name = "member" if label == 1 else "non-member"
+        lo, hi = tuple(params.get("member_steps" if label == 1 else "nonmember_steps", (0, 0)))
+        if not lo <= index // batch_size < hi:
+            out.append(f"line {ln}: {name} {unit} {index} is at step {index // batch_size}, outside the "
+                       f"{name} steps [{lo}, {hi})")
+    if not 0 <= index < total:
+        out.append(f"line {ln}: {unit} {index} is past the {past}")
+        return out, False
+    return out, True
