@@ -526,21 +526,18 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in (("corpus", args.corpus), ("train_steps", args.train_steps),
                                    ("batch_size", args.batch_size)) if v is not None}
-    try:
-        s = run(args.preset, args.out, testbed_dir=args.testbed, step=args.step, n_members=args.n_members,
-                n_nonmembers=args.n_nonmembers, n_train=args.n_train, n_calib=args.n_calib, n_prefix=args.n_prefix,
-                memorize_epochs=args.memorize_epochs, attacks=args.attacks, blind=not args.no_blind, seed=args.seed,
-                bootstrap=args.bootstrap, progress=not args.no_progress, testbed_overrides=overrides, argv=argv)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        if args.debug:
-            raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command: the testbed resumes and finished scoring batches are cached",
-              file=sys.stderr)
-        return 130
+    from mia.cli import run_for_user
+
+    status, s = run_for_user(
+        lambda: run(args.preset, args.out, testbed_dir=args.testbed, step=args.step, n_members=args.n_members,
+                    n_nonmembers=args.n_nonmembers, n_train=args.n_train, n_calib=args.n_calib,
+                    n_prefix=args.n_prefix, memorize_epochs=args.memorize_epochs, attacks=args.attacks,
+                    blind=not args.no_blind, seed=args.seed, bootstrap=args.bootstrap,
+                    progress=not args.no_progress, testbed_overrides=overrides, argv=argv),
+        debug=args.debug,
+        on_interrupt="interrupted; rerun the same command: the testbed resumes and finished scoring batches are cached")
+    if status:
+        return status
     print(report_markdown(s))
     return 0
 

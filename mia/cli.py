@@ -162,20 +162,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError)  # raised with a one-line message about the user's input
+
+
+def run_for_user(fn, *, debug: bool = False, on_interrupt: str = "interrupted"):
+    """(exit status, result) of ``fn()``: a user-input error prints one ``error: ...`` line and gives status 2
+    (``debug`` re-raises it with its traceback); Ctrl-C prints ``on_interrupt`` and gives 130."""
     try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        if args.debug:
+        return 0, fn()
+    except USER_ERRORS as e:
+        if debug:
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error: {msg}", file=sys.stderr)
-        return 2
+        return 2, None
     except KeyboardInterrupt:
-        print("interrupted; finished batches are cached and will be reused", file=sys.stderr)
-        return 130
+        print(on_interrupt, file=sys.stderr)
+        return 130, None
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    status, result = run_for_user(lambda: args.func(args), debug=args.debug,
+                                  on_interrupt="interrupted; finished batches are cached and will be reused")
+    return status or int(result or 0)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 
 from .config import PRESETS, TestbedConfig
@@ -48,17 +47,14 @@ def main(argv=None) -> int:
     if args.checkpoints:
         overrides["checkpoints"] = tuple(int(s) for s in args.checkpoints.split(",") if s.strip())
     t0 = time.perf_counter()
-    try:
-        tb = build_testbed(args.preset, args.out, progress=not args.no_progress, save_every=args.save_every,
-                           memorize_epochs=args.memorize_epochs, memorize_rows=args.memorize_rows, **overrides)
-    except (ValueError, FileNotFoundError) as e:
-        if args.debug:
-            raise
-        print(f"error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume from the last saved state", file=sys.stderr)
-        return 130
+    from ..cli import run_for_user
+
+    status, tb = run_for_user(
+        lambda: build_testbed(args.preset, args.out, progress=not args.no_progress, save_every=args.save_every,
+                              memorize_epochs=args.memorize_epochs, memorize_rows=args.memorize_rows, **overrides),
+        debug=args.debug, on_interrupt="interrupted; rerun the same command to resume from the last saved state")
+    if status:
+        return status
     print(tb.summary())
     if tb.memorized is not None:
         print(f"memorized checkpoint: {tb.memorized}")
