@@ -65,7 +65,11 @@ def family(model_type: str) -> Family:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
-    """A Flax module, its params pytree, its tokenizer and config. ``params`` is passed explicitly everywhere."""
+    """A Flax module, its params pytree, its tokenizer and config. ``params`` is passed explicitly everywhere.
+
+    ``mesh``/``fsdp``: the layout the params were placed with (``mia.sharding``); None: the scoring engine's
+    default (every device on ``data``, params replicated).
+    """
 
     module: Any
     params: Any
@@ -74,6 +78,8 @@ class Model:
     model_type: str
     path: Optional[str] = None
     fingerprint: str = ""
+    mesh: Any = None
+    fsdp: bool = False
 
     def hidden(self, params, tokens, valid=None, positions=None, cache=None):
         """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens)."""
@@ -196,7 +202,15 @@ def abstract_params(fam: Family, cfg, dtype=jnp.float32, param_dtype=jnp.float32
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, param_dtype, source: str = "checkpoint"):
-    """HF-named numpy tensors -> our params pytree, strict on names and shapes."""
+    """HF-named numpy tensors -> our params pytree (on the default device, ``param_dtype``), strict on names and
+    shapes."""
+    views = host_params_from_hf(tensors, fam, cfg, shapes, source)
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a).astype(np.float32), dtype=param_dtype), views)
+
+
+def host_params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, source: str = "checkpoint"):
+    """HF-named numpy tensors -> our params pytree of host views (memory maps stay memory maps; transposes are
+    views), strict on names and shapes. Nothing is copied or converted here."""
     mappings: list[ParamMapping] = fam.param_mappings(cfg)
     params: dict = {}
     used = set()
@@ -209,7 +223,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, par
                 name = alt
             else:
                 raise CheckpointError(f"{source}: tensor {m.hf_name!r} is missing")
-        arr = np.asarray(tensors[name])
+        arr = tensors[name]
         if m.transpose:
             arr = arr.T
         want = _get(shapes, m.path).shape
@@ -217,7 +231,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, par
             got = tuple(tensors[name].shape)
             raise CheckpointError(f"{source}: tensor {name!r} has shape {got}, expected "
                                   f"{tuple(want[::-1]) if m.transpose else tuple(want)} for this config")
-        _set(params, m.path, jnp.asarray(arr.astype(np.float32), dtype=param_dtype))
+        _set(params, m.path, arr)
         used.add(name)
     extra = [k for k in tensors if k not in used and not any(re.search(p, k) for p in fam.ignored_keys)]
     if extra:
@@ -284,11 +298,17 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
 
 
-def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True) -> Model:
+def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None, fsdp: Optional[bool] = None) -> Model:
     """Load a local HF-layout checkpoint directory. ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
 
-    Log-probabilities are always computed in float32 downstream, whatever ``dtype`` is.
+    Parameters are placed once, with their shardings over ``mesh`` (``mia.sharding``: FSDP over ``data`` when
+    ``fsdp``, the default with an explicit mesh; tensor parallel over ``model``); without a mesh, replicated on
+    every device. Each device's shard is read from the memory-mapped safetensors and converted on its own, so a
+    checkpoint never exists whole in host memory as a second copy. Log-probabilities are always computed in float32
+    downstream, whatever ``dtype`` is.
     """
+    from ..sharding import make_mesh, param_shardings, put_params
+
     root = Path(path)
     fam, cfg, _ = load_config(root)
     dtype = _dtype(dtype)
@@ -298,9 +318,22 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True) -> Mod
     for f in files:
         tensors.update(read_safetensors(f))
     module, shapes = abstract_params(fam, cfg, dtype, param_dtype)
-    params = params_from_hf(tensors, fam, cfg, shapes, param_dtype, source=str(root))
+    views = host_params_from_hf(tensors, fam, cfg, shapes, source=str(root))
+    fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
+    placed_on = make_mesh() if mesh is None else mesh
+    params = put_params(views, param_shardings(shapes, placed_on, fsdp=fsdp), dtype=param_dtype)
     tok = load_tokenizer(root) if tokenizer else None
-    return Model(module, params, tok, cfg, fam.model_type, str(root), fingerprint(root))
+    return Model(module, params, tok, cfg, fam.model_type, str(root), fingerprint(root), placed_on, fsdp)
+
+
+def place(model: Model, mesh=None, fsdp: Optional[bool] = None) -> Model:
+    """The same model with its params placed on ``mesh`` (as ``load(..., mesh=)`` does); e.g. for ``from_config``."""
+    from ..sharding import make_mesh, param_shardings, put_params
+
+    fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
+    mesh = make_mesh() if mesh is None else mesh
+    params = put_params(model.params, param_shardings(model.params, mesh, fsdp=fsdp))
+    return dataclasses.replace(model, params=params, mesh=mesh, fsdp=fsdp)
 
 
 def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", param_dtype=None) -> Model:
