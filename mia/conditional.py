@@ -70,11 +70,11 @@ class PrefixCache:
         return PrefixCache(self.kv.slice_rows(start, size), jax.lax.dynamic_slice_in_dim(self.last_h, start, size, axis=0))
 
 
-def prefix_cache(model, params, prefix_tokens, valid=None) -> PrefixCache:
+def prefix_cache(model, params, prefix_tokens, valid=None, layer_transform=None) -> PrefixCache:
     """Pure: prefix tokens [S] or [B, S] (LEFT padded, ``valid`` [B, S]) -> PrefixCache."""
     tokens = jnp.atleast_2d(jnp.asarray(prefix_tokens))
     valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.atleast_2d(jnp.asarray(valid, bool))
-    h, kv = model.hidden(params, tokens, valid)
+    h, kv = model.hidden(params, tokens, valid, layer_transform=layer_transform)
     return PrefixCache(kv, h[:, -1])
 
 
@@ -96,7 +96,7 @@ def logprob_from_hidden(unembed, params, h_bnd: jax.Array, next_bn: jax.Array, c
 
 
 def conditional_logprobs(model, params, cache: PrefixCache, targets, valid, *, include_first: bool = True,
-                         chunk: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+                         chunk: Optional[int] = None, layer_transform=None) -> tuple[jax.Array, jax.Array]:
     """Pure: per-target-token log p(x_j | prefix, x_<j) [B, T] float32 and the mask [B, T] of counted terms.
 
     Only the target tokens go through the model; they attend to the cached prefix. A batch-1 cache is broadcast.
@@ -106,7 +106,7 @@ def conditional_logprobs(model, params, cache: PrefixCache, targets, valid, *, i
     b, t = targets.shape
     if cache.batch != b:
         cache = cache.broadcast_to(b)
-    h, _ = model.hidden(params, targets, valid, cache=cache.kv)
+    h, _ = model.hidden(params, targets, valid, cache=cache.kv, layer_transform=layer_transform)
     h_prev = jnp.concatenate([cache.last_h[:, None].astype(h.dtype), h[:, :-1]], axis=1)  # row j predicts x_j
     lp = logprob_from_hidden(model.unembed, params, h_prev, targets, chunk or chunk_size(b, t, model.vocab_size))
     first = jnp.full((b, 1), include_first) & valid[:, :1]
@@ -115,9 +115,10 @@ def conditional_logprobs(model, params, cache: PrefixCache, targets, valid, *, i
 
 
 def conditional_loglik(model, params, cache: PrefixCache, targets, valid, *, include_first: bool = True,
-                       chunk: Optional[int] = None) -> jax.Array:
+                       chunk: Optional[int] = None, layer_transform=None) -> jax.Array:
     """Pure: [B] mean log p of the target tokens given the cached prefix (see module docstring for the two modes)."""
-    lp, mask = conditional_logprobs(model, params, cache, targets, valid, include_first=include_first, chunk=chunk)
+    lp, mask = conditional_logprobs(model, params, cache, targets, valid, include_first=include_first, chunk=chunk,
+                                    layer_transform=layer_transform)
     m = mask.astype(jnp.float32)
     return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
@@ -150,8 +151,13 @@ def _jit_prefix(model):
     from .scoring import engine_layout
     from .sharding import replicated
 
+    from .sharding import gather_outside_layers, layer_gather
+
     mesh, shardings = engine_layout(model)
-    fn = lambda params, tokens, valid: prefix_cache(model, params, tokens, valid)  # noqa: E731
+    layers = model.module.LAYERS
+    gather = layer_gather(shardings, layers)
+    fn = lambda params, tokens, valid: prefix_cache(  # noqa: E731
+        model, gather_outside_layers(params, shardings, layers), tokens, valid, gather)
     return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, replicated(mesh), replicated(mesh)),
                    out_shardings=prefix_shardings(model, mesh))
 
@@ -161,16 +167,19 @@ def _jit_cond(model, include_first: bool):
     """(params, prefix group, p_idx, targets [B, T], valid [B, T]) -> [B] LL(target | prefix p_idx), target rows
     over ``data``, the result replicated."""
     from .scoring import engine_layout, rows_per_device
-    from .sharding import batch_sharding, replicated
+    from .sharding import batch_sharding, gather_outside_layers, layer_gather, replicated
 
     mesh, shardings = engine_layout(model)
     rows = batch_sharding(mesh)
+    layers = model.module.LAYERS
+    gather = layer_gather(shardings, layers)
 
     def fn(params, group: PrefixCache, p_idx, tokens, valid):
         b, t = tokens.shape
         chunk = chunk_size(rows_per_device(b, mesh), t, model.vocab_size)
+        params = gather_outside_layers(params, shardings, layers)
         return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid,
-                                  include_first=include_first, chunk=chunk)
+                                  include_first=include_first, chunk=chunk, layer_transform=gather)
 
     return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, prefix_shardings(model, mesh), replicated(mesh), rows, rows),
                    out_shardings=replicated(mesh))

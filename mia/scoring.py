@@ -82,11 +82,13 @@ def stats_from_hidden(unembed: Callable, params, h_btd: jax.Array, next_bt: jax.
     return {name: v.swapaxes(0, 1).reshape(b, n + n_pad)[:, :n] for name, v in out.items()}
 
 
-def token_stats(model, params, tokens_bt: jax.Array, valid_bt: jax.Array, *, chunk: Optional[int] = None) -> dict:
-    """Pure: (params, tokens [B, T], valid [B, T]) -> {stat: [B, T-1] float32, "mask": [B, T-1] bool}."""
+def token_stats(model, params, tokens_bt: jax.Array, valid_bt: jax.Array, *, chunk: Optional[int] = None,
+                layer_transform: Optional[Callable] = None) -> dict:
+    """Pure: (params, tokens [B, T], valid [B, T]) -> {stat: [B, T-1] float32, "mask": [B, T-1] bool}.
+    ``layer_transform``: see ``Model.hidden`` (the engine gathers FSDP shards one layer at a time with it)."""
     b, t = tokens_bt.shape
     chunk = chunk or chunk_size(b, t - 1, model.vocab_size)
-    h, _ = model.hidden(params, tokens_bt, valid_bt)
+    h, _ = model.hidden(params, tokens_bt, valid_bt, layer_transform=layer_transform)
     out = stats_from_hidden(model.unembed, params, h[:, :-1], tokens_bt[:, 1:], chunk)
     out["mask"] = valid_bt[:, 1:] & valid_bt[:, :-1]
     return out
@@ -128,19 +130,23 @@ def rows_per_device(batch_rows: int, mesh) -> int:
 
 def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None):
     """jit of ``token_stats`` with explicit shardings: (params [``shardings``], tokens [B, T] and valid [B, T] rows
-    over ``data``) -> {stat: [B, T-1]} replicated on every device.
+    over ``data``) -> {stat: [B, T-1]} replicated on every device. FSDP shards are all-gathered one layer at a
+    time inside the layer scan (``sharding.layer_gather``), the other leaves once per call.
 
     ``model`` needs only ``hidden``/``unembed``/``vocab_size``, and the step can be ``.lower()``ed on
     ``jax.ShapeDtypeStruct`` arguments for abstract devices (compile-only planning). B must divide by ``data``.
     """
-    from .sharding import batch_sharding, replicated
+    from .sharding import batch_sharding, gather_outside_layers, layer_gather, replicated
 
     rows = batch_sharding(mesh)
+    layers = model.module.LAYERS
+    gather = layer_gather(shardings, layers)
 
     def step(params, tokens, valid):
         b, t = tokens.shape
         c = chunk or chunk_size(rows_per_device(b, mesh), t - 1, model.vocab_size)
-        return token_stats(model, params, tokens, valid, chunk=c)
+        params = gather_outside_layers(params, shardings, layers)
+        return token_stats(model, params, tokens, valid, chunk=c, layer_transform=gather)
 
     return jax.jit(step, in_shardings=(shardings, rows, rows), out_shardings=replicated(mesh))
 

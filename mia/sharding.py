@@ -210,6 +210,61 @@ def sharded_bytes(abstract_tree, shardings) -> int:
     return total
 
 
+def without_data(spec: PartitionSpec) -> PartitionSpec:
+    """The spec with its ``data`` (FSDP) entries dropped: what a device needs to compute with the leaf."""
+    def drop(entry):
+        if isinstance(entry, tuple):
+            kept = tuple(a for a in entry if a != "data")
+            return kept if len(kept) > 1 else (kept[0] if kept else None)
+        return None if entry == "data" else entry
+    return PartitionSpec(*(drop(e) for e in spec))
+
+
+def layer_gather(params_shardings, layers: str) -> Optional[Callable]:
+    """ZeRO-3 inside the layer scan: ``layer_transform(i, layer_params)`` that all-gathers one layer's FSDP shards
+    (its slice of the stacked leaves, the leading [L] axis dropped) just before the layer runs, so only one
+    layer's parameters are ever whole over ``data``. None when nothing is split over ``data``."""
+    stack = params_shardings[layers]
+    flat = jax.tree_util.tree_leaves(stack)
+    if not any("data" in jax.tree_util.tree_leaves(tuple(s.spec)) for s in flat):
+        return None
+    targets = [NamedSharding(s.mesh, without_data(PartitionSpec(*tuple(s.spec)[1:]))) for s in flat]
+
+    def transform(index, layer_params):
+        leaves, treedef = jax.tree_util.tree_flatten(layer_params)  # dict / FrozenDict: sorted keys, as ``stack``
+        return treedef.unflatten([jax.lax.with_sharding_constraint(x, t) for x, t in zip(leaves, targets)])
+
+    return transform
+
+
+def gather_outside_layers(params, params_shardings, layers: str):
+    """Inside a jitted step: the leaves outside the layer stack (embeddings, head, final norm) all-gathered over
+    ``data`` (their FSDP shards), so every matmul contracts whole dimensions on each device: no partial sums cross
+    devices over ``data``, and an FSDP layout gives the same bits as a replicated one."""
+    out = dict(params)
+    for name, tree in params.items():
+        if name == layers:
+            continue
+        out[name] = jax.tree_util.tree_map(
+            lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(s.mesh, without_data(s.spec)))
+            if "data" in jax.tree_util.tree_leaves(tuple(s.spec)) else x, tree, params_shardings[name])
+    return out
+
+
+def compose(*transforms: Optional[Callable]) -> Optional[Callable]:
+    """Layer transforms applied left to right (None entries skipped); None when there are none."""
+    fs = [f for f in transforms if f is not None]
+    if not fs:
+        return None
+
+    def transform(index, layer_params):
+        for f in fs:
+            layer_params = f(index, layer_params)
+        return layer_params
+
+    return transform
+
+
 # ------------------------------------------------------------------------------------------------ placement
 def convert(part: np.ndarray, dtype=None) -> np.ndarray:
     """``part`` in ``dtype`` (floats go through float32, as the unsharded loader does; no copy when it already is)."""
@@ -231,15 +286,23 @@ def put_array(host, sharding: NamedSharding, dtype=None) -> jax.Array:
         if host.is_fully_addressable and sharding.is_fully_addressable:
             return jax.device_put(host, sharding)
         host = np.asarray(jax.device_get(host))
-    seen: dict = {}
+    return assemble(tuple(np.shape(host)), sharding, lambda index: convert(np.asarray(host[index]), dtype))
 
-    def shard(index):
-        key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
-        if key not in seen:  # a replicated shard is converted once and sent to each of its devices
-            seen[key] = convert(np.asarray(host[index]), dtype)
-        return seen[key]
 
-    return jax.make_array_from_callback(tuple(np.shape(host)), sharding, shard)
+def assemble(shape: Sequence[int], sharding: NamedSharding, shard: Callable[[tuple], np.ndarray]) -> jax.Array:
+    """A global array from ``shard(index) -> np.ndarray``, called once per distinct shard this process's devices
+    hold (a shard replicated on several devices is built once). The copies are explicit ``jax.device_put`` calls,
+    so this works under ``jax.transfer_guard("disallow")`` and with several processes."""
+    built: dict = {}
+    devices, values = [], []
+    for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
+        key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
+        if key not in built:
+            built[key] = np.ascontiguousarray(shard(index))
+        devices.append(device)
+        values.append(built[key])
+    arrays = jax.device_put(values, devices)
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
 def put_params(params, shardings, dtype=None):
@@ -253,16 +316,12 @@ def put_rows(shape: Sequence[int], sharding: NamedSharding, make_rows: Callable[
     ``make_rows(row_ids) -> np.ndarray [len(row_ids), *shape[1:]]`` is called only for the rows this process's
     devices hold (each process builds and sends its own shard of a global batch; one call per distinct shard).
     """
-    cache: dict = {}
-
     def shard(index):
         rows = index[0] if index else slice(None)
         start, stop, _ = rows.indices(shape[0])
-        if (start, stop) not in cache:
-            cache[(start, stop)] = np.ascontiguousarray(make_rows(np.arange(start, stop)))
-        return cache[(start, stop)][(slice(None),) + tuple(index[1:])]
+        return make_rows(np.arange(start, stop))[(slice(None),) + tuple(index[1:])]
 
-    return jax.make_array_from_callback(tuple(shape), sharding, shard)
+    return assemble(shape, sharding, shard)
 
 
 def fetch(tree):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ import numpy as np
 
 from ..conditional import token_logprobs
 from ..scoring import chunk_size, engine_layout, pipelined, placed_params, plan_batches, put_padded, rows_per_device
+from ..sharding import compose
 from .registry import AttackError, register
 
 
@@ -90,12 +91,14 @@ def mean_nll(logprob_fn: Callable, params, tokens_bt, mask_bt, layer_transform=N
 
 
 def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk: int = 1, layers: str = "layers",
-              shardings=None) -> Callable:
+              shardings=None, gather: Optional[Callable] = None, gather_top: Optional[Callable] = None) -> Callable:
     """Build ``fn(key, params, tokens [B, T], mask [B, T]) -> [B]`` MoPe scores (higher = member).
 
     ``logprob_fn(params, tokens, mask, layer_transform) -> [B, T-1]`` float32 log p(t_{i+1} | t_<=i), applying
     ``layer_transform(layer_index, layer_params)`` inside its layer scan. ``layers``: the key of the stacked layer
-    params. ``shardings``: the params' shardings (perturbed leaves keep them), or None. Perturbation i uses
+    params. ``shardings``: the params' shardings (perturbed leaves keep them), or None. ``gather``: a layer
+    transform run after the perturbation (the engine's per-layer FSDP all-gather), ``gather_top(params)`` the same
+    for the leaves outside the layers, or None. Perturbation i uses
     ``jax.random.split(key, n)[i]`` whatever ``chunk`` is (chunk changes memory and speed, not scores). When
     ``chunk`` does not divide n, the last chunk is padded with repeats of key 0 whose results are dropped.
     """
@@ -105,17 +108,19 @@ def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk:
     n_chunks = -(-n // chunk)
     top_shardings, stack_shardings = split_layers(shardings, layers) if shardings is not None else (None, None)
     slice_shardings = layer_slice_shardings(stack_shardings)
+    top_gather = gather_top or (lambda p: p)
 
     def one(k, params, tokens_bt, mask_bt):
         top, stack = split_layers(params, layers)
         noisy = perturb_group(jax.random.fold_in(k, 0), top, sigma, top_shardings)
         noisy[layers] = stack
-        transform = lambda i, lp: perturb_group(jax.random.fold_in(k, 1 + i), lp, sigma, slice_shardings)  # noqa: E731
-        return mean_nll(logprob_fn, noisy, tokens_bt, mask_bt, transform)
+        noisy = top_gather(noisy)
+        perturb_layer = lambda i, lp: perturb_group(jax.random.fold_in(k, 1 + i), lp, sigma, slice_shardings)  # noqa: E731
+        return mean_nll(logprob_fn, noisy, tokens_bt, mask_bt, compose(perturb_layer, gather))
 
     def fn(key, params, tokens_bt, mask_bt):
         mask_bt = mask_bt.astype(bool)
-        l0 = mean_nll(logprob_fn, params, tokens_bt, mask_bt)
+        l0 = mean_nll(logprob_fn, top_gather(params), tokens_bt, mask_bt, gather)
         keys = jax.random.split(key, n)
         pad = n_chunks * chunk - n
         if pad:
@@ -131,7 +136,7 @@ def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk:
 @functools.lru_cache(maxsize=16)
 def jitted_mope(model, n: int, sigma: float, chunk: int):
     """MoPe on the engine's layout: (key, params, tokens [B, T], mask [B, T]) -> [B] replicated; rows over ``data``."""
-    from ..sharding import batch_sharding, replicated
+    from ..sharding import batch_sharding, gather_outside_layers, layer_gather, replicated
 
     mesh, shardings = engine_layout(model)
 
@@ -139,7 +144,9 @@ def jitted_mope(model, n: int, sigma: float, chunk: int):
         return token_logprobs(model, p, t, v, layer_transform=layer_transform,
                               chunk=chunk_size(rows_per_device(t.shape[0], mesh), t.shape[1] - 1, model.vocab_size))
 
-    fn = make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk, layers=model.module.LAYERS, shardings=shardings)
+    fn = make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk, layers=model.module.LAYERS, shardings=shardings,
+                   gather=layer_gather(shardings, model.module.LAYERS),
+                   gather_top=lambda p: gather_outside_layers(p, shardings, model.module.LAYERS))
     rows = batch_sharding(mesh)
     return jax.jit(fn, in_shardings=(replicated(mesh), shardings, rows, rows), out_shardings=replicated(mesh))
 
@@ -158,7 +165,8 @@ def _mope(ctx, *, n: int, sigma: float, chunk: int) -> np.ndarray:
     mesh, _ = engine_layout(model)
     fn = jitted_mope(model, int(n), float(sigma), int(chunk))
     params = placed_params(model)
-    key = jax.device_put(jax.random.PRNGKey(ctx.seed), replicated(mesh))
+    with jax.transfer_guard("allow"):  # the seed becomes a key once per run (not a per-batch transfer)
+        key = jax.device_put(jax.random.PRNGKey(ctx.seed), replicated(mesh))
     toks = [np.asarray(e.tokens, np.int32) for e in ctx.examples]
     # each vmapped copy holds its own activations: shrink the batch by the chunk size
     settings = dataclasses.replace(ctx.settings, token_budget=max(16, ctx.settings.token_budget // min(chunk, n)))
