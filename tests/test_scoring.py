@@ -117,3 +117,35 @@ def test_scores_do_not_depend_on_device_count(tiny_neox_dir, tiny_model, tmp_pat
     with np.load(out) as z:
         for i, s in enumerate(single):
             np.testing.assert_allclose(z[f"arr_{i}"], s["logprob"], atol=1e-5, rtol=0)
+
+
+def test_interrupt_keeps_every_fetched_batch_on_disk(tiny_model, tmp_path, monkeypatch):
+    """Ctrl-C mid-run: the batches already fetched are on disk (the cache writer is drained), and a rerun
+    computes only the rest. Batches here: [6, 9], [12] (bucket 16, 2 rows), [30], [40], [50]."""
+    import mia.scoring as sc
+
+    seqs = _random_lists(tiny_model.vocab_size, [6, 9, 30, 12, 40, 50], seed=4)
+    s = ScoringSettings(progress=False, cache_dir=str(tmp_path), token_budget=32)
+    real, calls = sc.jitted_token_stats, []
+
+    def interrupting(model, chunk=None):
+        fn = real(model, chunk)
+
+        def call(*a):
+            calls.append(a[1].shape)
+            if len(calls) == 3:  # batch 1 is fetched, batch 2 is in flight
+                raise KeyboardInterrupt
+            return fn(*a)
+        return call
+
+    monkeypatch.setattr(sc, "jitted_token_stats", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        compute_token_stats(tiny_model, seqs, s)
+    on_disk = sc.StatsCache(str(tmp_path), sc.cache_namespace(tiny_model)).mem
+    assert set(on_disk) == {sc.example_key(seqs[0]), sc.example_key(seqs[1])}
+    calls.clear()
+    resumed = compute_token_stats(tiny_model, seqs, s)
+    assert sum(shape[0] for shape in calls) == 4  # [12], [30], [40], [50]
+    fresh = compute_token_stats(tiny_model, seqs, ScoringSettings(progress=False, token_budget=32))
+    for a, b in zip(resumed, fresh):
+        np.testing.assert_allclose(a["logprob"], b["logprob"], atol=1e-6)

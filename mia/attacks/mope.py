@@ -133,22 +133,30 @@ def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk:
     return fn
 
 
-@functools.lru_cache(maxsize=16)
-def jitted_mope(model, n: int, sigma: float, chunk: int):
-    """MoPe on the engine's layout: (key, params, tokens [B, T], mask [B, T]) -> [B] replicated; rows over ``data``."""
+def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int):
+    """jit of MoPe with explicit shardings: (key [replicated], params [``shardings``], tokens [B, T] and mask
+    [B, T] rows over ``data``) -> [B] scores, replicated. Lowers on ``jax.ShapeDtypeStruct`` arguments for abstract
+    devices (compile-only planning), like ``scoring.build_token_stats_step``."""
     from ..sharding import batch_sharding, gather_outside_layers, layer_gather, replicated
 
-    mesh, shardings = engine_layout(model)
+    layers = model.module.LAYERS
 
     def logprob_fn(p, t, v, layer_transform=None):
         return token_logprobs(model, p, t, v, layer_transform=layer_transform,
                               chunk=chunk_size(rows_per_device(t.shape[0], mesh), t.shape[1] - 1, model.vocab_size))
 
-    fn = make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk, layers=model.module.LAYERS, shardings=shardings,
-                   gather=layer_gather(shardings, model.module.LAYERS),
-                   gather_top=lambda p: gather_outside_layers(p, shardings, model.module.LAYERS))
+    fn = make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk, layers=layers, shardings=shardings,
+                   gather=layer_gather(shardings, layers),
+                   gather_top=lambda p: gather_outside_layers(p, shardings, layers))
     rows = batch_sharding(mesh)
     return jax.jit(fn, in_shardings=(replicated(mesh), shardings, rows, rows), out_shardings=replicated(mesh))
+
+
+@functools.lru_cache(maxsize=16)
+def jitted_mope(model, n: int, sigma: float, chunk: int):
+    """MoPe on the engine's layout for ``model`` (``scoring.engine_layout``)."""
+    mesh, shardings = engine_layout(model)
+    return build_mope_step(model, mesh, shardings, n, sigma, chunk)
 
 
 @register("mope", needs=("model",), n=10, sigma=0.005, chunk=2)
