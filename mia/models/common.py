@@ -303,6 +303,15 @@ class DecoderLM(nn.Module):
 
         return self.param(self.LAYERS, init)
 
+    def declare(self, tokens_bt):
+        """Init only, ``module.init(key, tokens, method="declare")``: creates every param (same values as an init
+        through ``__call__``) without running the layer scan, which eagerly would compile the scan just to init."""
+        x = getattr(self, self.EMBED)(tokens_bt)
+        if self.POSITION_EMBED is not None:
+            x = x + getattr(self, self.POSITION_EMBED)(jnp.zeros(tokens_bt.shape, jnp.int32))
+        getattr(self, self.LAYERS)
+        return self.unembed(getattr(self, self.NORM)(x))
+
     def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None,
                layer_transform: Optional[Callable] = None):
         """tokens [B, T] int -> (final normed hidden states [B, T, D], KVCache of this call's tokens only).

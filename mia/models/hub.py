@@ -197,7 +197,7 @@ def _get(tree: dict, path: tuple):
 
 def abstract_params(fam: Family, cfg, dtype=jnp.float32, param_dtype=jnp.float32):
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
-    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))["params"]
+    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32), method="declare"))["params"]
     return module, shapes
 
 
@@ -341,7 +341,7 @@ def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", par
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
     if params is None:
         key = jax.random.PRNGKey(0) if key is None else key
-        params = module.init(key, jnp.zeros((1, 2), jnp.int32))["params"]
+        params = module.init(key, jnp.zeros((1, 2), jnp.int32), method="declare")["params"]
     h = hashlib.sha256(json.dumps(cfg.to_hf(), sort_keys=True).encode())
     for leaf in jax.tree_util.tree_leaves(params):
         h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
