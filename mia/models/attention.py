@@ -48,10 +48,10 @@ ENV_VAR = "MIA_ATTENTION"
 KERNEL_NAMES = ("exact", "blocked", "xla")
 
 # auto dispatch thresholds (CPU measurements in README "Attention kernels")
-EXACT_MAX_KEYS = 1024
+EXACT_MAX_KEYS = 512
 EXACT_MAX_SCORE_BYTES = 1 << 30
-BLOCK_Q = 512
-BLOCK_K = 512
+BLOCK_Q = 256
+BLOCK_K = 256
 
 
 # ------------------------------------------------------------------------------------------------ masks
@@ -124,17 +124,18 @@ def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_v
 
 
 def blocked_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
-                      window: Optional[int] = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> Array:
+                      window: Optional[int] = None, block_q: Optional[int] = None,
+                      block_k: Optional[int] = None) -> Array:
     """Query-blocked online-softmax attention (FlashAttention's recurrence in plain JAX). Same result as
     :func:`exact_attention` up to float32 rounding for every query that sees at least one key.
 
     T and S need not be multiples of the block sizes: queries are padded (rows dropped) and keys padded as
-    invalid. A query that no reachable key block serves gets zeros.
+    invalid. A query that no reachable key block serves gets zeros. Block sizes default to BLOCK_Q, BLOCK_K.
     """
     b, t, h, e = q_bthe.shape
     s, kv_heads = k_bske.shape[1], k_bske.shape[2]
     g = h // kv_heads
-    bq, bk = min(block_q, t), min(block_k, s)
+    bq, bk = min(block_q or BLOCK_Q, t), min(block_k or BLOCK_K, s)
     nq, nk = -(-t // bq), -(-s // bk)
     q = _pad_axis1(q_bthe, nq * bq - t)
     q_pos = _pad_axis1(q_pos_bt, nq * bq - t)
