@@ -7,12 +7,12 @@ is key S - T + i. Key j is *allowed* for query i when
     k_valid[j]  and  k_pos[j] <= q_pos[i]  (and  q_pos[i] - k_pos[j] < window  for a local window).
 
 Masking by position id makes right-padded targets, left-padded prefixes and a cached prefix one case. A query
-whose token is valid always has at least one allowed key (itself); a fully masked row (a left pad) yields some
-finite value (uniform attention in ``exact``), never NaN. Rows of padding queries are not used downstream.
+whose token is valid always has at least one allowed key (itself); a fully masked row (an all-padding batch row)
+yields some finite value (uniform attention in ``exact``), never NaN. Rows of padding queries are not used downstream.
 
 Kernels (all return [B, T, H, E] in v's dtype; scores, softmax and accumulation in float32 for any input dtype):
-  exact    materialises the float32 scores [B, K, G, T, S]: the reference the tests compare against, and the
-           fastest for short keys on CPU.
+  exact    materialises the float32 scores [B, K, G, T, S]: the reference the tests compare against; used for
+           short keys.
   blocked  flash-style online softmax in plain JAX: for each block of queries, a scan over key blocks keeps the
            running max, sum and weighted values in float32 and skips key blocks that no query of the block may
            see (above the causal diagonal, outside a local window, all padding). The activation peak is one
@@ -21,7 +21,7 @@ Kernels (all return [B, T, H, E] in v's dtype; scores, softmax and accumulation 
            no cache and the batch is laid out plainly (right padding, position = index), checked at run time,
            our mask is its ``is_causal`` + sequence lengths + ``local_window_size``: no mask tensor, causal
            blocks skipped. Otherwise it gets the boolean mask [B, 1, T, S] (quadratic, but booleans/bias, not
-           float32 scores per head).
+           float32 scores per head). Shapes cuDNN refuses at trace time run the blocked kernel instead.
 
 Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.default_backend()``):
   the environment variable ``MIA_ATTENTION`` = exact | blocked | xla forces a kernel; auto (the default)
@@ -31,7 +31,6 @@ Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.def
 """
 from __future__ import annotations
 
-import math
 import os
 from functools import partial
 from typing import Callable, Optional
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-# A finite "minus infinity": a fully masked row (a left pad) then softmaxes to a uniform row, not NaN.
+# A finite "minus infinity": a fully masked row then softmaxes to a uniform row, not NaN.
 MASK_VALUE = -1e30
 
 ENV_VAR = "MIA_ATTENTION"
@@ -195,32 +194,16 @@ def _cudnn_can_run(head_dim: int, dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
 
 
-def _jax_attention(q, k, v, *, scale, implementation, **masking):
-    try:
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=implementation, **masking)
-    except (NotImplementedError, RuntimeError, ValueError):  # cuDNN missing or shape/dtype it does not support
-        if implementation is None:
-            raise
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=None, **masking)
-
-
-def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
-                  window: Optional[int] = None) -> Array:
-    """``jax.nn.dot_product_attention`` with our masking; cuDNN where it can run, jax's XLA version elsewhere.
-
-    Valid query rows equal :func:`exact_attention`; padding rows are finite (zeros on the plain-layout branch).
-    """
+def _jax_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale, window, implementation):
     dtype = q_bthe.dtype
-    k, v = k_bske.astype(dtype), v_bske.astype(dtype)
-    on_gpu = jax.default_backend() == "gpu"
-    implementation = "cudnn" if on_gpu and _cudnn_can_run(q_bthe.shape[-1], dtype) else None
-    attend = partial(_jax_attention, q_bthe, k, v, scale=scale, implementation=implementation)
+    attend = partial(jax.nn.dot_product_attention, q_bthe, k_bske.astype(dtype), v_bske.astype(dtype), scale=scale,
+                     implementation=implementation)
 
     def general(_):
         return attend(mask=allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window)[:, None])
 
     if q_bthe.shape[1] != k_bske.shape[1]:  # a cached prefix: only the general mask expresses it
-        return general(None).astype(v_bske.dtype)
+        return general(None)
 
     def plain(_):
         # at least one key per row, so an all-padding batch row stays finite; padding queries are zeroed
@@ -228,8 +211,23 @@ def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sca
         local = None if window is None else (window - 1, 0)
         return attend(is_causal=True, query_seq_lengths=n, key_value_seq_lengths=n, local_window_size=local)
 
-    out = jax.lax.cond(plain_causal_layout(q_pos_bt, k_pos_bs, k_valid_bs), plain, general, None)
-    return out.astype(v_bske.dtype)
+    return jax.lax.cond(plain_causal_layout(q_pos_bt, k_pos_bs, k_valid_bs), plain, general, None)
+
+
+def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
+                  window: Optional[int] = None) -> Array:
+    """``jax.nn.dot_product_attention`` with our masking: cuDNN on a CUDA GPU where it can run, jax's XLA version
+    on other backends. If cuDNN refuses the shapes when traced (missing, old GPU, head dim), the blocked kernel runs.
+
+    Valid query rows equal :func:`exact_attention`; padding rows are finite (zeros on the plain-layout branch).
+    """
+    args = (q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs)
+    if jax.default_backend() == "gpu" and _cudnn_can_run(q_bthe.shape[-1], q_bthe.dtype):
+        try:
+            return _jax_attention(*args, scale=scale, window=window, implementation="cudnn").astype(v_bske.dtype)
+        except (NotImplementedError, RuntimeError, ValueError):
+            return blocked_attention(*args, scale=scale, window=window)
+    return _jax_attention(*args, scale=scale, window=window, implementation=None).astype(v_bske.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
