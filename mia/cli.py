@@ -149,6 +149,7 @@ def cmd_attacks(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mia", description="Membership inference attacks on language models.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    add_compile_cache_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_score_parser(sub)
     a = sub.add_parser("attacks", help="list registered attacks and their parameters")
@@ -165,9 +166,21 @@ def build_parser() -> argparse.ArgumentParser:
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError)  # raised with a one-line message about the user's input
 
 
-def run_for_user(fn, *, debug: bool = False, on_interrupt: str = "interrupted"):
+def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use the persistent XLA compilation cache (<cache dir>/xla; also MIA_COMPILE_CACHE=0)")
+
+
+def run_for_user(fn, *, debug: bool = False, on_interrupt: str = "interrupted", compile_cache: bool = True):
     """(exit status, result) of ``fn()``: a user-input error prints one ``error: ...`` line and gives status 2
-    (``debug`` re-raises it with its traceback); Ctrl-C prints ``on_interrupt`` and gives 130."""
+    (``debug`` re-raises it with its traceback); Ctrl-C prints ``on_interrupt`` and gives 130.
+
+    Every entry point runs through here, so this also turns on the persistent compilation cache
+    (``mia.compile_cache``; off with ``compile_cache=False`` or ``MIA_COMPILE_CACHE=0``).
+    """
+    from .compile_cache import enable_compile_cache
+
+    enable_compile_cache(enabled=compile_cache)
     try:
         return 0, fn()
     except USER_ERRORS as e:
@@ -183,7 +196,7 @@ def run_for_user(fn, *, debug: bool = False, on_interrupt: str = "interrupted"):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    status, result = run_for_user(lambda: args.func(args), debug=args.debug,
+    status, result = run_for_user(lambda: args.func(args), debug=args.debug, compile_cache=not args.no_compile_cache,
                                   on_interrupt="interrupted; finished batches are cached and will be reused")
     return status or int(result or 0)
 

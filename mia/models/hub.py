@@ -90,20 +90,26 @@ class Model:
         p = self.matmul_precision
         return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
-    def hidden(self, params, tokens, valid=None, positions=None, cache=None):
-        """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens)."""
+    def hidden(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
+        """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens).
+
+        ``layer_transform(layer_index, layer_params) -> layer_params`` (optional, pure): applied inside the layer
+        scan to each layer's params subtree (no [L] axis; ``layer_index`` a traced int32 scalar) just before that
+        layer runs; same structure and shapes out (see ``common.DecoderLM.hidden``).
+        """
         with self._precision():
-            return self.module.apply({"params": params}, tokens, valid, positions, cache, method="hidden")
+            return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform,
+                                     method="hidden")
 
     def unembed(self, params, h):
         """Pure: hidden [..., D] -> logits [..., V], float32 whatever the activation dtype."""
         with self._precision():
             return self.module.apply({"params": params}, h, method="unembed")
 
-    def logits(self, params, tokens, valid=None, positions=None, cache=None):
-        """Pure: (params, tokens [B,T], ...) -> float32 logits [B,T,V]."""
+    def logits(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
+        """Pure: float32 logits [B, T, V]; ``layer_transform`` as in ``hidden``."""
         with self._precision():
-            return self.module.apply({"params": params}, tokens, valid, positions, cache)
+            return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform)
 
     @property
     def max_length(self) -> int:
@@ -210,15 +216,22 @@ def _get(tree: dict, path: tuple):
 
 def abstract_params(fam: Family, cfg, dtype=jnp.float32, param_dtype=jnp.float32):
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
-    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))["params"]
+    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32), method="declare"))["params"]
     return module, shapes
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, param_dtype, source: str = "checkpoint"):
-    """HF-named numpy tensors -> our params pytree, strict on names and shapes."""
+    """HF-named numpy tensors -> our params pytree, strict on names and shapes.
+
+    A mapping with ``layer`` fills slice ``layer`` of a stacked [L, ...] leaf; its tensor's shape is checked
+    against the leaf's shape without the L axis.
+    """
     mappings: list[ParamMapping] = fam.param_mappings(cfg)
+    stacked: dict[tuple, np.ndarray] = {}  # path -> [L, ...] host buffer being filled
+    filled: dict[tuple, set] = {}
     params: dict = {}
     used = set()
+    np_dtype = np.dtype(param_dtype)
     for m in mappings:
         name = m.hf_name
         if name not in tensors:
@@ -231,13 +244,25 @@ def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, par
         arr = np.asarray(tensors[name])
         if m.transpose:
             arr = arr.T
-        want = _get(shapes, m.path).shape
-        if tuple(arr.shape) != tuple(want):
+        leaf_shape = tuple(_get(shapes, m.path).shape)
+        want = leaf_shape if m.layer is None else leaf_shape[1:]
+        if tuple(arr.shape) != want:
             got = tuple(tensors[name].shape)
             raise CheckpointError(f"{source}: tensor {name!r} has shape {got}, expected "
-                                  f"{tuple(want[::-1]) if m.transpose else tuple(want)} for this config")
-        _set(params, m.path, jnp.asarray(arr.astype(np.float32), dtype=param_dtype))
+                                  f"{tuple(want[::-1]) if m.transpose else want} for this config")
+        if m.layer is None:
+            _set(params, m.path, jnp.asarray(arr.astype(np.float32), dtype=param_dtype))
+        else:
+            buf = stacked.setdefault(m.path, np.empty(leaf_shape, np_dtype))
+            buf[m.layer] = arr.astype(np.float32)  # rounded to the param dtype on assignment (as jnp.asarray does)
+            filled.setdefault(m.path, set()).add(m.layer)
         used.add(name)
+    for path in list(stacked):
+        buf = stacked.pop(path)
+        if filled[path] != set(range(buf.shape[0])):  # a mapping table bug, not a user error
+            raise AssertionError(f"{fam.model_type}: layers {sorted(set(range(buf.shape[0])) - filled[path])} of "
+                                 f"{path} have no HF mapping")
+        _set(params, path, jnp.asarray(buf))
     extra = [k for k in tensors if k not in used and not any(re.search(p, k) for p in fam.ignored_keys)]
     if extra:
         raise CheckpointError(f"{source}: unexpected tensor(s) not used by {fam.model_type}: {', '.join(sorted(extra)[:8])}"
@@ -249,9 +274,13 @@ def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, par
 
 
 def params_to_hf(params, fam: Family, cfg) -> dict[str, np.ndarray]:
+    """Our params pytree -> HF-named numpy tensors (slice ``layer`` of a stacked leaf for per-layer tensors)."""
     out = {}
+    host: dict[tuple, np.ndarray] = {}
     for m in fam.param_mappings(cfg):
-        arr = np.asarray(jax.device_get(_get(params, m.path)))
+        if m.path not in host:
+            host[m.path] = np.asarray(jax.device_get(_get(params, m.path)))
+        arr = host[m.path] if m.layer is None else host[m.path][m.layer]
         out[m.hf_name] = np.ascontiguousarray(arr.T if m.transpose else arr)
     return out
 
@@ -347,7 +376,7 @@ def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", par
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
     if params is None:
         key = jax.random.PRNGKey(0) if key is None else key
-        params = module.init(key, jnp.zeros((1, 2), jnp.int32))["params"]
+        params = module.init(key, jnp.zeros((1, 2), jnp.int32), method="declare")["params"]
     h = hashlib.sha256(json.dumps(cfg.to_hf(), sort_keys=True).encode())
     for leaf in jax.tree_util.tree_leaves(params):
         h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
