@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
+Window = Optional[Union[int, Array]]  # None (global), an int, or a traced int32 scalar from a per-layer table
 
 # A finite "minus infinity": a fully masked row then softmaxes to a uniform row, not NaN.
 MASK_VALUE = -1e30
@@ -54,8 +56,11 @@ BLOCK_K = 256
 
 
 # ------------------------------------------------------------------------------------------------ masks
-def allowed_mask(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array, window: Optional[int]) -> Array:
-    """[B, T, S] bool: may query t attend to key s (position-id causal, valid keys, optional local window)."""
+def allowed_mask(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array, window) -> Array:
+    """[B, T, S] bool: may query t attend to key s (position-id causal, valid keys, optional local window).
+
+    ``window``: None, an int, or a traced int32 scalar (a per-layer table entry; a huge value means global).
+    """
     allowed = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]
     if window is not None:
         allowed = allowed & (q_pos_bt[:, :, None] - k_pos_bs[:, None, :] < window)
@@ -64,7 +69,7 @@ def allowed_mask(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array, window: Op
 
 # ------------------------------------------------------------------------------------------------ exact
 def exact_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
-                    window: Optional[int] = None) -> Array:
+                    window: Window = None) -> Array:
     """The reference: full float32 scores [B, K, G, T, S], softmax, probabilities in v's dtype, float32 sums."""
     b, t, h, e = q_bthe.shape
     kv_heads = k_bske.shape[2]
@@ -78,7 +83,7 @@ def exact_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, s
 
 
 # ------------------------------------------------------------------------------------------------ blocked
-def reachable_blocks(q_pos_bnq: Array, k_pos_bnk: Array, k_valid_bnk: Array, window: Optional[int]) -> Array:
+def reachable_blocks(q_pos_bnq: Array, k_pos_bnk: Array, k_valid_bnk: Array, window: Window) -> Array:
     """[n_q_blocks, n_k_blocks] bool, False only where no query of the block may see any key of the block.
 
     Conservative from per-block extremes: some valid key with position <= the block's largest query position
@@ -123,7 +128,7 @@ def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_v
 
 
 def blocked_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
-                      window: Optional[int] = None, block_q: Optional[int] = None,
+                      window: Window = None, block_q: Optional[int] = None,
                       block_k: Optional[int] = None) -> Array:
     """Query-blocked online-softmax attention (FlashAttention's recurrence in plain JAX). Same result as
     :func:`exact_attention` up to float32 rounding for every query that sees at least one key.
@@ -190,6 +195,11 @@ def plain_causal_layout(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array) -> 
     return jnp.all(prefix & same_tokens & positions)
 
 
+def is_static(window) -> bool:
+    """A window known when traced (None or an int), not a per-layer lookup inside the layer scan."""
+    return window is None or isinstance(window, (int, np.integer))
+
+
 def _cudnn_can_run(head_dim: int, dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
 
@@ -202,7 +212,7 @@ def _jax_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sc
     def general(_):
         return attend(mask=allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window)[:, None])
 
-    if q_bthe.shape[1] != k_bske.shape[1]:  # a cached prefix: only the general mask expresses it
+    if q_bthe.shape[1] != k_bske.shape[1] or not is_static(window):  # a cache or a per-layer window table
         return general(None)
 
     def plain(_):
@@ -215,7 +225,7 @@ def _jax_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sc
 
 
 def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
-                  window: Optional[int] = None) -> Array:
+                  window: Window = None) -> Array:
     """``jax.nn.dot_product_attention`` with our masking: cuDNN on a CUDA GPU where it can run, jax's XLA version
     on other backends. If cuDNN refuses the shapes when traced (missing, old GPU, head dim), the blocked kernel runs.
 
@@ -244,7 +254,10 @@ def requested_kernel() -> str:
 
 def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, *, backend: Optional[str] = None,
                   requested: Optional[str] = None) -> str:
-    """The kernel name for static shapes (see the module docstring); ``requested`` defaults to MIA_ATTENTION."""
+    """The kernel name for static shapes (see the module docstring); ``requested`` defaults to MIA_ATTENTION.
+
+    A traced per-layer window does not change the choice: on a GPU the xla kernel then passes it in the mask.
+    """
     requested = requested or requested_kernel()
     if requested != "auto":
         return requested
@@ -256,7 +269,7 @@ def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, 
 
 
 def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt: Array, k_pos_bs: Array,
-                          k_valid_bs: Array, *, scale: float, window: Optional[int] = None) -> Array:
+                          k_valid_bs: Array, *, scale: float, window: Window = None) -> Array:
     """Causal (by position id) grouped-query attention; scores and softmax in float32. Returns [B, T, H, E].
 
     The kernel is chosen by :func:`select_kernel` when traced; every kernel agrees with ``exact_attention``.
