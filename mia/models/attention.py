@@ -201,7 +201,9 @@ def is_static(window) -> bool:
 
 
 def _cudnn_can_run(head_dim: int, dtype) -> bool:
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
+    """cuDNN flash attention's conditions (16-bit inputs; head dim <= 128 on every GPU generation it supports)."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return half and head_dim % 8 == 0 and head_dim <= 128
 
 
 def _jax_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale, window, implementation):
