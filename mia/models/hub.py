@@ -76,20 +76,6 @@ class Model:
     path: Optional[str] = None
     fingerprint: str = ""
 
-    @property
-    def matmul_precision(self) -> Optional[str]:
-        """"highest" when activations are float32 (the float32 and float16 modes), else None (backend default).
-
-        Without it, "float32" matmuls run as TF32 on A100/H100 and as one bf16 pass on TPU, and parity with
-        transformers (1e-4) would hold on CPU only. Every method below traces the module under it, so every
-        matmul of the model (attention and LM head included) carries it into any jitted caller.
-        """
-        return "highest" if jnp.dtype(self.module.dtype) == jnp.float32 else None
-
-    def _precision(self):
-        p = self.matmul_precision
-        return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
-
     def hidden(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
         """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens).
 
@@ -110,6 +96,20 @@ class Model:
         """Pure: float32 logits [B, T, V]; ``layer_transform`` as in ``hidden``."""
         with self._precision():
             return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform)
+
+    @property
+    def matmul_precision(self) -> Optional[str]:
+        """"highest" when activations are float32 (the float32 and float16 modes), else None (backend default).
+
+        Without it, "float32" matmuls run as TF32 on A100/H100 and as one bf16 pass on TPU, and parity with
+        transformers (1e-4) would hold on CPU only. hidden, unembed and logits trace the module under it, so every
+        matmul of the model (attention and LM head included) carries it into any jitted caller.
+        """
+        return "highest" if jnp.dtype(self.module.dtype) == jnp.float32 else None
+
+    def _precision(self):
+        p = self.matmul_precision
+        return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
     @property
     def max_length(self) -> int:
@@ -351,7 +351,7 @@ def load_tokenizer(path):
 
 
 def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True) -> Model:
-    """Load a local HF-layout checkpoint directory. ``dtype``: "float32", "bfloat16" or "float16" (see _dtypes).
+    """Load a local HF-layout checkpoint directory. ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
 
     Log-probabilities are always computed in float32 downstream, whatever ``dtype`` is.
     """
