@@ -1,11 +1,11 @@
 """Stacked (scanned) decoder layers: the params layout, strict HF mapping onto layer slices, the per-layer
-``layer_transform`` hook, and a traced program that does not grow with depth."""
+``layer_transform`` hook, a traced program that does not grow with depth, and what the layout means for testbed
+training (weight-decay mask, train-state format). Family parity lives in test_families_parity.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mia.models as mm
 from mia.models.gpt_neox import GPTNeoXConfig
 from mia.models.hub import CheckpointError, abstract_params, family, params_from_hf, params_to_hf
 from hf_tiny import padded_batch
@@ -93,3 +93,30 @@ def test_traced_program_does_not_grow_with_depth():
         module, shapes = abstract_params(family("gpt_neox"), _neox(layers))
         sizes.append(len(jax.make_jaxpr(lambda p, t: module.apply({"params": p}, t))(shapes, tokens).eqns))
     assert sizes[0] == sizes[1]
+
+
+# ------------------------------------------------------------------------------------------------ testbed training
+def test_weight_decay_mask_ignores_the_layer_axis(model):
+    from mia.testbed.train import _decay_mask
+
+    mask = _decay_mask(model.params)
+    want = {  # matrices only, judged per layer (a stacked norm scale is [L, D] but still a vector)
+        path: leaf.ndim - (path[0].key == "layers") >= 2
+        for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]}
+    got = dict(jax.tree_util.tree_flatten_with_path(mask)[0])
+    assert got == want
+    assert mask["layers"]["input_layernorm"]["weight"] is False and mask["layers"]["attention_dense"]["kernel"] is True
+
+
+def test_train_state_of_the_unstacked_layout_is_never_read(model, tmp_path):
+    from mia.models.hub import write_safetensors
+    from mia.testbed.config import TestbedError
+    from mia.testbed.train import STATE_FILE, latest_state, load_train_state
+
+    old = tmp_path / "resume" / STATE_FILE
+    old.parent.mkdir()
+    write_safetensors({"params['layers_0']['attention_dense']['bias']": np.zeros(32, np.float32)}, old,
+                      metadata={"format": "mia-train-state/1", "step": "5", "config_hash": "h"})
+    assert latest_state(tmp_path, "h", upto=10) is None
+    with pytest.raises(TestbedError, match="format 'mia-train-state/1'"):
+        load_train_state(old, model.params, {}, "h")

@@ -214,10 +214,15 @@ def _get(tree: dict, path: tuple):
     return tree
 
 
+def init_method(module):
+    """Decoders initialise through ``declare`` (every param, no layer scan); other modules through ``__call__``."""
+    return "declare" if hasattr(type(module), "declare") else None
+
+
 def abstract_params(fam: Family, cfg, dtype=jnp.float32, param_dtype=jnp.float32):
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
-    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32), method="declare"))["params"]
-    return module, shapes
+    init = lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32), method=init_method(module))
+    return module, jax.eval_shape(init)["params"]
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, param_dtype, source: str = "checkpoint"):
@@ -376,7 +381,7 @@ def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", par
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
     if params is None:
         key = jax.random.PRNGKey(0) if key is None else key
-        params = module.init(key, jnp.zeros((1, 2), jnp.int32), method="declare")["params"]
+        params = module.init(key, jnp.zeros((1, 2), jnp.int32), method=init_method(module))["params"]
     h = hashlib.sha256(json.dumps(cfg.to_hf(), sort_keys=True).encode())
     for leaf in jax.tree_util.tree_leaves(params):
         h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
