@@ -90,16 +90,16 @@ def test_xla_kernel_equals_exact_on_valid_queries(case):
     np.testing.assert_allclose(got[valid], _exact(args, window)[valid], atol=1e-5, rtol=0)
 
 
-def test_traced_window_from_a_layer_table():
-    """Inside the layer scan GPT-Neo's window is a traced table entry (int32 max = global): blocked and xla
-    take it as an argument and equal exact with the static window / no window."""
+@pytest.mark.parametrize("kernel", ["blocked", pytest.param("xla", marks=pytest.mark.slow)])
+def test_traced_window_from_a_layer_table(kernel):
+    """Inside the layer scan GPT-Neo's window is a traced table entry (int32 max = global): the kernel takes it as
+    an argument and equals exact with the static window / no window."""
     args, valid = make_inputs(cache=7, left_pad=2, t=11)
-    kernels = jax.jit(lambda w, *a: [A.KERNELS[k](*a, scale=SCALE, window=w, **kw)
-                                     for k, kw in (("blocked", dict(block_q=4, block_k=3)), ("xla", {}))])
+    blocks = dict(block_q=4, block_k=3) if kernel == "blocked" else {}
+    fn = jax.jit(lambda w, *a: A.KERNELS[kernel](*a, scale=SCALE, window=w, **blocks))
     for traced, static in ((4, 4), (np.iinfo(np.int32).max, None)):
-        want = _exact(args, static)
-        for got in kernels(jnp.int32(traced), *args):
-            np.testing.assert_allclose(np.asarray(got)[valid], want[valid], atol=1e-5, rtol=0)
+        got = np.asarray(fn(jnp.int32(traced), *args))
+        np.testing.assert_allclose(got[valid], _exact(args, static)[valid], atol=1e-5, rtol=0)
 
 
 def test_plain_layout_detection():
@@ -209,18 +209,20 @@ def test_whole_model_blocked_equals_exact(monkeypatch):
     np.testing.assert_allclose(blocked[valid], exact[valid], atol=1e-5, rtol=0)
 
 
-def test_blocked_memory_grows_linearly(monkeypatch):
-    """Compile only (nothing runs): float32 temp bytes at T = 4096 vs 2048, B=1, 8 heads of 64 (README numbers)."""
-    def temp_bytes(kernel, t):
-        q = jax.ShapeDtypeStruct((1, t, 8, 64), jnp.float32)
-        pos, valid = jax.ShapeDtypeStruct((1, t), jnp.int32), jax.ShapeDtypeStruct((1, t), jnp.bool_)
-        fn = jax.jit(lambda *a: A.KERNELS[kernel](*a, scale=0.125))
-        return fn.lower(q, q, q, pos, pos, valid).compile().memory_analysis().temp_size_in_bytes
+def _temp_bytes(kernel, t):
+    """Compile only (nothing runs): XLA:CPU temp bytes of one float32 attention call, B=1, 8 heads of 64."""
+    q = jax.ShapeDtypeStruct((1, t, 8, 64), jnp.float32)
+    pos, valid = jax.ShapeDtypeStruct((1, t), jnp.int32), jax.ShapeDtypeStruct((1, t), jnp.bool_)
+    fn = jax.jit(lambda *a: A.KERNELS[kernel](*a, scale=0.125))
+    return fn.lower(q, q, q, pos, pos, valid).compile().memory_analysis().temp_size_in_bytes
 
-    blocked = temp_bytes("blocked", 4096) / temp_bytes("blocked", 2048)
-    exact = temp_bytes("exact", 4096) / temp_bytes("exact", 2048)
-    print(f"temp bytes 4096/2048: blocked {blocked:.2f}x, exact {exact:.2f}x")
-    assert blocked <= 2.5 and exact >= 3.5
+
+@pytest.mark.parametrize("kernel, low, high", [("blocked", 1.0, 2.5),
+                                               pytest.param("exact", 3.5, 4.5, marks=pytest.mark.slow)])
+def test_attention_memory_growth_from_2048_to_4096(kernel, low, high):
+    """Temp bytes at T = 4096 over T = 2048 (README numbers): blocked linear (measured 1.65x), exact quadratic (4x)."""
+    ratio = _temp_bytes(kernel, 4096) / _temp_bytes(kernel, 2048)
+    assert low <= ratio <= high, ratio
 
 
 # ------------------------------------------------------------------------------------------------ precision policy
