@@ -518,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the AUC SE")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    from mia.cli import add_compile_cache_flag
+
+    add_compile_cache_flag(p)
     return p
 
 
@@ -534,7 +537,7 @@ def main(argv=None) -> int:
                     n_prefix=args.n_prefix, memorize_epochs=args.memorize_epochs, attacks=args.attacks,
                     blind=not args.no_blind, seed=args.seed, bootstrap=args.bootstrap,
                     progress=not args.no_progress, testbed_overrides=overrides, argv=argv),
-        debug=args.debug,
+        debug=args.debug, compile_cache=not args.no_compile_cache,
         on_interrupt="interrupted; rerun the same command: the testbed resumes and finished scoring batches are cached")
     if status:
         return status

@@ -28,7 +28,7 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--train-data", help="JSONL of labelled training examples for learned combiners (disjoint from --data)")
     p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter/activation dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="README: Precision policy")
     p.add_argument("--batch-tokens", type=int, default=16384,
                    help="padded tokens per batch per data-parallel device (8 devices on `data`: 8x the rows)")
     p.add_argument("--mesh", default=None, metavar="AXES",
@@ -179,6 +179,7 @@ def cmd_attacks(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mia", description="Membership inference attacks on language models.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    add_compile_cache_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_score_parser(sub)
     a = sub.add_parser("attacks", help="list registered attacks and their parameters")
@@ -195,9 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError)  # raised with a one-line message about the user's input
 
 
-def run_for_user(fn, *, debug: bool = False, on_interrupt: str = "interrupted"):
+def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use the persistent XLA compilation cache (<cache dir>/xla; also MIA_COMPILE_CACHE=0)")
+
+
+def run_for_user(fn, *, debug: bool = False, on_interrupt: str = "interrupted", compile_cache: bool = True):
     """(exit status, result) of ``fn()``: a user-input error prints one ``error: ...`` line and gives status 2
-    (``debug`` re-raises it with its traceback); Ctrl-C prints ``on_interrupt`` and gives 130."""
+    (``debug`` re-raises it with its traceback); Ctrl-C prints ``on_interrupt`` and gives 130.
+
+    Every entry point runs through here, so this also turns on the persistent compilation cache
+    (``mia.compile_cache``; off with ``compile_cache=False`` or ``MIA_COMPILE_CACHE=0``).
+    """
+    from .compile_cache import enable_compile_cache
+
+    enable_compile_cache(enabled=compile_cache)
     try:
         return 0, fn()
     except USER_ERRORS as e:
@@ -213,7 +226,7 @@ def run_for_user(fn, *, debug: bool = False, on_interrupt: str = "interrupted"):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    status, result = run_for_user(lambda: args.func(args), debug=args.debug,
+    status, result = run_for_user(lambda: args.func(args), debug=args.debug, compile_cache=not args.no_compile_cache,
                                   on_interrupt="interrupted; finished batches are cached and will be reused")
     return status or int(result or 0)
 

@@ -10,6 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_tiny.py
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# CLI entry points called in-process must not write JAX's persistent compilation cache into the user's home;
+# tests/test_compile_cache.py turns it on explicitly in subprocesses.
+os.environ.setdefault("MIA_COMPILE_CACHE", "0")
 
 
 def build_tiny_tokenizer(path: Path, vocab_size: int = 320):

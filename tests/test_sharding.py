@@ -24,7 +24,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def env_with_devices(n):
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu",
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu", MIA_COMPILE_CACHE="0",
                 PYTHONPATH=str(ROOT) + os.pathsep + str(TESTS))
 
 

@@ -7,6 +7,7 @@ tensor of the right shape, and every tensor in the checkpoint must be used (a fe
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -88,15 +89,33 @@ class Model:
         scan to each layer's params subtree (no [L] axis; ``layer_index`` a traced int32 scalar) just before that
         layer runs; same structure and shapes out (see ``common.DecoderLM.hidden``).
         """
-        return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform, method="hidden")
+        with self._precision():
+            return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform,
+                                     method="hidden")
 
     def unembed(self, params, h):
-        """Pure: hidden [..., D] -> logits [..., V] (activation dtype)."""
-        return self.module.apply({"params": params}, h, method="unembed")
+        """Pure: hidden [..., D] -> logits [..., V], float32 whatever the activation dtype."""
+        with self._precision():
+            return self.module.apply({"params": params}, h, method="unembed")
 
     def logits(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
-        """Pure: logits [B, T, V] (activation dtype); ``layer_transform`` as in ``hidden``."""
-        return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform)
+        """Pure: float32 logits [B, T, V]; ``layer_transform`` as in ``hidden``."""
+        with self._precision():
+            return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform)
+
+    @property
+    def matmul_precision(self) -> Optional[str]:
+        """"highest" when activations are float32 (the float32 and float16 modes), else None (backend default).
+
+        Without it, "float32" matmuls run as TF32 on A100/H100 and as one bf16 pass on TPU, and parity with
+        transformers (1e-4) would hold on CPU only. hidden, unembed and logits trace the module under it, so every
+        matmul of the model (attention and LM head included) carries it into any jitted caller.
+        """
+        return "highest" if jnp.dtype(self.module.dtype) == jnp.float32 else None
+
+    def _precision(self):
+        p = self.matmul_precision
+        return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
 
     @property
     def max_length(self) -> int:
@@ -201,10 +220,15 @@ def _get(tree: dict, path: tuple):
     return tree
 
 
+def init_method(module):
+    """Decoders initialise through ``declare`` (every param, no layer scan); other modules through ``__call__``."""
+    return "declare" if hasattr(type(module), "declare") else None
+
+
 def abstract_params(fam: Family, cfg, dtype=jnp.float32, param_dtype=jnp.float32):
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
-    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))["params"]
-    return module, shapes
+    init = lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32), method=init_method(module))
+    return module, jax.eval_shape(init)["params"]
 
 
 class StackedView:
@@ -314,6 +338,24 @@ def _dtype(x):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(x, x) if isinstance(x, str) else x
 
 
+def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
+    """A dtype mode -> (activation dtype, parameter dtype); README "Precision policy".
+
+    float32   float32 parameters and activations (matmuls at "highest" precision, see Model.matmul_precision).
+    bfloat16  bfloat16 parameters and activations; norms, softmax, attention sums and the LM head in float32.
+    float16   float16 parameters, exactly as an fp16 checkpoint (Pythia) stores them, and float32 activations:
+              fp16 activations can overflow (max 65504) in the residual stream of models trained in bf16, and a
+              bf16 copy would round every weight to 8 bits of mantissa. Half the parameter memory of float32,
+              the arithmetic of float32.
+    ``param_dtype`` overrides the parameter dtype.
+    """
+    activations = _dtype(dtype)
+    params = _dtype(param_dtype) or activations
+    if jnp.dtype(activations) == jnp.float16:
+        activations = jnp.float32
+    return activations, params
+
+
 def load_config(path) -> tuple[Family, Any, dict]:
     root = Path(path)
     if not root.is_dir():
@@ -359,8 +401,7 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
 
     root = Path(path)
     fam, cfg, _ = load_config(root)
-    dtype = _dtype(dtype)
-    param_dtype = _dtype(param_dtype) or dtype
+    dtype, param_dtype = _dtypes(dtype, param_dtype)
     files = _weight_files(root)
     tensors: dict = {}
     for f in files:
@@ -388,12 +429,11 @@ def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", par
     """Build a Model from a config object (random init when ``params`` is None)."""
     model_type = next(t for t, (m, c, _) in FAMILIES.items() if type(cfg).__name__ == c)
     fam = family(model_type)
-    dtype = _dtype(dtype)
-    param_dtype = _dtype(param_dtype) or dtype
+    dtype, param_dtype = _dtypes(dtype, param_dtype)
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
     if params is None:
         key = jax.random.PRNGKey(0) if key is None else key
-        params = module.init(key, jnp.zeros((1, 2), jnp.int32))["params"]
+        params = module.init(key, jnp.zeros((1, 2), jnp.int32), method=init_method(module))["params"]
     h = hashlib.sha256(json.dumps(cfg.to_hf(), sort_keys=True).encode())
     for leaf in jax.tree_util.tree_leaves(params):
         h.update(np.asarray(leaf, np.float32).tobytes()[:4096])

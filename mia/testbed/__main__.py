@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=50, help="steps between resume states (default 50)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    from ..cli import add_compile_cache_flag
+
+    add_compile_cache_flag(p)
     return p
 
 
@@ -52,7 +55,8 @@ def main(argv=None) -> int:
     status, tb = run_for_user(
         lambda: build_testbed(args.preset, args.out, progress=not args.no_progress, save_every=args.save_every,
                               memorize_epochs=args.memorize_epochs, memorize_rows=args.memorize_rows, **overrides),
-        debug=args.debug, on_interrupt="interrupted; rerun the same command to resume from the last saved state")
+        debug=args.debug, compile_cache=not args.no_compile_cache,
+        on_interrupt="interrupted; rerun the same command to resume from the last saved state")
     if status:
         return status
     print(tb.summary())

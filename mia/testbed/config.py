@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Optional
 
-FORMAT = "mia-testbed/2"  # 2: duplicate documents and rows dropped
+FORMAT = "mia-testbed/3"  # 2: duplicate documents and rows dropped; 3: stacked layers (new init, state names)
 
 
 class TestbedError(ValueError):

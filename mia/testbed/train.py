@@ -25,6 +25,9 @@ from ..models.hub import read_safetensors, save, write_safetensors
 from .config import TestbedConfig, TestbedError
 
 STATE_FILE = "train_state.safetensors"
+# 2: decoder layers stacked ([L, ...] leaves under one "layers" subtree): tensor names changed, so a state file
+# of format 1 is never read (load refuses it, and the testbed FORMAT bump makes a build start afresh).
+STATE_FORMAT = "mia-train-state/2"
 
 
 # --------------------------------------------------------------------------------------------- optimisation
@@ -36,9 +39,19 @@ def lr_schedule(cfg: TestbedConfig) -> Callable:
                                               end_value=end)
 
 
+DECAYED_LEAVES = ("kernel", "embedding")  # flax Dense / Embed matrices
+
+
 def _decay_mask(params):
-    """Weight decay on matrices (kernels, embeddings) only, not on biases and norm scales."""
-    return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+    """Weight decay on matrices (Dense kernels, embeddings) only, not on biases and norm scales.
+
+    Decided by leaf name, not ndim: stacked layer leaves carry a leading [L] axis, so a norm scale is [L, D].
+    """
+    def is_matrix(path, _):
+        last = path[-1]
+        return getattr(last, "key", getattr(last, "name", None)) in DECAYED_LEAVES
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def make_optimizer(cfg: TestbedConfig, learning_rate=None, weight_decay: Optional[float] = None):
@@ -92,7 +105,7 @@ def _unflat(tensors: dict, template, prefix: str, source: str):
 
 def save_train_state(path, params, opt_state, step: int, config_hash: str) -> Path:
     tensors = _flat(params, "params") | _flat(opt_state, "opt")
-    write_safetensors(tensors, Path(path), metadata={"format": "mia-train-state/1", "step": str(int(step)),
+    write_safetensors(tensors, Path(path), metadata={"format": STATE_FORMAT, "step": str(int(step)),
                                                      "config_hash": config_hash})
     return Path(path)
 
@@ -106,6 +119,9 @@ def read_state_meta(path) -> dict:
 def load_train_state(path, params_like, opt_like, config_hash: str):
     """(params, opt_state, step) from a state file written by ``save_train_state`` for the same config."""
     meta = read_state_meta(path)
+    if meta.get("format") != STATE_FORMAT:
+        raise TestbedError(f"{path}: training state of format {meta.get('format')!r}, this mia reads {STATE_FORMAT!r} "
+                           "(layers are stacked now); rebuild the testbed in a new directory")
     if meta.get("config_hash") != config_hash:
         raise TestbedError(f"{path}: training state of another config ({meta.get('config_hash')} != {config_hash})")
     tensors = {k: np.array(v) for k, v in read_safetensors(Path(path)).items()}
@@ -156,7 +172,7 @@ def latest_state(root, config_hash: str, upto: int) -> Optional[tuple]:
     if r.exists():
         try:
             meta = read_state_meta(r)
-            if meta.get("config_hash") == config_hash and int(meta["step"]) <= upto:
+            if meta.get("format") == STATE_FORMAT and meta.get("config_hash") == config_hash and int(meta["step"]) <= upto:
                 cands.append((int(meta["step"]), r))
         except (OSError, ValueError, KeyError):
             pass
