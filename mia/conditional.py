@@ -181,7 +181,8 @@ def _jit_cond(model, include_first: bool):
         return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid,
                                   include_first=include_first, chunk=chunk, layer_transform=gather)
 
-    return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, prefix_shardings(model, mesh), replicated(mesh), rows, rows),
+    return jax.jit(_TRACE_WRAP(fn),
+                   in_shardings=(shardings, prefix_shardings(model, mesh), replicated(mesh), rows, rows),
                    out_shardings=replicated(mesh))
 
 
@@ -297,7 +298,8 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
     up, ut = sorted(p_of), sorted(t_of)
     with BackgroundWriter() as writer:
         store = PairCache(settings.cache_dir, condll_namespace(model, include_first, cache_tag), writer)
-        missing = any_process(np.array([[store.get(pk, tk) is None for tk in ut] for pk in up], bool).reshape(len(up), len(ut)))
+        have_not = np.array([[store.get(pk, tk) is None for tk in ut] for pk in up], bool).reshape(len(up), len(ut))
+        missing = any_process(have_not)
         todo = {up[a]: {ut[b] for b in np.flatnonzero(missing[a])} for a in range(len(up)) if missing[a].any()}
         total = int(missing.sum())
         if total:
@@ -316,7 +318,8 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
                     for g in range(0, len(pmembers), grows):
                         members = pmembers[g:g + grows]
                         yield DRAIN  # one group's cache on the devices at a time
-                        group = prefix_fn(params, *put_padded([p_of[pk] for pk in members], grows, plen, rep, left=True))
+                        ptok = put_padded([p_of[pk] for pk in members], grows, plen, rep, left=True)
+                        group = prefix_fn(params, *ptok)
                         for tlen, tmembers in t_buckets.items():
                             rows = bucket_rows(len(tmembers), _rows_for(tlen, plen, settings), n_data)
                             for k in range(0, len(tmembers), rows):

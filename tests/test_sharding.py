@@ -24,7 +24,8 @@ TESTS = Path(__file__).resolve().parent
 
 
 def env_with_devices(n):
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu", MIA_COMPILE_CACHE="0",
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu",
+                MIA_COMPILE_CACHE="0",
                 PYTHONPATH=str(ROOT) + os.pathsep + str(TESTS))
 
 
@@ -137,7 +138,8 @@ def test_unreachable_coordinator_is_one_line_not_a_hang(tiny_neox_dir, tmp_path,
     data.write_text(json.dumps({"id": 1, "tokens": [1, 2, 3]}) + "\n")
     argv = ["score", "--model", str(tiny_neox_dir), "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
             "--no-cache", "--no-progress"]
-    cases = [(["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1", "--init-timeout", "1"],
+    cases = [(["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1",
+               "--init-timeout", "1"],
               f"error: cannot reach coordinator 127.0.0.1:{port} within 1 s"),
              (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "1"], "expected HOST:PORT"),
              (["--num-processes", "2"], "need all of --coordinator"),

@@ -115,7 +115,10 @@ def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk:
         noisy = perturb_group(jax.random.fold_in(k, 0), top, sigma, top_shardings)
         noisy[layers] = stack
         noisy = top_gather(noisy)
-        perturb_layer = lambda i, lp: perturb_group(jax.random.fold_in(k, 1 + i), lp, sigma, slice_shardings)  # noqa: E731
+
+        def perturb_layer(i, lp):
+            return perturb_group(jax.random.fold_in(k, 1 + i), lp, sigma, slice_shardings)
+
         return mean_nll(logprob_fn, noisy, tokens_bt, mask_bt, compose(perturb_layer, gather))
 
     def fn(key, params, tokens_bt, mask_bt):

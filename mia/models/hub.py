@@ -388,7 +388,8 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
 
 
-def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None, fsdp: Optional[bool] = None) -> Model:
+def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None,
+         fsdp: Optional[bool] = None) -> Model:
     """Load a local HF-layout checkpoint directory. ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
 
     Parameters are placed once, with their shardings over ``mesh`` (``mia.sharding``: FSDP over ``data`` when
