@@ -50,6 +50,16 @@ def test_suite_parameter_counts_and_context_are_the_models(smoke_suite):
         assert json.loads((tb.checkpoint_dir(0) / "config.json").read_text())["max_position_embeddings"] == 64
 
 
+def test_rebuilding_a_built_suite_reuses_it(smoke_suite):
+    from mia.testbed import build_suite
+
+    logs = [tb.root / "train_log.jsonl" for tb in smoke_suite.members]
+    before = [p.stat().st_mtime_ns for p in logs]
+    again = build_suite("smoke", smoke_suite.root, progress=False)
+    assert [p.stat().st_mtime_ns for p in logs] == before  # nothing retrained
+    assert again.sizes == smoke_suite.sizes and again.manifest["data"] == smoke_suite.manifest["data"]
+
+
 def test_open_suite_verifies_members(smoke_suite, tmp_path):
     from mia.testbed import TestbedError, open_suite
 
