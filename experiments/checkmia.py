@@ -312,7 +312,7 @@ def report_markdown(s: dict) -> str:
     L += ["| Method | AUC | AUC SE | TPR@1%FPR |", "|---|---:|---:|---:|"]
     blind = [r for r in s["rows"] if r.get("kind") == "blind"]
     for r in blind:
-        L.append(f"| {r['method']} (blind, best of {r.get('classifier_pool', 'LR/RF/MLP')}) | {_fmt(r['auc'])} | "
+        L.append(f"| {r['method']} (blind, {r['classifier']} chosen by CV on train) | {_fmt(r['auc'])} | "
                  f"{_fmt(r['auc_se'], 4)} | {_fmt(r['tpr_at_1pct_fpr'])} |")
     for r in s["rows"]:
         if r.get("kind") in ("attack", "reference"):
@@ -430,7 +430,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         blind_rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, blind_features)
         skipped.update({f"blind {k}": v for k, v in bskip.items()})
         timings["blind"] = round(time.perf_counter() - t0, 1)
-    best_blind = [dict(r, kind="blind") for r in (blind_rows or []) if r.get("kind") == "best"]
+    best_blind = [dict(r, kind="blind") for r in (blind_rows or []) if r.get("kind") == "chosen"]
 
     # 7. outputs
     all_scores = dict(scores)

@@ -40,7 +40,8 @@ def unshifted_rows():
 def test_no_shift_no_signal(unshifted_rows):
     rows = unshifted_rows
     runs = [r for r in rows if r["kind"] == "run"]
-    assert len(runs) == 9 and len([r for r in rows if r["kind"] == "best"]) == 3
+    assert len(runs) == 9 and len([r for r in rows if r["kind"] == "chosen"]) == 3
+    assert len([r for r in rows if r["kind"] == "best_eval"]) == 3
     top = max(runs, key=lambda r: r["auc"])
     assert abs(top["auc"] - 0.5) < 3 * top["auc_se"], top
     v = shift_verdict(rows)
@@ -51,7 +52,7 @@ def test_prefix_shift_is_found():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rows = run_blind(_examples(shift=True, seed=1), ["bow", "tfidf"], ["lr", "rf", "mlp"], seed=0, n_resamples=200)
-    best = {r["method"]: r["auc"] for r in rows if r["kind"] == "best"}
+    best = {r["method"]: r["auc"] for r in rows if r["kind"] == "chosen"}
     assert best["BoW (tokens)"] > 0.9 and best["TF-IDF (tokens)"] > 0.9, best
     v = shift_verdict(rows)
     assert not v["passed"] and v["text"].startswith("WARNING: distribution shift")
@@ -144,13 +145,52 @@ def test_cli_writes_tables_and_verdict(tmp_path, capsys):
     assert args.func(args) == 0
     out = tmp_path / "out"
     data = json.loads((out / "blind.json").read_text())
-    assert data["verdict"]["passed"] is False and len(data["rows"]) == 4
+    assert data["verdict"]["passed"] is False and len(data["rows"]) == 6  # 2 runs, 2 chosen, 2 best_eval
     md = (out / "blind.md").read_text()
     assert "| BoW (tokens) | LR |" in md and "WARNING: distribution shift" in md
     assert (out / "blind.csv").read_text().startswith("method,")
     assert r"\toprule" in (out / "blind.tex").read_text() and (out / "blind_roc.png").exists()
     assert "WARNING" in capsys.readouterr().out
     assert read_split(path).partitions == ["eval", "train"]
+
+
+def test_classifier_is_chosen_on_training_data_not_on_evaluation_data(monkeypatch):
+    """Two fake classifiers: 'lr' reads a column informative on the training partition only, 'rf' one informative on
+    the evaluation partition only. The chosen classifier is the one cross-validation on the training data prefers
+    (lr), whatever the evaluation data say; the paper's rule (best eval AUC) picks rf and is labelled as such."""
+    import mia.blind.run as R
+    from mia.blind.features import Feature
+
+    rng = np.random.default_rng(0)
+    ex = []
+    for part, n in (("train", 60), ("eval", 40)):
+        for i in range(2 * n):
+            y = i % 2
+            signal = y + 0.3 * rng.standard_normal()
+            noise = rng.standard_normal()
+            cols = (signal, noise) if part == "train" else (noise, signal)
+            ex.append({"id": f"{part}{i}", "label": y, "partition": part, "tokens": [1, 2], "cols": cols})
+
+    class Cols(Feature):
+        def fit(self, train):
+            return self
+
+        def transform(self, examples):
+            return np.array([e["cols"] for e in examples], np.float64)
+
+    monkeypatch.setattr(R, "make_feature", lambda *a, **k: Cols())
+    monkeypatch.setattr(R, "fit_predict", lambda name, xt, yt, xe, seed=0: xe[:, 0 if name == "lr" else 1])
+    rows = R.run_blind(ex, ["bow"], ["lr", "rf"], n_resamples=50, warn=lambda m: None)
+    chosen = next(r for r in rows if r["kind"] == "chosen")
+    best = next(r for r in rows if r["kind"] == "best_eval")
+    assert chosen["classifier"] == "LR" and chosen["selected_on"] == "train (3-fold CV)"
+    assert chosen["cv_auc"]["LR"] > 0.9 > 0.7 > chosen["cv_auc"]["RF"] and chosen["auc"] < 0.7
+    assert best["classifier"] == "RF" and best["auc"] > 0.9 and "eval" in best["selected_on"]
+    # an independent statement of the rule: the chosen one maximises the out-of-fold AUC on the training partition
+    xt = np.array([e["cols"] for e in ex if e["partition"] == "train"])
+    yt = np.array([e["label"] for e in ex if e["partition"] == "train"])
+    cv = {c: R.cross_validated_auc(c, xt, yt, folds=3, seed=0) for c in ("lr", "rf")}
+    assert cv == {"lr": chosen["cv_auc"]["LR"], "rf": chosen["cv_auc"]["RF"]}
 
 
 def test_bert_on_tokens_without_tokenizer_fails_first():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -135,6 +136,9 @@ def test_quickstart_notebook_runs(smoke_testbed, monkeypatch):
     nb_path = Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
     nb = nbformat.read(nb_path, as_version=4)
     monkeypatch.setenv("MIA_TESTBED_DIR", str(smoke_testbed.root))
+    # the kernel imports the mia under test (this checkout), not whichever one is installed
+    root = str(Path(__file__).resolve().parent.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(nb_path.parent)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))

@@ -33,6 +33,32 @@ def _summary(out, header) -> str:
     return f"wrote {out}: {c['members']} members, {c['nonmembers']} non-members ({parts})"
 
 
+def _vocab_bound(args):
+    """The model's vocabulary size from --vocab-size, or --model DIR's config.json (``vocab_size``), or None."""
+    if args.vocab_size is not None:
+        if args.vocab_size <= 0:
+            raise SplitError(f"--vocab-size must be positive, got {args.vocab_size}")
+        return args.vocab_size
+    if args.model is None:
+        return None
+    import json
+    from pathlib import Path
+
+    cfg = Path(args.model) / "config.json"
+    if not cfg.exists():
+        raise SplitError(f"--model {args.model}: no config.json")
+    try:
+        v = json.loads(cfg.read_text())["vocab_size"]
+    except (ValueError, KeyError):
+        raise SplitError(f"{cfg}: no vocab_size") from None
+    return int(v)
+
+
+def _print_notes(header) -> None:
+    for note in header["source"].get("notes") or []:
+        print(f"note: {note}", file=sys.stderr)
+
+
 def _run_pythia(args) -> int:
     from .indexed import IndexedDataset
     from .pythia import draw_checkpoint_split
@@ -42,7 +68,8 @@ def _run_pythia(args) -> int:
     data = args.data if len(args.data) > 1 else args.data[0]
     ds = IndexedDataset(data, idx_path=args.idx)
     header, ex = draw_checkpoint_split(ds, args.step, n_m, n_n, args.seed, gap=args.gap, end_step=args.end_step,
-                                       batch_size=args.batch_size, partitions=parts or None)
+                                       batch_size=args.batch_size, partitions=parts or None,
+                                       vocab_size=_vocab_bound(args))
     write_split(args.out, header, ex)
     p = header["params"]
     print(_summary(args.out, header) + f"; member steps {p['member_steps']}, non-member steps {p['nonmember_steps']}")
@@ -58,7 +85,9 @@ def _run_olmo(args) -> int:
                       token_dtype=args.token_dtype, indices_format=args.global_indices_format)
     header, ex = draw_checkpoint_split(order, args.step, n_m, n_n, args.seed, nonmember_start=args.nonmember_start,
                                        end_step=args.end_step, partitions=parts or None, documents=args.documents,
-                                       eos=args.eos, doc_len=args.doc_len, pool=args.pool)
+                                       eos=args.eos, doc_len=args.doc_len, pool=args.pool,
+                                       vocab_size=_vocab_bound(args))
+    _print_notes(header)
     header["source"]["global_indices_format"] = args.global_indices_format
     write_split(args.out, header, ex)
     p = header["params"]
@@ -148,6 +177,13 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
                        help="per-class partitions, e.g. train=4000,calib=500,eval=1000 (one may be 'rest')")
         p.add_argument("--out", required=True, help="output split file (.jsonl)")
 
+    def vocab(p):
+        g = p.add_mutually_exclusive_group()
+        g.add_argument("--model", default=None, metavar="DIR",
+                       help="the model the split is for: its config.json vocab_size bounds the drawn token ids "
+                            "(a data file of another tokenizer stops with the file, row and token)")
+        g.add_argument("--vocab-size", type=int, default=None, help="the same bound, given directly")
+
     p = sub.add_parser("pythia", help="checkpoint split from the Pythia order (Megatron .bin/.idx)")
     p.add_argument("--data", action="extend", nargs="+", required=True, metavar="BIN",
                    help="a .bin (or prefix); several (repeated or a shell glob, in order) are shards read as one "
@@ -157,6 +193,7 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--end-step", type=int, default=98_500, help="epoch end: non-members come from [S+G, end) (98500)")
     p.add_argument("--gap", type=int, default=0, help="steps left out on each side of S (members [0, S-G))")
     p.add_argument("--batch-size", type=int, default=1024)
+    vocab(p)
     common(p)
     p.set_defaults(func=_run_pythia)
 
@@ -174,6 +211,7 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--eos", type=int, default=50279)
     p.add_argument("--doc-len", type=int, default=128, help="keep documents with L/2 < length <= L")
     p.add_argument("--pool", type=int, default=None, help="candidate instances per class (default max(20n, 1000))")
+    vocab(p)
     common(p)
     p.set_defaults(func=_run_olmo)
 

@@ -84,6 +84,19 @@ def read_examples(path) -> tuple[dict, list[Example]]:
     return header, out
 
 
+def out_of_vocab(tokens, vocab_size: int) -> Optional[tuple]:
+    """Index (a tuple, one entry per axis of ``tokens``) and value of the first token id outside ``[0, vocab_size)``,
+    or None. Ids past the embedding table would be clamped silently by an accelerator gather: a wrong number."""
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return None
+    bad = (arr < 0) | (arr >= int(vocab_size))
+    if not bad.any():
+        return None
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    return where, int(arr[where])
+
+
 def tokenize_examples(examples: list[Example], tokenizer, max_length: Optional[int], skip_invalid: bool = False,
                       vocab_size: Optional[int] = None) -> list[Example]:
     """Fill ``tokens`` (tokenizer defaults) and truncate to ``max_length``; validate that each has >= 2 tokens.
@@ -98,8 +111,10 @@ def tokenize_examples(examples: list[Example], tokenizer, max_length: Optional[i
                 ex.tokens = np.zeros(0, np.int32)
             else:
                 ex.tokens = np.asarray(tokenizer(ex.text)["input_ids"], np.int32)
-        if vocab_size is not None and ex.tokens.size and int(ex.tokens.max()) >= vocab_size:
-            raise DataError(f"{ex.source}: token id {int(ex.tokens.max())} is outside the model vocabulary ({vocab_size})")
+        bad = out_of_vocab(ex.tokens, vocab_size) if vocab_size is not None else None
+        if bad is not None:
+            raise DataError(f"{ex.source}: token {bad[0][0]} is id {bad[1]}, outside the model vocabulary "
+                            f"({vocab_size} ids): the data do not match the model's tokenizer")
         if max_length is not None and len(ex.tokens) > max_length:
             ex.tokens = ex.tokens[:max_length]
             ex.truncated = True

@@ -6,6 +6,12 @@ Facts (ALGORITHMS.md §7, §1.3):
 * instance ``k`` is the ``k``-th ``seq_len``-token chunk of the ordered list of raw uint16 token files
   (``cfg.data.paths``); each file contributes ``floor(tokens / seq_len)`` chunks, the remainder is dropped;
 * batch ``b`` = ``global_indices[b*B:(b+1)*B]`` with ``B = 2160`` and ``seq_len = 2048``;
+* the file's length is not the instance count N: OLMo's ``IterableDataset`` (olmo/data/iterable_dataset.py,
+  ``__init__``'s ``total_size`` and ``_build_global_indices``) makes it a multiple of the world size W, which divides
+  the global batch size. With ``drop_last=True`` (OLMo-7B's ``data.drop_last``) it is ``ceil((N - W) / W) * W``:
+  the shuffled order's last ``N mod W`` entries are dropped (never trained on in the epoch); with
+  ``drop_last=False`` it is ``ceil(N / W) * W``: the first ``pad`` entries are repeated at the end. Both differ
+  from N by less than W <= B; see ``reconcile_length`` (the ignored part is reported in ``OlmoOrder.notes``);
 * OLMoMIA documents: split an instance at EOS (50279), keep the segments strictly between two consecutive EOS,
   keep the first with ``L/2 < len <= L`` (at most one per instance).
 
@@ -19,6 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .examples import out_of_vocab
 from .splits import (SplitError, assign_partitions, file_record, partition_counts, position_problems,
                      rows_to_lists)
 
@@ -142,11 +149,11 @@ class OlmoOrder:
         self.batch_size = int(batch_size)
         if self.batch_size <= 0:
             raise OlmoDataError(f"batch size must be positive, got {batch_size}")
-        n_gi, n_inst = len(self.global_indices), len(self.tokens)
-        if n_gi != n_inst:
-            name = self.global_indices_path or "global indices"
-            raise OlmoDataError(f"{name}: {n_gi} entries but the {len(self.tokens.paths)} token files hold {n_inst} "
-                                f"instances of {self.seq_len} tokens (wrong file list, order, seq_len or dtype?)")
+        name = str(self.global_indices_path or "global indices")
+        usable, note = reconcile_length(self.global_indices, len(self.tokens), self.batch_size, name,
+                                        len(self.tokens.paths), self.seq_len)
+        self.global_indices = self.global_indices[:usable]
+        self.notes = [note] if note else []
 
     def __len__(self) -> int:
         return len(self.global_indices)
@@ -160,7 +167,24 @@ class OlmoOrder:
         return int(self.global_indices[int(q)])
 
     def __getitem__(self, q: int) -> np.ndarray:
-        return self.tokens[self.instance_id(q)]
+        k = self.instance_id(q)
+        if not 0 <= k < len(self.tokens):
+            raise OlmoDataError(f"{self.global_indices_path or 'global indices'}: position {q} holds instance {k}, "
+                                f"but the token files hold {len(self.tokens)} instances (wrong file list?)")
+        return self.tokens[k]
+
+    def check_vocab(self, q: int, tokens: np.ndarray, vocab_size: int, offset: int = 0) -> None:
+        """Raise naming the token file, instance and token of the first id of ``tokens`` (the instance at position
+        ``q``, from token ``offset`` on) outside ``[0, vocab_size)``."""
+        bad = out_of_vocab(tokens, vocab_size)
+        if bad is None:
+            return
+        j, tok_id = bad[0][0] + offset, bad[1]
+        k = self.instance_id(q)
+        f, c = self.tokens.locate(k)
+        raise OlmoDataError(f"{self.tokens.paths[f]}: instance {k} (global position {q}, step {q // self.batch_size}) "
+                            f"token {j} (token {c * self.seq_len + j} of the file) is id {tok_id}, outside the model "
+                            f"vocabulary ({vocab_size} ids): the data do not match the model's tokenizer")
 
     def batch(self, b: int) -> np.ndarray:
         """Instance ids of batch ``b``."""
@@ -168,6 +192,40 @@ class OlmoOrder:
         if hi > len(self):
             raise IndexError(f"batch {b} is past the order ({self.steps} complete batches)")
         return np.asarray(self.global_indices[lo:hi], dtype=np.int64)
+
+
+def reconcile_length(global_indices, n_instances: int, batch_size: int, name: str = "global indices",
+                     n_files: int = 0, seq_len: int = SEQ_LEN) -> tuple:
+    """(usable length of the order, note or None) for an order file of ``len(global_indices)`` entries over
+    ``n_instances`` instances, accepting exactly what OLMo writes (module docstring; world size W <= batch size):
+
+    * as many entries as instances: all usable;
+    * fewer, by less than ``batch_size`` (drop_last=True): all usable; the missing instances were never trained on;
+    * more, by less than ``batch_size``, the extra entries equal to the first ones (drop_last=False padding): the
+      first ``n_instances`` are usable; the repeats at the end are ignored (they would be trained twice, so they are
+      neither clean members nor non-members).
+
+    Anything else is an error naming the file (a wrong file list, seq_len or dtype)."""
+    n = len(global_indices)
+    diff = n - n_instances
+    where = (f"{name}: {n} entries but the {n_files} token files hold {n_instances} instances of {seq_len} tokens")
+    if diff == 0:
+        return n, None
+    if abs(diff) >= batch_size:
+        raise OlmoDataError(f"{where} (wrong file list, order, seq_len or dtype?); OLMo's order differs from the "
+                            f"instance count by less than the world size <= the batch size {batch_size}")
+    if diff < 0:
+        return n, (f"{where}: the last {-diff} shuffled instances are not in the order (OLMo's IterableDataset with "
+                   "drop_last=True trims the order to a multiple of the world size); they were never trained on "
+                   "in this epoch and are never drawn")
+    head = np.asarray(global_indices[:diff])
+    tail = np.asarray(global_indices[n_instances:])
+    if not np.array_equal(head, tail):
+        raise OlmoDataError(f"{where}, and the {diff} extra entries are not OLMo's padding (a repeat of the first "
+                            f"{diff} entries): wrong file list, order, seq_len or dtype?")
+    return n_instances, (f"{where}: the last {diff} entries repeat the first {diff} (OLMo's IterableDataset with "
+                         f"drop_last=False pads the order to a multiple of the world size); positions >= "
+                         f"{n_instances} are ignored")
 
 
 def step_positions(step: int, batch_size: int = BATCH_SIZE) -> tuple:
@@ -230,13 +288,15 @@ def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonme
                           nonmember_start: Optional[int] = None, end_step: Optional[int] = None,
                           batch_size: Optional[int] = None, partitions=None, documents: bool = False,
                           eos: int = EOS, doc_len: int = DOC_LEN, pool: Optional[int] = None,
-                          hash_limit: int = 64 << 20):
+                          hash_limit: int = 64 << 20, vocab_size: Optional[int] = None):
     """Members from the positions of steps ``[0, step)``, non-members from ``[nonmember_start, end_step)``
     (default: ``step`` and the last complete batch), uniformly without replacement
     (``numpy.random.default_rng(seed)``: members first, then non-members).
 
     ``documents=True`` turns each drawn position into one OLMoMIA document (see ``pick_document``): candidate
-    positions are drawn (``pool`` per class, default ``max(20 n, 1000)``) and scanned in drawn order."""
+    positions are drawn (``pool`` per class, default ``max(20 n, 1000)``) and scanned in drawn order. With
+    ``vocab_size`` (the model's), a drawn token id outside ``[0, vocab_size)`` stops with one line naming the token
+    file, instance and token. The order's ``notes`` (ignored entries, see ``reconcile_length``) go to the header."""
     order = dataset
     B = int(batch_size or order.batch_size)
     step = int(step)
@@ -265,13 +325,18 @@ def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonme
         for label, (lo, hi), n, what in ((1, m_rng, n_members, "member documents"),
                                          (0, n_rng, n_nonmembers, "non-member documents")):
             for q, (seg, s, e), toks in _draw_documents(order, rng, lo, hi, int(n), eos, doc_len, pool, what):
+                if vocab_size is not None:
+                    order.check_vocab(q, toks, int(vocab_size), offset=s)
                 examples.append({"id": f"olmo{q}-{seg}", "label": label, "partition": "eval", "tokens": rows_to_lists(toks[None])[0],
                                  "step": q // B, "batch_pos": q % B, "index": q, "instance": order.instance_id(q),
                                  "segment": seg, "offset": s})
     else:
         for label, (lo, hi), n, what in ((1, m_rng, n_members, "members"), (0, n_rng, n_nonmembers, "non-members")):
             for q in _positions(rng, lo, hi, int(n), what).tolist():
-                examples.append({"id": f"olmo{q}", "label": label, "partition": "eval", "tokens": rows_to_lists(order[q][None])[0],
+                toks = order[q]
+                if vocab_size is not None:
+                    order.check_vocab(q, toks, int(vocab_size))
+                examples.append({"id": f"olmo{q}", "label": label, "partition": "eval", "tokens": rows_to_lists(toks[None])[0],
                                  "step": q // B, "batch_pos": q % B, "index": q, "instance": order.instance_id(q)})
     if partitions:
         assign_partitions(examples, partitions, seed)
@@ -284,6 +349,8 @@ def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonme
         "data_paths_file": str(order.data_paths_file.resolve()) if order.data_paths_file else None,
         "token_dtype": str(order.tokens.dtype),
         "n_instances": len(order.tokens),
+        "order_positions_used": len(order),
+        "notes": list(order.notes),
     }
     params = {"step": step, "seed": seed, "batch_size": B, "seq_len": order.seq_len, "end_step": E,
               "nonmember_start": S2, "member_steps": [0, step], "nonmember_steps": [S2, E],

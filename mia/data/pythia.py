@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 
+from .examples import out_of_vocab
 from .indexed import IndexedDataset
 from .splits import (SplitError, assign_partitions, file_record, partition_counts, position_problems,
                      rows_to_lists)
@@ -60,17 +61,34 @@ def open_dataset(data, idx=None) -> IndexedDataset:
     return IndexedDataset(data, idx_path=idx)
 
 
+def check_rows_vocab(ds: IndexedDataset, indices, rows: np.ndarray, vocab_size: int, batch_size: int) -> None:
+    """Raise naming the ``.bin`` shard, row and token of the first id in ``rows`` outside ``[0, vocab_size)``."""
+    bad = out_of_vocab(rows, vocab_size)
+    if bad is None:
+        return
+    (r, j), tok_id = bad
+    index = int(indices[r])
+    byte = int(ds.pointers[index]) + j * ds.dtype.itemsize
+    shard = int(np.searchsorted(ds.shard_starts, byte, side="right")) - 1
+    s, pos = row_step(index, batch_size)
+    raise SplitError(f"{ds.bin_paths[shard]}: row {index} (step {s}, batch position {pos}) token {j} (byte "
+                     f"{byte - int(ds.shard_starts[shard])}) is id {tok_id}, outside the model vocabulary "
+                     f"({vocab_size} ids): the data do not match the model's tokenizer")
+
+
 def member_nonmember_steps(step: int, gap: int, end_step: int) -> tuple:
     return (0, step - gap), (step + gap, end_step)
 
 
 def draw_checkpoint_split(dataset, step: int, n_members: int, n_nonmembers: int, seed: int, gap: int = 0,
                           end_step: int = EPOCH_END_STEP, batch_size: int = BATCH_SIZE,
-                          partitions: Optional[dict] = None, hash_bin_limit: int = 64 << 20):
+                          partitions: Optional[dict] = None, hash_bin_limit: int = 64 << 20,
+                          vocab_size: Optional[int] = None):
     """Draw a checkpoint split for revision ``step{step}``.
 
     Returns ``(header, examples)``; write it with ``splits.write_split``. ``dataset`` is an ``IndexedDataset``
-    (or a prefix / list of shards with a single ``.idx`` next to it)."""
+    (or a prefix / list of shards with a single ``.idx`` next to it). With ``vocab_size`` (the model's), a drawn
+    token id outside ``[0, vocab_size)`` stops with one line naming the shard, row and token."""
     ds = open_dataset(dataset)
     step, gap, end_step, batch_size = int(step), int(gap), int(end_step), int(batch_size)
     n_members, n_nonmembers = int(n_members), int(n_nonmembers)
@@ -100,6 +118,8 @@ def draw_checkpoint_split(dataset, step: int, n_members: int, n_nonmembers: int,
     indices = np.concatenate([members, nonmembers])
     labels = [1] * len(members) + [0] * len(nonmembers)
     rows = ds.get_rows(indices) if len(indices) else np.zeros((0, 0), dtype=ds.dtype)
+    if vocab_size is not None:
+        check_rows_vocab(ds, indices, rows, int(vocab_size), batch_size)
     token_lists = rows_to_lists(rows)
     examples = []
     for k, (index, label) in enumerate(zip(indices.tolist(), labels)):
