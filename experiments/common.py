@@ -2,7 +2,7 @@
 
 CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``--bootstrap``, ``--no-progress``,
                  ``--debug``), ``run_main`` (a user error is one ``error: ...`` line and exit 2; Ctrl-C 130),
-                 ``ExperimentError`` (bad input, one line), ``default_out``.
+                 ``ExperimentError`` (bad input, one line), ``default_out``, ``use_compilation_cache``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
                  ``count_params`` (from the safetensors headers, nothing loaded).
@@ -46,11 +46,12 @@ class ExperimentError(ValueError):
 
 # ============================================================================================ CLI conventions
 def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_preset: str = "default",
-                      default_bootstrap: int = 1000) -> argparse.ArgumentParser:
+                      default_bootstrap: Optional[int] = 1000) -> argparse.ArgumentParser:
     """An ``argparse`` parser with the flags every experiment has.
 
     ``--preset`` (one of ``presets``), ``--out DIR``, ``--seed`` (splits, partitions, bootstrap, classifiers),
-    ``--bootstrap`` (resamples for AUC SEs), ``--no-progress``, ``--debug`` (tracebacks instead of one line).
+    ``--bootstrap`` (resamples for AUC SEs; ``default_bootstrap=None`` leaves it to the preset), ``--no-progress``,
+    ``--debug`` (tracebacks instead of one line).
     """
     p = argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +61,8 @@ def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_prese
     p.add_argument("--out", default=None, help="results directory (default: results/<module>-<preset>)")
     p.add_argument("--seed", type=int, default=0, help="split, partition, classifier and bootstrap seed (default 0)")
     p.add_argument("--bootstrap", type=int, default=default_bootstrap,
-                   help=f"bootstrap resamples for standard errors (default {default_bootstrap})")
+                   help="bootstrap resamples for standard errors (default: "
+                        + (f"{default_bootstrap})" if default_bootstrap is not None else "the preset's)"))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p
@@ -73,6 +75,26 @@ def run_main(fn: Callable[[], object], *, debug: bool = False,
     from mia.cli import run_for_user
 
     return run_for_user(fn, debug=debug, on_interrupt=on_interrupt)
+
+
+def use_compilation_cache(cache_root: Optional[str] = None) -> Optional[str]:
+    """Turn on JAX's persistent compilation cache under ``<cache root>/jax`` (``$MIA_CACHE_DIR`` or
+    ``~/.cache/mia``), so that every checkpoint of one model size, and every rerun, reuses the compiled scoring
+    functions instead of compiling them again (``mia.scoring`` jits per loaded model). Compiled code only: it never
+    changes a number. ``MIA_JAX_CACHE=0`` turns it off; a cache directory set by the user is kept."""
+    import jax
+
+    if os.environ.get("MIA_JAX_CACHE", "1") == "0":
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    from mia.cli import default_cache_dir
+
+    path = str(Path(cache_root or default_cache_dir()) / "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
 
 
 def default_out(module: str, preset: str, tag: str = "") -> Path:
@@ -108,33 +130,36 @@ class SuiteMember:
 
 def open_suite(name: str, path=None, *, progress: bool = True) -> tuple[list, str]:
     """``(members ordered by parameter count, description)`` of the testbed suite ``name`` (``mia.testbed.suite``):
-    built, resumed or reused in ``path``."""
+    opened when ``path`` holds a complete suite, else built, resumed or reused there (default
+    ``testbeds/suite-<name>``)."""
     try:
         from mia.testbed.suite import build_suite, open_suite as _open
     except ImportError as e:  # a checkout without the suite
         raise ExperimentError(f"the testbed suite is not available in this checkout ({e}); use --testbed DIR for "
                               "one testbed") from None
-    if path is not None and (Path(path) / "suite.json").exists():
+    if path is not None and (Path(path) / "suite.json").exists() and \
+            json.loads((Path(path) / "suite.json").read_text()).get("complete"):
         suite = _open(path)
     else:
         suite = build_suite(name, path, progress=progress)
-    members = [member_of(tb) for tb in suite.members]
-    return sorted(members, key=lambda m: m.n_params), f"testbed suite {name!r} ({getattr(suite, 'root', path)})"
+    names = getattr(suite, "names", None) or [None] * len(suite.members)
+    members = [member_of(tb, n) for tb, n in zip(suite.members, names)]
+    return sorted(members, key=lambda m: m.n_params), f"testbed suite {suite.name!r}"
 
 
 def member_of(tb, name: Optional[str] = None) -> SuiteMember:
-    """A testbed as a suite member; its name is the parameter count (``"0.17M"``) unless given."""
-    n = count_params(tb.checkpoint_dir(tb.train_steps, create=False))
-    return SuiteMember(name or size_name(n), n, tb)
+    """A testbed as a suite member: its parameter count (``Testbed.n_params``, else counted in the last checkpoint)
+    and its name (given, else Pythia-style from the count: ``"164k"``)."""
+    n = getattr(tb, "n_params", None) or count_params(tb.checkpoint_dir(tb.train_steps, create=False))
+    return SuiteMember(name or size_name(n), int(n), tb)
 
 
 def size_name(n_params: int) -> str:
-    """``170_000`` -> ``"0.17M"``, ``70_426_624`` -> ``"70M"``, ``2.8e9`` -> ``"2.8B"``."""
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n_params >= div * 0.1 or unit == "K":
-            v = n_params / div
-            return f"{v:.2g}{unit}" if v < 10 else f"{v:.0f}{unit}"
-    return str(n_params)
+    """Pythia-style size label: ``45_000`` -> ``"45k"``, ``1_234_567`` -> ``"1.2m"``, ``2.8e9`` -> ``"2.8b"``."""
+    for div, unit in ((1e9, "b"), (1e6, "m")):
+        if n_params >= div:
+            return f"{n_params / div:.1f}{unit}".replace(f".0{unit}", unit)
+    return f"{round(n_params / 1000)}k"
 
 
 def count_params(model_dir) -> int:
