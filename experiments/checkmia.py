@@ -59,7 +59,7 @@ def draw_split(tb, step: int, n_eval_members: int, n_eval_nonmembers: int, n_tra
     with end_step = the first epoch's end; partitions members -> train, eval; non-members -> prefix, calib,
     train, eval."""
     sizes = SplitSizes(n_eval_members, n_train, n_calib, n_prefix, n_eval_nonmembers)
-    return draw_testbed_split(tb, step, sizes, seed, end_step)
+    return draw_testbed_split(tb, step, sizes, seed, end_step)[:2]
 
 
 # ---------------------------------------------------------------------------------------------- attacks
@@ -169,7 +169,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
 
     # 2. split
     with timings("split"):
-        header, examples = draw_testbed_split(tb, c, sizes, seed)
+        header, examples, _ = draw_testbed_split(tb, c, sizes, seed)
         split_path = write_split(out / "split.jsonl", header, examples)
     say(f"split: {header['counts']['members']} members, {header['counts']['nonmembers']} non-members -> {split_path}")
 

@@ -35,7 +35,7 @@ import numpy as np
 from experiments import curves
 from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, argv_or_sys, check_token_ids,
                                 count_params, default_out, draw_olmo_split, draw_pythia_split, draw_testbed_split,
-                                experiment_parser, member_of, metric_rows, olmo_checkpoint, open_suite,
+                                experiment_parser, metric_rows, olmo_checkpoint, open_members,
                                 run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, select_pythia,
                                 sha_file, size_name, use_compilation_cache, write_json, write_manifest, write_scores,
                                 write_tables)
@@ -162,6 +162,7 @@ class Setup:
     data_desc: str
     hashes: dict
     end_step: Optional[int] = None
+    notes: list = dataclasses.field(default_factory=list)
 
 
 def _saved_steps(tb) -> list:
@@ -169,20 +170,11 @@ def _saved_steps(tb) -> list:
 
 
 def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[str] = None, suite_dir=None,
-                  sizes: Sequence[str] = (), steps=None, split_sizes: SplitSizes, seed: int, progress: bool) -> Setup:
+                  sizes: Sequence[str] = (), steps=None, split_sizes: SplitSizes, seed: int, progress: bool,
+                  allow_fewer: bool = False) -> Setup:
     """The testbed suite ``suite`` (or the testbeds given, which must share one data order) as a Setup."""
-    from mia.testbed import open_testbed
-
-    if testbeds:
-        members = [member_of(open_testbed(p)) for p in testbeds]
-        members.sort(key=lambda m: m.n_params)
-        orders = {m.testbed.manifest["data"]["bin"]["sha256"] for m in members}
-        if len(orders) > 1:
-            raise ExperimentError("--testbed: the testbeds do not share one data order (their data/order.bin "
-                                  "differ), so one split cannot serve them all")
-        desc = f"{len(members)} testbed(s) sharing one data order"
-    else:
-        members, desc = open_suite(suite or preset.suite, suite_dir, progress=progress)
+    members, desc, notes = open_members(suite or preset.suite, testbeds=testbeds, suite_dir=suite_dir,
+                                        progress=progress)
     names = [m.name for m in members]
     if len(set(names)) != len(names):
         raise ExperimentError(f"two suite members have the same size name ({', '.join(names)})")
@@ -208,8 +200,8 @@ def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[st
     sizes_txt = ", ".join(f"{m.name} ({m.n_params:,} parameters)" for m in members)
     return Setup("testbed", f"{desc}: {sizes_txt}; batch {first.batch_size} rows of {first.row_len} tokens, first "
                             f"epoch = steps [0, {first.epoch_steps})",
-                 targets, chosen, lambda c: (*draw_testbed_split(first, c, split_sizes, seed), None),
-                 "the testbed's data/order.bin", hashes)
+                 targets, chosen, lambda c: draw_testbed_split(first, c, split_sizes, seed, allow_fewer=allow_fewer),
+                 "the testbed's data/order.bin", hashes, notes=notes)
 
 
 def _pick_steps(spec, available: Sequence[int], where: str) -> list:
@@ -346,11 +338,12 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
                                batch_size=batch_size or 2160, seq_len=seq_len, allow_fewer=p.allow_fewer)
         else:
             setup = testbed_setup(p, testbeds=testbeds, suite=suite, suite_dir=suite_dir, sizes=sizes, steps=steps,
-                                  split_sizes=split_sizes, seed=seed, progress=progress)
+                                  split_sizes=split_sizes, seed=seed, progress=progress, allow_fewer=p.allow_fewer)
     out.mkdir(parents=True, exist_ok=True)
     say(setup.description)
 
-    blind_best, blind_runs, verdicts, attack_rows, recency, targets_out, notes = [], [], {}, [], [], [], []
+    blind_best, blind_runs, verdicts, attack_rows, recency, targets_out = [], [], {}, [], [], []
+    notes = list(setup.notes)
     split_info = {}
     for c in setup.steps:
         with timings("splits"):

@@ -150,20 +150,24 @@ def open_suite(name: str, path=None, *, progress: bool = True) -> tuple[list, st
 
 def open_members(preset: str, *, testbeds: Sequence = (), suite_dir=None, progress: bool = True) -> tuple:
     """``(members by size, description, notes)`` for an experiment on testbeds: the given testbed directories (each
-    one member), else the testbed suite ``preset`` (built or reused in ``suite_dir``), else, in a checkout without
-    ``mia.testbed.suite``, the single testbed of ``preset`` as a suite of one (with a note saying so)."""
+    one member; they must share one data order, so that one split serves them all), else the testbed suite
+    ``preset`` (built or reused in ``suite_dir``), else, in a checkout without ``mia.testbed.suite``, the single
+    testbed of ``preset`` as a suite of one (with a note saying so)."""
     import importlib.util
 
     if testbeds:
         from mia.testbed.build import open_testbed as _open_tb
 
-        members = [member_of(_open_tb(p)) for p in testbeds]
-        return sorted(members, key=lambda m: m.n_params), "testbed(s) " + ", ".join(map(str, testbeds)), []
+        members = sorted((member_of(_open_tb(p)) for p in testbeds), key=lambda m: m.n_params)
+        if len({m.testbed.manifest["data"]["bin"]["sha256"] for m in members}) > 1:
+            raise ExperimentError("--testbed: the testbeds do not share one data order (their data/order.bin "
+                                  "differ), so one split cannot serve them all")
+        return members, f"{len(members)} testbed(s) sharing one data order", []
     if importlib.util.find_spec("mia.testbed.suite") is not None:
         members, desc = open_suite(preset, suite_dir, progress=progress)
         return members, desc, []
     tb = open_testbed(preset, suite_dir, progress=progress)
-    return [member_of(tb)], f"testbed {preset!r} ({tb.root})", [
+    return [member_of(tb)], f"testbed {preset!r}", [
         f"this checkout has no testbed suite (mia.testbed.suite); ran on the single {preset!r} testbed"]
 
 
@@ -351,11 +355,13 @@ def _finish_split(header: dict, examples: list, sizes: SplitSizes, seed: int) ->
     return header, examples
 
 
-def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Optional[int] = None):
-    """(header, examples) of the checkpoint split of testbed ``tb`` at checkpoint ``step``.
+def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Optional[int] = None, *,
+                       allow_fewer: bool = False):
+    """(header, examples, note) of the checkpoint split of testbed ``tb`` at checkpoint ``step``.
 
     Members: rows [0, step*B); non-members: rows [step*B, end_step*B), end_step = the first epoch's end by default.
     Drawn without replacement by ``mia.data.pythia.draw_checkpoint_split``; partitions by ``assign_partition_plan``.
+    ``allow_fewer`` shrinks the partitions to what the ranges hold (with a note) instead of stopping.
     """
     from mia.data.pythia import draw_checkpoint_split
 
@@ -367,6 +373,7 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
     if step > tb.train_steps:
         raise ExperimentError(f"checkpoint step {step} is beyond the run: the testbed trained {tb.train_steps} steps "
                               f"(checkpoints: {', '.join(map(str, tb.steps))})")
+    sizes, note = _fit(f"step{step} split", sizes, allow_fewer, step * B, max(0, (end_step - step) * B))
     if sizes.members > step * B:
         raise ExperimentError(f"the split asks for {sizes.members} members (eval {sizes.eval} + train {sizes.train}) "
                               f"but checkpoint step{step} has seen only {step * B} rows (steps [0, {step}) x batch "
@@ -384,7 +391,7 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
                             config_hash=tb.config.config_hash, corpus_sha256=tb.manifest["corpus"]["sha256"],
                             checkpoint=str(tb.checkpoint_dir(step).resolve()))
     header["params"].update(epoch_end_step=epoch_end)
-    return _finish_split(header, examples, sizes, seed)
+    return (*_finish_split(header, examples, sizes, seed), note)
 
 
 def _fit(what: str, sizes: SplitSizes, allow_fewer: bool, available_members: int, available_nonmembers: int):
