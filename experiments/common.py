@@ -179,11 +179,10 @@ def member_of(tb, name: Optional[str] = None) -> SuiteMember:
 
 
 def size_name(n_params: int) -> str:
-    """Pythia-style size label: ``45_000`` -> ``"45k"``, ``1_234_567`` -> ``"1.2m"``, ``2.8e9`` -> ``"2.8b"``."""
-    for div, unit in ((1e9, "b"), (1e6, "m")):
-        if n_params >= div:
-            return f"{n_params / div:.1f}{unit}".replace(f".0{unit}", unit)
-    return f"{round(n_params / 1000)}k"
+    """Pythia-style size label (``mia.testbed.suite.size_name``; billions as ``"6.9b"``)."""
+    from mia.testbed.suite import size_name as _name
+
+    return f"{n_params / 1e9:.1f}b".replace(".0b", "b") if n_params >= 1e9 else _name(int(n_params))
 
 
 def count_params(model_dir) -> int:
