@@ -195,7 +195,8 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     rows = metric_rows(scores, labels, ids, bootstrap, seed)
     scores_ref = None
     if mem_info is not None:  # the same split on the clean checkpoint, as a reference
-        scores_ref = score_attacks(load(clean_dir), examples, [("loss", "loss", {})], settings, seed, False).scores["loss"]
+        clean = score_attacks(load(clean_dir), examples, [("loss", "loss", {})], settings, seed, False)
+        scores_ref = clean.scores["loss"]
         rows += metric_rows({f"loss (clean step{c}, no dial)": scores_ref}, labels, ids, bootstrap, seed, "reference")
     meta = {e["id"]: {"index": e["index"], "step": e["step"], "batch_pos": e["batch_pos"]} for e in examples}
 
@@ -216,7 +217,8 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
 
     # 7. outputs (timings go to timings.json only, so report.md and summary.json are deterministic)
     write_scores(out / "scores.jsonl", res, meta, {f"loss@step{c}": scores_ref} if scores_ref is not None else None)
-    plot_roc(scores, labels, out / "roc.png", f"testbed {preset}, step{c}" + (f" + dial E={memorize_epochs}" if mem_info else ""))
+    plot_roc(scores, labels, out / "roc.png",
+             f"testbed {preset}, step{c}" + (f" + dial E={memorize_epochs}" if mem_info else ""))
     keep = ("method", "kind", "auc", "auc_se", "tpr_at_1pct_fpr", "auc_ci_low", "auc_ci_high", "tpr_at_0.1pct_fpr",
             "p_auc_gt_half", "n", "n_nonfinite", "feature", "classifier", "n_train", "n_eval")
     summary = {

@@ -33,12 +33,12 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from experiments import curves
-from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, argv_or_sys, check_token_ids,
-                                count_params, default_out, draw_olmo_split, draw_pythia_split, draw_testbed_split,
-                                experiment_parser, metric_rows, olmo_checkpoint, open_members,
-                                run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, select_pythia,
-                                sha_file, size_name, use_compilation_cache, write_json, write_manifest, write_scores,
-                                write_tables)
+from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings, argv_or_sys,
+                                check_token_ids, count_params, default_out, draw_olmo_split, draw_pythia_split,
+                                draw_testbed_split, experiment_parser, metric_rows, olmo_checkpoint, open_members,
+                                require_order, run_blind_baselines, run_main, say_fn, score_attacks, select_attacks,
+                                select_pythia, sha_file, size_name, use_compilation_cache, write_json, write_manifest,
+                                write_scores, write_tables)
 
 MODULE = "experiments.checkmiabench"
 
@@ -222,10 +222,7 @@ def _pick_steps(spec, available: Sequence[int], where: str) -> list:
 def pythia_setup(root, data: Sequence, idx, *, sizes: Sequence[str], steps: Sequence[int], split_sizes: SplitSizes,
                  seed: int, gap: int, end_step: int, batch_size: int, allow_fewer: bool) -> Setup:
     """Real Pythia: ``root/pythia-SIZE-deduped/stepN`` and the deduplicated Pile order (``--data``/``--idx``)."""
-    if not data or not idx:
-        missing = " and ".join(x for x, v in (("--data", data), ("--idx", idx)) if not v)
-        raise ExperimentError(f"--pythia needs the training order: {missing} missing (--data the .bin shard(s) of the "
-                              "deduplicated Pile in order, --idx its document.idx)")
+    require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
     chosen = select_pythia(root, sizes or None, steps)
     targets = [Target(size, count_params(path), c, path, None) for c in steps for size, by_step in chosen.items()
                   for s, path in by_step.items() if s == c]
@@ -245,10 +242,7 @@ def pythia_setup(root, data: Sequence, idx, *, sizes: Sequence[str], steps: Sequ
 def olmo_setup(root, global_indices, data_paths, *, steps: Sequence[int], split_sizes: SplitSizes, seed: int,
                gap: int, end_step: Optional[int], batch_size: int, seq_len: int, allow_fewer: bool) -> Setup:
     """Real OLMo: a checkpoint directory (or ``root/stepN[-tokens...]``) with ``global_indices`` + data paths."""
-    if not global_indices or not data_paths:
-        missing = " and ".join(x for x, v in (("--global-indices", global_indices), ("--data-paths", data_paths))
-                               if not v)
-        raise ExperimentError(f"--olmo needs the training order: {missing} missing")
+    require_order("--olmo", {"--global-indices": global_indices, "--data-paths": data_paths})
     targets = []
     for c in sorted(steps):
         path = olmo_checkpoint(root, c)
@@ -524,7 +518,8 @@ def build_parser():
                    help="memorization dial: train each evaluated checkpoint E more epochs on its split's members only")
     r = p.add_argument_group("real checkpoints")
     r.add_argument("--pythia", default=None, help="directory of pythia-SIZE-deduped/stepN/ HF checkpoints")
-    r.add_argument("--data", nargs="+", default=None, help="Pythia: the .bin shard(s) of the deduplicated Pile, in order")
+    r.add_argument("--data", nargs="+", default=None,
+                   help="Pythia: the .bin shard(s) of the deduplicated Pile, in order")
     r.add_argument("--idx", default=None, help="Pythia: the document.idx of those shards")
     r.add_argument("--olmo", default=None, help="OLMo checkpoint directory (or a directory of stepN[-tokens...]/)")
     r.add_argument("--global-indices", default=None, help="OLMo: global_indices.npy (raw uint32)")

@@ -409,16 +409,24 @@ def _fit(what: str, sizes: SplitSizes, allow_fewer: bool, available_members: int
                  f"{fit.calib}, prefix {fit.prefix})")
 
 
+def require_order(source_flag: str, flags: Mapping[str, object], hint: str = "") -> None:
+    """One error naming the order flags missing for ``source_flag`` (``--pythia`` needs ``--data`` and ``--idx``)."""
+    missing = [k for k, v in flags.items() if not v]
+    if missing:
+        raise ExperimentError(f"{source_flag} needs the training order: {' and '.join(missing)} missing"
+                              + (f" ({hint})" if hint else ""))
+
+
+PYTHIA_ORDER_HINT = "--data the .bin shard(s) of the deduplicated Pile in order, --idx its document.idx"
+
+
 def draw_pythia_split(data: Sequence, idx, step: int, sizes: SplitSizes, seed: int, *, gap: int = 0,
                       end_step: int = 98_500, batch_size: int = 1024, allow_fewer: bool = False):
     """(header, examples, note) of a Pythia checkpoint split: ``mia split pythia`` (members from steps
     [0, step-gap), non-members from [step+gap, end_step)) on the .bin shards ``data`` with the single ``idx``."""
     from mia.data.pythia import draw_checkpoint_split, open_dataset
 
-    if not data or idx is None:
-        missing = " and ".join(x for x, v in (("--data", data), ("--idx", idx)) if not v)
-        raise ExperimentError(f"--pythia needs the training order: {missing} missing (--data the .bin shard(s) of "
-                              "the deduplicated Pile in order, --idx its document.idx)")
+    require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
     for p in list(data) + [idx]:
         if not Path(p).exists():
             raise ExperimentError(f"{p}: data file not found")
@@ -439,10 +447,7 @@ def draw_olmo_split(global_indices, data_paths, step: int, sizes: SplitSizes, se
     [0, step), non-members from [nonmember_start, end_step)) on ``global_indices`` + the ``data_paths`` list."""
     from mia.data.olmo import OlmoOrder, draw_checkpoint_split
 
-    if not global_indices or not data_paths:
-        missing = " and ".join(x for x, v in (("--global-indices", global_indices), ("--data-paths", data_paths))
-                               if not v)
-        raise ExperimentError(f"--olmo needs the training order: {missing} missing")
+    require_order("--olmo", {"--global-indices": global_indices, "--data-paths": data_paths})
     order = OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
     s2 = step if nonmember_start is None else int(nonmember_start)
     e = order.steps if end_step is None else int(end_step)

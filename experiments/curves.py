@@ -174,7 +174,7 @@ def recency_sentence(trends: Sequence[Mapping], model_free: Sequence[str] = ()) 
     falls = [t for t in ts if np.isfinite(t["rho"]) and t["rho"] < 0]
     drop = [t for t in ts if t["delta"] < 0]
     sig = [t for t in ts if t["delta"] < 0 and t["z"] <= -2]
-    not_falling = [f"{t['method']}@{t['model']}/step{t['step']}" for t in ts if not (np.isfinite(t["rho"]) and t["rho"] < 0)]
+    not_falling = [f"{t['method']}@{t['model']}/step{t['step']}" for t in ts if t not in falls]
     head = ("as the papers report, AUC falls as steps-since-seen grow (Spearman rho < 0 over the age bins) for every "
             "model-based curve" if len(falls) == len(ts) else
             f"AUC falls as steps-since-seen grow (Spearman rho < 0) for {len(falls)} of {len(ts)} model-based curves; "

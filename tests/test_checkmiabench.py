@@ -60,7 +60,8 @@ def test_smoke_end_to_end(cmb_smoke):
     assert s["findings"]["blind"][str(steps[-1])].startswith(("PASS", "WARNING"))
     # recency: 8 bins per (model, step, attack), members counted once per curve
     for t in s["targets"]:
-        rows = [r for r in s["recency"] if r["model"] == t["model"] and r["step"] == t["step"] and r["method"] == "loss"]
+        rows = [r for r in s["recency"]
+                if (r["model"], r["step"], r["method"]) == (t["model"], t["step"], "loss")]
         assert len(rows) == 8 and rows[0]["age_lo"] == 0 and rows[-1]["age_hi"] == t["step"]
         assert sum(r["n_members"] for r in rows) == 60
     # scale rows follow the attack table; the findings are the sentences of the computed trends
@@ -149,7 +150,8 @@ def test_paper_numbers_lookup():
     assert cmb.paper_attack_reference("pythia", "70m", 97_000, "mink") is None  # k = 0.2 is not the paper's k
     assert cmb.paper_attack_reference("pythia", "70m", 90_000, "loss") is None  # another checkpoint
     assert cmb.paper_attack_reference("testbed", "70m", 97_000, "loss") is None
-    assert cmb.paper_blind_reference("pythia", 97_000, "BoW (tokens)") == (0.505, 0.0128, 0.01, "Table 1, row BoW (tokens)")
+    assert cmb.paper_blind_reference("pythia", 97_000, "BoW (tokens)") == (0.505, 0.0128, 0.01,
+                                                                          "Table 1, row BoW (tokens)")
     assert cmb.paper_blind_reference("pythia", 97_000, "W2V (tokens)") is None  # our encoder differs
 
 
