@@ -84,6 +84,20 @@ def test_same_seed_same_tables_byte_for_byte(cmb_smoke):
     assert "timings" not in (a / "summary.json").read_text()
 
 
+def test_curves_rebinned_from_saved_scores(cmb_smoke, tmp_path, capsys):
+    """python -m experiments.curves RESULTS --bins 4: the curves again from scores/*.jsonl alone, other bins."""
+    out = tmp_path / "copy"
+    shutil.copytree(cmb_smoke[0], out)
+    assert curves.main([str(out), "--bins", "4", "--bootstrap", "50"]) == 0
+    assert capsys.readouterr().out.startswith("Recency: ")
+    rows = json.loads((out / "recency.json").read_text())["rows"]
+    s = cmb_smoke[2]
+    assert len(rows) == 4 * len(s["targets"]) * len(s["attacks_run"]) and {r["bin"] for r in rows} == {0, 1, 2, 3}
+    assert (out / "scale.json").read_bytes() == (cmb_smoke[0] / "scale.json").read_bytes()
+    assert curves.main([str(tmp_path)]) == 2
+    assert "not a checkmiabench results directory" in capsys.readouterr().err
+
+
 def test_notebook_runs(cmb_smoke):
     import nbformat
     from nbclient import NotebookClient
