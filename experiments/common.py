@@ -767,6 +767,10 @@ def plot_lines(series: Mapping[str, tuple], path, *, xlabel: str, ylabel: str, t
         if hline is not None:
             ax.axhline(hline, color="k", ls="--", lw=0.8)
         ax.set_xscale(xscale)
+        if xscale == "log":  # decade labels only (minor labels overlap)
+            from matplotlib.ticker import NullFormatter
+
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(ptitle if n > 1 else title, fontsize=9)

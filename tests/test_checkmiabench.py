@@ -167,6 +167,8 @@ def test_paper_numbers_lookup():
     assert cmb.paper_blind_reference("pythia", 97_000, "BoW (tokens)") == (0.505, 0.0128, 0.01,
                                                                           "Table 1, row BoW (tokens)")
     assert cmb.paper_blind_reference("pythia", 97_000, "W2V (tokens)") is None  # our encoder differs
+    paper = cmb.PRESETS["paper"]  # the paper's settings (App. A)
+    assert paper.attacks == tuple(cmb.PAPER_ATTACKS.values()) and (paper.sizes.eval, paper.sizes.train) == (1000, 4000)
 
 
 def test_paper_numbers_match_the_paper_text():
