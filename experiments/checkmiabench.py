@@ -106,16 +106,18 @@ def paper_blind_reference(kind: str, step: int, feature: str):
 # ------------------------------------------------------------------------------------------------ presets
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """Settings of a run. ``steps``: "all" (every saved checkpoint after step 0), "last", or explicit steps."""
+    """Settings of a run. ``steps``: "all" (every saved checkpoint after step 0), "last", or explicit steps.
+    Blind features: ``blind_every`` at every checkpoint, ``blind_last`` also at the last one (the paper's Tables 1/3
+    are one checkpoint; BERT features cost ~150 CPU-seconds per default split on 2 cores)."""
 
     suite: str
     sizes: SplitSizes
     attacks: tuple
-    blind_features: tuple
+    blind_every: tuple
+    blind_last: tuple
     bootstrap: int
     steps: object = "all"
     bins: int = 8
-    blind_steps: str = "all"  # "all" checkpoints, or the "last" only (the paper's Tables 1/3 are one checkpoint)
     allow_fewer: bool = False  # shrink the partitions to what the data hold ("where the data allow")
     gap: int = 0  # real data: members from steps [0, c - gap), non-members from [c + gap, end)
     note: str = ""
@@ -125,15 +127,16 @@ PRESETS = {
     # the tests' run: < 1 minute on 2 cores with the smoke suite built; stats-based attacks and the paper's ReCaLL
     "smoke": Preset("smoke", SplitSizes(60, 60, 0, 12), ("loss", "mink:k=0.1", "minkpp:k=0.1", "zlib", PAPER_ZLIB,
                                                         "recall:variant=checkmia"),
-                    ("bow",), 200, blind_steps="last",
+                    (), ("bow",), 200,
                     note="smoke preset, for time: no MoPe (10 extra passes per model); blind baselines (BoW) at the "
                          "last checkpoint only"),
     # 2 CPU cores: the paper's attacks (and the LL/zlib ratio) on every size x checkpoint of the default suite
-    "default": Preset("default", SplitSizes(500, 500, 0, 12), (*PAPER_ATTACKS.values(), "zlib"), BLIND_FEATURES,
-                      1000),
+    "default": Preset("default", SplitSizes(500, 500, 0, 12), (*PAPER_ATTACKS.values(), "zlib"),
+                      ("bow", "tfidf", "w2v"), ("bert",), 1000,
+                      note="default preset, for time on 2 CPU cores: BERT blind features at the last checkpoint only"),
     # the paper's settings: 4,000 + 4,000 blind training and 1,000 + 1,000 evaluated where the data allow
-    "paper": Preset("default", SplitSizes(1000, 4000, 0, 12), tuple(PAPER_ATTACKS.values()), BLIND_FEATURES, 1000,
-                    allow_fewer=True, gap=10),
+    "paper": Preset("default", SplitSizes(1000, 4000, 0, 12), tuple(PAPER_ATTACKS.values()), BLIND_FEATURES, (),
+                    1000, allow_fewer=True, gap=10),
 }
 
 
@@ -313,7 +316,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
     bootstrap = p.bootstrap if bootstrap is None else int(bootstrap)
     bins = p.bins if bins is None else int(bins)
     gap = p.gap if gap is None else int(gap)
-    features = tuple(blind_features) if blind_features is not None else p.blind_features
+    every, last = (tuple(blind_features), ()) if blind_features is not None else (p.blind_every, p.blind_last)
     out = Path(out) if out is not None else default_out("checkmiabench", preset,
                                                         "pythia" if pythia else "olmo" if olmo else "")
     to_run, skipped = select_attacks(list(p.attacks) if attacks is None else attacks, tolerant=attacks is None)
@@ -349,7 +352,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         split_info[c] = {"member_steps": prm.get("member_steps"), "nonmember_steps": prm.get("nonmember_steps"),
                          "partitions": header["partitions"], "seed": seed, "file": f"splits/step{c}.jsonl"}
         say(f"step{c}: split {header['counts']['members']} members, {header['counts']['nonmembers']} non-members")
-        if blind and (p.blind_steps == "all" or c == setup.steps[-1]):
+        features = every + (last if c == setup.steps[-1] else ())
+        if blind and features:
             say(f"step{c}: blind baselines ({', '.join(features)}) ...")
             with timings("blind"):
                 rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, features)
@@ -438,14 +442,13 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         (out / "report.md").write_text(report_markdown(summary))
     outputs = ["report.md", "summary.json", "blind.*", "blind_runs.*", "attacks.*", "recency.*", "scale.*",
                "recency.png", "scale.png", "scores/", "splits/", "manifest.json", "timings.json"]
+    models = list(dict.fromkeys(t.model for t in sorted(setup.targets, key=lambda t: t.params)))
+    blind_cfg = {"every checkpoint": list(every), "last checkpoint": list(last)} if blind else {}
     write_manifest(out, module=MODULE, argv=argv, outputs=outputs,
                    config={"preset": preset, "preset_settings": _preset_dict(p), "kind": setup.kind,
-                           "split_sizes": dataclasses.asdict(split_sizes), "steps": setup.steps,
-                           "models": sorted({t.model for t in setup.targets}, key=lambda m: [
-                               t.params for t in setup.targets if t.model == m][0]),
-                           "attacks": [f"{label}" for label, _, _ in to_run], "blind_features": list(features)
-                           if blind else [], "gap": gap, "bins": bins, "memorize_epochs": memorize_epochs,
-                           "bootstrap": bootstrap},
+                           "split_sizes": dataclasses.asdict(split_sizes), "steps": setup.steps, "models": models,
+                           "attacks": [label for label, _, _ in to_run], "blind_features": blind_cfg, "gap": gap,
+                           "bins": bins, "memorize_epochs": memorize_epochs, "bootstrap": bootstrap},
                    seeds={"split": seed, "partitions": [seed, 0x5B1], "bootstrap": seed, "blind": seed},
                    hashes={**setup.hashes, "splits_sha256": {c: sha_file(out / "splits" / f"step{c}.jsonl")
                                                              for c in setup.steps}},
