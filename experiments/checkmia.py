@@ -21,11 +21,9 @@ reported alongside as a reference.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import dataclasses
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -33,166 +31,43 @@ from typing import Optional
 
 import numpy as np
 
+from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, draw_testbed_split, fmt,
+                                metric_rows, plot_roc, run_blind_baselines, run_main, say_fn, score_attacks,
+                                select_attacks as _select, sha_file, use_compilation_cache, versions, write_json,
+                                write_scores)
+
 # Examples per class in each partition, per preset (non-members only in calib / prefix).
 SIZES = {
     "smoke": {"eval": 100, "train": 100, "calib": 30, "prefix": 12},
     "default": {"eval": 500, "train": 500, "calib": 100, "prefix": 12},  # sized for < 15 min on 2 CPU cores
     "large": {"eval": 1000, "train": 1000, "calib": 200, "prefix": 12},
 }
-# Pairwise (N x N conditional likelihood) attacks: run only when named in --attacks (or --attacks all).
-QUADRATIC = ("em_mia", "recall_avg")
 # Attacks too slow for a preset's time budget on 2 CPU cores (measured on the default split: CAMIA's signals take
 # ~0.2 s per example, so camia + camia_lr alone would take ~7 minutes): run only when named or with --attacks all.
 COSTLY = {"default": {"camia": "~0.2 s per example on 2 CPU cores (75 signals incl. repeated-text passes)",
                       "camia_lr": "CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores"}}
-UNAVAILABLE_NEEDS = {"ref": "needs a reference model (--ref-model), which the testbed does not have",
-                     "mlm": "needs a masked language model (--mlm), which the testbed does not have"}
-BLIND_FEATURES = ("bow", "tfidf", "w2v", "bert")
 RECENCY_GROUPS = (("last 5% of steps", 0.0, 0.05), ("5-25% of steps", 0.05, 0.25), ("older (>25%)", 0.25, 1.0))
 
-
-class JobError(ValueError):
-    """A bad request for the main job (one line)."""
+JobError = ExperimentError  # a bad request for the main job (one line)
 
 
 # ---------------------------------------------------------------------------------------------- the split
 def draw_split(tb, step: int, n_eval_members: int, n_eval_nonmembers: int, n_train: int, n_calib: int,
                n_prefix: int, seed: int, end_step: Optional[int] = None):
-    """(header, examples) of the checkpoint split of testbed ``tb`` at checkpoint ``step``.
-
-    Members: rows [0, step*B); non-members: rows [step*B, end_step*B) with end_step = the first epoch's end.
-    Drawn without replacement by ``mia.data.pythia.draw_checkpoint_split``; partitions are then assigned with a
-    seeded shuffle per class: members -> train, eval; non-members -> prefix, calib, train, eval.
-    """
-    from mia.data.pythia import draw_checkpoint_split
-    from mia.data.splits import partition_counts
-
-    B, epoch_end = tb.batch_size, tb.epoch_steps
-    end_step = epoch_end if end_step is None else int(end_step)
-    if step <= 0:
-        raise JobError(f"checkpoint step {step} has seen no rows, so it has no members; use a step in "
-                       f"(0, {tb.train_steps}]")
-    if step > tb.train_steps:
-        raise JobError(f"checkpoint step {step} is beyond the run: the testbed trained {tb.train_steps} steps "
-                       f"(checkpoints: {', '.join(map(str, tb.steps))})")
-    n_mem = n_eval_members + n_train
-    n_non = n_eval_nonmembers + n_train + n_calib + n_prefix
-    if n_mem > step * B:
-        raise JobError(f"the split asks for {n_mem} members (eval {n_eval_members} + train {n_train}) but checkpoint "
-                       f"step{step} has seen only {step * B} rows (steps [0, {step}) x batch {B}); "
-                       "lower --n-members/--n-train")
-    if n_non > (end_step - step) * B:
-        raise JobError(f"the split asks for {n_non} non-members (eval {n_eval_nonmembers} + train {n_train} + calib "
-                       f"{n_calib} + prefix {n_prefix}) but steps [{step}, {end_step}) of the first epoch hold only "
-                       f"{max(0, (end_step - step) * B)} rows; lower the counts or use an earlier --step")
-    header, examples = draw_checkpoint_split(tb.dataset(), step, n_mem, n_non, seed, gap=0, end_step=end_step,
-                                             batch_size=B)
-    rng = np.random.default_rng([int(seed), 0x5B1])
-    plan = {1: (("train", n_train), ("eval", n_eval_members)),
-            0: (("prefix", n_prefix), ("calib", n_calib), ("train", n_train), ("eval", n_eval_nonmembers))}
-    for label, parts in plan.items():
-        idx = [i for i, e in enumerate(examples) if e["label"] == label]
-        order = rng.permutation(len(idx))
-        pos = 0
-        for name, k in parts:
-            for j in order[pos:pos + k]:
-                examples[idx[j]]["partition"] = name
-            pos += k
-    for e in examples:  # ids of the testbed's rows; kind "testbed" in the header
-        e["id"] = f"row{e['index']}"
-    header["source"].update(kind="testbed", testbed=str(tb.root.resolve()), tokenizer=str(tb.root.resolve()),
-                            config_hash=tb.config.config_hash, corpus_sha256=tb.manifest["corpus"]["sha256"],
-                            checkpoint=str(tb.checkpoint_dir(step).resolve()))
-    header["params"].update(epoch_end_step=epoch_end, sampler_partitions="numpy.random.default_rng([seed, 0x5B1]) "
-                            "permutation per class: members -> train, eval; non-members -> prefix, calib, train, eval")
-    header.update(partition_counts(examples))
-    return header, examples
+    """(header, examples) of the checkpoint split of testbed ``tb`` at checkpoint ``step``
+    (``experiments.common.draw_testbed_split``): members rows [0, step*B), non-members rows [step*B, end_step*B)
+    with end_step = the first epoch's end; partitions members -> train, eval; non-members -> prefix, calib,
+    train, eval."""
+    sizes = SplitSizes(n_eval_members, n_train, n_calib, n_prefix, n_eval_nonmembers)
+    return draw_testbed_split(tb, step, sizes, seed, end_step)[:2]
 
 
 # ---------------------------------------------------------------------------------------------- attacks
 def select_attacks(spec: Optional[str], preset: str = "default"):
     """[(label, name, params)] to run and {name: reason} skipped."""
-    from mia.attacks import available, get, parse_attacks
-
-    skipped = {}
-    if spec and spec.strip() not in ("all", "default"):
-        chosen = parse_attacks(spec)
-    else:
-        chosen = []
-        for name in available():
-            s = get(name)
-            if spec != "all" and name in QUADRATIC:
-                skipped[name] = ("pairwise N x N conditional likelihoods (O(N^2) model calls); "
-                                 "run with --attacks all or name it in --attacks")
-                continue
-            if spec != "all" and name in COSTLY.get(preset, {}):
-                skipped[name] = (f"not in the {preset} preset's time budget: {COSTLY[preset][name]}; "
-                                 "run with --attacks all or name it in --attacks")
-                continue
-            chosen.append((name, name, dict(s.defaults)))
-    run = []
-    for label, name, params in chosen:
-        why = next((UNAVAILABLE_NEEDS[n] for n in get(name).needs if n in UNAVAILABLE_NEEDS), None)
-        if why:
-            skipped[label] = why
-        else:
-            run.append((label, name, params))
-    return run, skipped
-
-
-def to_examples(examples: list):
-    from mia.data.examples import Example
-
-    return [Example(str(e["id"]), np.asarray(e["tokens"], np.int32), None, int(e["label"]), e["partition"])
-            for e in examples]
-
-
-def score_attacks(model, examples: list, attacks, settings, seed: int, progress: bool = True):
-    """Scores {label: [N]} of the eval partition, timings, {label: reason} for attacks that failed, notes."""
-    from tqdm.auto import tqdm
-
-    from mia.attacks import AttackContext, assert_disjoint, get
-    from mia.attacks.registry import AttackError
-
-    exs = to_examples(examples)
-    evaluated = [e for e in exs if e.partition == "eval"]
-    partitions: dict = {}
-    for e in exs:
-        if e.partition != "eval":
-            partitions.setdefault(e.partition, []).append(e)
-    for name, part in partitions.items():
-        assert_disjoint(evaluated, part, f"partition {name!r}")
-    ctx = AttackContext(model, evaluated, settings, partitions, {"seed": seed, "max_length": model.max_length})
-    scores, timings, failed = {}, {}, {}
-    bar = tqdm(attacks, desc="attacks", unit="attack", disable=not progress, leave=False)
-    for label, name, params in bar:
-        bar.set_postfix(attack=label)
-        t0 = time.perf_counter()
-        try:
-            s = np.asarray(get(name).fn(ctx, **params), dtype=np.float64)
-        except AttackError as e:
-            failed[label] = str(e).splitlines()[0]
-            continue
-        if s.shape != (len(evaluated),):
-            raise AssertionError(f"attack {name} returned shape {s.shape}, expected ({len(evaluated)},)")
-        scores[label] = s
-        timings[label] = round(time.perf_counter() - t0, 2)
-    return evaluated, scores, timings, failed, list(ctx.notes)
-
-
-def metric_rows(scores: dict, labels: np.ndarray, ids, n_resamples: int, seed: int, kind: str = "attack") -> list:
-    from mia.metrics import summary_row
-
-    rows = []
-    for name, s in scores.items():
-        ok = np.isfinite(s)
-        r = summary_row(name, s[ok], labels[ok], n_resamples=n_resamples, seed=seed,
-                        ids=[i for i, k in zip(ids, ok) if k])
-        r["kind"] = kind
-        if (~ok).any():
-            r["n_nonfinite"] = int((~ok).sum())
-        rows.append(r)
-    return rows
+    skip = {name: f"not in the {preset} preset's time budget: {why}; run with --attacks all or name it in --attacks"
+            for name, why in COSTLY.get(preset, {}).items()}
+    return _select(spec, skip=skip)
 
 
 def recency_rows(loss: np.ndarray, evaluated: list, steps: dict, c: int, n_resamples: int, seed: int) -> list:
@@ -216,87 +91,8 @@ def recency_rows(loss: np.ndarray, evaluated: list, steps: dict, c: int, n_resam
     return rows
 
 
-# ---------------------------------------------------------------------------------------------- blind
-def run_blind_baselines(split_path, seed: int, n_resamples: int, features=BLIND_FEATURES):
-    """(rows, verdict, {feature: reason skipped}); (None, None, {...}) when mia.blind is not installed."""
-    try:
-        from mia.blind import run_blind, shift_verdict
-    except ImportError as e:
-        return None, None, {"blind": f"mia.blind is not available ({e})"}
-    import warnings
-
-    from mia.data.splits import read_split
-
-    split = read_split(split_path)
-    rows, skipped = [], {}
-    for f in features:
-        t0 = time.perf_counter()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                r = run_blind(split, features=(f,), seed=seed, n_resamples=n_resamples)
-        except Exception as e:  # a missing optional dependency / encoder must not stop the job
-            skipped[f] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            continue
-        for row in r:
-            row["seconds"] = round(time.perf_counter() - t0, 1)
-        rows += r
-    verdict = shift_verdict(rows) if rows else None
-    return rows, verdict, skipped
-
-
 # ---------------------------------------------------------------------------------------------- outputs
-def _sha_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _json_default(o):
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default))
-    os.replace(tmp, path)
-
-
-def write_scores(path: Path, evaluated: list, meta: dict, scores: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for i, e in enumerate(evaluated):
-            line = {"id": e.id, "label": e.label, "n_tokens": e.n_tokens, "truncated": e.truncated,
-                    **meta[e.id], "scores": {k: (float(v[i]) if np.isfinite(v[i]) else None) for k, v in scores.items()}}
-            f.write(json.dumps(line) + "\n")
-    os.replace(tmp, path)
-
-
-def plot_roc(scores: dict, labels: np.ndarray, path: Path, title: str) -> None:
-    from mia.report import plot_roc as _plot
-
-    curves = {}
-    for k, s in scores.items():
-        ok = np.isfinite(s)
-        if len(set(labels[ok].tolist())) == 2:
-            curves[k] = (s[ok], labels[ok])
-    _plot(curves, path=path, title=title)
-
-
-def _fmt(v, digits=3):
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return ""
-    return f"{v:.{digits}f}"
+_fmt = fmt
 
 
 def report_markdown(s: dict) -> str:
@@ -330,8 +126,7 @@ def report_markdown(s: dict) -> str:
         L += ["## Skipped", ""] + [f"- {k}: {v}" for k, v in s["skipped"].items()] + [""]
     if s.get("notes"):
         L += ["## Notes", ""] + [f"- {n}" for n in s["notes"]] + [""]
-    t = s.get("timings", {})
-    L += ["## Timings (s)", "", ", ".join(f"{k} {v}" for k, v in t.items()), ""]
+    L += ["Timings: `timings.json`; inputs, seeds and hashes: `manifest.json`.", ""]
     return "\n".join(L)
 
 
@@ -343,32 +138,29 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         bootstrap: int = 1000,
         progress: bool = True, testbed_overrides: Optional[dict] = None, argv=None) -> dict:
     """Run the whole job; returns the summary dict (also written to ``out/summary.json``)."""
-    from tqdm.auto import tqdm
-
     from mia.data.splits import write_split
+    from mia.models import load
     from mia.scoring import ScoringSettings
     from mia.testbed import build_testbed
 
-    say = (lambda m: tqdm.write(m)) if progress else (lambda m: None)
+    say = say_fn(progress)
+    timings = Timings()
     t_start = time.perf_counter()
-    timings = {}
-    sizes = dict(SIZES.get(preset, SIZES["default"]))
-    for k, v in (("eval", n_members), ("train", n_train), ("calib", n_calib), ("prefix", n_prefix)):
-        if v is not None:
-            if v < 0:
-                raise JobError(f"--n-{k if k != 'eval' else 'members'} must be >= 0, got {v}")
-            sizes[k] = int(v)
-    n_eval_non = sizes["eval"] if n_nonmembers is None else int(n_nonmembers)
-    if sizes["eval"] < 1 or n_eval_non < 1:
-        raise JobError("the eval partition needs at least one member and one non-member")
+    use_compilation_cache()
+    base = SIZES.get(preset, SIZES["default"])
+    for k, v in (("members", n_members), ("train", n_train), ("calib", n_calib), ("prefix", n_prefix),
+                 ("nonmembers", n_nonmembers)):
+        if v is not None and v < 0:
+            raise JobError(f"--n-{k} must be >= 0, got {v}")
+    sizes = SplitSizes(base["eval"], base["train"], base["calib"], base["prefix"]).replace(
+        eval=n_members, train=n_train, calib=n_calib, prefix=n_prefix, eval_nonmembers=n_nonmembers)
     out = Path(out) if out is not None else Path("results") / f"checkmia-{preset}" \
         f"{'-mem' + str(memorize_epochs) if memorize_epochs else ''}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
 
     # 1. testbed
-    t0 = time.perf_counter()
-    tb = build_testbed(preset, testbed_dir, progress=progress, **(testbed_overrides or {}))
-    timings["testbed"] = round(time.perf_counter() - t0, 1)
+    with timings("testbed"):
+        tb = build_testbed(preset, testbed_dir, progress=progress, **(testbed_overrides or {}))
     say(tb.summary())
     c = tb.train_steps if step is None else int(step)
     if c > tb.train_steps or c < 0:
@@ -376,74 +168,62 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
                        f"(checkpoints: {', '.join(map(str, tb.steps))})")
 
     # 2. split
-    t0 = time.perf_counter()
-    header, examples = draw_split(tb, c, sizes["eval"], n_eval_non, sizes["train"], sizes["calib"], sizes["prefix"], seed)
-    split_path = write_split(out / "split.jsonl", header, examples)
-    timings["split"] = round(time.perf_counter() - t0, 1)
+    with timings("split"):
+        header, examples, _ = draw_testbed_split(tb, c, sizes, seed)
+        split_path = write_split(out / "split.jsonl", header, examples)
     say(f"split: {header['counts']['members']} members, {header['counts']['nonmembers']} non-members -> {split_path}")
 
     # 3. model (clean checkpoint, or the memorization dial on the split's members)
-    from mia.models import load
-
     clean_dir = tb.checkpoint_dir(c)
     model_dir, mem_info = clean_dir, None
     if memorize_epochs and memorize_epochs > 0:
-        t0 = time.perf_counter()
-        rows = [e["index"] for e in examples if e["label"] == 1]
-        model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
+        with timings("memorize"):
+            rows = [e["index"] for e in examples if e["label"] == 1]
+            model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
         mem_info = json.loads((model_dir / "memorize.json").read_text())
         mem_info = {k: v for k, v in mem_info.items() if k != "rows"} | {"path": str(model_dir)}
-        timings["memorize"] = round(time.perf_counter() - t0, 1)
     model = load(model_dir)
     settings = ScoringSettings(cache_dir=str(tb.root / "cache"), progress=progress)
 
     # 4. attacks
-    t0 = time.perf_counter()
-    to_run, skipped = select_attacks(attacks, preset)
-    evaluated, scores, atk_t, failed, notes = score_attacks(model, examples, to_run, settings, seed, progress)
-    skipped.update(failed)
-    timings["attacks"] = round(time.perf_counter() - t0, 1)
-    timings.update({f"attack:{k}": v for k, v in atk_t.items()})
-    labels = np.array([e.label for e in evaluated])
-    ids = [e.id for e in evaluated]
+    with timings("attacks"):
+        to_run, skipped = select_attacks(attacks, preset)
+        res = score_attacks(model, examples, to_run, settings, seed, progress)
+    skipped.update(res.failed)
+    timings.update({f"attack:{k}": v for k, v in res.seconds.items()})
+    evaluated, scores, notes, labels, ids = res.evaluated, res.scores, res.notes, res.labels, res.ids
     rows = metric_rows(scores, labels, ids, bootstrap, seed)
+    scores_ref = None
     if mem_info is not None:  # the same split on the clean checkpoint, as a reference
-        _, ref, _, _, _ = score_attacks(load(clean_dir), examples, [("loss", "loss", {})], settings, seed, False)
-        rows += metric_rows({f"loss (clean step{c}, no dial)": ref["loss"]}, labels, ids, bootstrap, seed, "reference")
-        scores_ref = ref["loss"]
-    else:
-        scores_ref = None
+        clean = score_attacks(load(clean_dir), examples, [("loss", "loss", {})], settings, seed, False)
+        scores_ref = clean.scores["loss"]
+        rows += metric_rows({f"loss (clean step{c}, no dial)": scores_ref}, labels, ids, bootstrap, seed, "reference")
     meta = {e["id"]: {"index": e["index"], "step": e["step"], "batch_pos": e["batch_pos"]} for e in examples}
 
     # 5. recency
     loss_for_recency = scores.get("loss")
     if loss_for_recency is None:
-        _, tmp, _, _, _ = score_attacks(model, examples, [("loss", "loss", {})], settings, seed, False)
-        loss_for_recency = tmp["loss"]
+        loss_for_recency = score_attacks(model, examples, [("loss", "loss", {})], settings, seed, False).scores["loss"]
     recency = recency_rows(loss_for_recency, evaluated, {k: v["step"] for k, v in meta.items()}, c, bootstrap, seed)
 
     # 6. blind baselines
     blind_rows, verdict = None, None
     if blind:
-        t0 = time.perf_counter()
         say("blind baselines ...")
-        blind_rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, blind_features)
+        with timings("blind"):
+            blind_rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, blind_features)
         skipped.update({f"blind {k}": v for k, v in bskip.items()})
-        timings["blind"] = round(time.perf_counter() - t0, 1)
     best_blind = [dict(r, kind="blind") for r in (blind_rows or []) if r.get("kind") == "chosen"]
 
-    # 7. outputs
-    all_scores = dict(scores)
-    if scores_ref is not None:
-        all_scores[f"loss@step{c}"] = scores_ref
-    write_scores(out / "scores.jsonl", evaluated, meta, all_scores)
-    plot_roc(scores, labels, out / "roc.png", f"testbed {preset}, step{c}" + (f" + dial E={memorize_epochs}" if mem_info else ""))
-    timings["total"] = round(time.perf_counter() - t_start, 1)
+    # 7. outputs (timings go to timings.json only, so report.md and summary.json are deterministic)
+    write_scores(out / "scores.jsonl", res, meta, {f"loss@step{c}": scores_ref} if scores_ref is not None else None)
+    plot_roc(scores, labels, out / "roc.png",
+             f"testbed {preset}, step{c}" + (f" + dial E={memorize_epochs}" if mem_info else ""))
     keep = ("method", "kind", "auc", "auc_se", "tpr_at_1pct_fpr", "auc_ci_low", "auc_ci_high", "tpr_at_0.1pct_fpr",
             "p_auc_gt_half", "n", "n_nonfinite", "feature", "classifier", "n_train", "n_eval")
     summary = {
         "rows": [{k: r[k] for k in keep if k in r} for r in best_blind + rows],
-        "split": {"path": str(split_path), "step": c, "epoch_end_step": tb.epoch_steps, "batch_size": tb.batch_size,
+        "split": {"path": split_path.name, "step": c, "epoch_end_step": tb.epoch_steps, "batch_size": tb.batch_size,
                   "row_len": tb.row_len, "seed": seed, "member_rows": header["params"]["member_rows"],
                   "nonmember_rows": header["params"]["nonmember_rows"], "counts": header["counts"],
                   "partitions": header["partitions"], "n_eval_members": int((labels == 1).sum()),
@@ -457,17 +237,13 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         "blind_verdict": verdict,
         "skipped": skipped,
         "notes": notes,
-        "timings": timings,
     }
-    _write_json(out / "summary.json", summary)
+    write_json(out / "summary.json", summary)
     (out / "report.md").write_text(report_markdown(summary))
-    import flax
-    import jax
-    import optax
-
+    outputs = ["report.md", "summary.json", "scores.jsonl", "split.jsonl", "roc.png", "manifest.json", "timings.json"]
     manifest = {
         "command": ["python", "-m", "experiments.checkmia", *(argv or [])],
-        "config": {"preset": preset, "step": c, "sizes": sizes, "n_eval_nonmembers": n_eval_non,
+        "config": {"preset": preset, "step": c, "sizes": dataclasses.asdict(sizes),
                    "memorize_epochs": memorize_epochs, "attacks": attacks or "default",
                    "blind": list(blind_features) if blind else [],
                    "bootstrap": bootstrap, "testbed": tb.config.to_dict()},
@@ -476,19 +252,18 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
                    "tokenizer_sha256": tb.manifest["tokenizer"]["sha256"],
                    "order_bin_sha256": tb.manifest["data"]["bin"]["sha256"],
                    "order_perm_sha256": tb.manifest["data"]["perm_sha256"],
-                   "checkpoint_sha256": _sha_file(clean_dir / "model.safetensors"),
-                   "evaluated_model_sha256": _sha_file(Path(model_dir) / "model.safetensors"),
-                   "split_sha256": _sha_file(split_path), "testbed_config_hash": tb.config.config_hash},
+                   "checkpoint_sha256": sha_file(clean_dir / "model.safetensors"),
+                   "evaluated_model_sha256": sha_file(Path(model_dir) / "model.safetensors"),
+                   "split_sha256": sha_file(split_path), "testbed_config_hash": tb.config.config_hash},
         "paths": {"testbed": str(tb.root.resolve()), "checkpoint": str(Path(model_dir).resolve()),
                   "split": str(split_path.resolve())},
-        "versions": {"python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__,
-                     "optax": optax.__version__, "platform": platform.platform(), "devices": [str(d) for d in jax.devices()]},
-        "timings": timings,
-        "outputs": ["report.md", "summary.json", "scores.jsonl", "split.jsonl", "roc.png", "manifest.json"],
+        "versions": versions(),
+        "outputs": outputs,
     }
-    _write_json(out / "manifest.json", manifest)
-    say(f"wrote {out}/ (report.md, summary.json, scores.jsonl, split.jsonl, roc.png, manifest.json) "
-        f"in {timings['total']:.0f} s")
+    write_json(out / "manifest.json", manifest)
+    timings["total"] = round(time.perf_counter() - t_start, 1)
+    timings.write(out)
+    say(f"wrote {out}/ ({', '.join(outputs)}) in {timings['total']:.0f} s")
     return summary
 
 
@@ -529,9 +304,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in (("corpus", args.corpus), ("train_steps", args.train_steps),
                                    ("batch_size", args.batch_size)) if v is not None}
-    from mia.cli import run_for_user
-
-    status, s = run_for_user(
+    status, s = run_main(
         lambda: run(args.preset, args.out, testbed_dir=args.testbed, step=args.step, n_members=args.n_members,
                     n_nonmembers=args.n_nonmembers, n_train=args.n_train, n_calib=args.n_calib,
                     n_prefix=args.n_prefix, memorize_epochs=args.memorize_epochs, attacks=args.attacks,

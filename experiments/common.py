@@ -1,0 +1,836 @@
+"""What every ``python -m experiments.NAME`` module shares: one small set of helpers, not copies of each other.
+
+CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``--bootstrap``, ``--no-progress``,
+                 ``--debug``), ``run_main`` (a user error is one ``error: ...`` line and exit 2; Ctrl-C 130),
+                 ``ExperimentError`` (bad input, one line), ``default_out``, ``use_compilation_cache``.
+Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
+                 ``open_members`` (given testbeds, else the suite, else one testbed),
+                 ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
+                 ``count_params`` (from the safetensors headers, nothing loaded).
+Splits           ``SplitSizes`` (examples per partition and class), ``draw_testbed_split``, ``draw_pythia_split``,
+                 ``draw_olmo_split``: the ``mia split`` samplers (``mia.data.pythia`` / ``mia.data.olmo``) followed by
+                 one seeded partition plan; ``check_token_ids`` (data vs the model's vocabulary).
+Attacks          ``select_attacks`` (registry names and ``NAME:k=v`` specs, with reasons for what is skipped),
+                 ``score_attacks`` (one ``AttackContext`` per model), ``metric_rows`` (``mia.metrics``: AUC,
+                 bootstrap SE, TPR@1%FPR).
+Blind baselines  ``run_blind_baselines`` (``mia.blind`` per feature, and the shift verdict).
+Outputs          ``write_json``, ``write_tables`` (md / CSV / LaTeX / JSON via ``mia.report``), ``write_scores``,
+                 ``plot_roc``, ``plot_lines`` (curves with bands), ``write_manifest`` (config, seeds, hashes,
+                 versions), ``Timings`` (written to ``timings.json``).
+
+Determinism: with the same inputs and seed, every table (md, csv, tex, json) and report an experiment writes is the
+same byte for byte. Tables hold no timings, dates or output paths; those go to ``timings.json`` and
+``manifest.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+
+class ExperimentError(ValueError):
+    """A bad request or input for an experiment; the message is one line meant for the user."""
+
+
+# ============================================================================================ CLI conventions
+def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_preset: str = "default",
+                      default_bootstrap: Optional[int] = 1000) -> argparse.ArgumentParser:
+    """An ``argparse`` parser with the flags every experiment has.
+
+    ``--preset`` (one of ``presets``), ``--out DIR``, ``--seed`` (splits, partitions, bootstrap, classifiers),
+    ``--bootstrap`` (resamples for AUC SEs; ``default_bootstrap=None`` leaves it to the preset), ``--no-progress``,
+    ``--debug`` (tracebacks instead of one line).
+    """
+    p = argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    presets = list(presets)
+    p.add_argument("--preset", default=default_preset, choices=presets,
+                   help=f"settings preset: {', '.join(presets)} (default: {default_preset})")
+    p.add_argument("--out", default=None, help="results directory (default: results/<module>-<preset>)")
+    p.add_argument("--seed", type=int, default=0, help="split, partition, classifier and bootstrap seed (default 0)")
+    p.add_argument("--bootstrap", type=int, default=default_bootstrap,
+                   help="bootstrap resamples for standard errors (default: "
+                        + (f"{default_bootstrap})" if default_bootstrap is not None else "the preset's)"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p
+
+
+def run_main(fn: Callable[[], object], *, debug: bool = False,
+             on_interrupt: str = "interrupted; rerun the same command: finished work is cached and reused"):
+    """``(status, result)`` of ``fn()`` through ``mia.cli.run_for_user``: one ``error: ...`` line and status 2 for
+    bad input, 130 on Ctrl-C."""
+    from mia.cli import run_for_user
+
+    return run_for_user(fn, debug=debug, on_interrupt=on_interrupt)
+
+
+def use_compilation_cache(cache_root: Optional[str] = None) -> Optional[str]:
+    """Turn on JAX's persistent compilation cache under ``<cache root>/jax`` (``$MIA_CACHE_DIR`` or
+    ``~/.cache/mia``), so that every checkpoint of one model size, and every rerun, reuses the compiled scoring
+    functions instead of compiling them again (``mia.scoring`` jits per loaded model). Compiled code only: it never
+    changes a number. ``MIA_JAX_CACHE=0`` turns it off; a cache directory set by the user is kept."""
+    import jax
+
+    if os.environ.get("MIA_JAX_CACHE", "1") == "0":
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    from mia.cli import default_cache_dir
+
+    path = str(Path(cache_root or default_cache_dir()) / "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def default_out(module: str, preset: str, tag: str = "") -> Path:
+    """``results/<module>-<preset>[-<tag>]``."""
+    return Path("results") / "-".join(x for x in (module, preset, tag) if x)
+
+
+def say_fn(progress: bool) -> Callable[[str], None]:
+    """A print that keeps progress bars intact (``tqdm.write``), or nothing."""
+    if not progress:
+        return lambda msg: None
+    from tqdm.auto import tqdm
+
+    return lambda msg: tqdm.write(msg)
+
+
+# ============================================================================================ models
+def open_testbed(preset: str, path=None, *, progress: bool = True, overrides: Optional[dict] = None):
+    """Build (or reuse, or resume) the testbed of ``preset`` in ``path`` (``mia.testbed.build_testbed``)."""
+    from mia.testbed import build_testbed
+
+    return build_testbed(preset, path, progress=progress, **(overrides or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteMember:
+    """One model size of a suite: a name (``"70m"``, or the testbed's size name), its parameter count, its testbed."""
+
+    name: str
+    n_params: int
+    testbed: object  # mia.testbed.Testbed
+
+
+def open_suite(name: str, path=None, *, progress: bool = True) -> tuple[list, str]:
+    """``(members ordered by parameter count, description)`` of the testbed suite ``name`` (``mia.testbed.suite``):
+    opened when ``path`` holds a complete suite, else built, resumed or reused there (default
+    ``testbeds/suite-<name>``)."""
+    try:
+        from mia.testbed.suite import build_suite, open_suite as _open
+    except ImportError as e:  # a checkout without the suite
+        raise ExperimentError(f"the testbed suite is not available in this checkout ({e}); use --testbed DIR for "
+                              "one testbed") from None
+    if path is not None and (Path(path) / "suite.json").exists() and \
+            json.loads((Path(path) / "suite.json").read_text()).get("complete"):
+        suite = _open(path)
+    else:
+        suite = build_suite(name, path, progress=progress)
+    names = getattr(suite, "names", None) or [None] * len(suite.members)
+    members = [member_of(tb, n) for tb, n in zip(suite.members, names)]
+    return sorted(members, key=lambda m: m.n_params), f"testbed suite {suite.name!r}"
+
+
+def open_members(preset: str, *, testbeds: Sequence = (), suite_dir=None, progress: bool = True) -> tuple:
+    """``(members by size, description, notes)`` for an experiment on testbeds: the given testbed directories (each
+    one member; they must share one data order, so that one split serves them all), else the testbed suite
+    ``preset`` (built or reused in ``suite_dir``), else, in a checkout without ``mia.testbed.suite``, the single
+    testbed of ``preset`` as a suite of one (with a note saying so)."""
+    import importlib.util
+
+    if testbeds:
+        from mia.testbed.build import open_testbed as _open_tb
+
+        members = sorted((member_of(_open_tb(p)) for p in testbeds), key=lambda m: m.n_params)
+        if len({m.testbed.manifest["data"]["bin"]["sha256"] for m in members}) > 1:
+            raise ExperimentError("--testbed: the testbeds do not share one data order (their data/order.bin "
+                                  "differ), so one split cannot serve them all")
+        return members, f"{len(members)} testbed(s) sharing one data order", []
+    if importlib.util.find_spec("mia.testbed.suite") is not None:
+        members, desc = open_suite(preset, suite_dir, progress=progress)
+        return members, desc, []
+    tb = open_testbed(preset, suite_dir, progress=progress)
+    return [member_of(tb)], f"testbed {preset!r}", [
+        f"this checkout has no testbed suite (mia.testbed.suite); ran on the single {preset!r} testbed"]
+
+
+def member_of(tb, name: Optional[str] = None) -> SuiteMember:
+    """A testbed as a suite member: its parameter count (``Testbed.n_params``, else counted in the last checkpoint)
+    and its name (given, else Pythia-style from the count: ``"164k"``)."""
+    n = getattr(tb, "n_params", None) or count_params(tb.checkpoint_dir(tb.train_steps, create=False))
+    return SuiteMember(name or size_name(n), int(n), tb)
+
+
+def size_name(n_params: int) -> str:
+    """Pythia-style size label (``mia.testbed.suite.size_name``; billions as ``"6.9b"``)."""
+    from mia.testbed.suite import size_name as _name
+
+    return f"{n_params / 1e9:.1f}b".replace(".0b", "b") if n_params >= 1e9 else _name(int(n_params))
+
+
+def count_params(model_dir) -> int:
+    """Parameters of a HF safetensors checkpoint directory (single file or sharded), read from the headers only."""
+    root = Path(model_dir)
+    files = sorted(root.glob("*.safetensors"))
+    files = [f for f in files if f.name != "train_state.safetensors"]
+    if not files:
+        raise ExperimentError(f"{root}: no *.safetensors weights")
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for k, v in header.items():
+            if k != "__metadata__":
+                total += int(np.prod(v["shape"], dtype=np.int64))
+    return total
+
+
+PYTHIA_SIZES = ("14m", "31m", "70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
+_PYTHIA_DIR = re.compile(r"^pythia-(\d+(?:\.\d+)?[mb])-deduped$")
+_STEP_DIR = re.compile(r"^step(\d+)(?:-.*)?$")
+
+
+def _size_key(size: str) -> float:
+    return float(size[:-1]) * (1e9 if size.endswith("b") else 1e6)
+
+
+def pythia_checkpoints(root) -> dict:
+    """``{size: {step: path}}`` of the HF checkpoints under ``root/pythia-SIZE-deduped/stepN/`` (a
+    ``config.json`` in each), sizes ordered by parameter count."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ExperimentError(f"--pythia {root}: not a directory")
+    found: dict = {}
+    for d in root.iterdir():
+        m = _PYTHIA_DIR.match(d.name)
+        if not m or not d.is_dir():
+            continue
+        steps = {}
+        for s in d.iterdir():
+            ms = _STEP_DIR.match(s.name)
+            if ms and (s / "config.json").exists():
+                steps[int(ms.group(1))] = s
+        if steps:
+            found[m.group(1)] = dict(sorted(steps.items()))
+    return dict(sorted(found.items(), key=lambda kv: _size_key(kv[0])))
+
+
+def _listing(found: dict) -> str:
+    if not found:
+        return "none"
+    return "; ".join(f"pythia-{size}-deduped: steps {', '.join(map(str, steps))}" for size, steps in found.items())
+
+
+def pythia_checkpoint(root, size: str, step: int) -> Path:
+    """``root/pythia-SIZE-deduped/stepN`` or an error listing the checkpoints that are there."""
+    found = pythia_checkpoints(root)
+    if size in found and int(step) in found[size]:
+        return found[size][int(step)]
+    raise ExperimentError(f"--pythia {root}: no checkpoint pythia-{size}-deduped/step{step} (found: {_listing(found)})")
+
+
+def select_pythia(root, sizes: Optional[Sequence[str]], steps: Sequence[int]) -> dict:
+    """``{size: {step: path}}`` for the asked sizes (default: every size with all ``steps``); one error line naming
+    what is missing and what is there."""
+    found = pythia_checkpoints(root)
+    if not found:
+        raise ExperimentError(f"--pythia {root}: no pythia-SIZE-deduped/stepN/ checkpoints (with config.json) found")
+    if sizes:
+        bad = [s for s in sizes if s not in PYTHIA_SIZES]
+        if bad:
+            raise ExperimentError(f"--sizes: unknown Pythia size(s) {', '.join(bad)}; sizes: {', '.join(PYTHIA_SIZES)}")
+        chosen = list(sizes)
+    else:
+        chosen = [s for s, st in found.items() if all(int(x) in st for x in steps)]
+        if not chosen:
+            raise ExperimentError(f"--pythia {root}: no size has a checkpoint at step {', '.join(map(str, steps))} "
+                                  f"(found: {_listing(found)})")
+    return {s: {int(x): pythia_checkpoint(root, s, x) for x in steps} for s in sorted(chosen, key=_size_key)}
+
+
+def olmo_checkpoint(root, step: int) -> Path:
+    """The OLMo checkpoint of ``step``: ``root`` itself when it is a model directory (``config.json``), else
+    ``root/stepN`` or ``root/stepN-tokens...`` (HF revision names); an error listing what is there."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ExperimentError(f"--olmo {root}: not a directory")
+    if (root / "config.json").exists():
+        return root
+    steps = {}
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and (d / "config.json").exists():
+            steps.setdefault(int(m.group(1)), d)
+    if int(step) in steps:
+        return steps[int(step)]
+    have = ", ".join(f"step{s}" for s in sorted(steps)) or "none"
+    raise ExperimentError(f"--olmo {root}: no checkpoint at step {step} (stepN[-tokens...]/ with config.json; "
+                          f"found: {have})")
+
+
+# ============================================================================================ splits
+@dataclasses.dataclass(frozen=True)
+class SplitSizes:
+    """Examples per partition: ``eval`` and ``train`` per class; ``calib`` (CAMIA) and ``prefix`` (ReCaLL)
+    non-members only. ``eval_nonmembers`` defaults to ``eval``."""
+
+    eval: int
+    train: int = 0
+    calib: int = 0
+    prefix: int = 0
+    eval_nonmembers: Optional[int] = None
+
+    def __post_init__(self):
+        for k in ("eval", "train", "calib", "prefix"):
+            if getattr(self, k) < 0:
+                raise ExperimentError(f"partition {k} must be >= 0, got {getattr(self, k)}")
+        if self.eval < 1 or self.n_eval_nonmembers < 1:
+            raise ExperimentError("the eval partition needs at least one member and one non-member")
+
+    @property
+    def n_eval_nonmembers(self) -> int:
+        return self.eval if self.eval_nonmembers is None else int(self.eval_nonmembers)
+
+    @property
+    def members(self) -> int:
+        return self.eval + self.train
+
+    @property
+    def nonmembers(self) -> int:
+        return self.n_eval_nonmembers + self.train + self.calib + self.prefix
+
+    def plan(self) -> dict:
+        """{label: ((partition, count), ...)} in assignment order."""
+        return {1: (("train", self.train), ("eval", self.eval)),
+                0: (("prefix", self.prefix), ("calib", self.calib), ("train", self.train),
+                    ("eval", self.n_eval_nonmembers))}
+
+    def replace(self, **kw) -> "SplitSizes":
+        return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+PARTITION_SAMPLER = ("numpy.random.default_rng([seed, 0x5B1]) permutation per class: members -> train, eval; "
+                     "non-members -> prefix, calib, train, eval")
+
+
+def assign_partition_plan(examples: list, sizes: SplitSizes, seed: int) -> list:
+    """Assign ``partition`` in place: per class a seeded permutation, then consecutive blocks in plan order."""
+    rng = np.random.default_rng([int(seed), 0x5B1])
+    for label, parts in sizes.plan().items():
+        idx = [i for i, e in enumerate(examples) if e["label"] == label]
+        order = rng.permutation(len(idx))
+        pos = 0
+        for name, k in parts:
+            for j in order[pos:pos + k]:
+                examples[idx[j]]["partition"] = name
+            pos += k
+    return examples
+
+
+def _finish_split(header: dict, examples: list, sizes: SplitSizes, seed: int) -> tuple:
+    from mia.data.splits import partition_counts
+
+    assign_partition_plan(examples, sizes, seed)
+    header["params"]["sampler_partitions"] = PARTITION_SAMPLER
+    header.update(partition_counts(examples))
+    return header, examples
+
+
+def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Optional[int] = None, *,
+                       allow_fewer: bool = False):
+    """(header, examples, note) of the checkpoint split of testbed ``tb`` at checkpoint ``step``.
+
+    Members: rows [0, step*B); non-members: rows [step*B, end_step*B), end_step = the first epoch's end by default.
+    Drawn without replacement by ``mia.data.pythia.draw_checkpoint_split``; partitions by ``assign_partition_plan``.
+    ``allow_fewer`` shrinks the partitions to what the ranges hold (with a note) instead of stopping.
+    """
+    from mia.data.pythia import draw_checkpoint_split
+
+    B, epoch_end = tb.batch_size, tb.epoch_steps
+    end_step = epoch_end if end_step is None else int(end_step)
+    if step <= 0:
+        raise ExperimentError(f"checkpoint step {step} has seen no rows, so it has no members; use a step in "
+                              f"(0, {tb.train_steps}]")
+    if step > tb.train_steps:
+        raise ExperimentError(f"checkpoint step {step} is beyond the run: the testbed trained {tb.train_steps} steps "
+                              f"(checkpoints: {', '.join(map(str, tb.steps))})")
+    sizes, note = _fit(f"step{step} split", sizes, allow_fewer, step * B, max(0, (end_step - step) * B))
+    if sizes.members > step * B:
+        raise ExperimentError(f"the split asks for {sizes.members} members (eval {sizes.eval} + train {sizes.train}) "
+                              f"but checkpoint step{step} has seen only {step * B} rows (steps [0, {step}) x batch "
+                              f"{B}); lower --n-members/--n-train")
+    if sizes.nonmembers > (end_step - step) * B:
+        raise ExperimentError(f"the split asks for {sizes.nonmembers} non-members (eval {sizes.n_eval_nonmembers} + "
+                              f"train {sizes.train} + calib {sizes.calib} + prefix {sizes.prefix}) but steps [{step}, "
+                              f"{end_step}) of the first epoch hold only {max(0, (end_step - step) * B)} rows; lower "
+                              "the counts or use an earlier --step")
+    header, examples = draw_checkpoint_split(tb.dataset(), step, sizes.members, sizes.nonmembers, seed, gap=0,
+                                             end_step=end_step, batch_size=B)
+    for e in examples:  # ids of the testbed's rows; kind "testbed" in the header
+        e["id"] = f"row{e['index']}"
+    header["source"].update(kind="testbed", testbed=str(tb.root.resolve()), tokenizer=str(tb.root.resolve()),
+                            config_hash=tb.config.config_hash, corpus_sha256=tb.manifest["corpus"]["sha256"],
+                            checkpoint=str(tb.checkpoint_dir(step).resolve()))
+    header["params"].update(epoch_end_step=epoch_end)
+    return (*_finish_split(header, examples, sizes, seed), note)
+
+
+def _fit(what: str, sizes: SplitSizes, allow_fewer: bool, available_members: int, available_nonmembers: int):
+    """``sizes`` shrunk to what the ranges hold when ``allow_fewer`` (the paper preset's 'where the data allow')."""
+    if not allow_fewer:
+        return sizes, None
+    m_scale = min(1.0, available_members / max(sizes.members, 1))
+    n_scale = min(1.0, available_nonmembers / max(sizes.nonmembers, 1))
+    s = min(m_scale, n_scale)
+    if s >= 1.0:
+        return sizes, None
+    fit = SplitSizes(max(1, int(sizes.eval * s)), int(sizes.train * s), int(sizes.calib * s), int(sizes.prefix * s),
+                     None if sizes.eval_nonmembers is None else max(1, int(sizes.n_eval_nonmembers * s)))
+    return fit, (f"{what}: the ranges hold {available_members} member and {available_nonmembers} non-member rows, "
+                 f"fewer than asked; partitions scaled by {s:.3f} (eval {fit.eval}, train {fit.train}, calib "
+                 f"{fit.calib}, prefix {fit.prefix})")
+
+
+def require_order(source_flag: str, flags: Mapping[str, object], hint: str = "") -> None:
+    """One error naming the order flags missing for ``source_flag`` (``--pythia`` needs ``--data`` and ``--idx``)."""
+    missing = [k for k, v in flags.items() if not v]
+    if missing:
+        raise ExperimentError(f"{source_flag} needs the training order: {' and '.join(missing)} missing"
+                              + (f" ({hint})" if hint else ""))
+
+
+PYTHIA_ORDER_HINT = "--data the .bin shard(s) of the deduplicated Pile in order, --idx its document.idx"
+
+
+def draw_pythia_split(data: Sequence, idx, step: int, sizes: SplitSizes, seed: int, *, gap: int = 0,
+                      end_step: int = 98_500, batch_size: int = 1024, allow_fewer: bool = False):
+    """(header, examples, note) of a Pythia checkpoint split: ``mia split pythia`` (members from steps
+    [0, step-gap), non-members from [step+gap, end_step)) on the .bin shards ``data`` with the single ``idx``."""
+    from mia.data.pythia import draw_checkpoint_split, open_dataset
+
+    require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
+    for p in list(data) + [idx]:
+        if not Path(p).exists():
+            raise ExperimentError(f"{p}: data file not found")
+    ds = open_dataset([str(p) for p in data], str(idx))
+    n_mem = max(0, step - gap) * batch_size
+    n_non = max(0, min(end_step, len(ds) // batch_size) - (step + gap)) * batch_size
+    sizes, note = _fit("pythia split", sizes, allow_fewer, n_mem, n_non)
+    header, examples = draw_checkpoint_split(ds, step, sizes.members, sizes.nonmembers, seed, gap=gap,
+                                             end_step=end_step, batch_size=batch_size)
+    header, examples = _finish_split(header, examples, sizes, seed)
+    return header, examples, note
+
+
+def draw_olmo_split(global_indices, data_paths, step: int, sizes: SplitSizes, seed: int, *,
+                    nonmember_start: Optional[int] = None, end_step: Optional[int] = None, batch_size: int = 2160,
+                    seq_len: int = 2048, allow_fewer: bool = False):
+    """(header, examples, note) of an OLMo checkpoint split: ``mia split olmo`` (members from positions of steps
+    [0, step), non-members from [nonmember_start, end_step)) on ``global_indices`` + the ``data_paths`` list."""
+    from mia.data.olmo import OlmoOrder, draw_checkpoint_split
+
+    require_order("--olmo", {"--global-indices": global_indices, "--data-paths": data_paths})
+    order = OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
+    s2 = step if nonmember_start is None else int(nonmember_start)
+    e = order.steps if end_step is None else int(end_step)
+    sizes, note = _fit("olmo split", sizes, allow_fewer, step * batch_size, max(0, e - s2) * batch_size)
+    header, examples = draw_checkpoint_split(order, step, sizes.members, sizes.nonmembers, seed,
+                                             nonmember_start=s2, end_step=e, batch_size=batch_size)
+    header, examples = _finish_split(header, examples, sizes, seed)
+    return header, examples, note
+
+
+def check_token_ids(examples: Sequence[dict], vocab_size: int, data_desc: str, model_desc: str) -> None:
+    """Refuse data whose token ids do not exist in the model's vocabulary (data made with another tokenizer)."""
+    worst = None
+    for e in examples:
+        t = np.asarray(e["tokens"])
+        if t.size and int(t.max()) >= vocab_size and (worst is None or int(t.max()) > worst[1]):
+            worst = (e, int(t.max()))
+    if worst is not None:
+        e, tok = worst
+        where = f"row {e['index']}" if e.get("index") is not None else f"example {e['id']}"
+        raise ExperimentError(f"{data_desc}: {where} holds token id {tok} >= the vocabulary size {vocab_size} of "
+                              f"{model_desc}: the data files do not match the model's tokenizer")
+
+
+# ============================================================================================ attacks
+QUADRATIC = ("em_mia", "recall_avg")  # N x N conditional likelihoods
+UNAVAILABLE_NEEDS = {"ref": "needs a reference model (--ref-model), which this experiment does not have",
+                     "mlm": "needs a masked language model (--mlm), which this experiment does not have"}
+
+
+def select_attacks(spec=None, *, skip: Optional[Mapping[str, str]] = None,
+                   unavailable: Mapping[str, str] = UNAVAILABLE_NEEDS, tolerant: bool = False):
+    """``([(label, name, params)] to run, {label: reason} skipped)``.
+
+    ``spec``: None / ``"default"`` (every registered attack except those in ``skip`` and the quadratic ones),
+    ``"all"`` (every registered attack), a comma list ``"loss,mink:k=0.1"``, or a list of such spec strings.
+    Attacks whose needs are ``unavailable`` are skipped with the reason. ``tolerant``: an unknown attack or
+    parameter is skipped with the registry's message instead of stopping (for preset lists that name attacks a
+    checkout may not have yet).
+    """
+    from mia.attacks import available, get, parse_attacks
+    from mia.attacks.registry import AttackError
+
+    skip = dict(skip or {})
+    skipped: dict = {}
+    chosen: list = []
+    if spec is None or (isinstance(spec, str) and spec.strip() in ("all", "default")):
+        every = isinstance(spec, str) and spec.strip() == "all"
+        for name in available():
+            if not every and name in QUADRATIC:
+                skipped[name] = ("pairwise N x N conditional likelihoods (O(N^2) model calls); run with --attacks all "
+                                 "or name it in --attacks")
+            elif not every and name in skip:
+                skipped[name] = skip[name]
+            else:
+                chosen.append((name, name, dict(get(name).defaults)))
+    else:
+        items = [spec] if isinstance(spec, str) else list(spec)
+        for item in items:
+            try:
+                chosen += parse_attacks(item)
+            except AttackError as e:
+                if not tolerant:
+                    raise
+                skipped[item] = f"not available in this checkout: {str(e).splitlines()[0]}"
+    run = []
+    for label, name, params in chosen:
+        why = next((unavailable[n] for n in get(name).needs if n in unavailable), None)
+        if why:
+            skipped[label] = why
+        else:
+            run.append((label, name, params))
+    return run, skipped
+
+
+def to_examples(examples: Sequence[dict], max_length: Optional[int] = None) -> tuple[list, Optional[str]]:
+    """Split dicts -> ``mia.data.examples.Example`` (token ids as they are, and the ``text`` when given), truncated
+    to ``max_length`` tokens; returns (examples, a note when any was truncated)."""
+    from mia.data.examples import Example
+
+    out, cut = [], 0
+    for e in examples:
+        t = np.asarray(e["tokens"], np.int32)
+        trunc = max_length is not None and len(t) > max_length
+        if trunc:
+            t, cut = t[:max_length], cut + 1
+        text = e.get("text") if isinstance(e.get("text"), str) else None  # kept for text-based attacks (zlib, camia)
+        out.append(Example(str(e["id"]), t, text, int(e["label"]), e.get("partition", "eval"), truncated=trunc))
+    note = (f"{cut} example(s) longer than the model context were truncated to its first {max_length} tokens"
+            if cut else None)
+    return out, note
+
+
+@dataclasses.dataclass
+class ScoreRun:
+    """Scores of one model on a split's eval partition."""
+
+    evaluated: list  # list[Example]
+    scores: dict  # label -> [N] float64 (NaN = no score)
+    seconds: dict  # label -> seconds
+    failed: dict  # label -> reason
+    notes: list
+    context: object = None  # the AttackContext (its stats and memo serve further attack steps on the same examples)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return np.array([e.label for e in self.evaluated])
+
+    @property
+    def ids(self) -> list:
+        return [e.id for e in self.evaluated]
+
+
+def score_attacks(model, examples: Sequence[dict], attacks, settings, seed: int, progress: bool = True,
+                  max_length: Optional[int] = None, options: Optional[Mapping] = None) -> ScoreRun:
+    """Run ``attacks`` ([(label, name, params)]) on the ``eval`` partition of ``examples`` through one
+    ``AttackContext``; the other partitions are what attacks learn from (checked disjoint). An attack that
+    raises ``AttackError`` is recorded in ``failed`` with its one-line reason. ``options``: more
+    ``AttackContext.options`` (``ref_model``: a reference model directory for ``ref``; ``mlm`` for ``neighbor``)."""
+    from tqdm.auto import tqdm
+
+    from mia.attacks import AttackContext, assert_disjoint, get
+    from mia.attacks.registry import AttackError
+
+    max_length = model.max_length if max_length is None else int(max_length)
+    exs, note = to_examples(examples, max_length)
+    evaluated = [e for e in exs if e.partition == "eval"]
+    partitions: dict = {}
+    for e in exs:
+        if e.partition != "eval":
+            partitions.setdefault(e.partition, []).append(e)
+    for name, part in partitions.items():
+        assert_disjoint(evaluated, part, f"partition {name!r}")
+    ctx = AttackContext(model, evaluated, settings, partitions,
+                        {**(options or {}), "seed": seed, "max_length": max_length})
+    if note:
+        ctx.notes.append(note)
+    scores, seconds, failed = {}, {}, {}
+    bar = tqdm(attacks, desc="attacks", unit="attack", disable=not progress, leave=False)
+    for label, name, params in bar:
+        bar.set_postfix(attack=label)
+        t0 = time.perf_counter()
+        try:
+            s = np.asarray(get(name).fn(ctx, **params), dtype=np.float64)
+        except AttackError as e:
+            failed[label] = str(e).splitlines()[0]
+            continue
+        if s.shape != (len(evaluated),):
+            raise AssertionError(f"attack {name} returned shape {s.shape}, expected ({len(evaluated)},)")
+        scores[label] = s
+        seconds[label] = round(time.perf_counter() - t0, 2)
+    return ScoreRun(evaluated, scores, seconds, failed, list(ctx.notes), ctx)
+
+
+def metric_rows(scores: Mapping[str, np.ndarray], labels: np.ndarray, ids, n_resamples: int, seed: int,
+                kind: str = "attack", **extra) -> list:
+    """One ``mia.metrics.summary_row`` per method (AUC, pooled-bootstrap AUC SE, TPR@1%FPR, CIs, p vs chance),
+    on the finite scores; ``n_nonfinite`` counts the rest. ``extra`` fields are added to every row."""
+    from mia.metrics import summary_row
+
+    rows = []
+    for name, s in scores.items():
+        s = np.asarray(s, np.float64)
+        ok = np.isfinite(s)
+        if len(set(np.asarray(labels)[ok].tolist())) < 2:
+            rows.append({"method": name, "kind": kind, **extra, "n_nonfinite": int((~ok).sum())})
+            continue
+        r = summary_row(name, s[ok], labels[ok], n_resamples=n_resamples, seed=seed,
+                        ids=[i for i, k in zip(ids, ok) if k])
+        r["kind"] = kind
+        r.update(extra)
+        if (~ok).any():
+            r["n_nonfinite"] = int((~ok).sum())
+        rows.append(r)
+    return rows
+
+
+# ============================================================================================ blind baselines
+BLIND_FEATURES = ("bow", "tfidf", "w2v", "bert")
+
+
+def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Sequence[str] = BLIND_FEATURES,
+                        classifiers: Optional[Sequence[str]] = None):
+    """(rows, verdict, {feature: reason skipped}) of ``mia.blind`` on a split file, one feature at a time so a
+    missing optional dependency (an encoder) skips that feature only. Rows: every feature x classifier run
+    (``kind`` "run"), the classifier chosen per feature by cross-validation on the training partition (``kind``
+    "chosen") and, for comparison with the paper's Table 1 rule, the best on evaluation data (``kind`` "best_eval")."""
+    try:
+        from mia.blind import run_blind, shift_verdict
+    except ImportError as e:
+        return None, None, {"blind": f"mia.blind is not available ({e})"}
+    import warnings
+
+    from mia.data.splits import read_split
+
+    split = read_split(split_path)
+    rows, skipped = [], {}
+    kw = {} if classifiers is None else {"classifiers": tuple(classifiers)}
+    for f in features:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows += run_blind(split, features=(f,), seed=seed, n_resamples=n_resamples, **kw)
+        except Exception as e:  # a missing optional dependency / encoder must not stop the experiment
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            skipped[f] = f"{type(e).__name__}: {msg}"
+    verdict = shift_verdict(rows) if rows else None
+    return rows, verdict, skipped
+
+
+# ============================================================================================ outputs
+def sha_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _json_default(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def write_json(path, obj) -> Path:
+    """Atomic, deterministic JSON (keys in insertion order, 2-space indent, NaN as null)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_nan_to_none(obj), indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _nan_to_none(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, np.floating) and not np.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _nan_to_none(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_nan_to_none(v) for v in o]
+    return o
+
+
+def write_tables(rows: Sequence[Mapping], out_dir, stem: str, columns: Sequence[str], title: str,
+                 extra_markdown: str = "") -> dict:
+    """``stem``.md / .csv / .tex / .json in ``out_dir`` (``mia.report.write_tables``); rows only hold the
+    ``columns`` plus what the CSV/JSON should keep (no timings, no paths)."""
+    from mia.report import write_tables as _write
+
+    rows = [_nan_to_none(dict(r)) for r in rows]
+    return _write(rows, out_dir, stem=stem, columns=list(columns), title=title, extra_markdown=extra_markdown)
+
+
+def write_scores(path, run: ScoreRun, meta: Mapping[str, dict], extra_scores: Optional[dict] = None) -> Path:
+    """One JSON line per evaluated example: ``{"id", "label", "n_tokens", "truncated", **meta[id], "scores"}``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scores = {**run.scores, **(extra_scores or {})}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for i, e in enumerate(run.evaluated):
+            line = {"id": e.id, "label": e.label, "n_tokens": e.n_tokens, "truncated": e.truncated,
+                    **meta.get(e.id, {}),
+                    "scores": {k: (float(v[i]) if np.isfinite(v[i]) else None) for k, v in scores.items()}}
+            f.write(json.dumps(line) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_scores(path) -> tuple[list, dict]:
+    """(lines, {method: [N] float64 with NaN for null}) of a ``write_scores`` file."""
+    lines = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    methods = list(dict.fromkeys(k for l in lines for k in l["scores"]))
+    scores = {m: np.array([np.nan if l["scores"].get(m) is None else l["scores"][m] for l in lines], np.float64)
+              for m in methods}
+    return lines, scores
+
+
+def plot_roc(scores: Mapping[str, np.ndarray], labels: np.ndarray, path, title: str) -> None:
+    """Log-log ROC of every method with both classes among its finite scores (``mia.report.plot_roc``)."""
+    from mia.report import plot_roc as _plot
+
+    curves = {}
+    for k, s in scores.items():
+        ok = np.isfinite(s)
+        if len(set(labels[ok].tolist())) == 2:
+            curves[k] = (s[ok], labels[ok])
+    _plot(curves, path=path, title=title)
+
+
+def plot_lines(series: Mapping[str, tuple], path, *, xlabel: str, ylabel: str, title: str, xscale: str = "linear",
+               hline: Optional[float] = 0.5, ncols: int = 1, panels: Optional[Mapping[str, Mapping]] = None):
+    """Line plot with shaded bands. ``series``: {label: (x, y, lo, hi)} (lo/hi may be None); or ``panels``:
+    {panel title: series} for one subplot per panel. Saved as PNG (Agg backend)."""
+    from mia.report import _plt
+
+    plt = _plt()
+    panels = dict(panels) if panels is not None else {title: series}
+    n = len(panels)
+    cols = min(ncols, n) if n > 1 else 1
+    rows_ = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(5 * cols, 3.6 * rows_), squeeze=False)
+    for ax, (ptitle, ser) in zip(axes.ravel(), panels.items()):
+        for label, (x, y, lo, hi) in ser.items():
+            x, y = np.asarray(x, float), np.asarray(y, float)
+            line, = ax.plot(x, y, marker="o", ms=3, lw=1.2, label=label)
+            if lo is not None and hi is not None:
+                ax.fill_between(x, np.asarray(lo, float), np.asarray(hi, float), color=line.get_color(), alpha=0.15,
+                                lw=0)
+        if hline is not None:
+            ax.axhline(hline, color="k", ls="--", lw=0.8)
+        ax.set_xscale(xscale)
+        if xscale == "log":  # decade labels only (minor labels overlap)
+            from matplotlib.ticker import NullFormatter
+
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(ptitle if n > 1 else title, fontsize=9)
+        ax.legend(fontsize=7)
+    for ax in axes.ravel()[n:]:
+        ax.axis("off")
+    if n > 1:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def versions() -> dict:
+    import flax
+    import jax
+    import optax
+
+    return {"python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__,
+            "optax": optax.__version__, "numpy": np.__version__, "platform": platform.platform(),
+            "devices": [str(d) for d in jax.devices()]}
+
+
+def write_manifest(out_dir, *, module: str, argv: Optional[Sequence[str]], config: dict, seeds: dict, hashes: dict,
+                   paths: dict, outputs: Sequence[str]) -> Path:
+    """``manifest.json``: the command, config, seeds, sha256 of the inputs, paths and library versions."""
+    return write_json(Path(out_dir) / "manifest.json", {
+        "command": ["python", "-m", module, *(argv or [])], "config": config, "seeds": seeds, "hashes": hashes,
+        "paths": paths, "versions": versions(), "outputs": list(outputs)})
+
+
+class Timings(dict):
+    """{stage: seconds}; ``with t("stage"):`` adds the stage's wall time. Written to ``timings.json`` only."""
+
+    def __call__(self, stage: str):
+        timings = self
+
+        class _T:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - self.t0, 2)
+
+        return _T()
+
+    def write(self, out_dir) -> Path:
+        return write_json(Path(out_dir) / "timings.json", dict(self))
+
+
+def fmt(v, digits: int = 3) -> str:
+    """A number for a markdown table ('' for None/NaN)."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return ""
+    return f"{v:.{digits}f}"
+
+
+def argv_or_sys(argv) -> list:
+    return list(sys.argv[1:] if argv is None else argv)
