@@ -468,8 +468,8 @@ def select_attacks(spec=None, *, skip: Optional[Mapping[str, str]] = None,
 
 
 def to_examples(examples: Sequence[dict], max_length: Optional[int] = None) -> tuple[list, Optional[str]]:
-    """Split dicts -> ``mia.data.examples.Example`` (token ids as they are), truncated to ``max_length`` tokens;
-    returns (examples, a note when any was truncated)."""
+    """Split dicts -> ``mia.data.examples.Example`` (token ids as they are, and the ``text`` when given), truncated
+    to ``max_length`` tokens; returns (examples, a note when any was truncated)."""
     from mia.data.examples import Example
 
     out, cut = [], 0
@@ -478,7 +478,8 @@ def to_examples(examples: Sequence[dict], max_length: Optional[int] = None) -> t
         trunc = max_length is not None and len(t) > max_length
         if trunc:
             t, cut = t[:max_length], cut + 1
-        out.append(Example(str(e["id"]), t, None, int(e["label"]), e.get("partition", "eval"), truncated=trunc))
+        text = e.get("text") if isinstance(e.get("text"), str) else None  # kept for text-based attacks (zlib, camia)
+        out.append(Example(str(e["id"]), t, text, int(e["label"]), e.get("partition", "eval"), truncated=trunc))
     note = (f"{cut} example(s) longer than the model context were truncated to its first {max_length} tokens"
             if cut else None)
     return out, note
@@ -504,10 +505,11 @@ class ScoreRun:
 
 
 def score_attacks(model, examples: Sequence[dict], attacks, settings, seed: int, progress: bool = True,
-                  max_length: Optional[int] = None) -> ScoreRun:
+                  max_length: Optional[int] = None, options: Optional[Mapping] = None) -> ScoreRun:
     """Run ``attacks`` ([(label, name, params)]) on the ``eval`` partition of ``examples`` through one
     ``AttackContext``; the other partitions are what attacks learn from (checked disjoint). An attack that
-    raises ``AttackError`` is recorded in ``failed`` with its one-line reason."""
+    raises ``AttackError`` is recorded in ``failed`` with its one-line reason. ``options``: more
+    ``AttackContext.options`` (``ref_model``: a reference model directory for ``ref``; ``mlm`` for ``neighbor``)."""
     from tqdm.auto import tqdm
 
     from mia.attacks import AttackContext, assert_disjoint, get
@@ -522,7 +524,8 @@ def score_attacks(model, examples: Sequence[dict], attacks, settings, seed: int,
             partitions.setdefault(e.partition, []).append(e)
     for name, part in partitions.items():
         assert_disjoint(evaluated, part, f"partition {name!r}")
-    ctx = AttackContext(model, evaluated, settings, partitions, {"seed": seed, "max_length": max_length})
+    ctx = AttackContext(model, evaluated, settings, partitions,
+                        {**(options or {}), "seed": seed, "max_length": max_length})
     if note:
         ctx.notes.append(note)
     scores, seconds, failed = {}, {}, {}
