@@ -494,6 +494,7 @@ class ScoreRun:
     seconds: dict  # label -> seconds
     failed: dict  # label -> reason
     notes: list
+    context: object = None  # the AttackContext (its stats and memo serve further attack steps on the same examples)
 
     @property
     def labels(self) -> np.ndarray:
@@ -542,7 +543,7 @@ def score_attacks(model, examples: Sequence[dict], attacks, settings, seed: int,
             raise AssertionError(f"attack {name} returned shape {s.shape}, expected ({len(evaluated)},)")
         scores[label] = s
         seconds[label] = round(time.perf_counter() - t0, 2)
-    return ScoreRun(evaluated, scores, seconds, failed, list(ctx.notes))
+    return ScoreRun(evaluated, scores, seconds, failed, list(ctx.notes), ctx)
 
 
 def metric_rows(scores: Mapping[str, np.ndarray], labels: np.ndarray, ids, n_resamples: int, seed: int,
