@@ -4,6 +4,7 @@ CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``-
                  ``--debug``), ``run_main`` (a user error is one ``error: ...`` line and exit 2; Ctrl-C 130),
                  ``ExperimentError`` (bad input, one line), ``default_out``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
+                 ``open_members`` (given testbeds, else the suite, else one testbed),
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
                  ``count_params`` (from the safetensors headers, nothing loaded).
 Splits           ``SplitSizes`` (examples per partition and class), ``draw_testbed_split``, ``draw_pythia_split``,
@@ -120,6 +121,25 @@ def open_suite(name: str, path=None, *, progress: bool = True) -> tuple[list, st
         suite = build_suite(name, path, progress=progress)
     members = [member_of(tb) for tb in suite.members]
     return sorted(members, key=lambda m: m.n_params), f"testbed suite {name!r} ({getattr(suite, 'root', path)})"
+
+
+def open_members(preset: str, *, testbeds: Sequence = (), suite_dir=None, progress: bool = True) -> tuple:
+    """``(members by size, description, notes)`` for an experiment on testbeds: the given testbed directories (each
+    one member), else the testbed suite ``preset`` (built or reused in ``suite_dir``), else, in a checkout without
+    ``mia.testbed.suite``, the single testbed of ``preset`` as a suite of one (with a note saying so)."""
+    import importlib.util
+
+    if testbeds:
+        from mia.testbed.build import open_testbed as _open_tb
+
+        members = [member_of(_open_tb(p)) for p in testbeds]
+        return sorted(members, key=lambda m: m.n_params), "testbed(s) " + ", ".join(map(str, testbeds)), []
+    if importlib.util.find_spec("mia.testbed.suite") is not None:
+        members, desc = open_suite(preset, suite_dir, progress=progress)
+        return members, desc, []
+    tb = open_testbed(preset, suite_dir, progress=progress)
+    return [member_of(tb)], f"testbed {preset!r} ({tb.root})", [
+        f"this checkout has no testbed suite (mia.testbed.suite); ran on the single {preset!r} testbed"]
 
 
 def member_of(tb, name: Optional[str] = None) -> SuiteMember:
