@@ -33,7 +33,8 @@ import numpy as np
 
 from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, draw_testbed_split, fmt,
                                 metric_rows, plot_roc, run_blind_baselines, run_main, say_fn, score_attacks,
-                                select_attacks as _select, sha_file, versions, write_json, write_scores)
+                                select_attacks as _select, sha_file, use_compilation_cache, versions, write_json,
+                                write_scores)
 
 # Examples per class in each partition, per preset (non-members only in calib / prefix).
 SIZES = {
@@ -58,7 +59,7 @@ def draw_split(tb, step: int, n_eval_members: int, n_eval_nonmembers: int, n_tra
     with end_step = the first epoch's end; partitions members -> train, eval; non-members -> prefix, calib,
     train, eval."""
     sizes = SplitSizes(n_eval_members, n_train, n_calib, n_prefix, n_eval_nonmembers)
-    return draw_testbed_split(tb, step, sizes, seed, end_step)
+    return draw_testbed_split(tb, step, sizes, seed, end_step)[:2]
 
 
 # ---------------------------------------------------------------------------------------------- attacks
@@ -145,6 +146,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     say = say_fn(progress)
     timings = Timings()
     t_start = time.perf_counter()
+    use_compilation_cache()
     base = SIZES.get(preset, SIZES["default"])
     for k, v in (("members", n_members), ("train", n_train), ("calib", n_calib), ("prefix", n_prefix),
                  ("nonmembers", n_nonmembers)):
@@ -167,7 +169,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
 
     # 2. split
     with timings("split"):
-        header, examples = draw_testbed_split(tb, c, sizes, seed)
+        header, examples, _ = draw_testbed_split(tb, c, sizes, seed)
         split_path = write_split(out / "split.jsonl", header, examples)
     say(f"split: {header['counts']['members']} members, {header['counts']['nonmembers']} non-members -> {split_path}")
 
@@ -193,7 +195,8 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     rows = metric_rows(scores, labels, ids, bootstrap, seed)
     scores_ref = None
     if mem_info is not None:  # the same split on the clean checkpoint, as a reference
-        scores_ref = score_attacks(load(clean_dir), examples, [("loss", "loss", {})], settings, seed, False).scores["loss"]
+        clean = score_attacks(load(clean_dir), examples, [("loss", "loss", {})], settings, seed, False)
+        scores_ref = clean.scores["loss"]
         rows += metric_rows({f"loss (clean step{c}, no dial)": scores_ref}, labels, ids, bootstrap, seed, "reference")
     meta = {e["id"]: {"index": e["index"], "step": e["step"], "batch_pos": e["batch_pos"]} for e in examples}
 
@@ -214,7 +217,8 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
 
     # 7. outputs (timings go to timings.json only, so report.md and summary.json are deterministic)
     write_scores(out / "scores.jsonl", res, meta, {f"loss@step{c}": scores_ref} if scores_ref is not None else None)
-    plot_roc(scores, labels, out / "roc.png", f"testbed {preset}, step{c}" + (f" + dial E={memorize_epochs}" if mem_info else ""))
+    plot_roc(scores, labels, out / "roc.png",
+             f"testbed {preset}, step{c}" + (f" + dial E={memorize_epochs}" if mem_info else ""))
     keep = ("method", "kind", "auc", "auc_se", "tpr_at_1pct_fpr", "auc_ci_low", "auc_ci_high", "tpr_at_0.1pct_fpr",
             "p_auc_gt_half", "n", "n_nonfinite", "feature", "classifier", "n_train", "n_eval")
     summary = {

@@ -2,7 +2,7 @@
 
 CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``--bootstrap``, ``--no-progress``,
                  ``--debug``), ``run_main`` (a user error is one ``error: ...`` line and exit 2; Ctrl-C 130),
-                 ``ExperimentError`` (bad input, one line), ``default_out``.
+                 ``ExperimentError`` (bad input, one line), ``default_out``, ``use_compilation_cache``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
                  ``open_members`` (given testbeds, else the suite, else one testbed), ``pick_members``,
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
@@ -47,11 +47,12 @@ class ExperimentError(ValueError):
 
 # ============================================================================================ CLI conventions
 def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_preset: str = "default",
-                      default_bootstrap: int = 1000) -> argparse.ArgumentParser:
+                      default_bootstrap: Optional[int] = 1000) -> argparse.ArgumentParser:
     """An ``argparse`` parser with the flags every experiment has.
 
     ``--preset`` (one of ``presets``), ``--out DIR``, ``--seed`` (splits, partitions, bootstrap, classifiers),
-    ``--bootstrap`` (resamples for AUC SEs), ``--no-progress``, ``--debug`` (tracebacks instead of one line).
+    ``--bootstrap`` (resamples for AUC SEs; ``default_bootstrap=None`` leaves it to the preset), ``--no-progress``,
+    ``--debug`` (tracebacks instead of one line).
     """
     p = argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,7 +62,8 @@ def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_prese
     p.add_argument("--out", default=None, help="results directory (default: results/<module>-<preset>)")
     p.add_argument("--seed", type=int, default=0, help="split, partition, classifier and bootstrap seed (default 0)")
     p.add_argument("--bootstrap", type=int, default=default_bootstrap,
-                   help=f"bootstrap resamples for standard errors (default {default_bootstrap})")
+                   help="bootstrap resamples for standard errors (default: "
+                        + (f"{default_bootstrap})" if default_bootstrap is not None else "the preset's)"))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     return p
@@ -74,6 +76,26 @@ def run_main(fn: Callable[[], object], *, debug: bool = False,
     from mia.cli import run_for_user
 
     return run_for_user(fn, debug=debug, on_interrupt=on_interrupt)
+
+
+def use_compilation_cache(cache_root: Optional[str] = None) -> Optional[str]:
+    """Turn on JAX's persistent compilation cache under ``<cache root>/jax`` (``$MIA_CACHE_DIR`` or
+    ``~/.cache/mia``), so that every checkpoint of one model size, and every rerun, reuses the compiled scoring
+    functions instead of compiling them again (``mia.scoring`` jits per loaded model). Compiled code only: it never
+    changes a number. ``MIA_JAX_CACHE=0`` turns it off; a cache directory set by the user is kept."""
+    import jax
+
+    if os.environ.get("MIA_JAX_CACHE", "1") == "0":
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    from mia.cli import default_cache_dir
+
+    path = str(Path(cache_root or default_cache_dir()) / "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
 
 
 def default_out(module: str, preset: str, tag: str = "") -> Path:
@@ -109,36 +131,43 @@ class SuiteMember:
 
 def open_suite(name: str, path=None, *, progress: bool = True) -> tuple[list, str]:
     """``(members ordered by parameter count, description)`` of the testbed suite ``name`` (``mia.testbed.suite``):
-    built, resumed or reused in ``path``."""
+    opened when ``path`` holds a complete suite, else built, resumed or reused there (default
+    ``testbeds/suite-<name>``)."""
     try:
         from mia.testbed.suite import build_suite, open_suite as _open
     except ImportError as e:  # a checkout without the suite
         raise ExperimentError(f"the testbed suite is not available in this checkout ({e}); use --testbed DIR for "
                               "one testbed") from None
-    if path is not None and (Path(path) / "suite.json").exists():
+    if path is not None and (Path(path) / "suite.json").exists() and \
+            json.loads((Path(path) / "suite.json").read_text()).get("complete"):
         suite = _open(path)
     else:
         suite = build_suite(name, path, progress=progress)
-    members = [member_of(tb) for tb in suite.members]
-    return sorted(members, key=lambda m: m.n_params), f"testbed suite {name!r} ({getattr(suite, 'root', path)})"
+    names = getattr(suite, "names", None) or [None] * len(suite.members)
+    members = [member_of(tb, n) for tb, n in zip(suite.members, names)]
+    return sorted(members, key=lambda m: m.n_params), f"testbed suite {suite.name!r}"
 
 
 def open_members(preset: str, *, testbeds: Sequence = (), suite_dir=None, progress: bool = True) -> tuple:
     """``(members by size, description, notes)`` for an experiment on testbeds: the given testbed directories (each
-    one member), else the testbed suite ``preset`` (built or reused in ``suite_dir``), else, in a checkout without
-    ``mia.testbed.suite``, the single testbed of ``preset`` as a suite of one (with a note saying so)."""
+    one member; they must share one data order, so that one split serves them all), else the testbed suite
+    ``preset`` (built or reused in ``suite_dir``), else, in a checkout without ``mia.testbed.suite``, the single
+    testbed of ``preset`` as a suite of one (with a note saying so)."""
     import importlib.util
 
     if testbeds:
         from mia.testbed.build import open_testbed as _open_tb
 
-        members = [member_of(_open_tb(p)) for p in testbeds]
-        return sorted(members, key=lambda m: m.n_params), "testbed(s) " + ", ".join(map(str, testbeds)), []
+        members = sorted((member_of(_open_tb(p)) for p in testbeds), key=lambda m: m.n_params)
+        if len({m.testbed.manifest["data"]["bin"]["sha256"] for m in members}) > 1:
+            raise ExperimentError("--testbed: the testbeds do not share one data order (their data/order.bin "
+                                  "differ), so one split cannot serve them all")
+        return members, f"{len(members)} testbed(s) sharing one data order", []
     if importlib.util.find_spec("mia.testbed.suite") is not None:
         members, desc = open_suite(preset, suite_dir, progress=progress)
         return members, desc, []
     tb = open_testbed(preset, suite_dir, progress=progress)
-    return [member_of(tb)], f"testbed {preset!r} ({tb.root})", [
+    return [member_of(tb)], f"testbed {preset!r}", [
         f"this checkout has no testbed suite (mia.testbed.suite); ran on the single {preset!r} testbed"]
 
 
@@ -163,18 +192,17 @@ def pick_members(members: Sequence, which: str) -> list:
 
 
 def member_of(tb, name: Optional[str] = None) -> SuiteMember:
-    """A testbed as a suite member; its name is the parameter count (``"0.17M"``) unless given."""
-    n = count_params(tb.checkpoint_dir(tb.train_steps, create=False))
-    return SuiteMember(name or size_name(n), n, tb)
+    """A testbed as a suite member: its parameter count (``Testbed.n_params``, else counted in the last checkpoint)
+    and its name (given, else Pythia-style from the count: ``"164k"``)."""
+    n = getattr(tb, "n_params", None) or count_params(tb.checkpoint_dir(tb.train_steps, create=False))
+    return SuiteMember(name or size_name(n), int(n), tb)
 
 
 def size_name(n_params: int) -> str:
-    """``170_000`` -> ``"0.17M"``, ``70_426_624`` -> ``"70M"``, ``2.8e9`` -> ``"2.8B"``."""
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n_params >= div * 0.1 or unit == "K":
-            v = n_params / div
-            return f"{v:.2g}{unit}" if v < 10 else f"{v:.0f}{unit}"
-    return str(n_params)
+    """Pythia-style size label (``mia.testbed.suite.size_name``; billions as ``"6.9b"``)."""
+    from mia.testbed.suite import size_name as _name
+
+    return f"{n_params / 1e9:.1f}b".replace(".0b", "b") if n_params >= 1e9 else _name(int(n_params))
 
 
 def count_params(model_dir) -> int:
@@ -346,11 +374,13 @@ def _finish_split(header: dict, examples: list, sizes: SplitSizes, seed: int) ->
     return header, examples
 
 
-def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Optional[int] = None):
-    """(header, examples) of the checkpoint split of testbed ``tb`` at checkpoint ``step``.
+def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Optional[int] = None, *,
+                       allow_fewer: bool = False):
+    """(header, examples, note) of the checkpoint split of testbed ``tb`` at checkpoint ``step``.
 
     Members: rows [0, step*B); non-members: rows [step*B, end_step*B), end_step = the first epoch's end by default.
     Drawn without replacement by ``mia.data.pythia.draw_checkpoint_split``; partitions by ``assign_partition_plan``.
+    ``allow_fewer`` shrinks the partitions to what the ranges hold (with a note) instead of stopping.
     """
     from mia.data.pythia import draw_checkpoint_split
 
@@ -362,6 +392,7 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
     if step > tb.train_steps:
         raise ExperimentError(f"checkpoint step {step} is beyond the run: the testbed trained {tb.train_steps} steps "
                               f"(checkpoints: {', '.join(map(str, tb.steps))})")
+    sizes, note = _fit(f"step{step} split", sizes, allow_fewer, step * B, max(0, (end_step - step) * B))
     if sizes.members > step * B:
         raise ExperimentError(f"the split asks for {sizes.members} members (eval {sizes.eval} + train {sizes.train}) "
                               f"but checkpoint step{step} has seen only {step * B} rows (steps [0, {step}) x batch "
@@ -379,7 +410,7 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
                             config_hash=tb.config.config_hash, corpus_sha256=tb.manifest["corpus"]["sha256"],
                             checkpoint=str(tb.checkpoint_dir(step).resolve()))
     header["params"].update(epoch_end_step=epoch_end)
-    return _finish_split(header, examples, sizes, seed)
+    return (*_finish_split(header, examples, sizes, seed), note)
 
 
 def _fit(what: str, sizes: SplitSizes, allow_fewer: bool, available_members: int, available_nonmembers: int):
@@ -398,16 +429,24 @@ def _fit(what: str, sizes: SplitSizes, allow_fewer: bool, available_members: int
                  f"{fit.calib}, prefix {fit.prefix})")
 
 
+def require_order(source_flag: str, flags: Mapping[str, object], hint: str = "") -> None:
+    """One error naming the order flags missing for ``source_flag`` (``--pythia`` needs ``--data`` and ``--idx``)."""
+    missing = [k for k, v in flags.items() if not v]
+    if missing:
+        raise ExperimentError(f"{source_flag} needs the training order: {' and '.join(missing)} missing"
+                              + (f" ({hint})" if hint else ""))
+
+
+PYTHIA_ORDER_HINT = "--data the .bin shard(s) of the deduplicated Pile in order, --idx its document.idx"
+
+
 def draw_pythia_split(data: Sequence, idx, step: int, sizes: SplitSizes, seed: int, *, gap: int = 0,
                       end_step: int = 98_500, batch_size: int = 1024, allow_fewer: bool = False):
     """(header, examples, note) of a Pythia checkpoint split: ``mia split pythia`` (members from steps
     [0, step-gap), non-members from [step+gap, end_step)) on the .bin shards ``data`` with the single ``idx``."""
     from mia.data.pythia import draw_checkpoint_split, open_dataset
 
-    if not data or idx is None:
-        missing = " and ".join(x for x, v in (("--data", data), ("--idx", idx)) if not v)
-        raise ExperimentError(f"--pythia needs the training order: {missing} missing (--data the .bin shard(s) of "
-                              "the deduplicated Pile in order, --idx its document.idx)")
+    require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
     for p in list(data) + [idx]:
         if not Path(p).exists():
             raise ExperimentError(f"{p}: data file not found")
@@ -428,10 +467,7 @@ def draw_olmo_split(global_indices, data_paths, step: int, sizes: SplitSizes, se
     [0, step), non-members from [nonmember_start, end_step)) on ``global_indices`` + the ``data_paths`` list."""
     from mia.data.olmo import OlmoOrder, draw_checkpoint_split
 
-    if not global_indices or not data_paths:
-        missing = " and ".join(x for x, v in (("--global-indices", global_indices), ("--data-paths", data_paths))
-                               if not v)
-        raise ExperimentError(f"--olmo needs the training order: {missing} missing")
+    require_order("--olmo", {"--global-indices": global_indices, "--data-paths": data_paths})
     order = OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
     s2 = step if nonmember_start is None else int(nonmember_start)
     e = order.steps if end_step is None else int(end_step)
@@ -751,6 +787,10 @@ def plot_lines(series: Mapping[str, tuple], path, *, xlabel: str, ylabel: str, t
         if hline is not None:
             ax.axhline(hline, color="k", ls="--", lw=0.8)
         ax.set_xscale(xscale)
+        if xscale == "log":  # decade labels only (minor labels overlap)
+            from matplotlib.ticker import NullFormatter
+
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(ptitle if n > 1 else title, fontsize=9)

@@ -55,8 +55,18 @@ def tiny_model(tiny_neox_dir):
 
 
 @pytest.fixture(scope="session")
-def smoke_testbed(tmp_path_factory):
-    """The smoke-preset testbed (mia.testbed), built once per session (~20-30 s on 2 cores)."""
-    from mia.testbed import build_testbed
+def smoke_suite(tmp_path_factory):
+    """The smoke suite (mia.testbed.suite): three sizes on the smoke preset's data order, built once per session
+    (~40 s on 2 busy cores). Every experiment's smoke test runs on it."""
+    from mia.testbed import build_suite
 
-    return build_testbed("smoke", tmp_path_factory.mktemp("testbed_smoke"), progress=False)
+    return build_suite("smoke", tmp_path_factory.mktemp("suite_smoke"), progress=False)
+
+
+@pytest.fixture(scope="session")
+def smoke_testbed(smoke_suite):
+    """The smoke-preset testbed (mia.testbed): the smoke suite's middle member, whose config is the smoke preset's."""
+    from mia.testbed import preset
+
+    tb = next(m for m in smoke_suite.members if m.config.config_hash == preset("smoke").config_hash)
+    return tb

@@ -5,7 +5,8 @@
   token_diversity, slope, ApEn, count_above_pre (CBPM), 3 variants each                                = 12
 Rep1 = key(copy_0) - key(copy_1), Rep2 = key(copy_0) - key(copy_2), where the copies are located in one pass over the
 6x repeated text ``X + (" " + X) * 5`` (``locate_copies``); slope and ApEn use that pass's whole log-prob series.
-Texts longer than the context are scored with mimir's sliding window (window = context, stride = half).
+Repeated texts longer than the context the model was trained at (``Model.max_length``, or a smaller --max-length) are
+scored with mimir's sliding window (window = context, stride = half), so no position beyond it is used (noted).
 
 Orientation (label-free, the paper's hypotheses; smaller = member after it): negate loss, cal_loss, slope (code values
 are log-probs; the paper's units are losses) and CB, CBM, CBPM (higher = member); keep ppl, cal_ppl, LZ, ApEn. Rep
@@ -40,6 +41,7 @@ import numpy as np
 
 from ..scoring import compute_token_stats, example_key
 from . import camia_signals as cs
+from .fit import add_note
 from .mink import pow2
 from .registry import AttackError, register
 
@@ -153,6 +155,11 @@ def features(ctx, examples, stats, what: str) -> np.ndarray:
     rep_ids = [np.asarray(tok(repeated_text(t))["input_ids"], np.int32) for t in texts]
     max_length = int(ctx.options.get("max_length") or ctx.model.max_length)
     xrep = repeated_logprobs(ctx.model, rep_ids, ctx.settings, max_length)
+    windowed = sum(len(r) > max_length for r in rep_ids)
+    if windowed:
+        add_note(ctx, f"camia: {windowed} {what} repeated text(s) (6 copies) longer than the {max_length}-token "
+                      f"context the model was trained at were scored with mimir's sliding window (window "
+                      f"{max_length}, stride {max_length // 2}): no position beyond the context")
     x_list = [np.asarray(s["logprob"], np.float32) for s in stats]
     copies, failed = [], 0
     for e, r, xr in zip(examples, rep_ids, xrep):

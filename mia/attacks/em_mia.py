@@ -5,7 +5,10 @@ Pairwise ReCaLL matrix over the evaluated set D (N texts), every text once as a 
   R[p, x] = LL(x | p) / LL(x)
 LL(x | p) averages over x's tokens 2..L (em-mia: x's first token, predicted from p, is dropped), p's tokens alone
 concatenated before x's ids with no separator (prefixes left-padded; ``mia.conditional`` caches each prefix once).
-A prefix longer than the context allows is cut from the LEFT so that prefix + longest text fits (noted).
+Context (``mia.attacks.fit``, C = the model's trained context, L = the longest text): every prefix keeps at most its
+LAST R = min(L, max(C - L, C // 2)) tokens, and texts longer than C - R are cut, as targets, to their FIRST C - R
+tokens, with LL(x) over the same tokens; so on full-context rows (Pythia/OLMo 2048-token rows) prefix and target get
+half the context each instead of stopping with "no room for a prefix". Both cuts are noted.
 
 em_mia, from an initial score f0 (higher = member; NaN -> 0), ``iters`` = 10 times, no convergence test:
   y_x = 1[f(x) > median(f)]              (strict >)
@@ -22,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..conditional import loglik_matrix
-from .recall import context_length, memo, unconditional_ll
+from .fit import add_note, context_length, prefix_room
+from .recall import fitted_targets, memo
 from .registry import AttackError, get, register
 
 INITS = ("loss", "zlib", "mink", "minkpp", "ref")
@@ -83,18 +87,19 @@ def recall_matrix(ctx) -> np.ndarray:
     m = memo(ctx)
     if "em_R" not in m:
         toks = [np.asarray(e.tokens, np.int32) for e in ctx.examples]
-        room = context_length(ctx) - max(len(t) for t in toks)
+        C, longest = context_length(ctx), max(len(t) for t in toks)
+        room = prefix_room(C, longest, longest)
         if room < 1:
-            raise AttackError("em_mia: the longest example fills the model context; no room for a prefix "
-                              "(lower --max-length)")
+            raise AttackError(f"em_mia: no room for a prefix in the {C}-token model context")
         prefixes = [t[-room:] for t in toks]
         cut = sum(len(t) > room for t in toks)
         if cut:
-            ctx.notes.append(f"em_mia: {cut} prefix(es) cut to their last {room} tokens so that prefix + longest "
-                             "text fits the context")
-        ll_cond = loglik_matrix(ctx.model, prefixes, toks, include_first=False, settings=ctx.settings,
+            add_note(ctx, f"em_mia: {cut} prefix(es) cut to their last {room} tokens so that prefix + target fit the "
+                          f"{C}-token context the model was trained at")
+        targets, ll = fitted_targets(ctx, room, 2, "em_mia")
+        ll_cond = loglik_matrix(ctx.model, prefixes, targets, include_first=False, settings=ctx.settings,
                                 desc="em_mia: pairwise conditional LL")
-        m["em_R"] = ll_cond.astype(np.float64) / unconditional_ll(ctx)[None, :]
+        m["em_R"] = ll_cond.astype(np.float64) / ll[None, :]
     return m["em_R"]
 
 

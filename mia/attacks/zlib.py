@@ -5,8 +5,10 @@ decoded with the target tokenizer when only token ids, or a truncated text, are 
 
   zlib          LL(x) / z(x), LL = mean token log-likelihood. Higher = member (ReCaLL, em-mia, Min-K%++ repos; Carlini
                 and mimir use Loss / z, lower = member, the same ranking).
-  zlib_entropy  -z(x) alone: pandora's model-free "zlib" feature, used as "Zlib" by CheckMIABench (AUC ~0.5 there).
-                A sanity baseline, not a membership signal; higher = member only by the convention.
+  zlib_entropy  z(x) alone: CheckMIABench's "Zlib" (Table 2, AUC ~0.5 there). pandora's model-free "zlib" feature is
+                -z and the paper predicts member with the LOWER feature (pandora's plot_ROC assumes members have the
+                lower statistic), i.e. with the HIGHER z: our score z, higher = member, has the paper's AUC.
+                A sanity baseline, not a membership signal.
 
 ALGORITHMS.md section 5.
 """
@@ -46,5 +48,6 @@ def _zlib_attack(ctx) -> np.ndarray:
 
 @register("zlib_entropy", needs=("text",))
 def _zlib_entropy(ctx) -> np.ndarray:
-    """-zlib-compressed byte length (pandora's model-free "zlib"; a sanity baseline, expect AUC ~0.5)."""
-    return -np.array([zlib_length(t) for t in ctx.texts()], np.float64)
+    """zlib-compressed byte length: CheckMIABench's model-free "Zlib" in the paper's orientation (higher = member;
+    a sanity baseline, expect AUC ~0.5)."""
+    return np.array([zlib_length(t) for t in ctx.texts()], np.float64)

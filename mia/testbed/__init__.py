@@ -4,10 +4,12 @@
 tokenizer on a corpus (the Python standard library by default), packs the corpus into rows of ``seq_len + 1``
 tokens joined with EOD = 0 as Pythia does, shuffles the rows with a seeded permutation, and trains a GPT-NeoX model
 on them in order: step ``s`` sees rows ``[s*B, (s+1)*B)`` and checkpoint ``step{N}`` has seen rows ``[0, N*B)``.
-See ``build`` for the directory layout and ``config.PRESETS`` for the presets.
+See ``build`` for the directory layout and ``config.PRESETS`` for the presets; ``suite`` trains several sizes on
+one order (``build_suite``, ``SUITES``).
 """
-from .build import Testbed, build_testbed, model_config, open_testbed
+from .build import Testbed, build_from_config, build_testbed, model_config, open_testbed
 from .config import PRESETS, TestbedConfig, TestbedError, preset
+from .suite import SUITES, Suite, build_suite, open_suite
 
-__all__ = ["PRESETS", "Testbed", "TestbedConfig", "TestbedError", "build_testbed", "model_config", "open_testbed",
-           "preset"]
+__all__ = ["PRESETS", "SUITES", "Suite", "Testbed", "TestbedConfig", "TestbedError", "build_from_config",
+           "build_suite", "build_testbed", "model_config", "open_suite", "open_testbed", "preset"]

@@ -1,11 +1,14 @@
-"""``python -m mia.testbed --preset smoke --out DIR``: build (or resume, or reuse) a testbed."""
+"""``python -m mia.testbed --preset smoke --out DIR``: build (or resume, or reuse) a testbed;
+``python -m mia.testbed --suite smoke [--out DIR]``: a suite of sizes on one data order (``mia.testbed.suite``)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 
 from .config import PRESETS, TestbedConfig
+from .suite import SUITES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,8 +16,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Train a small Pythia-architecture model with a recorded data order and "
                                             "checkpoints. Rerunning resumes an interrupted build or reuses a finished one.")
     p.add_argument("--preset", default="smoke", choices=sorted(PRESETS), help="size preset (default: smoke)")
+    p.add_argument("--suite", default=None, choices=sorted(SUITES),
+                   help="build a suite instead: every size of SUITES[NAME] on one data order (only --out, "
+                        "--save-every, --no-progress, --debug apply)")
     p.add_argument("--out", default=None,
-                   help="testbed directory (default: testbeds/<preset>, or testbeds/<preset>-<hash> with overrides)")
+                   help="testbed directory (default: testbeds/<preset>, or testbeds/<preset>-<hash> with overrides; "
+                        "for --suite: testbeds/suite-<name>)")
     p.add_argument("--corpus", default=None, help="directory of .txt/.md/.py files, or a .jsonl/.parquet file "
                                                   "(default: this Python's standard library)")
     p.add_argument("--text-column", default=None, help="text field of a .jsonl/.parquet corpus (default: text)")
@@ -38,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from . import build_testbed
+    from ..cli import run_for_user
+
+    if args.suite:
+        return _main_suite(args)
 
     overrides = {}
     for f in dataclasses.fields(TestbedConfig):
@@ -47,8 +58,6 @@ def main(argv=None) -> int:
     if args.checkpoints:
         overrides["checkpoints"] = tuple(int(s) for s in args.checkpoints.split(",") if s.strip())
     t0 = time.perf_counter()
-    from ..cli import run_for_user
-
     status, tb = run_for_user(
         lambda: build_testbed(args.preset, args.out, progress=not args.no_progress, save_every=args.save_every,
                               memorize_epochs=args.memorize_epochs, memorize_rows=args.memorize_rows, **overrides),
@@ -58,6 +67,28 @@ def main(argv=None) -> int:
     print(tb.summary())
     if tb.memorized is not None:
         print(f"memorized checkpoint: {tb.memorized}")
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _main_suite(args) -> int:
+    from ..cli import run_for_user
+    from .suite import build_suite
+
+    extra = [f.name for f in dataclasses.fields(TestbedConfig)
+             if f.name not in ("preset", "checkpoints") and getattr(args, f.name, None) is not None]
+    extra += ["checkpoints"] * bool(args.checkpoints) + ["memorize-epochs"] * bool(args.memorize_epochs)
+    if extra:
+        print(f"error: --suite takes no testbed options (got {', '.join(extra)}); a suite's configs are "
+              f"mia.testbed.suite.SUITES[{args.suite!r}]", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    status, suite = run_for_user(
+        lambda: build_suite(args.suite, args.out, progress=not args.no_progress, save_every=args.save_every),
+        debug=args.debug, on_interrupt="interrupted; rerun the same command to resume from the last saved state")
+    if status:
+        return status
+    print(suite.summary())
     print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0
 

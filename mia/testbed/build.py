@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -28,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from ..data.splits import file_record
-from .config import FORMAT, TestbedConfig, TestbedError, preset as get_preset
+from .config import DATA_FIELDS, FORMAT, TestbedConfig, TestbedError, preset as get_preset
 from .tokenizer import EOD_ID
 
 MANIFEST = "testbed.json"
@@ -50,11 +51,14 @@ def _write_json(path: Path, obj) -> None:
 
 
 def model_config(cfg: TestbedConfig, vocab_size: int):
+    """The GPT-NeoX config of a testbed model. Its context (``max_position_embeddings``) is the context it is trained
+    at, ``seq_len`` (rows of seq_len + 1 tokens: inputs row[:-1]), as Pythia's 2048 for rows of 2049, so attacks
+    that add prefixes or repetitions know where the trained positions end (``Model.max_length``)."""
     from ..models.gpt_neox import GPTNeoXConfig
 
     return GPTNeoXConfig(vocab_size=int(vocab_size), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                          num_attention_heads=cfg.num_heads, intermediate_size=cfg.ffn_size, rotary_pct=cfg.rotary_pct,
-                         max_position_embeddings=2048, bos_token_id=EOD_ID, eos_token_id=EOD_ID)
+                         max_position_embeddings=cfg.seq_len, bos_token_id=EOD_ID, eos_token_id=EOD_ID)
 
 
 @dataclasses.dataclass
@@ -133,14 +137,23 @@ class Testbed:
     def checkpoint_hash(self, step: Optional[int] = None) -> str:
         return _sha_file(self.checkpoint_dir(step) / "model.safetensors")
 
+    @property
+    def n_params(self) -> int:
+        """Parameters of the trained model (at the tokenizer's real vocabulary)."""
+        return self.config.n_params(self.manifest["tokenizer"]["vocab_size"])
+
     def _train(self, until=None, extra_saves=(), progress=True, save_every=50, stop_after=None):
         from ..models import from_config
+        from ..models.hub import family
+        from .init import init_params
         from .train import train
-        import jax
+        import jax.numpy as jnp
 
         tok = self.tokenizer()
-        model = from_config(model_config(self.config, len(tok)), tokenizer=tok,
-                            key=jax.random.PRNGKey(self.config.seed))
+        mcfg = model_config(self.config, len(tok))
+        params = init_params(family("gpt_neox").module_cls(mcfg, dtype=jnp.float32, param_dtype=jnp.float32),
+                             self.config.seed)
+        model = from_config(mcfg, params=params, tokenizer=tok)
         return train(model, self.config, self.dataset(), self.root, until=until, save_every=save_every,
                      progress=progress, stop_after=stop_after, extra_saves=extra_saves)
 
@@ -206,6 +219,9 @@ def open_testbed(path) -> Testbed:
     m = json.loads(mf.read_text())
     if not m.get("complete"):
         raise TestbedError(f"{root}: testbed build is incomplete; rerun python -m mia.testbed --out {root} to finish it")
+    if m.get("format") != FORMAT:
+        raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, now "
+                           f"{FORMAT}); rebuild it (delete the directory, or build into another --out)")
     cfg = TestbedConfig(**{**m["config"], "checkpoints": tuple(m["config"]["checkpoints"])})
     return Testbed(root, cfg, m)
 
@@ -223,6 +239,48 @@ def _check_complete(root: Path, m: dict) -> Optional[str]:
     return None
 
 
+# files of the data stages (corpus manifest, tokenizer, training order) and the manifest records describing them
+DATA_FILES = ("corpus.json", "tokenizer.json", "tokenizer_config.json", "data/order.bin", "data/order.idx",
+              "data/order.perm.npy")
+DATA_RECORDS = ("corpus", "tokenizer", "data")
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".tmp-{dst.name}-{os.getpid()}")
+    if tmp.exists():
+        tmp.unlink()
+    try:
+        os.link(src, tmp)  # a hard link: the suite's members hold one copy of the data on disk
+    except OSError:
+        shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+
+
+def share_data(src_root, cfg: TestbedConfig, root) -> None:
+    """Start the testbed of ``cfg`` in ``root`` with the corpus, tokenizer and order already built in ``src_root``
+    (hard links, or copies), so that ``build_from_config(cfg, root)`` only trains. ``cfg`` must have the same
+    :data:`~mia.testbed.config.DATA_FIELDS` as the source's config. A ``root`` that already has its data is left as
+    it is (the build checks it)."""
+    src_root, root = Path(src_root), Path(root)
+    src = json.loads((src_root / MANIFEST).read_text())
+    if any(k not in src for k in DATA_RECORDS):
+        raise TestbedError(f"{src_root}: its data stages are not built yet")
+    src_cfg = TestbedConfig(**{**src["config"], "checkpoints": tuple(src["config"]["checkpoints"])})
+    diff = [k for k in DATA_FIELDS if getattr(src_cfg, k) != getattr(cfg, k)]
+    if diff:
+        raise TestbedError(f"cannot share {src_root}'s data: the configs differ in {', '.join(diff)}")
+    mf = root / MANIFEST
+    if mf.exists() and all(k in json.loads(mf.read_text()) for k in DATA_RECORDS):
+        return
+    for rel in DATA_FILES:
+        _link_or_copy(src_root / rel, root / rel)
+    m = {"format": FORMAT, "preset": cfg.preset, "config": cfg.to_dict(), "config_hash": cfg.config_hash,
+         "complete": False, **{k: src[k] for k in DATA_RECORDS},
+         "shared_data": {"from": os.path.relpath(src_root, root), "files": list(DATA_FILES)}}
+    _write_json(mf, m)
+
+
 def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True, save_every: int = 50,
                   stop_after: Optional[int] = None, memorize_epochs: int = 0, memorize_rows: int = 256,
                   **overrides) -> Testbed:
@@ -234,13 +292,21 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
     rows of the last checkpoint (``Testbed.memorized`` holds its path). ``stop_after`` stops training after that
     step (an interruption, for tests); the next call resumes.
     """
-    from tqdm.auto import tqdm
-
     cfg = get_preset(preset, **overrides)
     if out_dir is not None:
         root = Path(out_dir)
     else:  # testbeds/<preset>, or testbeds/<preset>-<hash> when options were overridden
         root = Path(DEFAULT_ROOT) / (preset if cfg == get_preset(preset) else f"{preset}-{cfg.config_hash[:8]}")
+    return build_from_config(cfg, root, progress=progress, save_every=save_every, stop_after=stop_after,
+                             memorize_epochs=memorize_epochs, memorize_rows=memorize_rows)
+
+
+def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_every: int = 50,
+                      stop_after: Optional[int] = None, memorize_epochs: int = 0, memorize_rows: int = 256) -> Testbed:
+    """Build (or reuse / resume) the testbed of config ``cfg`` in directory ``root`` (see :func:`build_testbed`)."""
+    from tqdm.auto import tqdm
+
+    root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     mf_path = root / MANIFEST
     m: dict = {}
@@ -248,7 +314,7 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
         m = json.loads(mf_path.read_text())
         if m.get("format") != FORMAT:
             raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, "
-                               f"now {FORMAT}); use another --out or delete it")
+                               f"now {FORMAT}); delete it to rebuild, or use another --out")
         if m.get("config_hash") != cfg.config_hash:
             old = m.get("config", {})
             diff = sorted(k for k in set(old) | set(cfg.hash_dict()) if old.get(k) != cfg.to_dict().get(k) and k != "preset")
@@ -258,7 +324,7 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
             tb = Testbed(root, cfg, m)
             return _with_memorized(tb, memorize_epochs, memorize_rows, progress)
     m = {"format": FORMAT, "preset": cfg.preset, "config": cfg.to_dict(), "config_hash": cfg.config_hash,
-         "complete": False, **{k: v for k, v in m.items() if k in ("corpus", "tokenizer", "data", "timings")}}
+         "complete": False, **{k: v for k, v in m.items() if k in ("corpus", "tokenizer", "data", "timings", "shared_data")}}
     m.setdefault("timings", {})
     _write_json(mf_path, m)
     say = (lambda msg: tqdm.write(msg)) if progress else (lambda msg: None)
@@ -339,6 +405,7 @@ def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True,
                         for s in cfg.checkpoint_steps}
     recs = [json.loads(l) for l in (root / "train_log.jsonl").read_text().splitlines() if l.strip()]
     tail = [r["loss"] for r in recs[-max(1, len(recs) // 20):]]
+    m["model"] = {"n_params": cfg.n_params(m["tokenizer"]["vocab_size"]), "context": cfg.seq_len}
     m["train"] = {"steps": cfg.train_steps, "final_loss": float(np.mean(tail)) if tail else None,
                   "first_loss": recs[0]["loss"] if recs else None, "log": "train_log.jsonl", "plot": "loss.png"}
     plot_losses(root / "train_log.jsonl", root / "loss.png", cfg.checkpoint_steps,

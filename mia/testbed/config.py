@@ -6,7 +6,12 @@ import hashlib
 import json
 from typing import Optional
 
-FORMAT = "mia-testbed/2"  # 2: duplicate documents and rows dropped
+FORMAT = "mia-testbed/3"  # 2: duplicate documents and rows dropped; 3: model context = the trained seq_len, fast init
+
+# The fields that determine the training data (corpus, tokenizer, packing, row order, batches, checkpoint steps).
+# Members of a suite (``mia.testbed.suite``) share all of them and differ only in the model and its learning rate.
+DATA_FIELDS = ("corpus", "text_column", "max_corpus_bytes", "vocab_size", "seq_len", "batch_size", "train_steps",
+               "checkpoints", "seed")
 
 
 class TestbedError(ValueError):
@@ -73,6 +78,13 @@ class TestbedConfig:
     @property
     def ffn_size(self) -> int:
         return self.intermediate_size or 4 * self.hidden_size
+
+    def n_params(self, vocab_size: Optional[int] = None) -> int:
+        """Parameters of the GPT-NeoX model this config trains (untied embedding and head, biases, LayerNorms), at
+        ``vocab_size`` (default: the configured one; the tokenizer may end up smaller)."""
+        v, h, f = int(vocab_size or self.vocab_size), self.hidden_size, self.ffn_size
+        layer = (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
+        return 2 * v * h + 2 * h + self.num_layers * layer
 
     @property
     def checkpoint_steps(self) -> tuple:

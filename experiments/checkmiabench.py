@@ -1,0 +1,570 @@
+"""CheckMIABench (Wang et al.): Tables 1/3 (blind baselines) and 2/4 (attacks) for every model size x checkpoint,
+with the recency and scale curves; on the testbed suite by default, on real Pythia / OLMo checkpoints from local
+paths.
+
+    python -m experiments.checkmiabench [--preset smoke|default|paper] [--out DIR]
+    python -m experiments.checkmiabench --paper --pythia DIR --data document-000*.bin --idx document.idx
+    python -m experiments.checkmiabench --paper --olmo DIR --global-indices global_indices.npy --data-paths paths.txt
+
+For each checkpoint c, one split is drawn with the ``mia split`` machinery (members: rows trained before c;
+non-members: rows the same run trains after c within the first epoch) and shared by every model size, since the
+sizes of a suite (like Pythia's) train on the identical data order. Then:
+
+* Table 1/3 layout (``blind.*``): per feature (BoW, TF-IDF, W2V, BERT), the classifier that ``mia.blind`` chooses
+  among LR / RF / MLP, trained on partition ``train`` and scored on partition ``eval``: AUC, bootstrap SE,
+  TPR@1%FPR, and the shift verdict (every feature x classifier run is in ``blind_runs.*``).
+* Table 2/4 layout (``attacks.*``): every attack of the preset on every model size at c: AUC, bootstrap SE,
+  TPR@1%FPR, with the paper's published numbers beside ours where the setting is the same (real Pythia at step
+  97,000 / OLMo-7B at step 400,000, the paper's attack settings).
+* Curves (``experiments.curves``): AUC by steps-since-seen (``--bins`` age bins, bootstrap bands) for every model
+  and checkpoint, AUC by model size; ``recency.*``, ``scale.*``, ``recency.png``, ``scale.png``.
+* ``report.md`` (tables, verdicts and trend sentences computed from the numbers), ``summary.json``,
+  ``scores/<model>-step<c>.jsonl``, ``splits/step<c>.jsonl``, ``manifest.json``, ``timings.json``.
+
+Same seed, same inputs: every table and the report are the same byte for byte (timings are only in timings.json).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from experiments import curves
+from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings, argv_or_sys,
+                                check_token_ids, count_params, default_out, draw_olmo_split, draw_pythia_split,
+                                draw_testbed_split, experiment_parser, metric_rows, olmo_checkpoint, open_members,
+                                require_order, run_blind_baselines, run_main, say_fn, score_attacks, select_attacks,
+                                select_pythia, sha_file, size_name, use_compilation_cache, write_json, write_manifest,
+                                write_scores, write_tables)
+
+MODULE = "experiments.checkmiabench"
+
+# ------------------------------------------------------------------------------------------------ the paper
+# The paper's attacks with its settings (App. A): Min-K / Min-K++ at k = 0.1, MoPe n = 10, sigma = 0.005, its own
+# ReCaLL (a ~100-token non-member prefix) and its Zlib (pandora's model-free -zlib length).
+PAPER_ZLIB = "zlib_entropy"
+PAPER_ATTACKS = {"LOSS": "loss", "Min-K": "mink:k=0.1", "Min-K++": "minkpp:k=0.1", "Zlib": PAPER_ZLIB,
+                 "MoPe": "mope:n=10,sigma=0.005", "ReCaLL": "recall:variant=checkmia"}
+# Published numbers, read from ../shared/papers/checkmiabench.txt: (AUC, AUC SE, TPR@1%FPR).
+PAPER_TABLE2 = {  # Table 2: Pythia (deduped) at step 97,000; rows "<model>  <MIA>"
+    "70m": {"LOSS": (0.513, 0.0130, 0.006), "Min-K": (0.500, 0.0130, 0.012), "Min-K++": (0.496, 0.0128, 0.011),
+            "Zlib": (0.499, 0.0129, 0.016), "MoPe": (0.487, 0.0126, 0.025), "ReCaLL": (0.490, 0.0130, 0.010)},
+    "160m": {"LOSS": (0.513, 0.0130, 0.007), "Min-K": (0.500, 0.0127, 0.011), "Min-K++": (0.499, 0.0126, 0.014),
+             "Zlib": (0.499, 0.0127, 0.016), "MoPe": (0.495, 0.0132, 0.015), "ReCaLL": (0.490, 0.0124, 0.006)},
+    "410m": {"LOSS": (0.512, 0.0128, 0.007), "Min-K": (0.498, 0.0132, 0.006), "Min-K++": (0.496, 0.0126, 0.014),
+             "Zlib": (0.499, 0.0127, 0.016), "MoPe": (0.504, 0.0130, 0.014), "ReCaLL": (0.493, 0.0131, 0.008)},
+    "1b": {"LOSS": (0.513, 0.0122, 0.007), "Min-K": (0.502, 0.0125, 0.007), "Min-K++": (0.498, 0.0126, 0.013),
+           "Zlib": (0.500, 0.0129, 0.016), "MoPe": (0.495, 0.0126, 0.015), "ReCaLL": (0.487, 0.0123, 0.008)},
+    "2.8b": {"LOSS": (0.506, 0.0131, 0.007), "Min-K": (0.489, 0.0124, 0.006), "Min-K++": (0.489, 0.0126, 0.014),
+             "Zlib": (0.499, 0.0129, 0.016), "MoPe": (0.493, 0.0131, 0.006), "ReCaLL": (0.498, 0.0131, 0.010)},
+}
+PAPER_TABLE4 = {  # Table 4: OLMo-7B at step 400,000
+    "7b": {"LOSS": (0.505, 0.0125, 0.01), "Min-K": (0.504, 0.0129, 0.013), "Min-K++": (0.490, 0.0124, 0.009),
+           "Zlib": (0.499, 0.0128, 0.019), "ReCaLL": (0.521, 0.0130, 0.011)},
+}
+PAPER_TABLE1 = {"BoW (tokens)": (0.505, 0.0128, 0.01), "TF-IDF (tokens)": (0.503, 0.0127, 0.006)}  # Pythia
+PAPER_TABLE3 = {"BoW (tokens)": (0.491, 0.0131, 0.01), "TF-IDF (tokens)": (0.491, 0.0128, 0.008)}  # OLMo
+PAPER_BLIND_NOT_SAME = ("W2V and BERT: the paper's numbers (W2V on GoogleNews vectors, BERT = bert-base-uncased [CLS]) "
+                        "are not shown beside ours, whose encoders differ (word2vec trained on the train partition; "
+                        "the MiniLM encoder)")
+PAPER_SETTING = {"pythia": {"step": 97_000, "end_step": 98_500, "table_blind": ("Table 1", PAPER_TABLE1),
+                            "table_attacks": ("Table 2", PAPER_TABLE2)},
+                 "olmo": {"step": 400_000, "end_step": None, "table_blind": ("Table 3", PAPER_TABLE3),
+                          "table_attacks": ("Table 4", PAPER_TABLE4)}}
+
+
+def paper_attack_reference(kind: str, model: str, step: int, method: str, end_step: Optional[int] = None):
+    """``(auc, auc_se, tpr, "Table 2, row 70m LOSS")`` when our run has the paper's setting for this row, else None.
+
+    Same setting = the same model family and size at the paper's checkpoint (Pythia step 97,000 with non-members
+    up to 98,500; OLMo-7B step 400,000) and the attack with the paper's parameters (``PAPER_ATTACKS``)."""
+    setting = PAPER_SETTING.get(kind)
+    if setting is None or int(step) != setting["step"]:
+        return None
+    if setting["end_step"] is not None and end_step is not None and int(end_step) != setting["end_step"]:
+        return None
+    name = next((k for k, v in PAPER_ATTACKS.items() if v == method), None)
+    table, numbers = setting["table_attacks"]
+    if name is None or name not in numbers.get(model, {}):
+        return None
+    return (*numbers[model][name], f"{table}, row {model} {name}")
+
+
+def paper_blind_reference(kind: str, step: int, feature: str):
+    setting = PAPER_SETTING.get(kind)
+    if setting is None or int(step) != setting["step"]:
+        return None
+    table, numbers = setting["table_blind"]
+    if feature not in numbers:
+        return None
+    return (*numbers[feature], f"{table}, row {feature}")
+
+
+# ------------------------------------------------------------------------------------------------ presets
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Settings of a run. ``steps``: "all" (every saved checkpoint after step 0), "last", or explicit steps."""
+
+    suite: str
+    sizes: SplitSizes
+    attacks: tuple
+    blind_features: tuple
+    bootstrap: int
+    steps: object = "all"
+    bins: int = 8
+    blind_steps: str = "all"  # "all" checkpoints, or the "last" only (the paper's Tables 1/3 are one checkpoint)
+    allow_fewer: bool = False  # shrink the partitions to what the data hold ("where the data allow")
+    gap: int = 0  # real data: members from steps [0, c - gap), non-members from [c + gap, end)
+    note: str = ""
+
+
+PRESETS = {
+    # the tests' run: < 1 minute on 2 cores with the smoke suite built; stats-based attacks and the paper's ReCaLL
+    "smoke": Preset("smoke", SplitSizes(60, 60, 0, 12), ("loss", "mink:k=0.1", "minkpp:k=0.1", "zlib", PAPER_ZLIB,
+                                                        "recall:variant=checkmia"),
+                    ("bow",), 200, blind_steps="last",
+                    note="smoke preset, for time: no MoPe (10 extra passes per model); blind baselines (BoW) at the "
+                         "last checkpoint only"),
+    # 2 CPU cores: the paper's attacks (and the LL/zlib ratio) on every size x checkpoint of the default suite
+    "default": Preset("default", SplitSizes(500, 500, 0, 12), (*PAPER_ATTACKS.values(), "zlib"), BLIND_FEATURES,
+                      1000),
+    # the paper's settings: 4,000 + 4,000 blind training and 1,000 + 1,000 evaluated where the data allow
+    "paper": Preset("default", SplitSizes(1000, 4000, 0, 12), tuple(PAPER_ATTACKS.values()), BLIND_FEATURES, 1000,
+                    allow_fewer=True, gap=10),
+}
+
+
+# ------------------------------------------------------------------------------------------------ sources
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One model to evaluate: size ``model`` at checkpoint ``step`` (a HF directory)."""
+
+    model: str
+    params: int
+    step: int
+    path: Path
+    cache_dir: Optional[str]
+    testbed: object = None  # the testbed (for the memorization dial), None for real checkpoints
+
+
+@dataclasses.dataclass
+class Setup:
+    """What a run evaluates: targets, the checkpoints, and how to draw the split of a checkpoint."""
+
+    kind: str  # "testbed" | "pythia" | "olmo"
+    description: str
+    targets: list
+    steps: list
+    draw: Callable  # step -> (header, examples, note or None)
+    data_desc: str
+    hashes: dict
+    end_step: Optional[int] = None
+    notes: list = dataclasses.field(default_factory=list)
+
+
+def _saved_steps(tb) -> list:
+    return [s for s in tb.steps if s > 0]
+
+
+def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[str] = None, suite_dir=None,
+                  sizes: Sequence[str] = (), steps=None, split_sizes: SplitSizes, seed: int, progress: bool,
+                  allow_fewer: bool = False) -> Setup:
+    """The testbed suite ``suite`` (or the testbeds given, which must share one data order) as a Setup."""
+    members, desc, notes = open_members(suite or preset.suite, testbeds=testbeds, suite_dir=suite_dir,
+                                        progress=progress)
+    names = [m.name for m in members]
+    if len(set(names)) != len(names):
+        raise ExperimentError(f"two suite members have the same size name ({', '.join(names)})")
+    if sizes:
+        bad = [s for s in sizes if s not in names]
+        if bad:
+            raise ExperimentError(f"--sizes: no member {', '.join(bad)}; members: {', '.join(names)}")
+        members = [m for m in members if m.name in sizes]
+    first = members[0].testbed
+    common = sorted(set.intersection(*(set(_saved_steps(m.testbed)) for m in members)))
+    chosen = _pick_steps(steps if steps is not None else preset.steps, common, "the suite")
+    for m in members:
+        over = [c for c in chosen if c > m.testbed.train_steps]
+        if over:
+            raise ExperimentError(f"checkpoint step {over[0]} is beyond the run: member {m.name} trained "
+                                  f"{m.testbed.train_steps} steps (checkpoints: {', '.join(map(str, common))})")
+    targets = [Target(m.name, m.n_params, c, m.testbed.checkpoint_dir(c), str(m.testbed.root / "cache"), m.testbed)
+               for c in chosen for m in members]
+    hashes = {"order_bin_sha256": first.manifest["data"]["bin"]["sha256"],
+              "corpus_sha256": first.manifest["corpus"]["sha256"],
+              "tokenizer_sha256": first.manifest["tokenizer"]["sha256"],
+              "testbed_config_hashes": {m.name: m.testbed.config.config_hash for m in members}}
+    sizes_txt = ", ".join(f"{m.name} ({m.n_params:,} parameters)" for m in members)
+    return Setup("testbed", f"{desc}: {sizes_txt}; batch {first.batch_size} rows of {first.row_len} tokens, first "
+                            f"epoch = steps [0, {first.epoch_steps})",
+                 targets, chosen, lambda c: draw_testbed_split(first, c, split_sizes, seed, allow_fewer=allow_fewer),
+                 "the testbed's data/order.bin", hashes, notes=notes)
+
+
+def _pick_steps(spec, available: Sequence[int], where: str) -> list:
+    if spec == "all":
+        if not available:
+            raise ExperimentError(f"{where} has no checkpoint after step 0")
+        return list(available)
+    if spec == "last":
+        return [max(available)]
+    chosen = sorted({int(s) for s in spec})
+    missing = [s for s in chosen if s not in available]
+    if missing:
+        raise ExperimentError(f"no checkpoint at step {', '.join(map(str, missing))} in {where} "
+                              f"(checkpoints: {', '.join(map(str, available)) or 'none'})")
+    return chosen
+
+
+def pythia_setup(root, data: Sequence, idx, *, sizes: Sequence[str], steps: Sequence[int], split_sizes: SplitSizes,
+                 seed: int, gap: int, end_step: int, batch_size: int, allow_fewer: bool) -> Setup:
+    """Real Pythia: ``root/pythia-SIZE-deduped/stepN`` and the deduplicated Pile order (``--data``/``--idx``)."""
+    require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
+    chosen = select_pythia(root, sizes or None, steps)
+    targets = [Target(size, count_params(path), c, path, None) for c in steps for size, by_step in chosen.items()
+                  for s, path in by_step.items() if s == c]
+    tokenizer_dir = str(targets[0].path.resolve())
+
+    def draw(c):
+        header, examples, note = draw_pythia_split(data, idx, c, split_sizes, seed, gap=gap, end_step=end_step,
+                                                   batch_size=batch_size, allow_fewer=allow_fewer)
+        header["source"]["tokenizer"] = tokenizer_dir  # blind W2V/BERT decode the token ids with it
+        return header, examples, note
+
+    return Setup("pythia", f"Pythia (deduped) {', '.join(chosen)} from {root}; order {len(data)} .bin shard(s) + "
+                           f"{Path(idx).name}, batch {batch_size}, gap {gap}, non-members up to step {end_step}",
+                 targets, sorted(steps), draw, f"--data/--idx ({Path(data[0]).name}, ...)", {}, end_step)
+
+
+def olmo_setup(root, global_indices, data_paths, *, steps: Sequence[int], split_sizes: SplitSizes, seed: int,
+               gap: int, end_step: Optional[int], batch_size: int, seq_len: int, allow_fewer: bool) -> Setup:
+    """Real OLMo: a checkpoint directory (or ``root/stepN[-tokens...]``) with ``global_indices`` + data paths."""
+    require_order("--olmo", {"--global-indices": global_indices, "--data-paths": data_paths})
+    targets = []
+    for c in sorted(steps):
+        path = olmo_checkpoint(root, c)
+        n = count_params(path)
+        name = "7b" if 6e9 <= n <= 8e9 else size_name(n)
+        targets.append(Target(name, n, c, path, None))
+    tokenizer_dir = str(targets[0].path.resolve())
+
+    def draw(c):
+        header, examples, note = draw_olmo_split(global_indices, data_paths, c, split_sizes, seed,
+                                                 nonmember_start=c + gap, end_step=end_step, batch_size=batch_size,
+                                                 seq_len=seq_len, allow_fewer=allow_fewer)
+        header["source"]["tokenizer"] = tokenizer_dir
+        return header, examples, note
+
+    return Setup("olmo", f"OLMo {targets[0].model} from {root}; order {Path(global_indices).name} + "
+                         f"{Path(data_paths).name}, batch {batch_size}, non-members from step + {gap}",
+                 targets, sorted(steps), draw, f"--global-indices/--data-paths ({Path(global_indices).name})", {},
+                 end_step)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+ATTACK_COLUMNS = ("model", "step", "method", "auc", "auc_se", "tpr_at_1pct_fpr")
+PAPER_COLUMNS = ("paper_auc", "paper_auc_se", "paper_tpr_at_1pct_fpr", "paper_source")
+BLIND_COLUMNS = ("step", "method", "classifier", "auc", "auc_se", "tpr_at_1pct_fpr")
+ROW_KEYS = ("model", "params", "step", "method", "kind", "auc", "auc_se", "tpr_at_1pct_fpr", "auc_ci_low",
+            "auc_ci_high", "tpr_at_0.1pct_fpr", "p_auc_gt_half", "n", "n_nonfinite", "feature", "classifier",
+            "n_train", "n_eval", *PAPER_COLUMNS)
+
+
+def _keep(row: dict) -> dict:
+    return {k: row[k] for k in ROW_KEYS if k in row}
+
+
+def _is_model_free(name: str) -> bool:
+    from mia.attacks import get
+
+    return not ({"stats", "model"} & set(get(name).needs))
+
+
+def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Optional[str] = None, suite_dir=None,
+        pythia=None, olmo=None, data: Sequence = (), idx=None, global_indices=None, data_paths=None,
+        sizes: Sequence[str] = (), steps: Optional[Sequence[int]] = None, attacks=None, blind: bool = True,
+        blind_features: Optional[Sequence[str]] = None, n_members: Optional[int] = None,
+        n_train: Optional[int] = None, n_prefix: Optional[int] = None, n_calib: Optional[int] = None,
+        gap: Optional[int] = None, end_step: Optional[int] = None, batch_size: Optional[int] = None,
+        seq_len: int = 2048, bins: Optional[int] = None, memorize_epochs: int = 0, seed: int = 0,
+        bootstrap: Optional[int] = None, progress: bool = True, argv=None) -> dict:
+    """Run CheckMIABench; returns the summary dict (also ``out/summary.json``)."""
+    from mia.cli import default_cache_dir
+    from mia.data.splits import write_split
+    from mia.models import load
+    from mia.scoring import ScoringSettings
+
+    if preset not in PRESETS:
+        raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    if pythia and olmo:
+        raise ExperimentError("give --pythia or --olmo, not both")
+    if memorize_epochs and (pythia or olmo):
+        raise ExperimentError("--memorize-epochs trains a testbed checkpoint further; it needs the testbed suite, not "
+                              "--pythia/--olmo")
+    say = say_fn(progress)
+    timings = Timings()
+    t_start = time.perf_counter()
+    use_compilation_cache()
+    split_sizes = p.sizes.replace(eval=n_members, train=n_train, prefix=n_prefix, calib=n_calib)
+    bootstrap = p.bootstrap if bootstrap is None else int(bootstrap)
+    bins = p.bins if bins is None else int(bins)
+    gap = p.gap if gap is None else int(gap)
+    features = tuple(blind_features) if blind_features is not None else p.blind_features
+    out = Path(out) if out is not None else default_out("checkmiabench", preset,
+                                                        "pythia" if pythia else "olmo" if olmo else "")
+    to_run, skipped = select_attacks(list(p.attacks) if attacks is None else attacks, tolerant=attacks is None)
+    if not to_run:
+        raise ExperimentError("no attack to run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+
+    with timings("setup"):
+        if pythia:
+            setup = pythia_setup(pythia, list(data or ()), idx, sizes=sizes, steps=list(steps or [97_000]),
+                                 split_sizes=split_sizes, seed=seed, gap=gap,
+                                 end_step=98_500 if end_step is None else end_step,
+                                 batch_size=batch_size or 1024, allow_fewer=p.allow_fewer)
+        elif olmo:
+            setup = olmo_setup(olmo, global_indices, data_paths, steps=list(steps or [400_000]),
+                               split_sizes=split_sizes, seed=seed, gap=gap, end_step=end_step,
+                               batch_size=batch_size or 2160, seq_len=seq_len, allow_fewer=p.allow_fewer)
+        else:
+            setup = testbed_setup(p, testbeds=testbeds, suite=suite, suite_dir=suite_dir, sizes=sizes, steps=steps,
+                                  split_sizes=split_sizes, seed=seed, progress=progress, allow_fewer=p.allow_fewer)
+    out.mkdir(parents=True, exist_ok=True)
+    say(setup.description)
+
+    blind_best, blind_runs, verdicts, attack_rows, recency, targets_out = [], [], {}, [], [], []
+    notes = list(setup.notes)
+    split_info = {}
+    for c in setup.steps:
+        with timings("splits"):
+            header, examples, note = setup.draw(c)
+            split_path = write_split(out / "splits" / f"step{c}.jsonl", header, examples)
+        if note:
+            notes.append(note)
+        prm = header["params"]
+        split_info[c] = {"member_steps": prm.get("member_steps"), "nonmember_steps": prm.get("nonmember_steps"),
+                         "partitions": header["partitions"], "seed": seed, "file": f"splits/step{c}.jsonl"}
+        say(f"step{c}: split {header['counts']['members']} members, {header['counts']['nonmembers']} non-members")
+        if blind and (p.blind_steps == "all" or c == setup.steps[-1]):
+            say(f"step{c}: blind baselines ({', '.join(features)}) ...")
+            with timings("blind"):
+                rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, features)
+            skipped.update({f"blind {k}": v for k, v in bskip.items()})
+            for r in rows or []:
+                r = dict(r, step=c)
+                if r.get("kind") == "best":
+                    ref = paper_blind_reference(setup.kind, c, r["method"])
+                    if ref:
+                        r.update(zip(PAPER_COLUMNS, ref))
+                    blind_best.append(r)
+                else:
+                    blind_runs.append(r)
+            if verdict:
+                verdicts[c] = verdict
+        meta = {e["id"]: {"index": e["index"], "step": e["step"], "batch_pos": e["batch_pos"]} for e in examples}
+        for t in [t for t in setup.targets if t.step == c]:
+            model_dir, reference = t.path, None
+            if memorize_epochs:
+                with timings("memorize"):
+                    rows_ = [e["index"] for e in examples if e["label"] == 1]
+                    model_dir = t.testbed.memorize(rows_, memorize_epochs, step=c, seed=seed, progress=progress)
+            model = load(model_dir)
+            check_token_ids(examples, model.vocab_size, setup.data_desc, f"{t.model} step{c} ({t.path.name})")
+            settings = ScoringSettings(cache_dir=t.cache_dir or default_cache_dir(), progress=progress)
+            say(f"{t.model} step{c}: {', '.join(label for label, _, _ in to_run)}")
+            with timings("attacks"):
+                res = score_attacks(model, examples, to_run, settings, seed, progress)
+            for k, v in res.failed.items():
+                skipped[f"{k} ({t.model} step{c})"] = v
+            notes += [n for n in res.notes if n not in notes]
+            extra = {"model": t.model, "params": t.params, "step": c}
+            for r in metric_rows(res.scores, res.labels, res.ids, bootstrap, seed, **extra):
+                ref = paper_attack_reference(setup.kind, t.model, c, r["method"], setup.end_step)
+                if ref and not memorize_epochs:
+                    r.update(zip(PAPER_COLUMNS, ref))
+                attack_rows.append(r)
+            if memorize_epochs:  # the clean checkpoint's LOSS on the same split, as a reference
+                clean = score_attacks(load(t.path), examples, [("loss", "loss", {})], settings, seed, False)
+                reference = clean.scores["loss"]
+                attack_rows += metric_rows({f"loss (clean step{c}, no dial)": reference}, res.labels, res.ids,
+                                           bootstrap, seed, kind="reference", **extra)
+            with timings("curves"):
+                recency += curves.recency_rows(res.scores, res.labels, np.array([meta[i]["step"] for i in res.ids]),
+                                               c, bins, bootstrap, seed, model=t.model, step=c)
+            rel = f"scores/{t.model}-step{c}.jsonl"
+            write_scores(out / rel, res, meta, {"loss (clean)": reference} if reference is not None else None)
+            targets_out.append({"model": t.model, "params": t.params, "step": c, "scores": rel,
+                                "checkpoint": t.path.name if setup.kind != "testbed" else f"step{c}",
+                                "memorize_epochs": memorize_epochs})
+
+    # ---- tables, curves, report
+    with timings("outputs"):
+        model_free = [label for label, name, _ in to_run if _is_model_free(name)]
+        scale = curves.scale_rows([r for r in attack_rows if r.get("kind") == "attack"])
+        title = f"{setup.kind}, {preset} preset" + (f", dial E={memorize_epochs}" if memorize_epochs else "")
+        show_paper = any("paper_auc" in r for r in attack_rows + blind_best)
+        a_cols = ATTACK_COLUMNS + (PAPER_COLUMNS if show_paper else ())
+        b_cols = BLIND_COLUMNS + (PAPER_COLUMNS if show_paper else ())
+        write_tables([_keep(r) for r in blind_best], out, "blind", b_cols,
+                     "Blind baselines, best of LR/RF/MLP per feature (CheckMIABench Table 1/3 layout)")
+        write_tables([_keep(r) for r in blind_runs], out, "blind_runs", ("step", "method", "auc", "auc_se",
+                                                                         "tpr_at_1pct_fpr", "p_auc_gt_half"),
+                     "Every blind feature x classifier run")
+        write_tables([_keep(r) for r in attack_rows], out, "attacks", a_cols,
+                     "Attacks per model size and checkpoint (CheckMIABench Table 2/4 layout)")
+        curves.write_curves(out, recency, scale, title)
+        rec_trends, scale_trends = curves.recency_trends(recency), curves.scale_trends(scale)
+        findings = {"blind": {str(c): v["text"] for c, v in verdicts.items()},
+                    "scale": curves.scale_sentence(scale_trends, model_free),
+                    "recency": curves.recency_sentence(rec_trends, model_free)}
+        summary = {
+            "preset": preset, "kind": setup.kind, "description": setup.description, "seed": seed,
+            "bootstrap": bootstrap, "bins": bins, "memorize_epochs": memorize_epochs,
+            "attacks_run": [label for label, _, _ in to_run], "model_free": model_free,
+            "splits": {str(c): v for c, v in split_info.items()},
+            "targets": targets_out,
+            "blind": [_keep(r) for r in blind_best], "blind_runs": [_keep(r) for r in blind_runs],
+            "blind_verdicts": {str(c): v for c, v in verdicts.items()},
+            "attacks": [_keep(r) for r in attack_rows], "recency": recency, "scale": scale,
+            "recency_trends": rec_trends, "scale_trends": scale_trends, "findings": findings,
+            "skipped": skipped, "notes": notes + ([p.note] if p.note else []) +
+            ([PAPER_BLIND_NOT_SAME] if show_paper else []),
+        }
+        write_json(out / "summary.json", summary)
+        (out / "report.md").write_text(report_markdown(summary))
+    outputs = ["report.md", "summary.json", "blind.*", "blind_runs.*", "attacks.*", "recency.*", "scale.*",
+               "recency.png", "scale.png", "scores/", "splits/", "manifest.json", "timings.json"]
+    write_manifest(out, module=MODULE, argv=argv, outputs=outputs,
+                   config={"preset": preset, "preset_settings": _preset_dict(p), "kind": setup.kind,
+                           "split_sizes": dataclasses.asdict(split_sizes), "steps": setup.steps,
+                           "models": sorted({t.model for t in setup.targets}, key=lambda m: [
+                               t.params for t in setup.targets if t.model == m][0]),
+                           "attacks": [f"{label}" for label, _, _ in to_run], "blind_features": list(features)
+                           if blind else [], "gap": gap, "bins": bins, "memorize_epochs": memorize_epochs,
+                           "bootstrap": bootstrap},
+                   seeds={"split": seed, "partitions": [seed, 0x5B1], "bootstrap": seed, "blind": seed},
+                   hashes={**setup.hashes, "splits_sha256": {c: sha_file(out / "splits" / f"step{c}.jsonl")
+                                                             for c in setup.steps}},
+                   paths={"checkpoints": {f"{t.model}-step{t.step}": str(t.path.resolve()) for t in setup.targets}})
+    timings["total"] = round(time.perf_counter() - t_start, 1)
+    timings.write(out)
+    say(f"wrote {out}/ in {timings['total']:.0f} s")
+    return summary
+
+
+def _preset_dict(p: Preset) -> dict:
+    d = dataclasses.asdict(p)
+    d["steps"] = p.steps if isinstance(p.steps, str) else list(p.steps)
+    return d
+
+
+# ------------------------------------------------------------------------------------------------ report
+def report_markdown(s: dict) -> str:
+    """The run's report: setup, both tables, the computed findings, skipped attacks and notes (no timings)."""
+    from mia.report import markdown
+
+    paper = PAPER_COLUMNS if any("paper_auc" in r for r in s["attacks"] + s["blind"]) else ()
+    blind_columns, attack_columns = BLIND_COLUMNS + paper, ATTACK_COLUMNS + paper
+
+    L = [f"# CheckMIABench ({s['kind']}, {s['preset']} preset)", "", s["description"] + ".", ""]
+    for c, sp in s["splits"].items():
+        parts = ", ".join(f"{k} {v['members']}+{v['nonmembers']}" for k, v in sp["partitions"].items())
+        L.append(f"- step{c}: members from steps [{sp['member_steps'][0]}, {sp['member_steps'][1]}), non-members "
+                 f"from [{sp['nonmember_steps'][0]}, {sp['nonmember_steps'][1]}); partitions (members+non-members) "
+                 f"{parts}; seed {sp['seed']}.")
+    if s.get("memorize_epochs"):
+        L.append(f"- Memorization dial: every checkpoint trained {s['memorize_epochs']} more epochs on its split's "
+                 "members only; the clean checkpoint's LOSS is a reference row.")
+    L.append("")
+    L += ["## Findings (computed from the numbers below)", ""]
+    for c, text in s["findings"]["blind"].items():
+        L.append(f"- Blind baselines, step{c}: {text}")
+    L += [f"- {s['findings']['scale']}", f"- {s['findings']['recency']}"]
+    if s["model_free"]:
+        L.append(f"- Model-free (expected flat, left out of the trends): {', '.join(s['model_free'])}.")
+    L.append("")
+    if s["blind"]:
+        L += [markdown(s["blind"], blind_columns,
+                       "Table 1/3 layout: blind baselines (best of LR/RF/MLP per feature)"), ""]
+    L += [markdown(s["attacks"], attack_columns, "Table 2/4 layout: attacks per model size and checkpoint"), ""]
+    L += ["Curves: `recency.md` / `recency.png` (AUC by steps since seen, "
+          f"{s['bins']} bins, 95% bootstrap bands) and `scale.md` / `scale.png` (AUC by model size).", ""]
+    if s.get("skipped"):
+        L += ["## Skipped", ""] + [f"- {k}: {v}" for k, v in s["skipped"].items()] + [""]
+    if s.get("notes"):
+        L += ["## Notes", ""] + [f"- {n}" for n in s["notes"]] + [""]
+    L += ["Inputs, seeds and hashes: `manifest.json`; timings: `timings.json`.", ""]
+    return "\n".join(L)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def _csv(text: Optional[str]) -> list:
+    return [s.strip() for s in (text or "").split(",") if s.strip()]
+
+
+def build_parser():
+    p = experiment_parser(f"python -m {MODULE}", __doc__, PRESETS, default_bootstrap=None)
+    p.add_argument("--paper", action="store_true", help="the paper's settings (= --preset paper)")
+    g = p.add_argument_group("testbed suite (default)")
+    g.add_argument("--suite", default=None, help="suite name (default: the preset's: smoke for smoke, else default)")
+    g.add_argument("--suite-dir", default=None, help="suite directory (built there if missing)")
+    g.add_argument("--testbed", default=None, help="testbed directories sharing one data order, comma-separated "
+                                                   "(instead of the suite)")
+    g.add_argument("--memorize-epochs", type=int, default=0,
+                   help="memorization dial: train each evaluated checkpoint E more epochs on its split's members only")
+    r = p.add_argument_group("real checkpoints")
+    r.add_argument("--pythia", default=None, help="directory of pythia-SIZE-deduped/stepN/ HF checkpoints")
+    r.add_argument("--data", nargs="+", default=None,
+                   help="Pythia: the .bin shard(s) of the deduplicated Pile, in order")
+    r.add_argument("--idx", default=None, help="Pythia: the document.idx of those shards")
+    r.add_argument("--olmo", default=None, help="OLMo checkpoint directory (or a directory of stepN[-tokens...]/)")
+    r.add_argument("--global-indices", default=None, help="OLMo: global_indices.npy (raw uint32)")
+    r.add_argument("--data-paths", default=None, help="OLMo: text file listing the token files in order")
+    r.add_argument("--gap", type=int, default=None, help="steps left out on each side of the checkpoint (paper preset: "
+                                                         "10; else 0)")
+    r.add_argument("--end-step", type=int, default=None, help="non-members up to this step (Pythia: 98500)")
+    r.add_argument("--batch-size", type=int, default=None, help="rows per step (Pythia 1024, OLMo 2160)")
+    r.add_argument("--seq-len", type=int, default=2048, help="OLMo instance length (2048)")
+    s = p.add_argument_group("what to run")
+    s.add_argument("--sizes", default=None, help="model sizes to evaluate, comma-separated (default: all)")
+    s.add_argument("--steps", default=None, help="checkpoints, comma-separated (default: every saved one for the "
+                                                 "suite; 97000 Pythia; 400000 OLMo)")
+    s.add_argument("--attacks", default=None, help="attack list NAME[:k=v,...] (default: the preset's)")
+    s.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
+    s.add_argument("--blind-features", default=None, help="comma-separated of bow,tfidf,w2v,bert (default: preset's)")
+    s.add_argument("--n-members", type=int, default=None, help="evaluated members (= non-members) per checkpoint")
+    s.add_argument("--n-train", type=int, default=None, help="blind-classifier training examples per class")
+    s.add_argument("--n-prefix", type=int, default=None, help="non-members set aside for ReCaLL prefixes")
+    s.add_argument("--n-calib", type=int, default=None, help="non-members set aside for CAMIA calibration")
+    s.add_argument("--bins", type=int, default=None, help="age bins of the recency curves (default 8)")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = argv_or_sys(argv)
+    args = build_parser().parse_args(argv)
+    preset = "paper" if args.paper else args.preset
+    steps = [int(x) for x in _csv(args.steps)] or None
+    status, s = run_main(
+        lambda: run(preset, args.out, testbeds=_csv(args.testbed), suite=args.suite, suite_dir=args.suite_dir,
+                    pythia=args.pythia, olmo=args.olmo, data=args.data, idx=args.idx,
+                    global_indices=args.global_indices, data_paths=args.data_paths, sizes=_csv(args.sizes),
+                    steps=steps, attacks=args.attacks, blind=not args.no_blind,
+                    blind_features=_csv(args.blind_features) or None, n_members=args.n_members,
+                    n_train=args.n_train, n_prefix=args.n_prefix, n_calib=args.n_calib, gap=args.gap,
+                    end_step=args.end_step, batch_size=args.batch_size, seq_len=args.seq_len, bins=args.bins,
+                    memorize_epochs=args.memorize_epochs, seed=args.seed, bootstrap=args.bootstrap,
+                    progress=not args.no_progress, argv=argv),
+        debug=args.debug)
+    if status:
+        return status
+    print(report_markdown(s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

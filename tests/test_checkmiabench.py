@@ -1,0 +1,307 @@
+"""experiments.checkmiabench and experiments.curves: the smoke preset end to end (shared with the notebook test),
+byte-identical tables for the same seed, the real-model paths on tiny fake files in the real layouts, bad input,
+and the curve/trend math against direct references."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import checkmiabench as cmb
+from experiments import curves
+
+TABLE_FILES = [f"{stem}.{ext}" for stem in ("blind", "blind_runs", "attacks", "recency", "scale")
+               for ext in ("md", "csv", "tex", "json")] + ["report.md", "summary.json"]
+
+
+def _smoke_source(request) -> dict:
+    """The smoke suite when this checkout has it, else the smoke testbed as a suite of one."""
+    try:
+        suite = request.getfixturevalue("smoke_suite")
+        return {"suite_dir": suite.root}
+    except pytest.FixtureLookupError:
+        return {"testbeds": [request.getfixturevalue("smoke_testbed").root]}
+
+
+@pytest.fixture(scope="session")
+def cmb_smoke(request, tmp_path_factory):
+    """``--preset smoke`` run twice with the same seed (the second reuses the on-disk caches); shared by the
+    end-to-end, determinism and notebook tests."""
+    src = _smoke_source(request)
+    root = tmp_path_factory.mktemp("checkmiabench")
+    a = cmb.run("smoke", root / "a", progress=False, **src)
+    b = cmb.run("smoke", root / "b", progress=False, **src)
+    return root / "a", root / "b", a, b
+
+
+def test_smoke_end_to_end(cmb_smoke):
+    out, _, s, _ = cmb_smoke
+    for f in TABLE_FILES + ["recency.png", "manifest.json", "timings.json"]:
+        assert (out / f).exists() and (out / f).stat().st_size > 0, f
+    models = [t["model"] for t in s["targets"]]
+    steps = sorted({t["step"] for t in s["targets"]})
+    assert len(steps) >= 2 and s["kind"] == "testbed"
+    # Table 2 layout: every (model, step, attack) that ran has AUC, SE, TPR
+    ran = s["attacks_run"]
+    assert {"loss", "mink:k=0.1", "minkpp:k=0.1", cmb.PAPER_ZLIB} <= set(ran)
+    got = {(r["model"], r["step"], r["method"]) for r in s["attacks"] if r.get("auc") is not None}
+    assert got == {(t["model"], t["step"], m) for t in s["targets"] for m in ran}
+    for r in s["attacks"]:
+        assert 0 <= r["auc"] <= 1 and r["auc_se"] > 0 and 0 <= r["tpr_at_1pct_fpr"] <= 1
+    # the paper's ReCaLL runs when registered, else it is skipped with the registry's reason
+    assert "recall:variant=checkmia" in ran or "recall:variant=checkmia" in s["skipped"]
+    # Table 1 layout: BoW at the last checkpoint, with the classifier chosen and the verdict
+    assert [(r["step"], r["method"]) for r in s["blind"]] == [(steps[-1], "BoW (tokens)")]
+    assert s["blind"][0]["classifier"] in ("LR", "RF", "MLP")
+    assert s["findings"]["blind"][str(steps[-1])].startswith(("PASS", "WARNING"))
+    # recency: 8 bins per (model, step, attack), members counted once per curve
+    for t in s["targets"]:
+        rows = [r for r in s["recency"]
+                if (r["model"], r["step"], r["method"]) == (t["model"], t["step"], "loss")]
+        assert len(rows) == 8 and rows[0]["age_lo"] == 0 and rows[-1]["age_hi"] == t["step"]
+        assert sum(r["n_members"] for r in rows) == 60
+    # scale rows follow the attack table; the findings are the sentences of the computed trends
+    assert len(curves.scale_rows(s["attacks"])) == len(s["scale"])
+    assert s["findings"]["scale"] == curves.scale_sentence(s["scale_trends"], s["model_free"])
+    assert s["findings"]["recency"] == curves.recency_sentence(s["recency_trends"], s["model_free"])
+    if len(set(models)) > 1:
+        assert (out / "scale.png").exists()
+    report = (out / "report.md").read_text()
+    assert "Table 2/4 layout" in report and "Findings" in report and s["findings"]["recency"] in report
+    lines = [json.loads(l) for l in (out / s["targets"][0]["scores"]).read_text().splitlines()]
+    assert len(lines) == 120 and set(lines[0]["scores"]) == set(ran)
+    assert all(l["index"] < s["targets"][0]["step"] * 16 for l in lines if l["label"] == 1)
+
+
+def test_same_seed_same_tables_byte_for_byte(cmb_smoke):
+    a, b, _, _ = cmb_smoke
+    for f in TABLE_FILES + [p.relative_to(a).as_posix() for p in sorted((a / "splits").glob("*"))]:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    assert "timings" not in (a / "summary.json").read_text()
+
+
+def test_curves_rebinned_from_saved_scores(cmb_smoke, tmp_path, capsys):
+    """python -m experiments.curves RESULTS --bins 4: the curves again from scores/*.jsonl alone, other bins."""
+    out = tmp_path / "copy"
+    shutil.copytree(cmb_smoke[0], out)
+    assert curves.main([str(out), "--bins", "4", "--bootstrap", "50"]) == 0
+    assert capsys.readouterr().out.startswith("Recency: ")
+    rows = json.loads((out / "recency.json").read_text())["rows"]
+    s = cmb_smoke[2]
+    assert len(rows) == 4 * len(s["targets"]) * len(s["attacks_run"]) and {r["bin"] for r in rows} == {0, 1, 2, 3}
+    assert (out / "scale.json").read_bytes() == (cmb_smoke[0] / "scale.json").read_bytes()
+    assert curves.main([str(tmp_path)]) == 2
+    assert "not a checkmiabench results directory" in capsys.readouterr().err
+
+
+def test_notebook_runs(cmb_smoke):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb_path = Path(__file__).parent.parent / "notebooks" / "checkmiabench.ipynb"
+    nb = nbformat.read(nb_path, as_version=4)
+    os.environ["MIA_CHECKMIABENCH_DIR"] = str(cmb_smoke[0])
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": str(nb_path.parent)}}).execute()
+    finally:
+        os.environ.pop("MIA_CHECKMIABENCH_DIR", None)
+    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    text = "".join(o.get("text", "") + o.get("data", {}).get("text/markdown", "") for o in outs)
+    assert "BoW (tokens)" in text and "loss" in text and "Recency" in text
+    assert sum("image/png" in o.get("data", {}) for o in outs) >= 2  # recency and scale (or ROC) plots
+
+
+# ----------------------------------------------------------------------------------------------- curves math
+def test_recency_rows_equal_a_direct_computation():
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(0)
+    c, n = 40, 400
+    y = np.r_[np.ones(n // 2, int), np.zeros(n // 2, int)]
+    steps = np.where(y == 1, rng.integers(0, c, n), -1)
+    age = c - steps
+    s = rng.normal(size=n) + (y == 1) * (1.0 - age / c)  # recent members score higher
+    rows = curves.recency_rows({"x": s, "y": -s}, y, steps, c, 8, 50, 0, model="m", step=c)
+    assert [r["bin"] for r in rows if r["method"] == "x"] == list(range(8))
+    for r in rows:
+        pick = (y == 0) | ((y == 1) & (age > r["age_lo"]) & (age <= r["age_hi"]))
+        assert r["n_members"] == int(((y == 1) & pick).sum())
+        sign = 1 if r["method"] == "x" else -1
+        assert r["auc"] == pytest.approx(roc_auc_score(y[pick], sign * s[pick]))
+        assert r["auc_ci_low"] <= r["auc"] <= r["auc_ci_high"]
+    assert sum(r["n_members"] for r in rows if r["method"] == "x") == n // 2
+    t = {x["method"]: x for x in curves.recency_trends(rows)}
+    assert t["x"]["rho"] < 0 and t["x"]["delta"] < 0 and t["y"]["rho"] > 0
+    with pytest.raises(ValueError, match="not before checkpoint"):
+        curves.recency_rows({"x": s}, y, np.where(y == 1, c, -1), c, 8, 10, 0)
+
+
+def test_trend_sentences_follow_the_numbers():
+    def scale(aucs):
+        return [{"step": 9, "method": "loss", "model": f"m{i}", "params": 10 ** (i + 3), "auc": a, "auc_se": 0.01}
+                for i, a in enumerate(aucs)]
+
+    up = curves.scale_sentence(curves.scale_trends(scale([0.5, 0.55, 0.6])))
+    assert "as the papers report" in up and "for 1 of 1" in up and "NOT" not in up
+    down = curves.scale_sentence(curves.scale_trends(scale([0.6, 0.55, 0.5])))
+    assert "NOT higher on the largest model for 1 of 1" in down and "loss@step9" in down
+    # a model-free method is left out of the trend
+    assert "fewer than two" in curves.scale_sentence(curves.scale_trends(scale([0.6, 0.5])), model_free=["loss"])
+    t = curves.trend([1, 2, 3], [0.5, 0.6, 0.7], [0.01, 0.01, 0.01])
+    assert t["increasing"] and t["rho"] == pytest.approx(1.0) and t["z"] == pytest.approx(0.2 / np.hypot(.01, .01))
+
+
+def test_paper_numbers_lookup():
+    assert cmb.paper_attack_reference("pythia", "70m", 97_000, "loss", 98_500) == (0.513, 0.0130, 0.006,
+                                                                                   "Table 2, row 70m LOSS")
+    assert cmb.paper_attack_reference("pythia", "2.8b", 97_000, "mope:n=10,sigma=0.005")[:3] == (0.493, 0.0131, 0.006)
+    assert cmb.paper_attack_reference("olmo", "7b", 400_000, "recall:variant=checkmia")[3] == "Table 4, row 7b ReCaLL"
+    assert cmb.paper_attack_reference("pythia", "70m", 97_000, "mink") is None  # k = 0.2 is not the paper's k
+    assert cmb.paper_attack_reference("pythia", "70m", 90_000, "loss") is None  # another checkpoint
+    assert cmb.paper_attack_reference("testbed", "70m", 97_000, "loss") is None
+    assert cmb.paper_blind_reference("pythia", 97_000, "BoW (tokens)") == (0.505, 0.0128, 0.01,
+                                                                          "Table 1, row BoW (tokens)")
+    assert cmb.paper_blind_reference("pythia", 97_000, "W2V (tokens)") is None  # our encoder differs
+    paper = cmb.PRESETS["paper"]  # the paper's settings (App. A)
+    assert paper.attacks == tuple(cmb.PAPER_ATTACKS.values()) and (paper.sizes.eval, paper.sizes.train) == (1000, 4000)
+
+
+def test_paper_numbers_match_the_paper_text():
+    paper = Path("/work/shared/papers/checkmiabench.txt")
+    if not paper.exists():
+        pytest.skip("the paper's text is not in this checkout")
+    lines = paper.read_text().splitlines()
+    for model, row in cmb.PAPER_TABLE2.items():
+        for mia, nums in row.items():
+            assert f"{model}\t{mia}\t{nums[0]:.3f}\t{nums[1]:.4f}\t{nums[2]:.3f}" in lines, (model, mia)
+    t4 = lines[lines.index(next(l for l in lines if l.startswith("Table 4"))):]
+    for mia, (a, se, tpr) in cmb.PAPER_TABLE4["7b"].items():
+        assert any(l.split("\t") == [mia, f"{a:.3f}", f"{se:.4f}", f"{tpr:g}"] for l in t4), mia
+    for table, nums in (("Table 1", cmb.PAPER_TABLE1), ("Table 3", cmb.PAPER_TABLE3)):
+        t = lines[lines.index(next(l for l in lines if l.startswith(table))):]
+        for ours, paper_name in (("BoW (tokens)", "BoW (Tokens)"), ("TF-IDF (tokens)", "TFIDF (Tokens)")):
+            a, se, tpr = nums[ours]
+            assert f"{paper_name}\t{a:.3f}\t{se:.4f}\t{tpr:g}" in t, (table, ours)
+
+
+# ----------------------------------------------------------------------------------------------- real layouts
+B, ROW, STEP, END = 4, 33, 100, 130
+
+
+def _pythia_layout(root: Path, tiny_neox_dir: Path, vocab: int, bad_token=None) -> tuple:
+    """pythia-70m-deduped/step100/ (the tiny GPT-NeoX) + the order as two .bin shards and one .idx."""
+    from mia.data.indexed import write_indexed
+
+    ckpt = root / "models" / "pythia-70m-deduped" / f"step{STEP}"
+    if not ckpt.exists():
+        shutil.copytree(tiny_neox_dir, ckpt)
+    rows = np.random.default_rng(0).integers(1, vocab, size=(END * B + 7, ROW))
+    if bad_token is not None:
+        rows[:, 3] = bad_token
+    write_indexed(root / "data" / "document", rows)
+    blob = (root / "data" / "document.bin").read_bytes()
+    cut = len(blob) // 2 + 1  # shards split inside a row, as the real 21 shards are
+    (root / "data" / "document-00000-of-00002.bin").write_bytes(blob[:cut])
+    (root / "data" / "document-00001-of-00002.bin").write_bytes(blob[cut:])
+    (root / "data" / "document.bin").unlink()
+    shards = sorted(str(p) for p in (root / "data").glob("document-*.bin"))
+    return root / "models", shards, str(root / "data" / "document.idx"), rows
+
+
+def test_pythia_layout_end_to_end(tiny_neox_dir, tmp_path):
+    import transformers
+
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
+    models, shards, idx, rows = _pythia_layout(tmp_path, tiny_neox_dir, vocab)
+    out = tmp_path / "out"
+    argv = ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", str(STEP), "--batch-size", str(B),
+            "--end-step", str(END), "--n-members", "20", "--n-train", "20", "--n-prefix", "0",
+            "--attacks", "loss,mink:k=0.1", "--no-blind", "--bootstrap", "50", "--no-progress",
+            "--out", str(out)]
+    assert cmb.main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["kind"] == "pythia" and [t["model"] for t in s["targets"]] == ["70m"]
+    assert {r["method"] for r in s["attacks"]} == {"loss", "mink:k=0.1"}
+    assert "paper_auc" not in s["attacks"][0]  # step 100 is not the paper's setting
+    from mia.data.splits import check_split, read_split
+
+    split = read_split(out / "splits" / f"step{STEP}.jsonl")
+    assert split.header["source"]["kind"] == "pythia" and check_split(out / "splits" / f"step{STEP}.jsonl") == []
+    for e in split.examples:  # rows read through the two shards equal the rows written
+        assert e["tokens"] == rows[e["index"]].tolist()
+        assert (e["index"] < STEP * B) == (e["label"] == 1) and e["index"] < END * B
+    assert len(s["recency"]) == 2 * 8 and (out / "attacks.tex").exists()
+
+
+def test_pythia_bad_inputs_one_line_each(tiny_neox_dir, tmp_path, capsys):
+    models, shards, idx, _ = _pythia_layout(tmp_path / "bad", tiny_neox_dir, 300, bad_token=4000)
+    base = ["--pythia", str(models), "--batch-size", str(B), "--end-step", str(END), "--n-members", "5",
+            "--n-train", "5", "--attacks", "loss", "--no-blind", "--no-progress", "--out", str(tmp_path / "o")]
+
+    def error(argv):
+        assert cmb.main(base + argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        return err[0]
+
+    e = error(["--data", *shards, "--idx", idx, "--steps", "999"])
+    assert "no size has a checkpoint at step 999" in e and "pythia-70m-deduped: steps 100" in e
+    e = error(["--data", *shards, "--idx", idx, "--steps", str(STEP), "--sizes", "160m"])
+    assert "no checkpoint pythia-160m-deduped/step100" in e and "pythia-70m-deduped: steps 100" in e
+    e = error(["--data", *shards, "--idx", idx, "--steps", str(STEP)])
+    assert "token id 4000 >= the vocabulary size" in e and "do not match the model's tokenizer" in e
+    e = error(["--data", *shards, "--steps", str(STEP)])
+    assert "--idx missing" in e
+    e = error(["--idx", idx, "--steps", str(STEP)])
+    assert "--data missing" in e
+
+
+def test_memorization_dial_on_a_suite_member(request, smoke_testbed, tmp_path):
+    """--memorize-epochs on one member: the dial's LOSS sees the members; the clean reference row stays."""
+    # same members and seed as test_checkmia's dial test, so the dial checkpoint is reused when both run
+    s = cmb.run("smoke", tmp_path / "dial", testbeds=[smoke_testbed.root], steps=[100], attacks="loss", blind=False,
+                n_members=100, n_train=0, n_prefix=0, memorize_epochs=8, seed=1, bootstrap=100, progress=False)
+    loss = next(r for r in s["attacks"] if r["method"] == "loss")
+    ref = next(r for r in s["attacks"] if r["kind"] == "reference")
+    assert loss["auc"] >= 0.8 and loss["auc"] > ref["auc"]
+    assert s["memorize_epochs"] == 8 and "Memorization dial" in (tmp_path / "dial" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_olmo_layout_end_to_end(tiny_neox_dir, tmp_path):
+    """--olmo DIR (stepN-tokens... revisions) with a raw uint32 global_indices and raw uint16 token files."""
+    import transformers
+
+    from hf_tiny import save_tiny
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir))
+    ckpt = tmp_path / "olmo" / "step20-tokens1M"
+    save_tiny(transformers.OlmoConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64), ckpt)
+    tok.save_pretrained(str(ckpt))
+    seq, b, n_inst = 24, 4, 30 * 4
+    rng = np.random.default_rng(0)
+    names = []
+    for k, n in enumerate((n_inst // 2 * seq + 5, n_inst // 2 * seq)):  # the first file's remainder is dropped
+        rng.integers(1, len(tok), size=n).astype("<u2").tofile(tmp_path / f"part-{k}.npy")
+        names.append(f"part-{k}.npy")
+    (tmp_path / "paths.txt").write_text("\n".join(names) + "\n")
+    rng.permutation(n_inst).astype("<u4").tofile(tmp_path / "global_indices.npy")
+    out = tmp_path / "out"
+    s = cmb.run("smoke", out, olmo=tmp_path / "olmo", global_indices=str(tmp_path / "global_indices.npy"),
+                data_paths=str(tmp_path / "paths.txt"), steps=[20], batch_size=b, seq_len=seq, n_members=15,
+                n_train=15, n_prefix=0, attacks="loss,minkpp:k=0.1", blind_features=("bow",), bootstrap=50,
+                progress=False)
+    assert s["kind"] == "olmo" and s["targets"][0]["step"] == 20
+    assert {r["method"] for r in s["attacks"]} == {"loss", "minkpp:k=0.1"} and s["blind"][0]["method"] == "BoW (tokens)"
+    from mia.data.splits import check_split
+
+    assert check_split(out / "splits" / "step20.jsonl") == []
+    assert cmb.main(["--olmo", str(tmp_path / "olmo"), "--global-indices", str(tmp_path / "global_indices.npy"),
+                     "--data-paths", str(tmp_path / "paths.txt"), "--steps", "7", "--no-progress",
+                     "--out", str(tmp_path / "o2")]) == 2

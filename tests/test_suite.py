@@ -1,0 +1,161 @@
+"""The testbed suite: sizes trained on one data order (mia.testbed.suite), and the testbed's model context."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_smoke_suite_members_share_one_data_order(smoke_suite):
+    from mia.testbed import open_testbed
+    from mia.testbed.config import DATA_FIELDS
+
+    s = smoke_suite
+    assert s.name == "smoke" and len(s.members) == 3
+    assert s.sizes == sorted(s.sizes) and s.sizes[-1] >= 10 * s.sizes[0]
+    assert [s.member(n) for n in s.names] == s.members
+    first = s.members[0]
+    for tb in s.members:
+        # a normal testbed directory, with byte-identical tokenizer and order files (not only equal manifests)
+        again = open_testbed(tb.root)
+        assert again.config == tb.config
+        for rel in ("tokenizer.json", "data/order.bin", "data/order.idx", "data/order.perm.npy"):
+            assert _sha(tb.root / rel) == _sha(first.root / rel), rel
+        assert tb.manifest["tokenizer"]["sha256"] == _sha(tb.root / "tokenizer.json")
+        assert tb.manifest["data"]["bin"]["sha256"] == _sha(tb.root / "data/order.bin")
+        assert all(getattr(tb.config, k) == getattr(first.config, k) for k in DATA_FIELDS)
+        assert tb.steps == s.steps == [0, 50, 100]
+    # the sizes differ in the model only, and the larger ones fit the same data better
+    widths = [tb.config.hidden_size for tb in s.members]
+    assert len(set(widths)) == 3
+    losses = [tb.manifest["train"]["final_loss"] for tb in s.members]
+    assert losses == sorted(losses, reverse=True)
+
+
+def test_suite_parameter_counts_and_context_are_the_models(smoke_suite):
+    """``sizes`` are the real parameter counts, and the model context is the trained one (rows of seq_len + 1)."""
+    import jax
+
+    for tb in smoke_suite.members:
+        model = tb.load_model(0)
+        assert sum(x.size for x in jax.tree_util.tree_leaves(model.params)) == tb.n_params
+        assert model.max_length == tb.config.seq_len == tb.row_len - 1
+        assert json.loads((tb.checkpoint_dir(0) / "config.json").read_text())["max_position_embeddings"] == 64
+
+
+def test_open_suite_verifies_members(smoke_suite, tmp_path):
+    from mia.testbed import TestbedError, open_suite
+
+    s = open_suite(smoke_suite.root)
+    assert s.names == smoke_suite.names and s.sizes == smoke_suite.sizes
+    with pytest.raises(TestbedError, match=r"suite smoke has no member 'big'; members: "):
+        s.member("big")
+    # a member whose recorded order differs is refused, by name
+    copy = tmp_path / "suite"
+    shutil.copytree(smoke_suite.root, copy, ignore=shutil.ignore_patterns("checkpoints", "resume"))
+    big = copy / s.names[-1] / "testbed.json"
+    m = json.loads(big.read_text())
+    m["data"]["bin"]["sha256"] = "0" * 64
+    big.write_text(json.dumps(m))
+    for tb_dir in copy.iterdir():  # the checkpoints are not needed to open, only to be complete
+        if tb_dir.is_dir():
+            for step in s.steps:
+                (tb_dir / "checkpoints" / f"step{step}").mkdir(parents=True)
+                (tb_dir / "checkpoints" / f"step{step}" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(TestbedError, match=rf"{s.names[-1]}: its order_bin differ\(s\) from the suite's shared data"):
+        open_suite(copy)
+    with pytest.raises(TestbedError, match="not a testbed suite"):
+        open_suite(tmp_path)
+
+
+def test_suite_configs_and_cli_errors(tmp_path, capsys):
+    from mia.testbed import SUITES, TestbedError, build_suite, preset
+    from mia.testbed.__main__ import main
+    from mia.testbed.suite import check_same_data, size_name
+
+    for name, configs in SUITES.items():
+        check_same_data(configs)
+        sizes = [c.n_params() for c in configs]
+        assert len(configs) >= 3 and max(sizes) >= 10 * min(sizes), name
+    assert preset("smoke").config_hash in {c.config_hash for c in SUITES["smoke"]}  # the smoke testbed is a member
+    assert [size_name(n) for n in (19_696, 165_632, 2_628_608, 3_000_000)] == ["20k", "166k", "2.6m", "3m"]
+    with pytest.raises(TestbedError, match="differ in data field"):
+        check_same_data([preset("smoke"), preset("smoke", seed=1)])
+    with pytest.raises(TestbedError, match="unknown suite 'nope'; suites: smoke, default"):
+        build_suite("nope", tmp_path)
+    assert main(["--suite", "smoke", "--out", str(tmp_path / "s"), "--hidden-size", "8"]) == 2
+    assert "--suite takes no testbed options (got hidden_size)" in capsys.readouterr().err
+
+
+def test_old_testbed_format_is_refused(smoke_testbed, tmp_path):
+    from mia.testbed import TestbedError, build_testbed, open_testbed
+
+    old = tmp_path / "old"
+    old.mkdir()
+    m = dict(smoke_testbed.manifest, format="mia-testbed/2")
+    (old / "testbed.json").write_text(json.dumps(m))
+    with pytest.raises(TestbedError, match=r"another version of mia.testbed \(mia-testbed/2, now mia-testbed/3\)"):
+        open_testbed(old)
+    with pytest.raises(TestbedError, match="delete it to rebuild"):
+        build_testbed("smoke", old, progress=False)
+
+
+def _init_leaves(hidden: int = 128):
+    import jax
+    import jax.numpy as jnp
+
+    from mia.models.hub import family
+    from mia.testbed import model_config, preset
+    from mia.testbed.init import init_params
+
+    cfg = model_config(preset("smoke", hidden_size=hidden), 512)
+    module = family("gpt_neox").module_cls(cfg, dtype=jnp.float32, param_dtype=jnp.float32)
+    return module, jax.tree_util.tree_flatten_with_path(init_params(module, 0))[0]
+
+
+def test_numpy_init_draws_the_stated_distributions():
+    import jax
+
+    _, leaves = _init_leaves()
+    seen = set()
+    for path, x in leaves:
+        x = np.asarray(x)
+        name = str(path[-1].key)
+        seen.add(name)
+        assert x.dtype == np.float32
+        if name == "kernel":  # truncated normal on 2 sigma, std 1/sqrt(fan_in)
+            sd = 1 / np.sqrt(x.shape[-2])
+            assert abs(x.std() / sd - 1) < 0.05 and np.abs(x).max() <= 2 / 0.87962566 * sd * (1 + 1e-6)
+        elif name == "embedding":  # normal, std 1/sqrt(D): not truncated
+            assert abs(x.std() * np.sqrt(x.shape[-1]) - 1) < 0.05 and np.abs(x).max() * np.sqrt(x.shape[-1]) > 3
+        else:
+            assert np.array_equal(x, np.zeros_like(x) if name == "bias" else np.ones_like(x)), jax.tree_util.keystr(path)
+    assert seen == {"kernel", "embedding", "bias", "weight"}
+    again = _init_leaves()[1]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(leaves, again))
+
+
+@pytest.mark.slow
+def test_numpy_init_matches_flax_default_init():
+    """Same tree, per-leaf std and bounds as Flax's own ``module.init`` (which compiles: slow)."""
+    import jax
+    import jax.numpy as jnp
+
+    module, ours = _init_leaves()
+    flax = jax.tree_util.tree_flatten_with_path(
+        jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"])[0]
+    assert [p for p, _ in ours] == [p for p, _ in flax]
+    for (path, x), (_, y) in zip(ours, flax):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape and x.dtype == y.dtype
+        if y.std() == 0:
+            assert np.array_equal(x, y)
+        else:
+            assert abs(x.std() / y.std() - 1) < 0.05 and abs(np.abs(x).max() / np.abs(y).max() - 1) < 0.3
