@@ -207,6 +207,8 @@ def pvalue_scores(f_eval: np.ndarray, f_cal: np.ndarray, method: str = "edgingto
     target = np.zeros((pow2(n), f_eval.shape[1]), np.float32)  # power-of-two rows: fewer compiles
     target[:n] = np.where(ok[:, None], f_eval, 0.0)
     p = np.asarray(cs.empirical_pvalues(target, f_cal.astype(np.float32)))[:n]
+    two_m = 2.0 * len(f_cal)  # p = k / (2M) exactly (float32 rounds it): back to the exact grid in float64, so that
+    p = np.round(p.astype(np.float64) * two_m) / two_m  # texts with the same p-values tie exactly after combining
     score = -combine(p, method)
     score[~ok] = np.nan
     return score
