@@ -51,9 +51,9 @@ import numpy as np
 
 from mia.report import csv_text
 
-from experiments.common import (ExperimentError, Timings, experiment_parser, open_members, pick_members, run_main,
-                                say_fn, score_attacks, select_attacks, sha_file, write_json, write_manifest,
-                                write_tables)
+from experiments.common import (ExperimentError, Timings, experiment_parser, open_members, pick_members,
+                                run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
+                                use_compilation_cache, write_json, write_manifest, write_scores, write_tables)
 
 BASELINES = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "ref", "neighbor")  # the paper's K = 20 for Min-K%
 COMBINERS = ("edgington", "fisher", "pearson", "george")
@@ -389,7 +389,6 @@ def aggregate(per_draw: dict) -> dict:
 
 def blind_result(examples: list, path: Path, header_source: dict, seed: int, n_resamples: int) -> Optional[dict]:
     """BoW + logistic regression on one seeded stratified 80/20 split of the dataset (``mia.blind``), or None."""
-    from experiments.common import run_blind_baselines
     from mia.data.splits import partition_counts, write_split
 
     header = {"source": header_source, "params": {"seed": seed}, **partition_counts(examples)}
@@ -502,7 +501,6 @@ def evaluate_dataset(name: str, model, examples: list, attacks, settings, *, pre
                      bootstrap: int, options: dict, max_length: int, out: Path, source: dict, blind: bool,
                      progress: bool, timings: Timings) -> dict:
     """Score one dataset (baselines + 75 signals once), run the draws, the blind baseline; write its files."""
-    from experiments.common import write_scores
     from mia.attacks import camia
 
     with timings(f"score:{name}"):
@@ -550,6 +548,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     say = say_fn(progress)
     timings = Timings()
     t0 = time.perf_counter()
+    use_compilation_cache()  # reruns and every split reuse compiled scoring code
     out = Path(out) if out is not None else Path("results") / f"camia-{'mimir' if mimir else preset}"
     for sub in ("scores", "signals", "splits"):
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -633,7 +632,7 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
     model = load(model_dir)
     context = min(int(model.max_length), tb.row_len)
     ref = next((m for m in members if m.n_params < target.n_params), None)
-    options = {"ref_model": str(ref.testbed.checkpoint_dir(c))} if ref is not None else {}
+    options = {"ref_model": load(ref.testbed.checkpoint_dir(c))} if ref is not None else {}  # loaded once
     if mlm:
         options["mlm"] = str(mlm)
     attacks, skipped = _baseline_attacks(ref is not None, bool(mlm))
@@ -723,7 +722,9 @@ def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split,
     model = load(model_dir)
     if model.tokenizer is None:
         raise ExperimentError(f"--model {model_dir}: no tokenizer files; MIMIR texts must be tokenized")
-    options = {k: str(v) for k, v in (("ref_model", ref_model), ("mlm", mlm)) if v is not None}
+    options = {"mlm": str(mlm)} if mlm else {}
+    if ref_model is not None:
+        options["ref_model"] = load(ref_model)  # loaded once, shared by every domain
     attacks, skipped = _baseline_attacks(ref_model is not None, bool(mlm))
     settings = ScoringSettings(progress=progress)
     source = {"kind": "text", "format": "mimir", "root": str(Path(mimir).resolve())}

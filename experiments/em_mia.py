@@ -44,9 +44,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from experiments.common import (ExperimentError, SplitSizes, Timings, check_token_ids, draw_testbed_split,
-                                experiment_parser, metric_rows, olmo_checkpoint, open_members, pick_members, run_main,
-                                say_fn, score_attacks, select_attacks, sha_file, write_json, write_manifest,
-                                write_scores, write_tables)
+                                experiment_parser, metric_rows, olmo_checkpoint, open_members, pick_members,
+                                run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
+                                use_compilation_cache, write_json, write_manifest, write_scores, write_tables)
 
 SPLITS = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
 INITS = ("loss", "ref", "zlib", "mink", "minkpp")
@@ -206,8 +206,6 @@ def blind_split(split_path: Path, out_path: Path, seed: int) -> Path:
 
 def blind_rows(split_path: Path, features: Sequence[str], seed: int, bootstrap: int) -> tuple:
     """({feature: AUC, TPR, SE on the eval half}, {feature: reason}) of ``mia.blind`` with logistic regression."""
-    from experiments.common import run_blind_baselines
-
     rows, _, skipped = run_blind_baselines(split_path, seed, bootstrap, features=tuple(features), classifiers=("lr",))
     out = {}
     for f in features:
@@ -297,12 +295,16 @@ def evaluate(targets: Sequence[Target], split_paths: dict, prefix: list, shots: 
     from mia.models import load
     from mia.scoring import ScoringSettings
 
-    results, skipped, notes = {}, {}, []
+    results, skipped, notes, refs = {}, {}, [], {}
     for t in targets:
         model = load(t.model_dir)
         attacks, sk = attack_list(t.ref_dir is not None, shots)
         skipped.update({f"{t.name}: {k}": v for k, v in sk.items()})
-        options = {"ref_model": str(t.ref_dir)} if t.ref_dir is not None else {}
+        options = {}
+        if t.ref_dir is not None:  # loaded once: every split shares the model and its compiled code
+            if str(t.ref_dir) not in refs:
+                refs[str(t.ref_dir)] = load(t.ref_dir)
+            options["ref_model"] = refs[str(t.ref_dir)]
         settings = ScoringSettings(cache_dir=t.cache_dir, progress=progress)
         results[t.name] = {}
         for s in SPLITS:
@@ -345,6 +347,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     say = say_fn(progress)
     timings = Timings()
     t0 = time.perf_counter()
+    use_compilation_cache()  # reruns and every split reuse compiled scoring code
     out = Path(out) if out is not None else Path("results") / f"em_mia-{'olmo' if olmo else preset}"
     (out / "splits").mkdir(parents=True, exist_ok=True)
     notes: list = []
