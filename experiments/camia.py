@@ -327,12 +327,17 @@ def calibration_draw(labels: np.ndarray, alpha: float, seed: int, i: int) -> tup
 
 
 def _metrics(s: np.ndarray, y: np.ndarray) -> tuple:
-    from mia.metrics import auc, tpr_at_fpr
+    """(AUC, TPR@1%FPR) over the finite scores, from one ROC curve (``mia.metrics.roc``): the area under it, and
+    the largest TPR among its points with FPR <= 1% (``mia.metrics.tpr_at_fpr``'s rule); NaN with one class."""
+    from sklearn.metrics import auc as area
+
+    from mia.metrics import roc
 
     ok = np.isfinite(s)
     if len(set(y[ok].tolist())) < 2:
         return float("nan"), float("nan")
-    return auc(s[ok], y[ok]), tpr_at_fpr(s[ok], y[ok], 0.01)
+    f, t = roc(s[ok], y[ok])
+    return float(area(f, t)), float(t[f <= 0.01 + 1e-12].max())
 
 
 def draw_results(scores: dict, signals: Optional[np.ndarray], labels: np.ndarray, *, draws: int, alpha: float,

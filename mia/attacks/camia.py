@@ -42,7 +42,6 @@ import numpy as np
 from ..scoring import compute_token_stats, example_key
 from . import camia_signals as cs
 from .fit import add_note
-from .mink import pow2
 from .registry import AttackError, register
 
 KEYS = ("loss", "ppl", "count_above", "lz", "count_mean", "cal_loss", "cal_ppl")
@@ -203,12 +202,7 @@ def pvalue_scores(f_eval: np.ndarray, f_cal: np.ndarray, method: str = "edgingto
         raise AttackError(f"attack camia: unknown method {method!r}; valid: {', '.join(METHODS)}")
     f_cal = f_cal[_finite_rows(f_cal)]
     ok = _finite_rows(f_eval)
-    n = len(f_eval)
-    target = np.zeros((pow2(n), f_eval.shape[1]), np.float32)  # power-of-two rows: fewer compiles
-    target[:n] = np.where(ok[:, None], f_eval, 0.0)
-    p = np.asarray(cs.empirical_pvalues(target, f_cal.astype(np.float32)))[:n]
-    two_m = 2.0 * len(f_cal)  # p = k / (2M) exactly (float32 rounds it): back to the exact grid in float64, so that
-    p = np.round(p.astype(np.float64) * two_m) / two_m  # texts with the same p-values tie exactly after combining
+    p = cs.empirical_pvalues(np.where(ok[:, None], f_eval, 0.0), f_cal)
     score = -combine(p, method)
     score[~ok] = np.nan
     return score
