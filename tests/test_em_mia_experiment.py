@@ -132,3 +132,35 @@ def test_bad_input_is_one_line(tmp_path, tiny_neox_dir, capsys):
         assert exp.main(argv + ["--out", str(tmp_path / "o"), "--no-progress"]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and want in err[0], (argv, err)
+
+
+@pytest.mark.slow
+def test_olmo_recipe_end_to_end(tmp_path, tiny_neox_dir):
+    """--olmo on a fake OLMo order (raw uint32 global_indices, one uint16 token file) and a tiny model: documents
+    between EOS, the six splits, every attack (about a minute on 2 busy cores)."""
+    rng = np.random.default_rng(0)
+    seq, batch, steps, eos = 64, 4, 60, 0
+    stream = []
+    while len(stream) < seq * batch * steps:
+        stream += [eos] + rng.integers(1, 300, int(rng.integers(9, 17))).tolist()
+    tokens = np.array(stream[: seq * batch * steps], np.uint16)
+    tok = tmp_path / "part-0.npy"
+    tokens.tofile(tok)
+    gi = tmp_path / "global_indices.npy"
+    rng.permutation(batch * steps).astype(np.uint32).tofile(gi)
+    paths = tmp_path / "paths.txt"
+    paths.write_text(f"{tok}\n")
+    s = exp.run("default", tmp_path / "out", olmo=tiny_neox_dir, global_indices=gi, data_paths=paths, step=20,
+                member_steps="0:10", nonmember_steps="30:60", eos=eos, batch_size=batch, seq_len=seq, pool=30,
+                size=12, k=2, threshold=0.0, doc_len=16, progress=False)
+    assert s["pool"] == {"members": 30, "nonmembers": 30, "doc_len": 16, "prefix_shots": 12, "prefix_pool": 12}
+    from mia.data.splits import read_split
+
+    for name in exp.SPLITS:
+        ex = read_split(tmp_path / "out" / "splits" / f"{name}.jsonl").examples
+        assert sorted(e["label"] for e in ex) == [0] * 6 + [1] * 6
+        for e in ex:  # a whole document strictly between two EOS, 8 < length <= 16, from the right steps
+            assert 8 < len(e["tokens"]) <= 16 and eos not in e["tokens"]
+            assert (e["step"] < 10) if e["label"] == 1 else (30 <= e["step"] < 60)
+    methods = {r["method"] for r in s["table_auc"]}
+    assert {"Loss", "ReCaLL (12-shot)", "ReCaLL-Avg", "EM-MIA (init Loss)"} <= methods and "Ref" not in methods
