@@ -4,7 +4,7 @@ CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``-
                  ``--debug``), ``run_main`` (a user error is one ``error: ...`` line and exit 2; Ctrl-C 130),
                  ``ExperimentError`` (bad input, one line), ``default_out``, ``use_compilation_cache``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
-                 ``open_members`` (given testbeds, else the suite, else one testbed),
+                 ``open_members`` (given testbeds, else the suite, else one testbed), ``pick_members``,
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
                  ``count_params`` (from the safetensors headers, nothing loaded).
 Splits           ``SplitSizes`` (examples per partition and class), ``draw_testbed_split``, ``draw_pythia_split``,
@@ -169,6 +169,26 @@ def open_members(preset: str, *, testbeds: Sequence = (), suite_dir=None, progre
     tb = open_testbed(preset, suite_dir, progress=progress)
     return [member_of(tb)], f"testbed {preset!r}", [
         f"this checkout has no testbed suite (mia.testbed.suite); ran on the single {preset!r} testbed"]
+
+
+def pick_members(members: Sequence, which: str) -> list:
+    """The suite members (ordered by size) an experiment evaluates: ``largest``, ``smallest``, ``middle`` (the
+    median size; the only one of a suite of one), ``all``, or one or more size names (comma list)."""
+    if which == "largest":
+        return [members[-1]]
+    if which == "smallest":
+        return [members[0]]
+    if which == "middle":
+        return [members[(len(members) - 1) // 2]]
+    if which == "all":
+        return list(members)
+    names = [m.name for m in members]
+    want = [w.strip() for w in which.split(",") if w.strip()]
+    bad = [w for w in want if w not in names]
+    if bad or not want:
+        raise ExperimentError(f"--member {which}: no such suite member; members: {', '.join(names)} (or largest, "
+                              "middle, smallest, all)")
+    return [members[names.index(w)] for w in want]
 
 
 def member_of(tb, name: Optional[str] = None) -> SuiteMember:

@@ -354,12 +354,13 @@ class StatsCache:
         if self.dir is not None and self.dir.exists():
             for f in sorted(self.dir.glob("part-*.npz")):
                 try:
-                    with np.load(f) as z:
+                    with np.load(f) as z:  # each array read once (z[name] decompresses it on every access)
                         keys = json.loads(str(z["keys"]))
                         offsets = z["offsets"]
-                        for j, k in enumerate(keys):
-                            lo, hi = offsets[j], offsets[j + 1]
-                            self.mem[k] = {s: z[s][lo:hi] for s in STAT_NAMES}
+                        arrays = {s: z[s] for s in STAT_NAMES}
+                    for j, k in enumerate(keys):
+                        lo, hi = offsets[j], offsets[j + 1]
+                        self.mem[k] = {s: arrays[s][lo:hi] for s in STAT_NAMES}
                 except Exception:  # a corrupt part (killed mid-write on a filesystem without atomic rename): recompute
                     continue
 

@@ -29,6 +29,9 @@ than 10) examples whose 75 signals are all defined: p-values then live on a grid
 LogisticRegression(solver='liblinear', max_iter=5000); score = predict_proba[:, 1] (higher = member). The paper's best
 is components = 2 (Table 14); the released script uses 1.
 
+On precomputed signals the same math is ``pvalue_scores`` and ``group_pca_lr_scores`` (pure; the registered
+attacks call them, and ``experiments/camia.py`` calls them once per calibration draw on signals computed once).
+
 Examples whose signals cannot all be computed (fewer than 4 tokens, or copies not found in the repeated text) get a
 NaN score and a note. sklearn and scipy are imported lazily (host-side statistics only).
 """
@@ -39,7 +42,6 @@ import numpy as np
 from ..scoring import compute_token_stats, example_key
 from . import camia_signals as cs
 from .fit import add_note
-from .mink import pow2
 from .registry import AttackError, register
 
 KEYS = ("loss", "ppl", "count_above", "lz", "count_mean", "cal_loss", "cal_ppl")
@@ -192,6 +194,50 @@ def _finite_rows(f: np.ndarray) -> np.ndarray:
     return np.isfinite(f).all(axis=1)
 
 
+def pvalue_scores(f_eval: np.ndarray, f_cal: np.ndarray, method: str = "edgington") -> np.ndarray:
+    """[N] CAMIA scores -p_combined (higher = member) of ORIENTED signals ``f_eval`` [N, 75] against the calibration
+    non-members' oriented signals ``f_cal`` [M, 75] (rows with an undefined signal are left out of the calibration;
+    an evaluated row with one gets NaN)."""
+    if method not in METHODS:
+        raise AttackError(f"attack camia: unknown method {method!r}; valid: {', '.join(METHODS)}")
+    f_cal = f_cal[_finite_rows(f_cal)]
+    ok = _finite_rows(f_eval)
+    p = cs.empirical_pvalues(np.where(ok[:, None], f_eval, 0.0), f_cal)
+    score = -combine(p, method)
+    score[~ok] = np.nan
+    return score
+
+
+def group_pca_lr_scores(f_train: np.ndarray, y_train: np.ndarray, f_eval: np.ndarray, components: int = 2) -> np.ndarray:
+    """[N] P(member) of ``f_eval`` [N, 75] (oriented signals) from per-group PCA(components) + LogisticRegression
+    (liblinear, max_iter 5000) trained on ``f_train`` [M, 75] with labels ``y_train`` [M] (App. B). Training rows
+    with an undefined signal are dropped; an evaluated row with one gets NaN."""
+    from sklearn.decomposition import PCA
+    from sklearn.linear_model import LogisticRegression
+
+    if not 1 <= components <= 3:
+        raise AttackError(f"attack camia_lr: components must be 1, 2 or 3 (the smallest group has 3 signals), "
+                          f"got {components}")
+    keep = _finite_rows(f_train)
+    f_tr, y = f_train[keep], np.asarray(y_train)[keep]
+    if len(set(y.tolist())) < 2 or len(y) < max(2, components):
+        raise AttackError(f"attack camia_lr: after dropping examples with undefined signals, {len(y)} training "
+                          f"example(s) remain ({int(y.sum())} member(s)); need both classes and at least "
+                          f"{max(2, components)}")
+    ok = _finite_rows(f_eval)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a constant group (zero variance) is harmless here
+        pcas = [PCA(n_components=components).fit(f_tr[:, FEATURE_GROUPS == g]) for g in range(len(GROUPS))]
+
+    def project(f):
+        return np.concatenate([pca.transform(f[:, FEATURE_GROUPS == g]) for g, pca in enumerate(pcas)], axis=1)
+
+    clf = LogisticRegression(solver="liblinear", max_iter=5000).fit(project(f_tr), y)
+    score = np.full(len(f_eval), np.nan)
+    if ok.any():
+        score[ok] = clf.predict_proba(project(f_eval[ok]))[:, 1]
+    return score
+
+
 @register("camia", needs=("stats", "model", "text", "calib"), method="edgington", min_calib=20, diversity="low")
 def _camia(ctx, *, method: str, min_calib: int, diversity: str) -> np.ndarray:
     """CAMIA: 75 context-aware signals, p-values vs calibration non-members, combined; -p (higher = member)."""
@@ -203,26 +249,16 @@ def _camia(ctx, *, method: str, min_calib: int, diversity: str) -> np.ndarray:
     calib = ctx.partition("calib", min_calib, flag="--calib-data")
     f_eval = features(ctx, ctx.examples, ctx.stats(), "evaluated") * sign
     f_cal = features(ctx, calib, ctx.stats_for(calib, desc="camia: calibration"), "calibration") * sign
-    f_cal = f_cal[_finite_rows(f_cal)]
-    if len(f_cal) < min_calib:
-        raise AttackError(f"attack camia: only {len(f_cal)} of {len(calib)} calibration examples have all 75 signals; "
+    n_cal = int(_finite_rows(f_cal).sum())
+    if n_cal < min_calib:
+        raise AttackError(f"attack camia: only {n_cal} of {len(calib)} calibration examples have all 75 signals; "
                           f"needs at least min_calib={min_calib}")
-    ok = _finite_rows(f_eval)
-    n = len(f_eval)
-    target = np.zeros((pow2(n), f_eval.shape[1]), np.float32)  # power-of-two rows: fewer compiles
-    target[:n] = np.where(ok[:, None], f_eval, 0.0)
-    p = np.asarray(cs.empirical_pvalues(target, f_cal.astype(np.float32)))[:n]
-    score = -combine(p, method)
-    score[~ok] = np.nan
-    return score
+    return pvalue_scores(f_eval, f_cal, method)
 
 
 @register("camia_lr", needs=("stats", "model", "text", "train"), components=2, diversity="low")
 def _camia_lr(ctx, *, components: int, diversity: str) -> np.ndarray:
     """CAMIA signals -> per-group PCA -> logistic regression trained on labelled --train-data (higher = member)."""
-    from sklearn.decomposition import PCA
-    from sklearn.linear_model import LogisticRegression
-
     if not 1 <= components <= 3:
         raise AttackError(f"attack camia_lr: components must be 1, 2 or 3 (the smallest group has 3 signals), "
                           f"got {components}")
@@ -234,23 +270,5 @@ def _camia_lr(ctx, *, components: int, diversity: str) -> np.ndarray:
                           f"(give --train-data FILE with label 0/1); got {counts[1]} member(s), "
                           f"{counts[0]} non-member(s)")
     f_tr = features(ctx, train, ctx.stats_for(train, desc="camia: training"), "training") * sign
-    y = np.array([e.label for e in train])
-    keep = _finite_rows(f_tr)
-    f_tr, y = f_tr[keep], y[keep]
-    if len(set(y.tolist())) < 2 or len(y) < max(2, components):
-        raise AttackError(f"attack camia_lr: after dropping examples with undefined signals, {len(y)} training "
-                          f"example(s) remain ({int(y.sum())} member(s)); need both classes and at least "
-                          f"{max(2, components)}")
     f_ev = features(ctx, ctx.examples, ctx.stats(), "evaluated") * sign
-    ok = _finite_rows(f_ev)
-    with np.errstate(divide="ignore", invalid="ignore"):  # a constant group (zero variance) is harmless here
-        pcas = [PCA(n_components=components).fit(f_tr[:, FEATURE_GROUPS == g]) for g in range(len(GROUPS))]
-
-    def project(f):
-        return np.concatenate([pca.transform(f[:, FEATURE_GROUPS == g]) for g, pca in enumerate(pcas)], axis=1)
-
-    clf = LogisticRegression(solver="liblinear", max_iter=5000).fit(project(f_tr), y)
-    score = np.full(len(f_ev), np.nan)
-    if ok.any():
-        score[ok] = clf.predict_proba(project(f_ev[ok]))[:, 1]
-    return score
+    return group_pca_lr_scores(f_tr, np.array([e.label for e in train]), f_ev, components)

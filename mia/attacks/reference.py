@@ -24,8 +24,11 @@ from .registry import AttackError, register
 
 
 def load_reference(ctx):
-    """The reference Model for this run (loaded once)."""
+    """The reference Model for this run (loaded once). ``ctx.options["ref_model"]`` is a directory, or an already
+    loaded ``mia.models.Model`` (so that runs over many evaluated sets share one model and its compiled code)."""
     m = memo(ctx)
+    if "ref_model" not in m and hasattr(ctx.options.get("ref_model"), "params"):
+        m["ref_model"] = ctx.options["ref_model"]
     if "ref_model" not in m:
         path = ctx.options.get("ref_model")
         if not path:

@@ -208,8 +208,9 @@ def build_difficulty_splits(pool, out_dir, *, encoder: Any = None, encoder_dir: 
             from ..models.bert import load_encoder
 
             encoder = load_encoder(encoder_dir)
-        emb = embed_pool(ordered, encoder, tokenizer)
-        np.savez(out / "embeddings.npz", ids=np.array(ids), emb=emb.astype(np.float32))
+        # float32, as saved: a later run with --embeddings then computes exactly what this one does
+        emb = embed_pool(ordered, encoder, tokenizer).astype(np.float32)
+        np.savez(out / "embeddings.npz", ids=np.array(ids), emb=emb)
     sel = graded_splits(emb[: len(members)], emb[len(members):], size=size, k=k, niter=niter, seed=seed,
                         threshold=threshold)
     params = {"size": size, "k": k, "niter": niter, "seed": seed, "threshold": threshold, "medium_seeds": [43, 44],

@@ -4,8 +4,9 @@ Layouts:
 
 * **MIMIR**: either one table (jsonl / json / parquet / csv, or a folder of them) with a ``member`` and a
   ``nonmember`` column per row (the HF ``iamgroot42/mimir`` layout, one file per domain / split: ``domain`` picks
-  the files whose path contains it), or two files of members and non-members (a JSON list of strings as MIMIR's
-  cache writes, a ``.txt`` with one example per line, or a table with a text column).
+  the files whose path contains it), or two files of members and non-members (a JSON list of strings, a JSONL
+  file of one JSON string per line as MIMIR's ``cache_100_200_1000_512/{train,test}/<domain>_<split>.jsonl``, a
+  ``.txt`` with one example per line, or a table with a text column).
 * **WikiMIA**: a table with ``input`` (text) and ``label`` (1 = member).
 * **generic**: any table with configurable text / label / id columns.
 
@@ -84,8 +85,31 @@ def load_rows(path, contains: Optional[str] = None) -> tuple:
                     keys = list(obj)
                     rows.extend({k: obj[k][i] for k in keys} for i in range(n.pop()))
                     continue
+        strings = _jsonl_strings(f) if f.suffix.lower() == ".jsonl" else None
+        if strings is not None:  # MIMIR's cache_*/{train,test}/*.jsonl: one JSON string per line
+            rows.extend({"text": x} for x in strings)
+            continue
         rows.extend(_load_with_datasets(f, b))
     return rows, files
+
+
+def _jsonl_strings(f: Path) -> Optional[list]:
+    """The lines of a JSONL file when every non-blank line is a JSON string (MIMIR's cache layout), else None."""
+    out = []
+    with open(f, encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            if not line.lstrip().startswith('"'):
+                return None
+            try:
+                v = json.loads(line)
+            except json.JSONDecodeError:
+                return None
+            if not isinstance(v, str):
+                return None
+            out.append(v)
+    return out or None
 
 
 def _load_with_datasets(f: Path, builder: str) -> list:

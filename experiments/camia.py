@@ -1,0 +1,825 @@
+"""CAMIA's Table 1 (with Table 13's AUC) and Table 2 as one command: per domain, AUC and TPR@1%FPR of every baseline
+and of CAMIA with each combiner, calibrated on non-members only, averaged over 10 seeded calibration draws.
+
+    python -m experiments.camia [--preset default|smoke] [--out DIR]             # a member of the testbed suite
+    python -m experiments.camia --mimir DIR --model DIR [--ref-model DIR] [--mlm DIR] [--domains arxiv,github]
+
+Protocol (ALGORITHMS.md 2; the official ``run_ours_*.py``). For each domain the 75 CAMIA signals and every baseline
+score are computed ONCE for all of the domain's members and non-members; then for draw i = 0..draws-1 (seeded
+``numpy.random.default_rng([seed, i])``; the official code seeds ``np.random.seed(i)``):
+
+    calib  = alpha = 30% of the non-members: CAMIA's empirical p-values (the only data CAMIA learns from);
+    remove = 30% of the members: only ``camia_lr`` trains on calib + remove (with their labels);
+    target = the other 70% of each class: every method is evaluated here.
+
+A cell is the mean over the draws, with the standard deviation (ddof = 1) as its spread. Baselines are thresholded
+on their raw scores over the same target set (the paper's "p-values from the same calibration set" are a monotone
+map of the raw score, equal up to ties on the calibration grid). The blind baseline is ``mia.blind``'s bag of words +
+logistic regression on one seeded stratified 80/20 split of the domain (the paper: BoW + naive Bayes, 80/20).
+
+Domains on the testbed: the corpus grouped by top-level name (``asyncio/base_events.py`` -> ``asyncio``,
+``argparse.py`` -> ``argparse``). The testbed does not record which document each row of its order comes from, so
+``row_documents`` re-derives it (the corpus re-tokenized, re-packed and matched row by row against ``order.bin``;
+any mismatch stops the run) and caches it in the testbed's ``cache/``. A row belongs to the document holding most of
+its tokens; rows whose majority document holds less than ``min_share`` of them are left out. Members: rows the
+checkpoint trained on ([0, c*B)); non-members: rows of the same first epoch after it ([c*B, E*B)); per domain the first
+``n`` of each class in one seeded permutation. Rows are scored at the model's trained context (CAMIA's 6x repeated
+text runs in sliding windows of that context, with a note).
+
+Table 2 (n-gram overlap): MIMIR's ``ngram_<n>_<t>`` files where ``--mimir`` provides them; on the testbed, the
+domain's non-members filtered the same way (token n-grams found in the rows the checkpoint trained on, at most a
+fraction t), the members unchanged.
+
+Outputs (``--out``, default ``results/camia-<preset>``): ``report.md``; ``table1.{md,csv,tex,json}`` (methods x
+domains, "mean ± sd" of AUC and TPR@1%FPR in %); ``table1_values.{csv,json}`` (the same, numeric, long format);
+``table2.*`` (domain x n-gram split, TPR and AUC of LOSS, Zlib, Min-K%, Min-K%++ and CAMIA); ``summary.json``;
+``scores/<dataset>.jsonl`` (baseline scores per example); ``signals/<dataset>.npz`` (the 75 raw signals, ids,
+labels); ``splits/<dataset>.jsonl``; ``manifest.json``; ``timings.json``. Same inputs and seed: the same tables and
+summary, byte for byte.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from mia.report import csv_text
+
+from experiments.common import (ExperimentError, Timings, experiment_parser, open_members, pick_members,
+                                run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
+                                use_compilation_cache, write_json, write_manifest, write_scores, write_tables)
+
+BASELINES = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "ref", "neighbor")  # the paper's K = 20 for Min-K%
+COMBINERS = ("edgington", "fisher", "pearson", "george")
+DISPLAY = {"blind": "Blind (BoW + LR, 80/20)", "loss": "LOSS", "zlib": "Zlib", "mink:k=0.2": "Min-K% (k=0.2)",
+           "minkpp:k=0.2": "Min-K%++ (k=0.2)", "ref": "Reference", "neighbor": "Neighborhood",
+           "camia:edgington": "CAMIA (Edgington)", "camia:fisher": "CAMIA (Fisher)",
+           "camia:pearson": "CAMIA (Pearson)", "camia:george": "CAMIA (George)",
+           "camia_lr": "CAMIA (LR + group PCA, c=2; members too)"}
+TABLE2_METHODS = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "camia:edgington", "camia:george")
+MIN_TABLE2_NONMEMBERS = 20  # fewer non-members after an n-gram filter leave no meaningful TPR@1%FPR
+NGRAM_SPLITS = (("ngram_7_0.2", 7, 0.2), ("ngram_13_0.2", 13, 0.2), ("ngram_13_0.8", 13, 0.8))
+MIMIR_CACHES = ("cache_100_200_1000_512", "cache_100_200_10000_512")
+_MIMIR_NAME = re.compile(r"^(?P<domain>.+?)(?:_(?P<split>ngram_\d+_[0-9.]+))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Settings of one preset. Counts are per domain and class."""
+
+    suite: str  # testbed suite (or testbed) preset
+    n_domains: int
+    n_members: int
+    n_nonmembers: int
+    member: str = "middle"  # the target suite member (common.pick_members): middle, largest, smallest or a name
+    draws: int = 10
+    alpha: float = 0.3
+    min_share: float = 0.5
+    blind: bool = True
+    components: int = 2
+
+
+PRESETS = {
+    # the tests: two domains of the smoke suite, 40 + 40 rows each (12 calibration non-members per draw)
+    "smoke": Preset("smoke", n_domains=2, n_members=40, n_nonmembers=40),
+    # seven domains (as the paper's seven MIMIR domains) of the default suite, 100 + 100 rows each (30 calibration
+    # non-members per draw)
+    "default": Preset("default", n_domains=7, n_members=100, n_nonmembers=100),
+}
+
+
+# ============================================================================================ the testbed's domains
+@dataclasses.dataclass(frozen=True)
+class RowDocuments:
+    """Which corpus document each row of a testbed's order comes from."""
+
+    paths: tuple  # document paths (corpus order)
+    doc: np.ndarray  # [n_rows] int: index into ``paths`` of the document holding most of row i's tokens
+    share: np.ndarray  # [n_rows] float: the fraction of row i's tokens from that document
+
+
+def domain_of(path: str) -> str:
+    """The top-level name of a corpus path: its package (``asyncio/base_events.py`` -> ``asyncio``) or, for a
+    top-level file, its module name (``argparse.py`` -> ``argparse``)."""
+    head = path.split("/", 1)[0]
+    if "/" not in path:
+        head = head.split("#", 1)[0]
+        for suffix in (".py", ".txt", ".md"):
+            if head.endswith(suffix):
+                return head[: -len(suffix)]
+    return head
+
+
+def majority_documents(packed_rows: np.ndarray, doc_lengths: np.ndarray, row_len: int) -> tuple:
+    """(doc [R], share [R]) of packed rows: ``packed_rows`` are row numbers in the packed token stream (row p holds
+    stream tokens [p*row_len, (p+1)*row_len)); document j holds ``doc_lengths[j]`` stream tokens (its EOD included)."""
+    starts = np.concatenate([[0], np.cumsum(np.asarray(doc_lengths, np.int64))])
+    lo = np.asarray(packed_rows, np.int64) * row_len
+    d0 = np.searchsorted(starts, lo, side="right") - 1
+    d1 = np.searchsorted(starts, lo + row_len - 1, side="right") - 1
+    doc, share = d0.copy(), np.ones(len(lo))
+    for i in np.flatnonzero(d0 != d1):
+        js = np.arange(d0[i], d1[i] + 1)
+        overlap = np.minimum(starts[js + 1], lo[i] + row_len) - np.maximum(starts[js], lo[i])
+        k = int(np.argmax(overlap))
+        doc[i], share[i] = js[k], overlap[k] / row_len
+    return doc, share
+
+
+def row_documents(tb, progress: bool = False) -> RowDocuments:
+    """The document of every row of testbed ``tb``'s order, re-derived (the testbed does not record it): the corpus
+    is re-read and re-tokenized, packed as ``mia.testbed.packing`` packs it, and each row of ``order.bin`` is matched
+    by content to its first occurrence in the packed stream (duplicate rows were kept once, first occurrence). A row
+    of the order missing from the re-packed stream stops the run. Cached in ``tb.root/cache``."""
+    from mia.data.corpus import load_corpus
+    from mia.testbed.packing import pack_rows
+    from mia.testbed.tokenizer import encode_documents
+
+    m = tb.manifest
+    key = f"{m['data']['bin']['sha256'][:16]}-{m['corpus']['sha256'][:16]}"
+    cache = tb.root / "cache" / f"row_documents-{key}.npz"
+    if cache.exists():
+        z = np.load(cache, allow_pickle=False)
+        return RowDocuments(tuple(str(p) for p in z["paths"]), z["doc"], z["share"])
+    cfg = tb.config
+    corpus = load_corpus(cfg.corpus, cfg.text_column, cfg.max_corpus_bytes)
+    if corpus.sha256 != m["corpus"]["sha256"]:
+        raise ExperimentError(f"{tb.root}: its corpus changed since the testbed was built (sha256 "
+                              f"{corpus.sha256[:12]} != {m['corpus']['sha256'][:12]}); cannot map rows to documents")
+    say_fn(progress)(f"mapping the rows of {tb.root} to their corpus documents (re-tokenizing {len(corpus)} documents)")
+    docs = encode_documents(tb.tokenizer(), corpus.texts)
+    packed = pack_rows(docs, tb.row_len)
+    first: dict = {}
+    for p in range(len(packed)):
+        first.setdefault(packed[p].tobytes(), p)
+    order = tb.dataset().get_rows(np.arange(tb.n_rows))
+    found = np.array([first.get(np.ascontiguousarray(r, np.uint16).tobytes(), -1) for r in order], np.int64)
+    if (found < 0).any():
+        i = int(np.flatnonzero(found < 0)[0])
+        raise ExperimentError(f"{tb.root}: row {i} of data/order.bin is not in the corpus re-packed with its tokenizer "
+                              f"({int((found < 0).sum())} such rows); cannot map rows to documents")
+    doc, share = majority_documents(found, np.array([len(d) + 1 for d in docs]), tb.row_len)
+    out = RowDocuments(tuple(d.path for d in corpus.documents), doc, share)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.stem + ".tmp.npz")
+    np.savez(tmp, paths=np.array(out.paths), doc=doc.astype(np.int32), share=share.astype(np.float32))
+    tmp.replace(cache)
+    return out
+
+
+def choose_domains(row_domain: np.ndarray, member_rows: np.ndarray, nonmember_rows: np.ndarray, n_members: int,
+                   n_nonmembers: int, want) -> list:
+    """Domain names to evaluate: ``want`` names them (each must have enough rows of both classes), or is a count
+    (the largest domains that do, by rows, ties by name)."""
+    names = sorted(set(row_domain[member_rows].tolist()) | set(row_domain[nonmember_rows].tolist()))
+    n_m = {d: 0 for d in names}
+    n_n = dict(n_m)
+    for d in row_domain[member_rows].tolist():
+        n_m[d] += 1
+    for d in row_domain[nonmember_rows].tolist():
+        n_n[d] += 1
+    ok = [d for d in names if n_m[d] >= n_members and n_n[d] >= n_nonmembers]
+    if isinstance(want, int):
+        chosen = sorted(ok, key=lambda d: (-(n_m[d] + n_n[d]), d))[:want]
+        if not chosen:
+            raise ExperimentError(f"no domain has {n_members} member and {n_nonmembers} non-member rows; lower "
+                                  "--n-members/--n-nonmembers")
+        return chosen
+    bad = [d for d in want if d not in ok]
+    if bad:
+        listing = ", ".join(f"{d} ({n_m[d]}+{n_n[d]})" for d in sorted(ok, key=lambda d: -(n_m[d] + n_n[d]))[:15])
+        raise ExperimentError(f"--domains: {', '.join(bad)} not found or without {n_members} member and "
+                              f"{n_nonmembers} non-member rows; domains that have them (members+non-members): "
+                              f"{listing or 'none'}")
+    return list(want)
+
+
+def testbed_datasets(tb, step: int, preset: Preset, seed: int, domains=None, progress: bool = False) -> tuple:
+    """([(domain, examples)], info, member rows [c*B] read): per chosen domain the first ``n_members`` member and
+    ``n_nonmembers`` non-member rows of one seeded permutation, with ``share`` >= ``min_share``."""
+    B, E = tb.batch_size, tb.epoch_steps
+    if not 0 < step <= tb.train_steps:
+        raise ExperimentError(f"--step {step}: the testbed trained steps (0, {tb.train_steps}]")
+    rd = row_documents(tb, progress)
+    dom_of_doc = np.array([domain_of(p) for p in rd.paths])
+    row_domain = dom_of_doc[rd.doc]
+    rng = np.random.default_rng([int(seed), 0xCA01])
+    members = rng.permutation(step * B)
+    nonmembers = step * B + rng.permutation((E - step) * B)
+    members = members[rd.share[members] >= preset.min_share]
+    nonmembers = nonmembers[rd.share[nonmembers] >= preset.min_share]
+    want = preset.n_domains if not domains else list(domains)
+    chosen = choose_domains(row_domain, members, nonmembers, preset.n_members, preset.n_nonmembers, want)
+    ds = tb.dataset()
+    out, info = [], {}
+    for d in chosen:
+        rows_m = members[row_domain[members] == d][: preset.n_members]
+        rows_n = nonmembers[row_domain[nonmembers] == d][: preset.n_nonmembers]
+        rows = np.concatenate([rows_m, rows_n])
+        toks = ds.get_rows(rows)
+        examples = [{"id": f"row{int(r)}", "label": int(k < len(rows_m)), "tokens": t.tolist(), "index": int(r),
+                     "step": int(r) // B, "batch_pos": int(r) % B, "document": rd.paths[int(rd.doc[r])],
+                     "share": round(float(rd.share[r]), 4)} for k, (r, t) in enumerate(zip(rows, toks))]
+        out.append((d, examples))
+        info[d] = {"n_members": int(len(rows_m)), "n_nonmembers": int(len(rows_n)),
+                   "documents": len({e["document"] for e in examples}),
+                   "mean_share": round(float(rd.share[rows].mean()), 4)}
+    pool = {"member_rows": [0, step * B], "nonmember_rows": [step * B, E * B], "min_share": preset.min_share,
+            "n_member_rows_eligible": int(len(members)), "n_nonmember_rows_eligible": int(len(nonmembers)),
+            "sampler": "numpy.random.default_rng([seed, 0xCA01]).permutation per class; first n per domain",
+            "domains": info}
+    return out, pool
+
+
+def ngram_masks(train_rows: np.ndarray, nonmember_tokens: Sequence, splits=NGRAM_SPLITS) -> dict:
+    """{split name: [N] bool, True = the non-member is kept}: MIMIR's ``ngram_<n>_<t>`` rule on token ids: the
+    fraction of a non-member's token n-grams found among the training rows is at most t."""
+    from mia.data.text import ngram_overlap, ngram_set
+
+    ref_lists = np.asarray(train_rows).tolist()
+    sets = {n: ngram_set(ref_lists, n) for n in sorted({n for _, n, _ in splits})}
+    lists = [list(map(int, t)) for t in nonmember_tokens]
+    return {name: np.array([ngram_overlap(t, sets[n], n) <= thr for t in lists], bool) for name, n, thr in splits}
+
+
+# ============================================================================================ MIMIR files
+def mimir_index(root) -> dict:
+    """{(domain, split): (member file, non-member file)} of MIMIR's cache layout under ``root``:
+    ``[cache_100_200_1000_512/]{train,test}/<domain>[_<split>].jsonl`` (train = members, test = non-members; split
+    "none" when the name has no ``_ngram_<n>_<t>`` suffix)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ExperimentError(f"--mimir {root}: not a directory")
+    bases = [root] if (root / "train").is_dir() else [root / c for c in MIMIR_CACHES if (root / c / "train").is_dir()]
+    found = {}
+    for base in bases:
+        for f in sorted((base / "train").glob("*.json*")):
+            other = base / "test" / f.name
+            m = _MIMIR_NAME.match(f.name.rsplit(".", 1)[0])
+            if m and other.exists():
+                found.setdefault((m.group("domain"), m.group("split") or "none"), (f, other))
+    if not found:
+        raise ExperimentError(f"--mimir {root}: no MIMIR files (expected {MIMIR_CACHES[0]}/train/<domain>_<split>.jsonl "
+                              "with the same name under test/)")
+    return found
+
+
+def _listing(index: dict) -> str:
+    by: dict = {}
+    for d, s in sorted(index):
+        by.setdefault(d, []).append(s)
+    return "; ".join(f"{d} ({', '.join(v)})" for d, v in by.items())
+
+
+def mimir_pick(index: dict, domains: Optional[Sequence[str]], split: str) -> list:
+    """The (domain, split) keys to run: every requested domain must have ``split``; one line lists what is there."""
+    have = sorted({d for d, _ in index})
+    domains = list(domains) if domains else [d for d in have if (d, split) in index]
+    missing = [d for d in domains if (d, split) not in index]
+    if missing or not domains:
+        what = f"domain(s) {', '.join(missing)}" if missing else "any domain"
+        raise ExperimentError(f"the MIMIR files have no {what} with split {split!r}; domains there: {_listing(index)}")
+    return [(d, split) for d in domains]
+
+
+def mimir_examples(member_file, nonmember_file, tokenizer, max_per_class: Optional[int], seed: int) -> tuple:
+    """(examples with text and token ids, notes): MIMIR texts (``mia.data.text.load_mimir``), at most
+    ``max_per_class`` per class (a seeded subsample), tokenized with the model's tokenizer defaults; texts of fewer
+    than 2 tokens are left out (noted)."""
+    from mia.data.text import load_mimir
+
+    ex, _ = load_mimir(member=str(member_file), nonmember=str(nonmember_file))
+    rng = np.random.default_rng([int(seed), 0x313])
+    out, notes = [], []
+    for label in (1, 0):
+        pool = [e for e in ex if e["label"] == label]
+        if max_per_class is not None and len(pool) > max_per_class:
+            pool = [pool[i] for i in np.sort(rng.choice(len(pool), max_per_class, replace=False))]
+        out += pool
+    short = 0
+    kept = []
+    for e in out:
+        e["tokens"] = [int(t) for t in tokenizer(e["text"])["input_ids"]]
+        if len(e["tokens"]) < 2:
+            short += 1
+            continue
+        kept.append(e)
+    if short:
+        notes.append(f"{Path(member_file).name}: {short} text(s) with fewer than 2 tokens left out")
+    return kept, notes
+
+
+# ============================================================================================ the protocol
+def calibration_draw(labels: np.ndarray, alpha: float, seed: int, i: int) -> tuple:
+    """(calib, remove, target) index arrays of draw ``i``: ``alpha`` of the non-members (calib), ``alpha`` of the
+    members (remove), the rest of both (target); ``numpy.random.default_rng([seed, i])`` permutations."""
+    rng = np.random.default_rng([int(seed), int(i)])
+    y = np.asarray(labels)
+    non, mem = rng.permutation(np.flatnonzero(y == 0)), rng.permutation(np.flatnonzero(y == 1))
+    k0, k1 = int(alpha * len(non)), int(alpha * len(mem))
+    return np.sort(non[:k0]), np.sort(mem[:k1]), np.sort(np.concatenate([non[k0:], mem[k1:]]))
+
+
+def _metrics(s: np.ndarray, y: np.ndarray) -> tuple:
+    """(AUC, TPR@1%FPR) over the finite scores, from one ROC curve (``mia.metrics.roc``): the area under it, and
+    the largest TPR among its points with FPR <= 1% (``mia.metrics.tpr_at_fpr``'s rule); NaN with one class."""
+    from sklearn.metrics import auc as area
+
+    from mia.metrics import roc
+
+    ok = np.isfinite(s)
+    if len(set(y[ok].tolist())) < 2:
+        return float("nan"), float("nan")
+    f, t = roc(s[ok], y[ok])
+    return float(area(f, t)), float(t[f <= 0.01 + 1e-12].max())
+
+
+def draw_results(scores: dict, signals: Optional[np.ndarray], labels: np.ndarray, *, draws: int, alpha: float,
+                 seed: int, subset: Optional[np.ndarray] = None, components: int = 2, diversity: str = "low",
+                 lr: bool = True) -> tuple:
+    """({method: {"auc": [draws], "tpr": [draws]}}, {method: reason skipped}) over ``draws`` calibration draws on
+    the examples ``subset`` (default: all). ``scores``: baseline scores [N] (higher = member); ``signals``: the 75
+    raw CAMIA signals [N, 75] (None: no CAMIA rows); ``lr``: also ``camia_lr`` (trained on calib + remove)."""
+    from mia.attacks import camia
+
+    idx = np.arange(len(labels)) if subset is None else np.asarray(subset)
+    y_all = np.asarray(labels)
+    out: dict = {}
+    skipped: dict = {}
+    oriented = None if signals is None else np.asarray(signals, np.float64) * camia.orientation(diversity)
+    for i in range(draws):
+        cal, rem, tgt = (idx[j] for j in calibration_draw(y_all[idx], alpha, seed, i))
+        y = y_all[tgt]
+        per = {m: s[tgt] for m, s in scores.items()}
+        if oriented is not None:
+            n_cal = int(np.isfinite(oriented[cal]).all(1).sum())
+            if n_cal < camia.MIN_CALIB_FLOOR:
+                skipped["camia"] = (f"only {n_cal} calibration non-members with all 75 signals; CAMIA needs at "
+                                    f"least {camia.MIN_CALIB_FLOOR}")
+            else:
+                for c in COMBINERS:
+                    per[f"camia:{c}"] = camia.pvalue_scores(oriented[tgt], oriented[cal], c)
+            train = np.concatenate([cal, rem])
+            try:
+                if lr:
+                    per["camia_lr"] = camia.group_pca_lr_scores(oriented[train], y_all[train], oriented[tgt],
+                                                                components)
+            except camia.AttackError as e:
+                skipped["camia_lr"] = str(e)
+        for m, s in per.items():
+            a, t = _metrics(np.asarray(s, np.float64), y)
+            r = out.setdefault(m, {"auc": [], "tpr": []})
+            r["auc"].append(a)
+            r["tpr"].append(t)
+    return out, skipped
+
+
+def aggregate(per_draw: dict) -> dict:
+    """{"auc", "auc_sd", "tpr", "tpr_sd", "n_draws"}: mean and standard deviation (ddof = 1) over the draws."""
+    out = {}
+    for k in ("auc", "tpr"):
+        v = np.asarray(per_draw[k], np.float64)
+        v = v[np.isfinite(v)]
+        out[k] = float(v.mean()) if v.size else None
+        out[f"{k}_sd"] = float(v.std(ddof=1)) if v.size > 1 else None
+    out["n_draws"] = int(np.isfinite(np.asarray(per_draw["auc"], np.float64)).sum())
+    return out
+
+
+def blind_result(examples: list, path: Path, header_source: dict, seed: int, n_resamples: int) -> Optional[dict]:
+    """BoW + logistic regression on one seeded stratified 80/20 split of the dataset (``mia.blind``), or None."""
+    from mia.data.splits import partition_counts, write_split
+
+    header = {"source": header_source, "params": {"seed": seed}, **partition_counts(examples)}
+    write_split(path, header, [{**e, "partition": "eval"} for e in examples])
+    rows, _, skipped = run_blind_baselines(path, seed, n_resamples, features=("bow",), classifiers=("lr",))
+    run = [r for r in (rows or []) if r.get("kind") == "run"]
+    if not run:
+        return None
+    return {"auc": run[0]["auc"], "auc_sd": None, "tpr": run[0]["tpr_at_1pct_fpr"], "tpr_sd": None, "n_draws": 1,
+            "n_eval": run[0].get("n_eval"), "n_train": run[0].get("n_train")}
+
+
+# ============================================================================================ tables
+def _cell(mean, sd, scale: float = 1.0, digits: int = 3) -> str:
+    if mean is None:
+        return ""
+    s = f"{mean * scale:.{digits}f}"
+    return s + (f" ± {sd * scale:.{digits}f}" if sd is not None else "")
+
+
+def method_order(results: dict) -> list:
+    """Methods in the paper's row order (blind, baselines, CAMIA combiners, LR), those present anywhere."""
+    seen = {m for r in results.values() for m in r}
+    order = ["blind"] + list(BASELINES) + [f"camia:{c}" for c in COMBINERS] + ["camia_lr"]
+    return [m for m in order if m in seen] + sorted(m for m in seen if m not in order)
+
+
+def table1_rows(results: dict, datasets: Sequence[str]) -> list:
+    """Wide rows: method, then per dataset "<d> AUC" and "<d> TPR%" cells "mean ± sd"."""
+    rows = []
+    for m in method_order(results):
+        row = {"method": DISPLAY.get(m, m)}
+        for d in datasets:
+            r = results[d].get(m)
+            row[f"{d} AUC"] = _cell(r["auc"], r["auc_sd"]) if r else ""
+            row[f"{d} TPR%"] = _cell(r["tpr"], r["tpr_sd"], 100.0, 2) if r else ""
+        rows.append(row)
+    return rows
+
+
+def value_rows(results: dict, counts: dict) -> list:
+    """Long numeric rows: dataset, method, auc, auc_sd, tpr, tpr_sd, n_draws, n_members, n_nonmembers."""
+    rows = []
+    for d, res in results.items():
+        for m in method_order({d: res}):
+            r = res[m]
+            rows.append({"dataset": d, "method": m, **{k: r[k] for k in ("auc", "auc_sd", "tpr", "tpr_sd", "n_draws")},
+                         **counts.get(d, {})})
+    return rows
+
+
+def table2_rows(t2: dict) -> list:
+    """Rows per (domain, n-gram split): non-members kept, then TPR% and AUC of the Table 2 methods."""
+    rows = []
+    for (d, split), (res, n_non) in t2.items():
+        row = {"domain": d, "split": split, "n non-members": n_non}
+        for m in TABLE2_METHODS:
+            r = res.get(m)
+            row[f"{DISPLAY.get(m, m)} TPR%"] = _cell(r["tpr"], r["tpr_sd"], 100.0, 2) if r else ""
+        for m in TABLE2_METHODS:
+            r = res.get(m)
+            row[f"{DISPLAY.get(m, m)} AUC"] = _cell(r["auc"], r["auc_sd"]) if r else ""
+        rows.append(row)
+    return rows
+
+
+def report_markdown(s: dict) -> str:
+    L = [f"# CAMIA Table 1 / Table 2 ({s['setting']})", "", s["model"]["description"], ""]
+    L += [f"Protocol: {s['protocol']}", ""]
+    ds = s["datasets"]
+    L += ["## Table 1: TPR@1%FPR (%), mean ± sd over the calibration draws", ""]
+    L += ["| Attack | " + " | ".join(ds) + " |", "|---|" + "---:|" * len(ds)]
+    for r in s["table1_values_wide"]:
+        L.append(f"| {r['method']} | " + " | ".join(r["tpr"].get(d, "") for d in ds) + " |")
+    L += ["", "## Table 13: AUC, mean ± sd over the calibration draws", ""]
+    L += ["| Attack | " + " | ".join(ds) + " |", "|---|" + "---:|" * len(ds)]
+    for r in s["table1_values_wide"]:
+        L.append(f"| {r['method']} | " + " | ".join(r["auc"].get(d, "") for d in ds) + " |")
+    L += ["", "| dataset | members | non-members | " + " | ".join(k for k in s.get("dataset_info_keys", [])) + " |",
+          "|---|---:|---:|" + "---:|" * len(s.get("dataset_info_keys", []))]
+    for d in ds:
+        c = s["counts"][d]
+        extra = [str(s["dataset_info"].get(d, {}).get(k, "")) for k in s.get("dataset_info_keys", [])]
+        L.append(f"| {d} | {c['n_members']} | {c['n_nonmembers']} | " + " | ".join(extra) + " |")
+    if s.get("table2"):
+        L += ["", "## Table 2: n-gram overlap splits (TPR@1%FPR %, then AUC)", ""]
+        cols = list(s["table2"][0])
+        L += ["| " + " | ".join(cols) + " |", "|" + "---|" * 2 + "---:|" * (len(cols) - 2)]
+        for r in s["table2"]:
+            L.append("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    if s.get("skipped"):
+        L += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in s["skipped"].items()]
+    if s.get("notes"):
+        L += ["", "## Notes", ""] + [f"- {n}" for n in s["notes"]]
+    L += ["", "Numbers: `table1_values.csv`; timings: `timings.json`; inputs and hashes: `manifest.json`.", ""]
+    return "\n".join(L)
+
+
+# ============================================================================================ the run
+def _baseline_attacks(have_ref: bool, have_mlm: bool):
+    unavailable = {}
+    if not have_ref:
+        unavailable["ref"] = "needs a reference model (--ref-model, or a smaller member of the testbed suite)"
+    if not have_mlm:
+        unavailable["mlm"] = "needs a masked language model (--mlm DIR); the paper drops it after Table 1"
+    return select_attacks(",".join(BASELINES), unavailable=unavailable)
+
+
+def evaluate_dataset(name: str, model, examples: list, attacks, settings, *, preset: Preset, seed: int,
+                     bootstrap: int, options: dict, max_length: int, out: Path, source: dict, blind: bool,
+                     progress: bool, timings: Timings) -> dict:
+    """Score one dataset (baselines + 75 signals once), run the draws, the blind baseline; write its files."""
+    from mia.attacks import camia
+
+    with timings(f"score:{name}"):
+        run = score_attacks(model, examples, attacks, settings, seed, progress, max_length, options)
+        signals = camia.features(run.context, run.evaluated, run.context.stats(), "evaluated")
+    labels = run.labels
+    with timings(f"draws:{name}"):
+        res, skipped = draw_results(run.scores, signals, labels, draws=preset.draws, alpha=preset.alpha, seed=seed,
+                                    components=preset.components)
+    results = {m: aggregate(v) for m, v in res.items()}
+    if blind:
+        with timings(f"blind:{name}"):
+            b = blind_result(examples, out / "splits" / f"{_file(name)}.jsonl", source, seed, bootstrap)
+        if b is not None:
+            results = {"blind": b, **results}
+    meta = {e["id"]: {k: e[k] for k in ("index", "step", "document", "share") if k in e} for e in examples}
+    write_scores(out / "scores" / f"{_file(name)}.jsonl", run, meta)
+    np.savez(out / "signals" / f"{_file(name)}.npz", signals=signals.astype(np.float64), labels=labels,
+             ids=np.array(run.ids), names=np.array(camia.FEATURE_NAMES))
+    return {"results": results, "per_draw": res, "skipped": {**run.failed, **skipped}, "notes": run.context.notes,
+            "run": run, "signals": signals}
+
+
+def _file(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.()-]+", "_", name)
+
+
+def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir=None, member: Optional[str] = None,
+        step: Optional[int] = None, domains=None, n_domains: Optional[int] = None, n_members: Optional[int] = None,
+        n_nonmembers: Optional[int] = None, draws: Optional[int] = None, memorize_epochs: int = 0,
+        mimir=None, model_dir=None, ref_model=None, mlm=None, split: str = "ngram_7_0.2",
+        table2_domains=None, max_per_class: Optional[int] = None, blind: bool = True, seed: int = 0,
+        bootstrap: int = 200, progress: bool = True, argv=None) -> dict:
+    """Run the experiment; returns the summary (also written to ``out/summary.json``)."""
+    from mia.scoring import ScoringSettings
+
+    if preset not in PRESETS:
+        raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    p = dataclasses.replace(PRESETS[preset], **{k: v for k, v in (
+        ("n_domains", n_domains), ("n_members", n_members), ("n_nonmembers", n_nonmembers), ("draws", draws),
+        ("member", member)) if v is not None})
+    for k in ("n_domains", "n_members", "n_nonmembers", "draws"):
+        if getattr(p, k) < 1:
+            raise ExperimentError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(p, k)}")
+    say = say_fn(progress)
+    timings = Timings()
+    t0 = time.perf_counter()
+    use_compilation_cache()  # reruns and every split reuse compiled scoring code
+    out = Path(out) if out is not None else Path("results") / f"camia-{'mimir' if mimir else preset}"
+    for sub in ("scores", "signals", "splits"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    notes: list = []
+    if mimir is not None:
+        s = _run_mimir(p, out, mimir=mimir, model_dir=model_dir, ref_model=ref_model, mlm=mlm, split=split,
+                       domains=domains, table2_domains=table2_domains, max_per_class=max_per_class, blind=blind,
+                       seed=seed, bootstrap=bootstrap, progress=progress, timings=timings)
+    else:
+        if model_dir is not None or ref_model is not None:
+            raise ExperimentError("--model/--ref-model go with --mimir; on the testbed the model is a suite member")
+        s = _run_testbed(p, preset, out, testbeds=testbeds, suite_dir=suite_dir, step=step, domains=domains,
+                         memorize_epochs=memorize_epochs, mlm=mlm, blind=blind, seed=seed, bootstrap=bootstrap,
+                         progress=progress, timings=timings)
+    s["notes"] = notes + s["notes"]
+    write_json(out / "summary.json", {k: v for k, v in s.items() if not k.startswith("_")})
+    (out / "report.md").write_text(report_markdown(s))
+    write_manifest(out, module="experiments.camia", argv=argv, config=s["_config"], seeds={
+        "draws": f"numpy.random.default_rng([{seed}, i]) for i < {p.draws}", "domains": [seed, 0xCA01],
+        "blind": seed, "mimir_subsample": [seed, 0x313]}, hashes=s["_hashes"], paths=s["_paths"],
+        outputs=["report.md", "table1.*", "table1_values.*", "table2.*", "summary.json", "scores/", "signals/",
+                 "splits/"])
+    timings["total"] = round(time.perf_counter() - t0, 1)
+    timings.write(out)
+    say(f"wrote {out}/ in {timings['total']:.0f} s")
+    return s
+
+
+def _finish(p: Preset, out: Path, results: dict, counts: dict, t2: dict, *, setting: str, model_desc: str,
+            info: dict, info_keys: list, skipped: dict, notes: list, config: dict, hashes: dict, paths: dict) -> dict:
+    names = list(results)
+    wide = table1_rows(results, names)
+    write_tables(wide, out, "table1", list(wide[0]) if wide else ["method"],
+                 title=f"CAMIA Table 1 / 13 ({setting}): AUC and TPR@1%FPR (%), mean ± sd over {p.draws} draws")
+    values = value_rows(results, counts)
+    (out / "table1_values.csv").write_text(csv_text(values))
+    write_json(out / "table1_values.json", {"rows": values})
+    t2_rows = table2_rows(t2) if t2 else []
+    if t2_rows:
+        write_tables(t2_rows, out, "table2", list(t2_rows[0]), title=f"CAMIA Table 2 ({setting}): n-gram splits")
+    per_method = []
+    for m in method_order(results):
+        per_method.append({"method": DISPLAY.get(m, m),
+                           "tpr": {d: _cell(results[d][m]["tpr"], results[d][m]["tpr_sd"], 100.0, 2)
+                                   for d in names if m in results[d]},
+                           "auc": {d: _cell(results[d][m]["auc"], results[d][m]["auc_sd"])
+                                   for d in names if m in results[d]}})
+    protocol = (f"{p.draws} calibration draws (numpy default_rng([seed, i])): calib = {p.alpha:.0%} of the "
+                f"non-members (CAMIA p-values), remove = {p.alpha:.0%} of the members (camia_lr training only, with "
+                f"calib), target = the rest; baselines thresholded on raw scores over the same target set; blind = "
+                "BoW + LR on one stratified 80/20 split")
+    return {"setting": setting, "model": {"description": model_desc}, "protocol": protocol, "datasets": names,
+            "counts": counts, "dataset_info": info, "dataset_info_keys": info_keys, "results": results,
+            "table1_values_wide": per_method, "table2": t2_rows, "skipped": skipped, "notes": notes,
+            "_config": config, "_hashes": hashes, "_paths": paths}
+
+
+def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step, domains, memorize_epochs, mlm,
+                 blind, seed, bootstrap, progress, timings) -> dict:
+    from mia.models import load
+    from mia.scoring import ScoringSettings
+
+    say = say_fn(progress)
+    with timings("testbed"):
+        members, desc, notes = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
+    targets = pick_members(members, p.member)
+    if len(targets) != 1:
+        raise ExperimentError("--member all is not offered here: Table 1 is one model; run once per --member NAME")
+    target = targets[0]
+    tb = target.testbed
+    c = tb.train_steps if step is None else int(step)
+    with timings("rows"):
+        datasets, pool = testbed_datasets(tb, c, p, seed, domains, progress)
+    model_dir = tb.checkpoint_dir(c)
+    dial = None
+    if memorize_epochs and memorize_epochs > 0:
+        rows = sorted(e["index"] for _, ex in datasets for e in ex if e["label"] == 1)
+        with timings("memorize"):
+            model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
+        dial = {"epochs": int(memorize_epochs), "n_rows": len(rows), "path": str(model_dir)}
+    model = load(model_dir)
+    context = min(int(model.max_length), tb.row_len)
+    ref = next((m for m in members if m.n_params < target.n_params), None)
+    options = {"ref_model": load(ref.testbed.checkpoint_dir(c))} if ref is not None else {}  # loaded once
+    if mlm:
+        options["mlm"] = str(mlm)
+    attacks, skipped = _baseline_attacks(ref is not None, bool(mlm))
+    settings = ScoringSettings(cache_dir=str(tb.root / "cache"), progress=progress)
+    notes = list(notes) + [f"rows are scored at the model's trained context ({context} tokens)"]
+    if ref is not None:
+        notes.append(f"Reference = LL(target) - LL(suite member {ref.name} at step {c}), the smallest member as the "
+                     "reference model (the paper uses StableLM-3B for Pythia)")
+    source = {"kind": "testbed-domain", "testbed": str(tb.root.resolve()), "tokenizer": str(tb.root.resolve()),
+              "config_hash": tb.config.config_hash}
+    results, counts, t2 = {}, {}, {}
+    train_rows = None
+    for d, examples in datasets:
+        say(f"domain {d}: {len(examples)} rows")
+        ev = evaluate_dataset(d, model, examples, attacks, settings, preset=p, seed=seed, bootstrap=bootstrap,
+                              options=options, max_length=context, out=out, source=source, blind=blind,
+                              progress=progress, timings=timings)
+        results[d] = ev["results"]
+        counts[d] = {"n_members": pool["domains"][d]["n_members"], "n_nonmembers": pool["domains"][d]["n_nonmembers"]}
+        skipped.update({f"{d}: {k}": v for k, v in ev["skipped"].items()})
+        for n in ev["notes"]:
+            if n not in notes:
+                notes.append(n)
+        with timings(f"table2:{d}"):
+            if train_rows is None:
+                train_rows = tb.dataset().get_rows(np.arange(c * tb.batch_size))
+            y = ev["run"].labels
+            non = np.flatnonzero(y == 0)
+            masks = ngram_masks(train_rows, [ev["run"].evaluated[i].tokens for i in non])
+            scores = {m: v for m, v in ev["run"].scores.items() if m in TABLE2_METHODS}
+            t2[(d, "all (Table 1)")] = ({m: v for m, v in ev["results"].items() if m in TABLE2_METHODS}, len(non))
+            for name, keep in masks.items():
+                if keep.sum() < MIN_TABLE2_NONMEMBERS:
+                    t2[(d, name)] = ({}, int(keep.sum()))
+                    skipped[f"{d} {name}"] = (f"only {int(keep.sum())} non-members pass the filter; a row needs at "
+                                              f"least {MIN_TABLE2_NONMEMBERS}")
+                    continue
+                subset = np.concatenate([np.flatnonzero(y == 1), non[keep]])
+                res, why = draw_results(scores, ev["signals"], y, draws=p.draws, alpha=p.alpha, seed=seed,
+                                        subset=subset, lr=False)
+                t2[(d, name)] = ({m: aggregate(v) for m, v in res.items() if m in TABLE2_METHODS}, int(keep.sum()))
+                skipped.update({f"{d} {name}: {k}": v for k, v in why.items()})
+    mdesc = (f"Model: testbed suite member {target.name} ({target.n_params:,} parameters), checkpoint step{c}"
+             + (f" + memorization dial ({dial['epochs']} epochs over the {dial['n_rows']} member rows)" if dial else "")
+             + f" of {desc}. Domains: top-level names of the corpus (package or module); members from rows "
+             f"[0, {c * tb.batch_size}), non-members from rows [{c * tb.batch_size}, {tb.epoch_steps * tb.batch_size}) "
+             f"of the first epoch; rows of {tb.row_len} tokens whose majority document holds >= {p.min_share:.0%} of "
+             "them.")
+    info = {d: {k: v for k, v in pool["domains"][d].items() if k in ("documents", "mean_share")} for d in results}
+    config = {"preset": preset, "settings": dataclasses.asdict(p), "step": c, "member": target.name,
+              "domains": list(results), "memorize": dial, "mlm": mlm, "bootstrap": bootstrap,
+              "testbed": tb.config.to_dict(), "pool": pool}
+    hashes = {"order_bin_sha256": tb.manifest["data"]["bin"]["sha256"], "corpus_sha256": tb.manifest["corpus"]["sha256"],
+              "model_sha256": sha_file(Path(model_dir) / "model.safetensors")}
+    paths = {"testbed": str(tb.root.resolve()), "model": str(Path(model_dir).resolve())}
+    return _finish(p, out, results, counts, t2, setting=f"testbed {preset}, member {target.name}", model_desc=mdesc,
+                   info=info, info_keys=["documents", "mean_share"], skipped=skipped, notes=notes, config=config,
+                   hashes=hashes, paths=paths)
+
+
+def _check_model_dir(path, flag: str) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise ExperimentError(f"{flag} {p}: model directory not found")
+    if not (p / "config.json").exists():
+        raise ExperimentError(f"{flag} {p}: not a model directory (no config.json)")
+    return p
+
+
+def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split, domains, table2_domains,
+               max_per_class, blind, seed, bootstrap, progress, timings) -> dict:
+    from mia.models import load
+    from mia.scoring import ScoringSettings
+
+    if model_dir is None:
+        raise ExperimentError("--mimir needs --model DIR (a local model directory)")
+    index = mimir_index(mimir)
+    keys = mimir_pick(index, domains, split)
+    t2_domains = [d for d, _ in keys] if table2_domains in (None, "all") else list(table2_domains)
+    unknown = [d for d in t2_domains if not any(k[0] == d for k in index)]
+    if unknown:
+        raise ExperimentError(f"--table2-domains: no MIMIR files for {', '.join(unknown)}; domains there: "
+                              f"{_listing(index)}")
+    model_dir = _check_model_dir(model_dir, "--model")
+    if ref_model is not None:
+        _check_model_dir(ref_model, "--ref-model")
+    model = load(model_dir)
+    if model.tokenizer is None:
+        raise ExperimentError(f"--model {model_dir}: no tokenizer files; MIMIR texts must be tokenized")
+    options = {"mlm": str(mlm)} if mlm else {}
+    if ref_model is not None:
+        options["ref_model"] = load(ref_model)  # loaded once, shared by every domain
+    attacks, skipped = _baseline_attacks(ref_model is not None, bool(mlm))
+    settings = ScoringSettings(progress=progress)
+    source = {"kind": "text", "format": "mimir", "root": str(Path(mimir).resolve())}
+    results, counts, t2, notes, files = {}, {}, {}, [], {}
+    extra = sorted(k for k in index if k[0] in t2_domains and k[1] != split and k[1] != "none")
+    for key in keys + extra:
+        d, sp = key
+        name = f"{d}/{sp}"
+        mem_f, non_f = index[key]
+        files[name] = {"member": str(mem_f), "nonmember": str(non_f), "member_sha256": sha_file(mem_f),
+                       "nonmember_sha256": sha_file(non_f)}
+        examples, n = mimir_examples(mem_f, non_f, model.tokenizer, max_per_class, seed)
+        notes += n
+        say_fn(progress)(f"{name}: {len(examples)} texts")
+        ev = evaluate_dataset(name, model, examples, attacks, settings, preset=p, seed=seed, bootstrap=bootstrap,
+                              options=options, max_length=int(model.max_length), out=out, source=source, blind=blind,
+                              progress=progress, timings=timings)
+        y = ev["run"].labels
+        c = {"n_members": int((y == 1).sum()), "n_nonmembers": int((y == 0).sum())}
+        skipped.update({f"{name}: {k}": v for k, v in ev["skipped"].items()})
+        for note in ev["notes"]:
+            if note not in notes:
+                notes.append(note)
+        if key in keys:
+            results[d] = ev["results"]
+            counts[d] = c
+        if d in t2_domains:
+            t2[(d, sp)] = ({m: v for m, v in ev["results"].items() if m in TABLE2_METHODS}, c["n_nonmembers"])
+    n_splits = {d: sum(k[0] == d for k in t2) for d, _ in t2}
+    t2 = {k: v for k, v in sorted(t2.items()) if n_splits[k[0]] > 1}  # Table 2 compares a domain's splits
+    mdesc = (f"Model: {model_dir} ({type(model.config).__name__}, context {model.max_length}); MIMIR files under "
+             f"{mimir}, split {split!r} for Table 1.")
+    config = {"preset": "mimir", "settings": dataclasses.asdict(p), "split": split, "domains": [d for d, _ in keys],
+              "table2_domains": t2_domains, "max_per_class": max_per_class, "ref_model": str(ref_model) if ref_model
+              else None, "mlm": str(mlm) if mlm else None, "bootstrap": bootstrap}
+    hashes = {"model_sha256": {f.name: sha_file(f) for f in sorted(Path(model_dir).glob("*.safetensors"))},
+              "mimir_files": files}
+    paths = {"model": str(Path(model_dir).resolve()), "mimir": str(Path(mimir).resolve())}
+    return _finish(p, out, results, counts, t2, setting=f"MIMIR {split}", model_desc=mdesc, info={}, info_keys=[],
+                   skipped=skipped, notes=notes, config=config, hashes=hashes, paths=paths)
+
+
+# ============================================================================================ CLI
+def build_parser():
+    ap = experiment_parser("python -m experiments.camia", __doc__, PRESETS, default_bootstrap=200)
+    g = ap.add_argument_group("testbed (default)")
+    g.add_argument("--testbed", action="append", default=[], help="a testbed directory instead of the suite")
+    g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
+    g.add_argument("--member", default=None, help="target suite member: middle (default), largest, smallest or a size name; the smallest is "
+                                                  "the Reference baseline's model")
+    g.add_argument("--step", type=int, default=None, help="checkpoint to evaluate (default: the last)")
+    g.add_argument("--memorize-epochs", type=int, default=0,
+                   help="memorization dial: train the checkpoint E more epochs on the chosen member rows")
+    g.add_argument("--n-domains", type=int, default=None, help="the largest N domains (default per preset)")
+    g.add_argument("--n-members", type=int, default=None, help="members per domain (default per preset)")
+    g.add_argument("--n-nonmembers", type=int, default=None, help="non-members per domain (default per preset)")
+    r = ap.add_argument_group("MIMIR files and a real model")
+    r.add_argument("--mimir", default=None, help="MIMIR directory (cache_100_200_1000_512/{train,test}/*.jsonl)")
+    r.add_argument("--model", default=None, help="local model directory (HF layout, safetensors)")
+    r.add_argument("--ref-model", default=None, help="reference model directory (the paper: stablelm-base-alpha-3b-v2)")
+    r.add_argument("--split", default="ngram_7_0.2", help="MIMIR split of Table 1 (default ngram_7_0.2)")
+    r.add_argument("--table2-domains", default=None, help="domains whose other n-gram splits make Table 2 "
+                                                          "(default: every Table 1 domain; comma list)")
+    r.add_argument("--max-per-class", type=int, default=None, help="subsample each MIMIR file to N texts")
+    ap.add_argument("--domains", default=None, help="comma list of domains (testbed: top-level names; MIMIR: arxiv, ...)")
+    ap.add_argument("--draws", type=int, default=None, help="calibration draws (default 10)")
+    ap.add_argument("--mlm", default=None, help="local BERT MLM directory for the Neighborhood baseline")
+    ap.add_argument("--no-blind", action="store_true", help="skip the blind baseline")
+    return ap
+
+
+def _csv(v):
+    return [x.strip() for x in v.split(",") if x.strip()] if v else None
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    status, s = run_main(lambda: run(
+        a.preset, a.out, testbeds=a.testbed, suite_dir=a.suite_dir, member=a.member, step=a.step,
+        domains=_csv(a.domains), n_domains=a.n_domains, n_members=a.n_members, n_nonmembers=a.n_nonmembers,
+        draws=a.draws, memorize_epochs=a.memorize_epochs, mimir=a.mimir, model_dir=a.model, ref_model=a.ref_model,
+        mlm=a.mlm, split=a.split, table2_domains=_csv(a.table2_domains), max_per_class=a.max_per_class,
+        blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap, progress=not a.no_progress, argv=argv),
+        debug=a.debug)
+    if status:
+        return status
+    print(report_markdown(s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,561 @@
+"""EM-MIA's OLMoMIA table as one command: EM-MIA against Loss, Ref, Zlib, Min-K%, Min-K%++, ReCaLL and ReCaLL-Avg on
+the random / easy / medium / hard / mix-1 / mix-2 graded-difficulty splits (AUC and TPR@1%FPR), beside the blind
+AUC of each split.
+
+    python -m experiments.em_mia [--preset default|smoke] [--out DIR]                  # the testbed suite
+    python -m experiments.em_mia --olmo DIR --global-indices FILE --data-paths FILE [--ref-model DIR]   # OLMo-7B
+
+1. A pool of members and non-members. Testbed: a checkpoint split of the suite's shared order at checkpoint c
+   (members: rows [0, c*B); non-members: rows [c*B, E*B) of the first epoch), each row cut to its first L tokens
+   with L = half the trained context, so that every text fits beside another text as EM-MIA's 1-shot prefix (the
+   model never sees a position it was not trained at). OLMo (``--olmo``): the OLMoMIA recipe (ALGORITHMS.md 1.3):
+   instances from steps [0, 100k) (members) and [400k, 450k) (non-members) of ``global_indices``, each reduced to
+   its first document strictly between two EOS with L/2 < length <= L (L = 128), ``mia.data.olmo``; the model is
+   the checkpoint at ``--step`` (400k), which has seen the members and not the non-members. Texts that occur twice
+   in the pool are dropped (a text both trained on and held out has no label).
+2. The six splits: ``mia.data.difficulty`` (MiniLM embeddings, spherical k-means per class, the distance filter,
+   cluster pairs by mean cross distance; ALGORITHMS.md 1.3).
+3. Every attack on every split for the evaluated model(s): the suite's middle member by default (``--member``:
+   largest, smallest, all, size names). ``ref`` on the testbed is the suite's smallest member (the paper uses
+   StableLM-3B for OLMo-7B). ReCaLL's prefix: the largest n <= 12 shots of held-out
+   non-members (not in any split) that fit the trained context beside a text; EM-MIA from every initial score
+   (``em_mia:init=...``; the paper's headline init is unconfirmed); ReCaLL-Avg from the same pairwise matrix.
+4. The blind AUC of each split: bag of words and MiniLM embeddings, each with logistic regression trained on a
+   seeded half of the split and evaluated on the other half (no classifier is chosen on evaluation data).
+
+Preset parameters. The paper's K = 50 and 0.6 filter leave no cluster of size/2 points on testbed pools (a few
+thousand 64-token code texts; the README measured it), so the testbed presets use a smaller K, filter and split
+size, chosen so that all six splits exist and the blind AUC falls from easy to hard (see ``PRESETS``).
+
+Outputs (``--out``, default ``results/em_mia-<preset>``): ``report.md``; ``table_auc.{md,csv,tex,json}`` and
+``table_tpr.*`` (rows: model x method, plus the blind rows; columns: the six splits); ``values.{csv,json}`` (every
+number with its bootstrap SE); ``summary.json``; ``splits/`` (the six split files, ``embeddings.npz``,
+``difficulty.json``, the pool and the ReCaLL prefix); ``scores/<model>/<split>.jsonl``; ``manifest.json``;
+``timings.json``. Same inputs and seed: the same tables and summary, byte for byte.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from experiments.common import (ExperimentError, SplitSizes, Timings, check_token_ids, draw_testbed_split,
+                                experiment_parser, metric_rows, olmo_checkpoint, open_members, pick_members,
+                                run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
+                                use_compilation_cache, write_json, write_manifest, write_scores, write_tables)
+
+SPLITS = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
+INITS = ("loss", "ref", "zlib", "mink", "minkpp")
+MAX_SHOTS = 12  # ReCaLL's default n
+DISPLAY = {"loss": "Loss", "ref": "Ref", "zlib": "Zlib", "mink:k=0.2": "Min-K% (k=0.2)",
+           "minkpp:k=0.2": "Min-K%++ (k=0.2)", "recall_avg": "ReCaLL-Avg",
+           **{f"em_mia:init={i}": f"EM-MIA (init {n})" for i, n in
+              (("loss", "Loss"), ("ref", "Ref"), ("zlib", "Zlib"), ("mink", "Min-K%"), ("minkpp", "Min-K%++"))}}
+BLIND_FEATURES = {"bow": "Blind: BoW + LR", "bert": "Blind: MiniLM + LR"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Settings of one preset. ``pool``: pool texts per class; ``size``: texts per split (half members)."""
+
+    suite: str
+    pool: int
+    size: int
+    k: int
+    threshold: float
+    blind: tuple = ("bow", "bert")
+    doc_len: Optional[int] = None  # None: half the trained context (testbed); OLMoMIA's 128 for --olmo
+    niter: int = 50
+    member: str = "middle"  # suite members evaluated (experiments.common.pick_members); the smallest is their Ref
+
+
+PRESETS = {
+    # the tests: 120 + 120 texts of 32 tokens from the smoke suite; splits of 24
+    "smoke": Preset("smoke", pool=120, size=24, k=3, threshold=0.3, blind=("bow",)),
+    # 1000 + 1000 texts of 64 tokens from the default suite; splits of 100 (50 + 50)
+    "default": Preset("default", pool=1000, size=100, k=10, threshold=0.3),
+    # OLMoMIA's clustering.py defaults: a 100,000-document pool, K = 50, the 0.6 filter, splits of 1000, L = 128
+    "paper": Preset("paper", pool=50_000, size=1000, k=50, threshold=0.6, doc_len=128),
+}
+
+
+# ============================================================================================ the pool
+def dedup_texts(examples: list) -> tuple:
+    """(examples whose token ids occur exactly once, number dropped): a text that is both a member and a non-member
+    (or a member twice) is ambiguous, so every copy goes."""
+    seen: dict = {}
+    for e in examples:
+        k = tuple(e["tokens"])
+        seen[k] = seen.get(k, 0) + 1
+    kept = [e for e in examples if seen[tuple(e["tokens"])] == 1]
+    return kept, len(examples) - len(kept)
+
+
+def testbed_pool(tb, step: int, pool: int, n_prefix: int, doc_len: int, seed: int) -> tuple:
+    """(header, pool examples (partition eval), prefix examples (non-members), notes): a checkpoint split of ``tb``
+    at ``step`` with ``pool`` texts per class and ``n_prefix`` held-out non-members, each row cut to its first
+    ``doc_len`` tokens, texts that occur twice dropped."""
+    extra = pool // 10 + 8  # room for the duplicates dropped below
+    header, examples, _ = draw_testbed_split(tb, step, SplitSizes(eval=pool + extra, prefix=n_prefix), seed)
+    for e in examples:
+        e["tokens"] = e["tokens"][:doc_len]
+    examples, dropped = dedup_texts(examples)
+    prefix = [e for e in examples if e["partition"] == "prefix"]
+    pool_ex = []
+    for label in (1, 0):
+        cls = [e for e in examples if e["partition"] == "eval" and e["label"] == label]
+        if len(cls) < pool:
+            raise ExperimentError(f"only {len(cls)} distinct {'member' if label else 'non-member'} texts of "
+                                  f"{doc_len} tokens; lower --pool")
+        pool_ex += cls[:pool]
+    header["params"].update(doc_len=doc_len, cut="first doc_len tokens of each row", duplicates_dropped=dropped)
+    notes = [f"pool: rows cut to their first {doc_len} tokens; {dropped} text(s) occurring twice dropped"] if dropped \
+        else [f"pool: rows cut to their first {doc_len} tokens"]
+    return header, pool_ex, prefix, notes
+
+
+def parse_steps(spec: str, flag: str) -> tuple:
+    """'A:B' -> (A, B) with 0 <= A < B."""
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ExperimentError(f"{flag} {spec!r}: expected START:END steps, e.g. 400000:450000") from None
+    if not 0 <= a < b:
+        raise ExperimentError(f"{flag} {spec!r}: need 0 <= START < END")
+    return a, b
+
+
+def olmo_pool(global_indices, data_paths, *, model_step: int, member_steps: tuple, nonmember_steps: tuple,
+              pool: int, n_prefix: int, doc_len: int, eos: int, batch_size: int, seq_len: int, seed: int,
+              candidates: Optional[int] = None) -> tuple:
+    """(header, pool examples, prefix examples, notes) by the OLMoMIA recipe (``mia.data.olmo`` documents)."""
+    from mia.data.olmo import OlmoOrder, draw_checkpoint_split
+
+    if member_steps[0] != 0:
+        raise ExperimentError(f"--member-steps {member_steps[0]}:{member_steps[1]}: members start at step 0 "
+                              "(every instance before the end step was trained on)")
+    if not member_steps[1] <= model_step <= nonmember_steps[0]:
+        raise ExperimentError(f"--step {model_step}: the checkpoint must have seen the members (steps < "
+                              f"{member_steps[1]}) and not the non-members (steps >= {nonmember_steps[0]})")
+    for flag, f in (("--global-indices", global_indices), ("--data-paths", data_paths)):
+        if not f:
+            raise ExperimentError(f"--olmo needs the training order: {flag} FILE")
+        if not Path(f).exists():
+            raise ExperimentError(f"{flag} {f}: file not found")
+    order = OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
+    header, examples = draw_checkpoint_split(
+        order, member_steps[1], pool, pool + n_prefix, seed, nonmember_start=nonmember_steps[0],
+        end_step=nonmember_steps[1], batch_size=batch_size, documents=True, eos=eos, doc_len=doc_len,
+        pool=candidates)
+    examples, dropped = dedup_texts(examples)
+    non = [e for e in examples if e["label"] == 0]
+    prefix = non[:n_prefix]
+    for e in prefix:
+        e["partition"] = "prefix"
+    pool_ex = [e for e in examples if e["label"] == 1] + non[n_prefix:]
+    header["params"].update(model_step=model_step, duplicates_dropped=dropped)
+    return header, pool_ex, prefix, ([f"pool: {dropped} document(s) occurring twice dropped"] if dropped else [])
+
+
+def n_shots(context: int, doc_len: int) -> int:
+    """ReCaLL shots of ``doc_len`` tokens that fit the trained context beside one text (at most 12), at least 1."""
+    return max(1, min(MAX_SHOTS, context // doc_len - 1))
+
+
+# ============================================================================================ attacks and metrics
+def attack_list(have_ref: bool, shots: int) -> tuple:
+    """([(label, name, params)], {label: reason skipped}) in the paper's row order."""
+    specs = ["loss", "ref", "zlib", "mink:k=0.2", "minkpp:k=0.2", f"recall:n={shots}", "recall_avg"] + \
+        [f"em_mia:init={i}" for i in INITS]
+    unavailable = {"mlm": "not used"}
+    if not have_ref:
+        unavailable["ref"] = "needs a reference model (--ref-model, or a smaller member of the testbed suite)"
+    run, skipped = select_attacks(",".join(specs), unavailable=unavailable)
+    if not have_ref:  # EM-MIA from Ref needs the reference model too
+        run = [a for a in run if a[0] != "em_mia:init=ref"]
+        skipped["em_mia:init=ref"] = skipped.get("ref", "needs a reference model")
+    return run, skipped
+
+
+def display(label: str) -> str:
+    if label.startswith("recall:n="):
+        return f"ReCaLL ({label.split('=', 1)[1]}-shot)"
+    return DISPLAY.get(label, label)
+
+
+def blind_split(split_path: Path, out_path: Path, seed: int) -> Path:
+    """A copy of a split file with seeded, stratified train / eval halves (for the blind classifiers only)."""
+    from mia.data.splits import partition_counts, read_split, write_split
+
+    sp = read_split(split_path)
+    rng = np.random.default_rng([int(seed), 0xB1D])
+    ex = [dict(e) for e in sp.examples]
+    for label in (0, 1):
+        idx = [i for i, e in enumerate(ex) if e["label"] == label]
+        order = rng.permutation(len(idx))
+        for j, o in enumerate(order):
+            ex[idx[o]]["partition"] = "train" if j < len(idx) // 2 else "eval"
+    header = {k: v for k, v in sp.header.items() if k not in ("counts", "partitions", "type", "format")}
+    header.update(partition_counts(ex))
+    return write_split(out_path, header, ex)
+
+
+def blind_rows(split_path: Path, features: Sequence[str], seed: int, bootstrap: int) -> tuple:
+    """({feature: AUC, TPR, SE on the eval half}, {feature: reason}) of ``mia.blind`` with logistic regression."""
+    rows, _, skipped = run_blind_baselines(split_path, seed, bootstrap, features=tuple(features), classifiers=("lr",))
+    out = {}
+    for f in features:
+        r = next((r for r in rows or [] if r.get("kind") == "run" and r.get("method", "").lower().startswith(
+            {"bow": "bow", "bert": "bert"}[f])), None)
+        if r is not None:
+            out[f] = {"auc": r["auc"], "auc_se": r["auc_se"], "tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"],
+                      "n": r.get("n_eval")}
+    return out, skipped
+
+
+# ============================================================================================ tables
+def table_rows(results: dict, models: Sequence[str], blind: dict, key: str) -> list:
+    """Rows {"model", "method", <split>: value}: the blind rows first, then each model's methods."""
+    rows = []
+    for f, name in BLIND_FEATURES.items():
+        if any(f in blind.get(s, {}) for s in SPLITS):
+            rows.append({"model": "-", "method": name,
+                         **{s: blind.get(s, {}).get(f, {}).get(key) for s in SPLITS}})
+    for m in models:
+        labels = list(dict.fromkeys(lbl for s in SPLITS for lbl in results[m].get(s, {})))
+        for lbl in labels:
+            rows.append({"model": m, "method": display(lbl),
+                         **{s: results[m].get(s, {}).get(lbl, {}).get(key) for s in SPLITS}})
+    return rows
+
+
+def value_rows(results: dict, blind: dict) -> list:
+    rows = []
+    for s in SPLITS:
+        for f, r in blind.get(s, {}).items():
+            rows.append({"model": "-", "split": s, "method": BLIND_FEATURES[f], "auc": r["auc"], "auc_se": r["auc_se"],
+                         "tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"], "n": r["n"]})
+    for m, per in results.items():
+        for s in SPLITS:
+            for lbl, r in per.get(s, {}).items():
+                rows.append({"model": m, "split": s, "method": display(lbl), "auc": r.get("auc"),
+                             "auc_se": r.get("auc_se"), "tpr_at_1pct_fpr": r.get("tpr_at_1pct_fpr"), "n": r.get("n")})
+    return rows
+
+
+def _md_table(rows: list, title: str, digits: int = 3) -> list:
+    L = [f"### {title}", "", "| model | method | " + " | ".join(SPLITS) + " |", "|---|---|" + "---:|" * len(SPLITS)]
+    for r in rows:
+        L.append(f"| {r['model']} | {r['method']} | " + " | ".join(
+            "" if r[s] is None else f"{r[s]:.{digits}f}" for s in SPLITS) + " |")
+    return L + [""]
+
+
+def report_markdown(s: dict) -> str:
+    L = [f"# EM-MIA on graded-difficulty splits ({s['setting']})", "", s["description"], ""]
+    d = s["difficulty"]
+    L += [f"Splits: {d['params']['size']} texts each ({d['params']['size'] // 2} + {d['params']['size'] // 2}) from a "
+          f"pool of {s['pool']['members']} members and {s['pool']['nonmembers']} non-members of {s['pool']['doc_len']} "
+          f"tokens; K = {d['params']['k']}, filter {d['params']['threshold']}, {d['info']['valid_member_clusters']} "
+          f"valid member and {d['info']['valid_nonmember_clusters']} valid non-member clusters, cluster pair mean "
+          "distances: " + ", ".join(f"{k} {v[2]:.3f}" for k, v in d["info"]["pairs"].items()) + ".", ""]
+    L += _md_table(s["table_auc"], "AUC")
+    L += _md_table(s["table_tpr"], "TPR@1%FPR")
+    L += ["Blind rows: logistic regression on bag-of-words / MiniLM features, trained on a seeded half of each split "
+          "and evaluated on the other half: the higher, the easier the split is to tell apart without the model.", ""]
+    if s.get("skipped"):
+        L += ["## Skipped", ""] + [f"- {k}: {v}" for k, v in s["skipped"].items()] + [""]
+    if s.get("notes"):
+        L += ["## Notes", ""] + [f"- {n}" for n in s["notes"]] + [""]
+    L += ["Bootstrap SEs: `values.csv`; timings: `timings.json`; inputs and hashes: `manifest.json`.", ""]
+    return "\n".join(L)
+
+
+# ============================================================================================ the run
+@dataclasses.dataclass
+class Target:
+    """A model to evaluate: its name, checkpoint directory, reference model directory (or None), trained context."""
+
+    name: str
+    model_dir: Path
+    ref_dir: Optional[Path]
+    context: int
+    ref_name: Optional[str] = None
+    cache_dir: Optional[str] = None
+
+
+def evaluate(targets: Sequence[Target], split_paths: dict, prefix: list, shots: int, *, seed: int, bootstrap: int,
+             out: Path, progress: bool, timings: Timings) -> tuple:
+    """({model: {split: {label: metric row}}}, skipped, notes): every attack on every split for every model."""
+    from mia.data.splits import read_split
+    from mia.models import load
+    from mia.scoring import ScoringSettings
+
+    results, skipped, notes, refs = {}, {}, [], {}
+    for t in targets:
+        model = load(t.model_dir)
+        attacks, sk = attack_list(t.ref_dir is not None, shots)
+        skipped.update({f"{t.name}: {k}": v for k, v in sk.items()})
+        options = {}
+        if t.ref_dir is not None:  # loaded once: every split shares the model and its compiled code
+            if str(t.ref_dir) not in refs:
+                refs[str(t.ref_dir)] = load(t.ref_dir)
+            options["ref_model"] = refs[str(t.ref_dir)]
+        settings = ScoringSettings(cache_dir=t.cache_dir, progress=progress)
+        results[t.name] = {}
+        for s in SPLITS:
+            examples = [dict(e) for e in read_split(split_paths[s]).examples] + [dict(e) for e in prefix]
+            with timings(f"{t.name}:{s}"):
+                run = score_attacks(model, examples, attacks, settings, seed, progress, t.context, options)
+            skipped.update({f"{t.name} {s}: {k}": v for k, v in run.failed.items()})
+            for n in run.notes:
+                if n not in notes:
+                    notes.append(n)
+            rows = metric_rows(run.scores, run.labels, run.ids, bootstrap, seed)
+            results[t.name][s] = {r["method"]: {k: r.get(k) for k in ("auc", "auc_se", "tpr_at_1pct_fpr", "n",
+                                                                      "n_nonfinite") if k in r} for r in rows}
+            meta = {e["id"]: {k: e[k] for k in ("index", "step", "segment") if k in e} for e in examples}
+            write_scores(out / "scores" / t.name / f"{s}.jsonl", run, meta)
+    return results, skipped, notes
+
+
+def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir=None, member: Optional[str] = None,
+        step: Optional[int] = None,
+        memorize_epochs: int = 0, olmo=None, global_indices=None, data_paths=None, member_steps: str = "0:100000",
+        nonmember_steps: str = "400000:450000", ref_model=None, eos: int = 50279, batch_size: int = 2160,
+        seq_len: int = 2048, pool: Optional[int] = None, size: Optional[int] = None, k: Optional[int] = None,
+        threshold: Optional[float] = None, doc_len: Optional[int] = None, encoder=None, embeddings=None,
+        blind: bool = True, seed: int = 0, bootstrap: int = 1000, progress: bool = True, argv=None) -> dict:
+    """Run the experiment; returns the summary (also written to ``out/summary.json``)."""
+    from mia.data.difficulty import build_difficulty_splits
+    from mia.data.splits import Split, write_split
+
+    if olmo is not None and preset == "default":
+        preset = "paper"
+    if preset not in PRESETS:
+        raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    p = dataclasses.replace(PRESETS[preset], **{a: v for a, v in (("pool", pool), ("size", size), ("k", k),
+                                                                 ("threshold", threshold), ("doc_len", doc_len),
+                                                                 ("member", member)) if v is not None})
+    if p.size < 2 or p.pool < p.size // 2 or p.k < 1 or (p.doc_len is not None and p.doc_len < 2):
+        raise ExperimentError(f"need --size >= 2, --pool >= size/2, --k >= 1, --doc-len >= 2 (got size {p.size}, "
+                              f"pool {p.pool}, k {p.k}, doc_len {p.doc_len})")
+    say = say_fn(progress)
+    timings = Timings()
+    t0 = time.perf_counter()
+    use_compilation_cache()  # reruns and every split reuse compiled scoring code
+    out = Path(out) if out is not None else Path("results") / f"em_mia-{'olmo' if olmo else preset}"
+    (out / "splits").mkdir(parents=True, exist_ok=True)
+    notes: list = []
+    with timings("pool"):
+        if olmo is not None:
+            targets, header, pool_ex, prefix, shots, info = _olmo_setup(
+                p, olmo, global_indices, data_paths, member_steps, nonmember_steps, ref_model, step, eos,
+                batch_size, seq_len, seed, notes)
+        else:
+            if ref_model is not None:
+                raise ExperimentError("--ref-model goes with --olmo; on the testbed the suite's smallest member is "
+                                      "the reference model")
+            targets, header, pool_ex, prefix, shots, info = _testbed_setup(
+                p, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings)
+    doc_len = header["params"]["doc_len"]
+    pool_path = write_split(out / "splits" / "pool.jsonl", header, pool_ex)
+    write_split(out / "splits" / "prefix.jsonl", {**header, "params": {**header["params"], "role": "ReCaLL prefix"}},
+                prefix)
+    say(f"pool: {len(pool_ex)} texts of <= {doc_len} tokens; building the six splits ...")
+    with timings("difficulty"):
+        paths = build_difficulty_splits(Split(header, pool_ex), out / "splits", encoder_dir=encoder,
+                                        embeddings=embeddings, size=p.size, k=p.k, niter=p.niter, seed=42,
+                                        threshold=p.threshold)
+    dinfo = paths.pop("_info")
+    blind_res, skipped = {}, {}
+    if blind:
+        with timings("blind"):
+            for s in SPLITS:
+                bpath = blind_split(paths[s], out / "splits" / "blind" / f"{s}.jsonl", seed)
+                blind_res[s], bsk = blind_rows(bpath, p.blind, seed, bootstrap)
+                skipped.update({f"blind {k}": v for k, v in bsk.items()})
+    results, sk, run_notes = evaluate(targets, paths, prefix, shots, seed=seed, bootstrap=bootstrap, out=out,
+                                      progress=progress, timings=timings)
+    skipped.update(sk)
+    notes += run_notes
+    models = [t.name for t in targets]
+    t_auc = table_rows(results, models, blind_res, "auc")
+    t_tpr = table_rows(results, models, blind_res, "tpr_at_1pct_fpr")
+    title = f"EM-MIA, graded-difficulty splits ({info['setting']})"
+    write_tables(t_auc, out, "table_auc", ["model", "method", *SPLITS], title=f"{title}: AUC")
+    write_tables(t_tpr, out, "table_tpr", ["model", "method", *SPLITS], title=f"{title}: TPR@1%FPR")
+    values = value_rows(results, blind_res)
+    from mia.report import csv_text
+
+    (out / "values.csv").write_text(csv_text(values))
+    write_json(out / "values.json", {"rows": values})
+    difficulty = {"params": {"size": p.size, "k": p.k, "threshold": p.threshold, "niter": p.niter, "seed": 42},
+                  "info": dinfo}
+    summary = {"setting": info["setting"], "description": info["description"],
+               "models": [{"name": t.name, "ref": t.ref_name, "context": t.context} for t in targets],
+               "pool": {"members": sum(e["label"] == 1 for e in pool_ex),
+                        "nonmembers": sum(e["label"] == 0 for e in pool_ex), "doc_len": doc_len,
+                        "prefix_shots": shots, "prefix_pool": len(prefix)},
+               "difficulty": difficulty, "table_auc": t_auc, "table_tpr": t_tpr, "blind": blind_res,
+               "results": results, "skipped": skipped, "notes": notes}
+    write_json(out / "summary.json", summary)
+    (out / "report.md").write_text(report_markdown(summary))
+    write_manifest(out, module="experiments.em_mia", argv=argv, config={
+        "preset": preset, "settings": dataclasses.asdict(p), "bootstrap": bootstrap, **info["config"]},
+        seeds={"pool": seed, "kmeans": 42, "medium": [43, 44], "random": [42, 43], "blind_halves": [seed, 0xB1D],
+               "bootstrap": seed},
+        hashes={**info["hashes"], "pool_sha256": sha_file(pool_path),
+                **{f"split_{s}_sha256": sha_file(paths[s]) for s in SPLITS}},
+        paths={**info["paths"], "splits": str((out / "splits").resolve())},
+        outputs=["report.md", "table_auc.*", "table_tpr.*", "values.*", "summary.json", "splits/", "scores/"])
+    timings["total"] = round(time.perf_counter() - t0, 1)
+    timings.write(out)
+    say(f"wrote {out}/ in {timings['total']:.0f} s")
+    return summary
+
+
+def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings) -> tuple:
+    members, desc, n = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
+    notes += n
+    tb0 = members[0].testbed
+    c = tb0.train_steps if step is None else int(step)
+    model0 = tb0.load_model(c)
+    context = min(int(model0.max_length), tb0.row_len)
+    doc_len = p.doc_len or context // 2
+    if 2 * doc_len > context:
+        raise ExperimentError(f"--doc-len {doc_len}: two texts (EM-MIA's prefix + target) must fit the trained "
+                              f"context of {context} tokens")
+    shots = n_shots(context, doc_len)
+    header, pool_ex, prefix, pn = testbed_pool(tb0, c, p.pool, shots, doc_len, seed)
+    notes += pn
+    notes.append(f"ReCaLL: {shots} shot(s) of held-out non-members ({shots} x {doc_len} + {doc_len} <= {context} "
+                 "trained positions)")
+    header["source"]["tokenizer"] = str(tb0.root.resolve())
+    ref = members[0] if len(members) > 1 else None
+    dial = None
+    targets = []
+    for m in pick_members(members, p.member):
+        model_dir = m.testbed.checkpoint_dir(c)
+        if memorize_epochs and memorize_epochs > 0:
+            rows = sorted({e["index"] for e in pool_ex if e["label"] == 1})
+            with timings(f"memorize:{m.name}"):
+                model_dir = m.testbed.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
+            dial = {"epochs": int(memorize_epochs), "n_rows": len(rows)}
+        r = ref if (ref is not None and m is not ref) else None
+        targets.append(Target(m.name, Path(model_dir), r.testbed.checkpoint_dir(c) if r else None, context,
+                              r.name if r else None, str(m.testbed.root / "cache")))
+    if ref is not None:
+        notes.append(f"Ref: the smallest suite member ({ref.name}, step{c}, clean) is the reference model of every "
+                     "larger member")
+    if dial:
+        notes.append(f"memorization dial: every member trained {dial['epochs']} more epochs on the pool's "
+                     f"{dial['n_rows']} member rows (whole rows; the texts are their first {doc_len} tokens)")
+    evaluated = ", ".join(f"{m.name} ({m.n_params:,} parameters)" for m in pick_members(members, p.member))
+    description = (f"Models: {evaluated} at checkpoint step{c} of {desc} (members "
+                   f"{', '.join(m.name for m in members)}); members from rows [0, {c * tb0.batch_size}), "
+                   f"non-members from rows [{c * tb0.batch_size}, {tb0.epoch_steps * tb0.batch_size}) of the shared "
+                   f"order; trained context {context} tokens.")
+    info = {"setting": f"testbed {p.suite}", "description": description,
+            "config": {"step": c, "memorize": dial, "members": [m.name for m in members],
+                       "testbed": tb0.config.to_dict()},
+            "hashes": {"order_bin_sha256": tb0.manifest["data"]["bin"]["sha256"],
+                       **{f"model_{t.name}_sha256": sha_file(t.model_dir / "model.safetensors") for t in targets}},
+            "paths": {"testbeds": [str(m.testbed.root.resolve()) for m in members]}}
+    return targets, header, pool_ex, prefix, shots, info
+
+
+def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonmember_steps, ref_model, step, eos,
+                batch_size, seq_len, seed, notes) -> tuple:
+    from mia.cli import default_cache_dir
+    from mia.models import load
+
+    ms, ns = parse_steps(member_steps, "--member-steps"), parse_steps(nonmember_steps, "--nonmember-steps")
+    model_step = ns[0] if step is None else int(step)
+    model_dir = olmo_checkpoint(olmo, model_step)
+    if ref_model is not None and not (Path(ref_model) / "config.json").exists():
+        raise ExperimentError(f"--ref-model {ref_model}: not a model directory (no config.json)")
+    doc_len = p.doc_len or 128
+    model = load(model_dir)
+    context = int(model.max_length)
+    shots = n_shots(context, doc_len)
+    header, pool_ex, prefix, pn = olmo_pool(global_indices, data_paths, model_step=model_step, member_steps=ms,
+                                            nonmember_steps=ns, pool=p.pool, n_prefix=shots, doc_len=doc_len,
+                                            eos=eos, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    notes += pn
+    check_token_ids(pool_ex + prefix, model.vocab_size, "--data-paths", f"--olmo {model_dir}")
+    header["source"]["tokenizer"] = str(Path(model_dir).resolve())
+    header["params"]["doc_len"] = doc_len
+    notes.append(f"ReCaLL: {shots} shot(s) of held-out non-member documents")
+    target = Target(Path(model_dir).name, Path(model_dir), Path(ref_model) if ref_model else None, context,
+                    Path(ref_model).name if ref_model else None, default_cache_dir())
+    info = {"setting": f"OLMo {Path(model_dir).name}",
+            "description": (f"Model: {model_dir}; members: documents of instances from steps [{ms[0]}, {ms[1]}), "
+                            f"non-members: from steps [{ns[0]}, {ns[1]}) of {global_indices} (batch {batch_size}, "
+                            f"{seq_len}-token instances, EOS {eos}, {doc_len // 2} < length <= {doc_len})."),
+            "config": {"model_step": model_step, "member_steps": list(ms), "nonmember_steps": list(ns), "eos": eos,
+                       "batch_size": batch_size, "seq_len": seq_len, "ref_model": str(ref_model) if ref_model
+                       else None},
+            "hashes": {"model_sha256": {f.name: sha_file(f) for f in sorted(Path(model_dir).glob("*.safetensors"))}},
+            "paths": {"model": str(Path(model_dir).resolve()), "global_indices": str(Path(global_indices).resolve()),
+                      "data_paths": str(Path(data_paths).resolve())}}
+    return [target], header, pool_ex, prefix, shots, info
+
+
+# ============================================================================================ CLI
+def build_parser():
+    ap = experiment_parser("python -m experiments.em_mia", __doc__, PRESETS)
+    g = ap.add_argument_group("testbed suite (default)")
+    g.add_argument("--testbed", action="append", default=[], help="testbed directories instead of the suite")
+    g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
+    g.add_argument("--member", default=None, help="suite members to evaluate: middle (default), largest, smallest, "
+                                                  "all or size names; the smallest member is the others' Ref")
+    g.add_argument("--step", type=int, default=None, help="checkpoint (testbed: default the last; OLMo: default the "
+                                                          "non-member start, 400000)")
+    g.add_argument("--memorize-epochs", type=int, default=0,
+                   help="memorization dial: train each member E more epochs on the pool's member rows")
+    o = ap.add_argument_group("OLMo-7B (the OLMoMIA recipe)")
+    o.add_argument("--olmo", default=None, help="OLMo checkpoint directory (or a folder of stepN[-tokens...]/ ones)")
+    o.add_argument("--global-indices", default=None, help="epoch-1 global_indices.npy (raw uint32)")
+    o.add_argument("--data-paths", default=None, help="text file: the ordered token files, one path per line")
+    o.add_argument("--member-steps", default="0:100000", help="member instances' steps (default 0:100000)")
+    o.add_argument("--nonmember-steps", default="400000:450000", help="non-member steps (default 400000:450000)")
+    o.add_argument("--ref-model", default=None, help="reference model directory (the paper: stablelm-base-alpha-3b-v2)")
+    o.add_argument("--eos", type=int, default=50279)
+    o.add_argument("--batch-size", type=int, default=2160)
+    o.add_argument("--seq-len", type=int, default=2048)
+    d = ap.add_argument_group("difficulty splits (default per preset)")
+    d.add_argument("--pool", type=int, default=None, help="pool texts per class")
+    d.add_argument("--size", type=int, default=None, help="texts per split (half members)")
+    d.add_argument("--k", type=int, default=None, help="k-means clusters per class")
+    d.add_argument("--threshold", type=float, default=None, help="cosine-distance filter inside clusters")
+    d.add_argument("--doc-len", type=int, default=None, help="text length L in tokens")
+    d.add_argument("--encoder", default=None, help="local sentence encoder directory (default: MiniLM-L6)")
+    d.add_argument("--embeddings", default=None, help="reuse an embeddings.npz of the same pool")
+    ap.add_argument("--no-blind", action="store_true", help="skip the blind rows")
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    status, s = run_main(lambda: run(
+        a.preset, a.out, testbeds=a.testbed, suite_dir=a.suite_dir, member=a.member, step=a.step,
+        memorize_epochs=a.memorize_epochs,
+        olmo=a.olmo, global_indices=a.global_indices, data_paths=a.data_paths, member_steps=a.member_steps,
+        nonmember_steps=a.nonmember_steps, ref_model=a.ref_model, eos=a.eos, batch_size=a.batch_size,
+        seq_len=a.seq_len, pool=a.pool, size=a.size, k=a.k, threshold=a.threshold, doc_len=a.doc_len,
+        encoder=a.encoder, embeddings=a.embeddings, blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap,
+        progress=not a.no_progress, argv=argv), debug=a.debug)
+    if status:
+        return status
+    print(report_markdown(s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

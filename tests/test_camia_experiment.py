@@ -1,0 +1,221 @@
+"""experiments.camia: CAMIA's Table 1 / Table 2 on the smoke suite, on MIMIR-layout files, and its bad-input lines."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import camia as exp
+
+
+def _testbed_args(request) -> dict:
+    """The smoke suite when this checkout has it (``smoke_suite`` fixture), else the smoke testbed."""
+    try:
+        return {"suite_dir": request.getfixturevalue("smoke_suite").root}
+    except pytest.FixtureLookupError:
+        return {"testbeds": [request.getfixturevalue("smoke_testbed").root]}
+
+
+@pytest.fixture(scope="session")
+def camia_smoke(request, tmp_path_factory):
+    """The smoke preset run once per session: (output directory, summary, the run's keyword arguments)."""
+    out = tmp_path_factory.mktemp("camia_smoke") / "run"
+    kw = _testbed_args(request)
+    return out, exp.run("smoke", out, progress=False, **kw), kw
+
+
+# ------------------------------------------------------------------------------------------------ pure parts
+def test_majority_documents_by_hand():
+    # documents of 3, 10, 2 and 5 stream tokens; rows of 4 tokens
+    doc, share = exp.majority_documents(np.array([0, 1, 3, 4]), np.array([3, 10, 2, 5]), 4)
+    # row 0 = [0, 4): doc0 3, doc1 1 | row 1 = [4, 8): doc1 | row 3 = [12, 16): doc1 1, doc2 2, doc3 1 |
+    # row 4 = [16, 20): doc3
+    assert doc.tolist() == [0, 1, 2, 3]
+    np.testing.assert_allclose(share, [0.75, 1.0, 0.5, 1.0])
+
+
+def test_domain_of():
+    assert exp.domain_of("asyncio/base_events.py") == "asyncio"
+    assert exp.domain_of("argparse.py") == "argparse"
+    assert exp.domain_of("xml/etree/ElementTree.py") == "xml"
+
+
+def test_calibration_draw_is_the_protocol():
+    y = np.array([1] * 20 + [0] * 30)
+    cal, rem, tgt = exp.calibration_draw(y, 0.3, 0, 3)
+    assert len(cal) == 9 and (y[cal] == 0).all()  # 30% of the non-members, non-members only
+    assert len(rem) == 6 and (y[rem] == 1).all()  # 30% of the members
+    assert sorted(np.concatenate([cal, rem, tgt]).tolist()) == list(range(50))  # a partition
+    again = exp.calibration_draw(y, 0.3, 0, 3)
+    assert all((a == b).all() for a, b in zip((cal, rem, tgt), again))
+    assert not (exp.calibration_draw(y, 0.3, 0, 4)[0] == cal).all()
+
+
+def test_row_documents_decode_to_their_document(smoke_testbed):
+    rd = exp.row_documents(smoke_testbed)
+    assert len(rd.doc) == smoke_testbed.n_rows
+    from mia.data.corpus import load_corpus
+
+    cfg = smoke_testbed.config
+    texts = {d.path: d.text for d in load_corpus(cfg.corpus, cfg.text_column, cfg.max_corpus_bytes).documents}
+    tok = smoke_testbed.tokenizer()
+    rows = np.flatnonzero(rd.share == 1.0)
+    pick = np.random.default_rng(0).choice(rows, 40, replace=False)
+    checked = 0
+    for r in pick:
+        text = tok.decode(smoke_testbed.dataset()[int(r)].tolist())
+        if "\ufffd" in text:  # a row cut inside a multi-byte character
+            continue
+        assert text in texts[rd.paths[rd.doc[r]]], r
+        checked += 1
+    assert checked >= 30
+
+
+# ------------------------------------------------------------------------------------------------ the smoke run
+def _auc(s, y):
+    """Mann-Whitney AUC, ties 1/2 (independent of sklearn)."""
+    pos, neg = s[y == 1], s[y == 0]
+    return ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (len(pos) * len(neg))
+
+
+def _tpr_at_1pct(s, y):
+    best = 0.0
+    for t in np.unique(s):
+        fpr, tpr = (s[y == 0] >= t).mean(), (s[y == 1] >= t).mean()
+        if fpr <= 0.01:
+            best = max(best, tpr)
+    return best
+
+
+def _rank_pvalues(target, calib):
+    """scipy.stats.percentileofscore(kind='rank') / 100 per signal, written out."""
+    less = (calib[None, :, :] < target[:, None, :]).sum(1)
+    leq = (calib[None, :, :] <= target[:, None, :]).sum(1)
+    return (less + leq + (less < leq)) / (2.0 * len(calib))
+
+
+def test_smoke_table1_matches_an_independent_recomputation(camia_smoke):
+    from mia.attacks.camia import orientation
+
+    out, s, _ = camia_smoke
+    assert len(s["datasets"]) == 2
+    for f in ("report.md", "table1.md", "table1.csv", "table1.tex", "table1_values.csv", "table2.md", "summary.json",
+              "manifest.json", "timings.json"):
+        assert (out / f).exists(), f
+    values = {(r["dataset"], r["method"]): r for r in json.loads((out / "table1_values.json").read_text())["rows"]}
+    for d in s["datasets"]:
+        lines = [json.loads(l) for l in (out / "scores" / f"{d}.jsonl").read_text().splitlines()]
+        y = np.array([l["label"] for l in lines])
+        loss = np.array([l["scores"]["loss"] for l in lines])
+        z = np.load(out / "signals" / f"{d}.npz")
+        assert z["ids"].tolist() == [l["id"] for l in lines]
+        f = z["signals"] * orientation("low")
+        aucs, tprs, cam = [], [], []
+        for i in range(10):  # the protocol, written out: default_rng([seed, i]) permutations per class
+            rng = np.random.default_rng([0, i])
+            non, mem = rng.permutation(np.flatnonzero(y == 0)), rng.permutation(np.flatnonzero(y == 1))
+            k0, k1 = int(0.3 * len(non)), int(0.3 * len(mem))
+            cal, tgt = non[:k0], np.sort(np.concatenate([non[k0:], mem[k1:]]))
+            aucs.append(_auc(loss[tgt], y[tgt]))
+            tprs.append(_tpr_at_1pct(loss[tgt], y[tgt]))
+            ok = np.isfinite(f[tgt]).all(1)
+            calf = f[cal][np.isfinite(f[cal]).all(1)]
+            p = _rank_pvalues(f[tgt][ok], calf).mean(1)
+            cam.append(_auc(-p, y[tgt][ok]))
+        v = values[(d, "loss")]
+        assert v["auc"] == pytest.approx(np.mean(aucs), abs=1e-12)
+        assert v["auc_sd"] == pytest.approx(np.std(aucs, ddof=1), abs=1e-12)
+        assert v["tpr"] == pytest.approx(np.mean(tprs), abs=1e-12)
+        assert values[(d, "camia:edgington")]["auc"] == pytest.approx(np.mean(cam), abs=1e-6)
+        for m in ("zlib", "mink:k=0.2", "minkpp:k=0.2", "camia:fisher", "camia:pearson", "camia:george", "camia_lr",
+                  "blind"):
+            assert (d, m) in values, m
+    md = (out / "table1.md").read_text()
+    assert "CAMIA (George)" in md and "±" in md
+    t2 = json.loads((out / "table2.json").read_text())["rows"]
+    assert {r["split"] for r in t2} == {"all (Table 1)", "ngram_7_0.2", "ngram_13_0.2", "ngram_13_0.8"}
+
+
+def test_smoke_same_seed_same_tables(camia_smoke, tmp_path):
+    out, _, kw = camia_smoke
+    exp.run("smoke", tmp_path, progress=False, **kw)
+    for f in ("table1.md", "table1.csv", "table1.tex", "table1.json", "table1_values.csv", "table2.md", "table2.csv",
+              "summary.json", "report.md"):
+        assert (tmp_path / f).read_bytes() == (out / f).read_bytes(), f
+
+
+def test_camia_notebook_runs(camia_smoke, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    out, _, _ = camia_smoke
+    nb_path = Path(__file__).parent.parent / "notebooks" / "camia.ipynb"
+    nb = nbformat.read(nb_path, as_version=4)
+    monkeypatch.setenv("MIA_CAMIA_RESULTS", str(out))
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(nb_path.parent)}}).execute()
+    text = "".join(o.get("text", "") + json.dumps(o.get("data", {}).get("text/plain", ""))
+                   for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "CAMIA (George)" in text
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 2
+
+
+# ------------------------------------------------------------------------------------------------ MIMIR files
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
+         "phi chi psi omega").split()
+
+
+def _fake_mimir(root: Path, files: dict) -> Path:
+    """MIMIR's real layout: cache_100_200_1000_512/{train,test}/<domain>_<split>.jsonl, one JSON string per line."""
+    rng = np.random.default_rng(0)
+    base = root / "cache_100_200_1000_512"
+    for name, (n_mem, n_non) in files.items():
+        for sub, n in (("train", n_mem), ("test", n_non)):
+            (base / sub).mkdir(parents=True, exist_ok=True)
+            texts = [" ".join(rng.choice(WORDS, int(rng.integers(12, 20)))) for _ in range(n)]
+            (base / sub / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts))
+    return root
+
+
+def test_mimir_layout_is_read(tmp_path):
+    root = _fake_mimir(tmp_path, {"arxiv_ngram_7_0.2": (3, 2), "wikipedia_(en)_ngram_13_0.8": (2, 2)})
+    idx = exp.mimir_index(root)
+    assert set(idx) == {("arxiv", "ngram_7_0.2"), ("wikipedia_(en)", "ngram_13_0.8")}
+    from mia.data.text import load_mimir
+
+    m, n = idx[("arxiv", "ngram_7_0.2")]
+    ex, _ = load_mimir(member=str(m), nonmember=str(n))
+    assert [e["label"] for e in ex] == [1, 1, 1, 0, 0] and all(isinstance(e["text"], str) for e in ex)
+
+
+@pytest.mark.slow
+def test_mimir_run_on_a_tiny_model(tmp_path, tiny_neox_dir):
+    """The whole --mimir path on fake files (about a minute on 2 busy cores: CAMIA compiles for new shapes)."""
+    root = _fake_mimir(tmp_path / "mimir", {"arxiv_ngram_7_0.2": (36, 36), "arxiv_ngram_13_0.8": (12, 12),
+                                            "github_ngram_7_0.2": (12, 12)})
+    s = exp.run("smoke", tmp_path / "out", mimir=root, model_dir=tiny_neox_dir, draws=2, blind=False,
+                progress=False)
+    assert s["datasets"] == ["arxiv", "github"]
+    arxiv = s["results"]["arxiv"]
+    assert "camia:george" in arxiv and arxiv["loss"]["n_draws"] == 2
+    assert "camia:george" not in s["results"]["github"]  # 30% of 12 non-members < 10: skipped, with the reason
+    assert any("github" in k and "camia" in k for k in s["skipped"])
+    assert [(r["domain"], r["split"]) for r in s["table2"]] == [("arxiv", "ngram_13_0.8"), ("arxiv", "ngram_7_0.2")]
+
+
+def test_mimir_bad_input_is_one_line(tmp_path, tiny_neox_dir, capsys):
+    root = _fake_mimir(tmp_path / "mimir", {"arxiv_ngram_7_0.2": (2, 2), "github_ngram_13_0.8": (2, 2)})
+    cases = [
+        (["--mimir", str(root), "--model", str(tiny_neox_dir), "--domains", "pubmed_central"],
+         "domains there: arxiv (ngram_7_0.2); github (ngram_13_0.8)"),
+        (["--mimir", str(root), "--model", str(tmp_path / "nope")], "model directory not found"),
+        (["--mimir", str(root)], "--mimir needs --model"),
+        (["--mimir", str(tmp_path / "empty"), "--model", str(tiny_neox_dir)], "not a directory"),
+    ]
+    for argv, want in cases:
+        assert exp.main(argv + ["--out", str(tmp_path / "o"), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and want in err[0], err

@@ -1,0 +1,166 @@
+"""experiments.em_mia: the EM-MIA OLMoMIA table on the smoke suite, and its bad-input lines."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import em_mia as exp
+
+
+@pytest.fixture(scope="session")
+def em_mia_smoke(request, tmp_path_factory):
+    """The smoke preset run once per session: (output directory, summary, the run's keyword arguments)."""
+    try:
+        kw = {"suite_dir": request.getfixturevalue("smoke_suite").root}
+    except pytest.FixtureLookupError:
+        kw = {"testbeds": [request.getfixturevalue("smoke_testbed").root]}
+    out = tmp_path_factory.mktemp("em_mia_smoke") / "run"
+    return out, exp.run("smoke", out, progress=False, **kw), kw
+
+
+def _auc(s, y):
+    """Mann-Whitney AUC, ties 1/2 (independent of sklearn)."""
+    pos, neg = s[y == 1], s[y == 0]
+    return ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (len(pos) * len(neg))
+
+
+def test_dedup_texts_drops_every_copy():
+    ex = [{"tokens": [1, 2], "label": 1}, {"tokens": [1, 2], "label": 0}, {"tokens": [3], "label": 0}]
+    kept, dropped = exp.dedup_texts(ex)
+    assert kept == [{"tokens": [3], "label": 0}] and dropped == 2
+
+
+def test_n_shots_fit_the_trained_context():
+    assert exp.n_shots(128, 64) == 1  # one 64-token shot beside a 64-token text
+    assert exp.n_shots(2048, 128) == 12  # OLMo: ReCaLL's default n (15 would fit)
+    assert exp.n_shots(64, 32) == 1
+
+
+def test_smoke_six_splits_and_tables(em_mia_smoke):
+    from mia.data.splits import read_split
+
+    out, s, _ = em_mia_smoke
+    size = s["difficulty"]["params"]["size"]
+    pairs = s["difficulty"]["info"]["pairs"]
+    assert pairs["easy"][2] >= pairs["medium"][2] >= pairs["hard"][2]  # farthest ... closest cluster pair
+    members = {}
+    for name in exp.SPLITS:
+        ex = read_split(out / "splits" / f"{name}.jsonl").examples
+        y = [e["label"] for e in ex]
+        assert y.count(1) == y.count(0) == size // 2, name  # non-degenerate: both classes, size/2 each
+        assert len({tuple(e["tokens"]) for e in ex}) == size, name
+        members[name] = {e["id"] for e in ex if e["label"] == 1}
+    assert members["mix-1"] == members["random"] and members["mix-2"] == members["hard"]
+    for f in ("report.md", "table_auc.md", "table_auc.csv", "table_auc.tex", "table_tpr.md", "values.csv",
+              "summary.json", "manifest.json", "timings.json"):
+        assert (out / f).exists(), f
+    methods = {r["method"] for r in s["table_auc"]}
+    for m in ("Loss", "Zlib", "Min-K% (k=0.2)", "Min-K%++ (k=0.2)", "ReCaLL (1-shot)", "ReCaLL-Avg",
+              "EM-MIA (init Loss)", "EM-MIA (init Min-K%++)", "Blind: BoW + LR"):
+        assert m in methods, m
+    if len(s["models"]) > 1:  # the suite: the smallest member is the reference of the larger ones
+        assert "Ref" in methods and "EM-MIA (init Ref)" in methods
+    # every AUC in the table is the AUC of the scores written for that model and split
+    model = s["models"][-1]["name"]
+    for name in exp.SPLITS:
+        lines = [json.loads(l) for l in (out / "scores" / model / f"{name}.jsonl").read_text().splitlines()]
+        y = np.array([l["label"] for l in lines])
+        for label, disp in (("loss", "Loss"), ("em_mia:init=loss", "EM-MIA (init Loss)")):
+            sc = np.array([l["scores"][label] for l in lines])
+            row = next(r for r in s["table_auc"] if r["model"] == model and r["method"] == disp)
+            assert row[name] == pytest.approx(_auc(sc, y), abs=1e-12), (name, label)
+
+
+def test_smoke_same_seed_same_tables(em_mia_smoke, tmp_path):
+    """A second run gives the same tables byte for byte (the MiniLM embeddings of the pool are reused, for time: the
+    pool itself is drawn again and must match their ids)."""
+    out, _, kw = em_mia_smoke
+    exp.run("smoke", tmp_path, progress=False, embeddings=str(out / "splits" / "embeddings.npz"), **kw)
+    for f in ("table_auc.md", "table_auc.csv", "table_auc.tex", "table_tpr.md", "table_tpr.csv", "values.csv",
+              "summary.json", "report.md"):
+        assert (tmp_path / f).read_bytes() == (out / f).read_bytes(), f
+    for name in exp.SPLITS:  # the same examples (the headers differ: encoder vs reused embeddings file)
+        rows = lambda d: (d / "splits" / f"{name}.jsonl").read_text().splitlines()[1:]  # noqa: E731
+        assert rows(tmp_path) == rows(out), name
+
+
+def test_em_mia_notebook_runs(em_mia_smoke, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    out, _, _ = em_mia_smoke
+    nb_path = Path(__file__).parent.parent / "notebooks" / "em_mia.ipynb"
+    nb = nbformat.read(nb_path, as_version=4)
+    monkeypatch.setenv("MIA_EM_MIA_RESULTS", str(out))
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(nb_path.parent)}}).execute()
+    text = "".join(o.get("text", "") + json.dumps(o.get("data", {}).get("text/plain", ""))
+                   for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "EM-MIA (init Loss)" in text
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 2
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _fake_order(tmp_path: Path, n_indices: int, n_tokens: int) -> tuple:
+    gi = tmp_path / "global_indices.npy"
+    np.arange(n_indices, dtype=np.uint32).tofile(gi)
+    tok = tmp_path / "part-0.npy"
+    np.zeros(n_tokens, np.uint16).tofile(tok)
+    paths = tmp_path / "paths.txt"
+    paths.write_text(f"{tok}\n")
+    return gi, paths
+
+
+def test_bad_input_is_one_line(tmp_path, tiny_neox_dir, capsys):
+    gi, paths = _fake_order(tmp_path, n_indices=10, n_tokens=7 * 64)  # 10 indices, 7 instances of 64 tokens
+    common = ["--global-indices", str(gi), "--data-paths", str(paths), "--seq-len", "64", "--batch-size", "2",
+              "--member-steps", "0:1", "--nonmember-steps", "2:4", "--step", "1"]
+    cases = [
+        (["--olmo", str(tmp_path / "missing")] + common, "not a directory"),
+        (["--olmo", str(tiny_neox_dir)] + common, "10 entries but the 1 token files hold 7 instances"),
+        (["--olmo", str(tiny_neox_dir)] + common[:4] + ["--step", "3"], "--step 3: the checkpoint must have seen"),
+        (["--olmo", str(tiny_neox_dir), "--global-indices", str(gi), "--step", "1", "--member-steps", "0:1",
+          "--nonmember-steps", "2:4"], "--data-paths FILE"),
+        (["--olmo", str(tiny_neox_dir), "--member-steps", "5"] + common[:4], "expected START:END"),
+        (["--testbed", str(tmp_path / "no-testbed")], "not a testbed"),
+    ]
+    for argv, want in cases:
+        assert exp.main(argv + ["--out", str(tmp_path / "o"), "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and want in err[0], (argv, err)
+
+
+@pytest.mark.slow
+def test_olmo_recipe_end_to_end(tmp_path, tiny_neox_dir):
+    """--olmo on a fake OLMo order (raw uint32 global_indices, one uint16 token file) and a tiny model: documents
+    between EOS, the six splits, every attack (about a minute on 2 busy cores)."""
+    rng = np.random.default_rng(0)
+    seq, batch, steps, eos = 64, 4, 60, 0
+    stream = []
+    while len(stream) < seq * batch * steps:
+        stream += [eos] + rng.integers(1, 300, int(rng.integers(9, 17))).tolist()
+    tokens = np.array(stream[: seq * batch * steps], np.uint16)
+    tok = tmp_path / "part-0.npy"
+    tokens.tofile(tok)
+    gi = tmp_path / "global_indices.npy"
+    rng.permutation(batch * steps).astype(np.uint32).tofile(gi)
+    paths = tmp_path / "paths.txt"
+    paths.write_text(f"{tok}\n")
+    s = exp.run("default", tmp_path / "out", olmo=tiny_neox_dir, global_indices=gi, data_paths=paths, step=20,
+                member_steps="0:10", nonmember_steps="30:60", eos=eos, batch_size=batch, seq_len=seq, pool=30,
+                size=12, k=2, threshold=0.0, doc_len=16, progress=False)
+    assert s["pool"] == {"members": 30, "nonmembers": 30, "doc_len": 16, "prefix_shots": 12, "prefix_pool": 12}
+    from mia.data.splits import read_split
+
+    for name in exp.SPLITS:
+        ex = read_split(tmp_path / "out" / "splits" / f"{name}.jsonl").examples
+        assert sorted(e["label"] for e in ex) == [0] * 6 + [1] * 6
+        for e in ex:  # a whole document strictly between two EOS, 8 < length <= 16, from the right steps
+            assert 8 < len(e["tokens"]) <= 16 and eos not in e["tokens"]
+            assert (e["step"] < 10) if e["label"] == 1 else (30 <= e["step"] < 60)
+    methods = {r["method"] for r in s["table_auc"]}
+    assert {"Loss", "ReCaLL (12-shot)", "ReCaLL-Avg", "EM-MIA (init Loss)"} <= methods and "Ref" not in methods
