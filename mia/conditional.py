@@ -46,7 +46,7 @@ _TRACE_WRAP = lambda f: f  # noqa: E731
 # ------------------------------------------------------------------------------------------------ pure functions
 @struct.dataclass
 class PrefixCache:
-    """A processed prefix batch. ``kv``: its KVCache ([B, S, K, E] per layer, positions/valid [B, S]).
+    """A processed prefix batch. ``kv``: its KVCache (keys/values [L, B, S, K, E], positions/valid [B, S]).
     ``last_h``: [B, D] final hidden state at the last prefix token, which predicts the first target token."""
 
     kv: KVCache
@@ -62,7 +62,11 @@ class PrefixCache:
 
     def select(self, idx) -> "PrefixCache":
         """Rows ``idx`` ([B'] int) of the prefix batch, e.g. one prefix per target row."""
-        return jax.tree_util.tree_map(lambda a: jnp.take(a, idx, axis=0), self)
+        return PrefixCache(self.kv.take_rows(idx), jnp.take(self.last_h, idx, axis=0))
+
+    def slice_rows(self, start, size: int) -> "PrefixCache":
+        """Rows [start, start + size) of the prefix batch; ``start`` may be traced."""
+        return PrefixCache(self.kv.slice_rows(start, size), jax.lax.dynamic_slice_in_dim(self.last_h, start, size, axis=0))
 
 
 def prefix_cache(model, params, prefix_tokens, valid=None) -> PrefixCache:
@@ -132,8 +136,7 @@ def _jit_prefix(model):
 @functools.lru_cache(maxsize=32)
 def _jit_cond(model, include_first: bool):
     def fn(params, group: PrefixCache, p_idx, tokens, valid):
-        one = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, p_idx, 1, axis=0), group)
-        return conditional_loglik(model, params, one, tokens, valid, include_first=include_first)
+        return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid, include_first=include_first)
 
     return jax.jit(_TRACE_WRAP(fn))
 

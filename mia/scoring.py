@@ -26,7 +26,6 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 STAT_NAMES = ("logprob", "mean_logp", "std_logp", "entropy")
 STATS_VERSION = "1"  # bump when the meaning of cached statistics changes
@@ -93,20 +92,77 @@ def token_stats(model, params, tokens_bt: jax.Array, valid_bt: jax.Array, *, chu
     return out
 
 
+# ------------------------------------------------------------------------------------------------ layout and steps
+@functools.lru_cache(maxsize=1)
+def default_mesh():
+    """All visible devices (of every process) on ``data``."""
+    from .sharding import make_mesh
+
+    return make_mesh()
+
+
+@functools.lru_cache(maxsize=32)
+def engine_layout(model):
+    """(mesh, params shardings) the engine uses for ``model``: the ones it was loaded with (``load(mesh=...)``),
+    else the default mesh with parameters replicated. Memoized per Model (Models hash by identity)."""
+    from .sharding import param_shardings
+
+    mesh = getattr(model, "mesh", None) or default_mesh()
+    return mesh, param_shardings(model.params, mesh, fsdp=bool(getattr(model, "fsdp", False)))
+
+
+def placed_params(model, params=None):
+    """``params`` (default ``model.params``) placed with the engine's shardings for ``model``; leaves that are
+    already there are returned as they are (no transfer), so call it once per host loop, not per batch."""
+    from .sharding import put_params
+
+    _, shardings = engine_layout(model)
+    return put_params(model.params if params is None else params, shardings)
+
+
+def rows_per_device(batch_rows: int, mesh) -> int:
+    from .sharding import data_size
+
+    return max(1, batch_rows // data_size(mesh))
+
+
+def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None):
+    """jit of ``token_stats`` with explicit shardings: (params [``shardings``], tokens [B, T] and valid [B, T] rows
+    over ``data``) -> {stat: [B, T-1]} replicated on every device.
+
+    ``model`` needs only ``hidden``/``unembed``/``vocab_size``, and the step can be ``.lower()``ed on
+    ``jax.ShapeDtypeStruct`` arguments for abstract devices (compile-only planning). B must divide by ``data``.
+    """
+    from .sharding import batch_sharding, replicated
+
+    rows = batch_sharding(mesh)
+
+    def step(params, tokens, valid):
+        b, t = tokens.shape
+        c = chunk or chunk_size(rows_per_device(b, mesh), t - 1, model.vocab_size)
+        return token_stats(model, params, tokens, valid, chunk=c)
+
+    return jax.jit(step, in_shardings=(shardings, rows, rows), out_shardings=replicated(mesh))
+
+
 @functools.lru_cache(maxsize=32)
 def jitted_token_stats(model, chunk: Optional[int] = None):
-    """jit(token_stats) for one Model (Model objects hash by identity)."""
-    return jax.jit(lambda params, tokens, valid: token_stats(model, params, tokens, valid, chunk=chunk))
+    """The engine's token-stats step for one Model, on its layout (``engine_layout``)."""
+    mesh, shardings = engine_layout(model)
+    return build_token_stats_step(model, mesh, shardings, chunk)
 
 
 # ------------------------------------------------------------------------------------------------ host loop
 @dataclasses.dataclass(frozen=True)
 class ScoringSettings:
-    """How the host loop batches. None of these change any score (tests check it); they change speed and memory."""
+    """How the host loop batches. None of these change any score (tests check it); they change speed and memory.
 
-    token_budget: int = 16384  # padded tokens per batch
+    ``token_budget`` and ``max_batch`` are per data-parallel device: 8 devices on ``data`` score 8x the rows.
+    """
+
+    token_budget: int = 16384  # padded tokens per batch per data-parallel device
     min_bucket: int = 16  # lengths are padded up to a power of two >= this
-    max_batch: int = 256
+    max_batch: int = 256  # rows per batch per data-parallel device
     cache_dir: Optional[str] = None  # None: no on-disk cache
     progress: bool = True
 
@@ -115,48 +171,179 @@ def bucket_length(n: int, min_bucket: int = 16) -> int:
     return max(min_bucket, 1 << (max(1, n) - 1).bit_length())
 
 
-def plan_batches(lengths: Sequence[int], settings: ScoringSettings, n_devices: int = 1) -> list[tuple[int, list[int]]]:
-    """Group example indices into (padded_length, [indices]) batches: sorted by length, power-of-two buckets,
-    power-of-two batch sizes (a multiple of the device count) so a dataset compiles only a handful of shapes."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches, i = [], 0
-    while i < len(order):
-        blen = bucket_length(lengths[order[i]], settings.min_bucket)
+def pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def pow2_ceil(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One call of a jitted step: ``rows`` x ``length`` padded tokens holding the examples ``members`` (row order)."""
+
+    length: int
+    rows: int
+    members: tuple
+
+
+def bucket_rows(n_examples: int, cap_per_device: int, n_data: int) -> int:
+    """Rows of every batch of one length bucket: ``n_data`` x min(cap, the power of two holding the bucket)."""
+    per_device = min(pow2_floor(cap_per_device), pow2_ceil(-(-n_examples // n_data)))
+    return per_device * n_data
+
+
+def plan_batches(lengths: Sequence[int], settings: ScoringSettings, n_data: int = 1) -> list[Batch]:
+    """Group example indices into batches: sorted by length, power-of-two length buckets, and ONE row count per
+    bucket (a multiple of the ``data`` size), so a dataset compiles at most one program per length bucket.
+
+    Rows per bucket: min(token_budget // length, max_batch) per device (rounded down to a power of two), or fewer
+    when the whole bucket fits (the power of two holding it), times the ``data`` size.
+    """
+    buckets: dict[int, list[int]] = {}
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        buckets.setdefault(bucket_length(lengths[i], settings.min_bucket), []).append(i)
+    batches = []
+    for blen, members in sorted(buckets.items()):
         cap = max(1, min(settings.max_batch, settings.token_budget // blen))
-        cap = 1 << (cap.bit_length() - 1)
-        members = []
-        while i < len(order) and len(members) < cap and bucket_length(lengths[order[i]], settings.min_bucket) == blen:
-            members.append(order[i])
-            i += 1
-        batches.append((blen, members))
+        rows = bucket_rows(len(members), cap, n_data)
+        batches.extend(Batch(blen, rows, tuple(members[k:k + rows])) for k in range(0, len(members), rows))
     return batches
 
 
-def _batch_rows(n: int, n_devices: int) -> int:
-    """Rows actually fed: next power of two >= n, and a multiple of the device count."""
-    rows = 1 << (max(1, n) - 1).bit_length()
-    return int(math.ceil(rows / n_devices) * n_devices)
+def padded_rows(seqs: Sequence[np.ndarray], length: int, row_ids: np.ndarray, left: bool = False):
+    """tokens [R, length] int32 and valid [R, length] bool for ``row_ids`` into ``seqs`` (ids past the end: padding).
+
+    Right padded, or ``left`` padded (prefixes: the last column is the last token)."""
+    tokens = np.zeros((len(row_ids), length), np.int32)
+    valid = np.zeros((len(row_ids), length), bool)
+    for r, i in enumerate(row_ids):
+        if i < len(seqs):
+            t = np.asarray(seqs[i])
+            sl = slice(length - len(t), length) if left else slice(0, len(t))
+            tokens[r, sl] = t
+            valid[r, sl] = True
+    return tokens, valid
 
 
-def data_sharding() -> Optional[NamedSharding]:
-    devices = jax.devices()
-    if len(devices) == 1:
-        return None
-    return NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec("data"))
+def put_padded(seqs: Sequence[np.ndarray], rows: int, length: int, sharding, left: bool = False):
+    """(tokens, valid) global [rows, length] arrays placed with ``sharding``; each process pads only its own rows."""
+    from .sharding import put_rows
+
+    return (put_rows((rows, length), sharding, lambda r: padded_rows(seqs, length, r, left)[0]),
+            put_rows((rows, length), sharding, lambda r: padded_rows(seqs, length, r, left)[1]))
+
+
+def pipelined(batches, dispatch: Callable, consume: Callable, depth: int = 1) -> None:
+    """Asynchronous host loop: ``dispatch(b)`` prepares b's inputs, transfers them and starts the device work
+    (jax dispatch returns at once); ``consume(b, host_outputs)`` runs ``depth`` batches behind, so the device
+    computes batch i+1 while the host fetches and stores batch i and prepares batch i+2.
+
+    A ``DRAIN`` item in ``batches`` consumes everything in flight first (e.g. before a large new prefix cache).
+    """
+    from collections import deque
+
+    from .sharding import fetch, start_fetch
+
+    inflight: deque = deque()
+    for b in batches:
+        if b is DRAIN:
+            while inflight:
+                consume(*_ready(inflight.popleft(), fetch))
+            continue
+        out = dispatch(b)
+        start_fetch(out)
+        inflight.append((b, out))
+        while len(inflight) > depth:
+            consume(*_ready(inflight.popleft(), fetch))
+    while inflight:
+        consume(*_ready(inflight.popleft(), fetch))
+
+
+DRAIN = object()
+
+
+def _ready(item, fetch):
+    b, out = item
+    return b, fetch(out)
+
+
+class BackgroundWriter:
+    """Runs write jobs on one thread, in submission order, off the scoring loop's critical path.
+
+    ``close()`` (also on leaving a ``with`` block, including by KeyboardInterrupt) waits for every submitted job, so
+    nothing finished is lost; an error in a job is raised in the caller at the next submit or at close.
+    """
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self._queue: queue.Queue = queue.Queue(maxsize=64)
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="mia-cache-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._error is None:
+                try:
+                    job()
+                except BaseException as e:  # reported to the caller
+                    self._error = e
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._raise()
+        self._queue.put(job)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._raise()
+
+    def _raise(self):
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
 
 def example_key(tokens: np.ndarray) -> str:
     return hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).hexdigest()[:24]
 
 
+def write_npz_atomic(directory: Path, name: str, arrays: dict) -> None:
+    """``directory/part-<name>.npz`` written whole or not at all (temporary file, then an atomic rename)."""
+    import threading
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f"tmp-{name}-{os.getpid()}-{threading.get_ident()}.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, directory / f"part-{name}.npz")
+
+
 class StatsCache:
     """On-disk cache of per-example token stats under ``root/<namespace>/``, one .npz per finished batch.
 
-    A batch is written atomically as soon as it is computed, so an interrupted run loses at most one batch.
+    A batch is written atomically (by ``writer``, a BackgroundWriter, when given) as soon as it is fetched, so an
+    interrupted run loses at most the batches still on the device. Every process of a multi-process run writes
+    the same parts (same names, same bytes).
     """
 
-    def __init__(self, root: Optional[str], namespace: str):
+    def __init__(self, root: Optional[str], namespace: str, writer: Optional[BackgroundWriter] = None):
         self.dir = Path(root) / namespace if root else None
+        self.writer = writer
         self.mem: dict[str, dict] = {}
         if self.dir is not None and self.dir.exists():
             for f in sorted(self.dir.glob("part-*.npz")):
@@ -177,19 +364,26 @@ class StatsCache:
         self.mem.update(items)
         if self.dir is None or not items:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
+        items = dict(items)
+        job = lambda: self._write(items)  # noqa: E731
+        self.writer.submit(job) if self.writer is not None else job()
+
+    def _write(self, items: dict[str, dict]) -> None:
         keys = list(items)
         offsets = np.cumsum([0] + [len(items[k]["logprob"]) for k in keys])
         arrays = {s: np.concatenate([items[k][s] for k in keys]).astype(np.float32) for s in STAT_NAMES}
         name = hashlib.sha256("".join(keys).encode()).hexdigest()[:16]
-        tmp = self.dir / f"tmp-{name}-{os.getpid()}.npz"
-        np.savez(tmp, keys=json.dumps(keys), offsets=offsets, **arrays)
-        os.replace(tmp, self.dir / f"part-{name}.npz")
+        write_npz_atomic(self.dir, name, dict(keys=json.dumps(keys), offsets=offsets, **arrays))
 
 
 def cache_namespace(model, extra: str = "") -> str:
     dtype = str(getattr(model.module, "dtype", "float32"))
     return hashlib.sha256(f"{model.fingerprint}|{dtype}|{STATS_VERSION}|{extra}".encode()).hexdigest()[:20]
+
+
+def show_progress(settings: ScoringSettings) -> bool:
+    """Progress bars on process 0 only."""
+    return settings.progress and jax.process_index() == 0
 
 
 def compute_token_stats(
@@ -202,45 +396,50 @@ def compute_token_stats(
 ) -> list[dict]:
     """Token stats for each token sequence (each at least 2 tokens): a list of {stat: np.ndarray [T_i - 1]}.
 
-    Batches are length-bucketed and sharded over all visible devices along the batch axis. With
-    ``settings.cache_dir`` set, finished batches are stored on disk and reused by later runs. Pass ``params`` to
-    score other parameters than ``model.params`` (then give a distinct ``cache_tag`` or no cache_dir).
+    Batches are length-bucketed (one row count per bucket), their rows sharded over the mesh's ``data`` axis,
+    parameters placed once with the model's shardings; the next batch is dispatched before the previous one is
+    fetched, and cache writes run on a background thread. With ``settings.cache_dir`` set, finished batches are
+    stored on disk and reused by later runs. Pass ``params`` to score other parameters than ``model.params``
+    (then give a distinct ``cache_tag`` or no cache_dir). With several processes every process calls this with
+    the same arguments and gets every result.
     """
     from tqdm.auto import tqdm
 
-    params = model.params if params is None else params
+    from .distributed import any_process
+    from .sharding import batch_sharding, data_size
+
     for i, t in enumerate(token_lists):
         if len(t) < 2:
             raise ValueError(f"example {i} has {len(t)} token(s); at least 2 are needed to score")
-    cache = StatsCache(settings.cache_dir, cache_namespace(model, cache_tag))
+    mesh, _ = engine_layout(model)
+    params = placed_params(model, params)
     keys = [example_key(t) for t in token_lists]
-    results: list[Optional[dict]] = [cache.get(k) for k in keys]
-    todo = [i for i, r in enumerate(results) if r is None]
-    sharding = data_sharding()
-    n_dev = len(jax.devices())
-    fn = jitted_token_stats(model)
-    plan = plan_batches([len(token_lists[i]) for i in todo], settings, n_dev)
-    total = sum(len(token_lists[i]) for i in todo)
-    with tqdm(total=total, desc=desc, unit="tok", disable=not settings.progress or total == 0, leave=False) as bar:
-        for blen, members in plan:
-            idx = [todo[m] for m in members]
-            rows = _batch_rows(len(idx), n_dev)
-            tokens = np.zeros((rows, blen), np.int32)
-            valid = np.zeros((rows, blen), bool)
-            for r, i in enumerate(idx):
-                t = np.asarray(token_lists[i])
-                tokens[r, : len(t)] = t
-                valid[r, : len(t)] = True
-            if sharding is not None:
-                tokens, valid = jax.device_put(tokens, sharding), jax.device_put(valid, sharding)
-            out = jax.device_get(fn(params, tokens, valid))
-            fresh = {}
-            for r, i in enumerate(idx):
-                n = len(token_lists[i]) - 1
-                results[i] = {s: np.asarray(out[s][r, :n], np.float32) for s in STAT_NAMES}
-                fresh[keys[i]] = results[i]
-            cache.put_many(fresh)
-            bar.update(sum(len(token_lists[i]) for i in idx))
+    with BackgroundWriter() as writer:
+        cache = StatsCache(settings.cache_dir, cache_namespace(model, cache_tag), writer)
+        results: list[Optional[dict]] = [cache.get(k) for k in keys]
+        todo = np.flatnonzero(any_process(np.array([r is None for r in results], bool)))
+        fn = jitted_token_stats(model)
+        rows_sharding = batch_sharding(mesh)
+        plan = plan_batches([len(token_lists[i]) for i in todo], settings, data_size(mesh))
+        total = sum(len(token_lists[i]) for i in todo)
+
+        def dispatch(batch: Batch):
+            seqs = [token_lists[todo[m]] for m in batch.members]
+            return fn(params, *put_padded(seqs, batch.rows, batch.length, rows_sharding))
+
+        with tqdm(total=total, desc=desc, unit="tok", disable=not show_progress(settings) or total == 0,
+                  leave=False) as bar:
+            def consume(batch: Batch, out: dict):
+                fresh = {}
+                for r, m in enumerate(batch.members):
+                    i = todo[m]
+                    n = len(token_lists[i]) - 1
+                    results[i] = {s: np.asarray(out[s][r, :n], np.float32) for s in STAT_NAMES}
+                    fresh[keys[i]] = results[i]
+                cache.put_many(fresh)
+                bar.update(sum(len(token_lists[todo[m]]) for m in batch.members))
+
+            pipelined(plan, dispatch, consume)
     return results  # type: ignore[return-value]
 
 

@@ -55,13 +55,17 @@ def test_scores_do_not_depend_on_batch_padding_or_bucket(tiny_model):
             np.testing.assert_allclose(a[k], c[k], atol=1e-5, rtol=0)
 
 
-def test_plan_batches_uses_few_shapes():
+def test_plan_batches_one_shape_per_length_bucket_and_a_per_device_budget():
     lengths = list(range(2, 600, 7))
-    plan = plan_batches(lengths, ScoringSettings(token_budget=2048))
-    assert sorted(i for _, m in plan for i in m) == list(range(len(lengths)))
-    assert len({(blen, 1 << (len(m) - 1).bit_length()) for blen, m in plan}) <= 12
-    for blen, members in plan:
-        assert all(lengths[i] <= blen for i in members)
+    for n_data in (1, 8):
+        plan = plan_batches(lengths, ScoringSettings(token_budget=2048), n_data)
+        assert sorted(i for b in plan for i in b.members) == list(range(len(lengths)))
+        assert len({(b.length, b.rows) for b in plan}) == len({b.length for b in plan}) <= 7  # 16 ... 1024
+        for b in plan:
+            assert all(lengths[i] <= b.length for i in b.members) and len(b.members) <= b.rows
+            assert b.rows % n_data == 0 and (b.rows // n_data) * b.length <= max(2048, b.length)
+    one, eight = (plan_batches([300] * 64, ScoringSettings(token_budget=2048), n) for n in (1, 8))
+    assert [b.rows for b in one] == [4] * 16 and [b.rows for b in eight] == [32, 32]  # 8 devices: 8x the rows
 
 
 def test_disk_cache_is_reused_and_resumes(tiny_model, tmp_path, monkeypatch):

@@ -30,13 +30,15 @@ class ConfigError(ValueError):
 
 @struct.dataclass
 class KVCache:
-    """Keys/values of an already-processed prefix, per layer.
+    """Keys/values of an already-processed prefix, stacked over the layers.
 
-    keys[l], values[l]: [B, S, K, E] (keys after rotary); positions: [B, S] int32; valid: [B, S] bool.
+    keys, values: [L, B, S, K, E] (keys after rotary); positions: [B, S] int32; valid: [B, S] bool.
+    Inside the layer scan each layer sees a *layer view*: the same class with keys/values [B, S, K, E] (that
+    layer's slice), which is what ``join_cache`` takes.
     """
 
-    keys: tuple
-    values: tuple
+    keys: Array
+    values: Array
     positions: Array
     valid: Array
 
@@ -50,8 +52,19 @@ class KVCache:
 
     def broadcast_to(self, batch: int) -> "KVCache":
         """Repeat a batch-1 cache for ``batch`` targets."""
-        rep = lambda a: jnp.broadcast_to(a, (batch,) + a.shape[1:])
-        return KVCache(tuple(map(rep, self.keys)), tuple(map(rep, self.values)), rep(self.positions), rep(self.valid))
+        per_layer = lambda a: jnp.broadcast_to(a, a.shape[:1] + (batch,) + a.shape[2:])
+        per_row = lambda a: jnp.broadcast_to(a, (batch,) + a.shape[1:])
+        return KVCache(per_layer(self.keys), per_layer(self.values), per_row(self.positions), per_row(self.valid))
+
+    def take_rows(self, idx) -> "KVCache":
+        """Rows ``idx`` ([B'] int) of the batch (axis 1 of keys/values, axis 0 of positions/valid)."""
+        return KVCache(jnp.take(self.keys, idx, axis=1), jnp.take(self.values, idx, axis=1),
+                       jnp.take(self.positions, idx, axis=0), jnp.take(self.valid, idx, axis=0))
+
+    def slice_rows(self, start, size: int) -> "KVCache":
+        """Rows [start, start + size) of the batch; ``start`` may be traced."""
+        sl = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, start, size, axis=axis)
+        return KVCache(sl(self.keys, 1), sl(self.values, 1), sl(self.positions, 0), sl(self.valid, 0))
 
 
 def activation(name: str) -> Callable[[Array], Array]:
@@ -169,14 +182,17 @@ def dot_product_attention(
 
 
 def join_cache(
-    layer: int, cache: Optional[KVCache], k_btke: Array, v_btke: Array, pos_bt: Array, valid_bt: Array
+    cache: Optional[KVCache], k_btke: Array, v_btke: Array, pos_bt: Array, valid_bt: Array
 ) -> tuple[Array, Array, Array, Array]:
-    """Keys/values/positions/validity over [cached prefix ; current tokens]."""
+    """Keys/values/positions/validity over [cached prefix ; current tokens].
+
+    ``cache`` is one layer's view (keys/values [B, S, K, E], see ``KVCache``) or None.
+    """
     if cache is None:
         return k_btke, v_btke, pos_bt, valid_bt
     return (
-        jnp.concatenate([cache.keys[layer].astype(k_btke.dtype), k_btke], axis=1),
-        jnp.concatenate([cache.values[layer].astype(v_btke.dtype), v_btke], axis=1),
+        jnp.concatenate([cache.keys.astype(k_btke.dtype), k_btke], axis=1),
+        jnp.concatenate([cache.values.astype(v_btke.dtype), v_btke], axis=1),
         jnp.concatenate([cache.positions, pos_bt], axis=1),
         jnp.concatenate([cache.valid, valid_bt], axis=1),
     )
@@ -193,14 +209,22 @@ def default_positions(tokens_bt: Array, valid_bt: Array, cache: Optional[KVCache
 
 @dataclasses.dataclass(frozen=True)
 class ParamMapping:
-    """One HF tensor <-> one leaf of our params pytree.
+    """One HF tensor <-> one leaf of our params pytree, or one slice of a stacked leaf.
 
     ``transpose``: HF torch Linear stores [out, in]; flax Dense kernels are [in, out].
+    ``layer``: for the decoder layers, whose leaves are stacked [L, ...]: the HF tensor is slice ``layer`` of the
+    leaf at ``path`` (shapes compare without the leading L axis). None for unstacked leaves.
     """
 
     hf_name: str
     path: tuple[str, ...]
     transpose: bool = False
+    layer: Optional[int] = None
+
+
+def at_layer(layer: int, mappings: Sequence[ParamMapping]) -> list[ParamMapping]:
+    """The same mappings, each onto slice ``layer`` of its stacked leaf."""
+    return [dataclasses.replace(m, layer=layer) for m in mappings]
 
 
 def linear_maps(hf_prefix: str, path: tuple[str, ...], bias: bool) -> list[ParamMapping]:
@@ -228,14 +252,21 @@ def check_no_unknown_fields(model_type: str, hf: dict, known: Sequence[str], ref
 
 
 class DecoderLM(nn.Module):
-    """The top of every decoder family: embed -> layers (collecting this call's keys/values) -> final norm -> head.
+    """The top of every decoder family: embed -> layer scan (collecting this call's keys/values) -> final norm -> head.
 
     A family subclasses it, builds its submodules in ``setup()`` under its HF-style names (so parameter paths
-    mirror the checkpoint), and names them with class attributes:
-      EMBED           token ``nn.Embed``                       LAYERS  list of decoder layers
-      NORM            final norm                               HEAD    untied output ``nn.Dense`` (tied: EMBED.attend)
+    mirror the checkpoint), declares its layer stack there with ``self.<LAYERS> = self.layer_stack()``, and names
+    them with class attributes:
+      EMBED           token ``nn.Embed``                       LAYERS  name of the stacked layer params
+      LAYER           the decoder-layer module class           NORM    final norm
+      HEAD            untied output ``nn.Dense`` (tied: EMBED.attend)
       POSITION_EMBED  learned position ``nn.Embed`` or None    ROTARY_DIM  config attribute with the rotary width, or None
-    Each layer is called as ``layer(x, *(cos, sin if rotary), positions, valid, layer_index, cache) -> (x, (k, v))``.
+
+    The layers are ONE module applied in ``jax.lax.scan`` over stacked params: every leaf under ``params[LAYERS]``
+    has a leading [L] axis (layer i is slice i), so the compiled program does not grow with depth. Each layer is
+    called as ``layer(x, *(cos, sin if rotary), positions, valid, layer_index, cache_view) -> (x, (k, v))`` where
+    ``layer_index`` is a traced int32 scalar (per-layer variation is a lookup in a constant [L] table, never a
+    Python branch) and ``cache_view`` is that layer's slice of the prefix KVCache (or None).
     """
 
     config: Any
@@ -244,28 +275,64 @@ class DecoderLM(nn.Module):
 
     EMBED = "embed_tokens"
     LAYERS = "layers"
+    LAYER = None
     NORM = "norm"
     HEAD = "lm_head"
     POSITION_EMBED = None
     ROTARY_DIM = "head_dim"
 
-    def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        """tokens [B, T] int -> (final normed hidden states [B, T, D], KVCache of this call's tokens only)."""
+    def layer_template(self) -> nn.Module:
+        """An unbound instance of the family's layer, applied functionally to one layer's params."""
+        return self.LAYER(self.config, self.dtype, self.param_dtype, parent=None)
+
+    def _rotary(self, positions_bt) -> tuple:
+        if self.ROTARY_DIM is None:
+            return ()
+        return rotary_tables(positions_bt, getattr(self.config, self.ROTARY_DIM), self.config.rope_theta)
+
+    def layer_stack(self):
+        """Declare the stacked layer params (call in ``setup``): each layer initialised with its own key."""
+        n = self.config.num_hidden_layers
+
+        def init(rng):
+            pos, valid = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+            x = jnp.zeros((1, 1, self.config.hidden_size), self.dtype)
+            rotary = self._rotary(pos)
+            one = lambda key, i: self.layer_template().init(key, x, *rotary, pos, valid, i, None)["params"]
+            return jax.vmap(one)(jax.random.split(rng, n), jnp.arange(n, dtype=jnp.int32))
+
+        return self.param(self.LAYERS, init)
+
+    def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None,
+               layer_transform: Optional[Callable] = None):
+        """tokens [B, T] int -> (final normed hidden states [B, T, D], KVCache of this call's tokens only).
+
+        ``layer_transform(layer_index, layer_params) -> layer_params``: optional pure function applied inside the
+        scan body to each layer's params (one layer's subtree, no [L] axis; ``layer_index`` a traced int32 scalar)
+        before that layer runs; it must return a subtree of the same structure and shapes. Only one layer's
+        transformed copy exists at a time (e.g. MoPe noise drawn per layer).
+        """
         valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
         if positions_bt is None:
             positions_bt = default_positions(tokens_bt, valid_bt, cache)
         x = getattr(self, self.EMBED)(tokens_bt)
         if self.POSITION_EMBED is not None:  # learned positions: must stay < the table size
             x = x + getattr(self, self.POSITION_EMBED)(positions_bt)
-        rotary = ()
-        if self.ROTARY_DIM is not None:
-            rotary = rotary_tables(positions_bt, getattr(self.config, self.ROTARY_DIM), self.config.rope_theta)
-        ks, vs = [], []
-        for i, layer in enumerate(getattr(self, self.LAYERS)):
-            x, (k, v) = layer(x, *rotary, positions_bt, valid_bt, i, cache)
-            ks.append(k)
-            vs.append(v)
-        return getattr(self, self.NORM)(x), KVCache(tuple(ks), tuple(vs), positions_bt, valid_bt)
+        rotary = self._rotary(positions_bt)
+        layer = self.layer_template()
+
+        def step(x_btd, per_layer):
+            index, params, cached_keys, cached_values = per_layer
+            if layer_transform is not None:
+                params = layer_transform(index, params)
+            view = None if cache is None else KVCache(cached_keys, cached_values, cache.positions, cache.valid)
+            return layer.apply({"params": params}, x_btd, *rotary, positions_bt, valid_bt, index, view)
+
+        n = self.config.num_hidden_layers
+        per_layer = (jnp.arange(n, dtype=jnp.int32), getattr(self, self.LAYERS),
+                     None if cache is None else cache.keys, None if cache is None else cache.values)
+        x, (ks, vs) = jax.lax.scan(step, x, per_layer)
+        return getattr(self, self.NORM)(x), KVCache(ks, vs, positions_bt, valid_bt)
 
     def unembed(self, h_btd):
         """Hidden states [..., D] -> logits [..., V] (activation dtype)."""
@@ -273,6 +340,7 @@ class DecoderLM(nn.Module):
             return getattr(self, self.EMBED).attend(h_btd)
         return getattr(self, self.HEAD)(h_btd)
 
-    def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None):
-        h, _ = self.hidden(tokens_bt, valid_bt, positions_bt, cache)
+    def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None,
+                 layer_transform: Optional[Callable] = None):
+        h, _ = self.hidden(tokens_bt, valid_bt, positions_bt, cache, layer_transform)
         return self.unembed(h)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from .common import (
     DecoderLM,
@@ -22,6 +23,7 @@ from .common import (
     KVCache,
     LayerNorm,
     ParamMapping,
+    at_layer,
     activation,
     check_no_unknown_fields,
     dot_product_attention,
@@ -122,13 +124,24 @@ class GPT2Config:
         }
 
 
+def base_scale(cfg: GPT2Config) -> float:
+    """Score scale before any per-layer division: 1/sqrt(E) if ``scale_attn_weights``, else 1."""
+    return cfg.head_dim ** -0.5 if cfg.scale_attn_weights else 1.0
+
+
+def inverse_layer_scales(cfg: GPT2Config) -> np.ndarray:
+    """[L] float32 scales ``base_scale / (layer + 1)`` (``scale_attn_by_inverse_layer_idx``): divided in float64
+    and rounded once, as the python-float division in transformers."""
+    return (base_scale(cfg) / np.arange(1, cfg.n_layer + 1, dtype=np.float64)).astype(np.float32)
+
+
 class GPT2Block(nn.Module):
     config: GPT2Config
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_btd, pos_bt, valid_bt, layer: int, cache: Optional[KVCache]):
+    def __call__(self, x_btd, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
         cfg = self.config
         b, t, d = x_btd.shape
         h, e = cfg.n_head, cfg.head_dim
@@ -137,10 +150,10 @@ class GPT2Block(nn.Module):
 
         qkv = dense(3 * d, "attn_c_attn")(norm("ln_1")(x_btd))
         q, k, v = (a.reshape(b, t, h, e) for a in jnp.split(qkv, 3, axis=-1))
-        scale = e ** -0.5 if cfg.scale_attn_weights else 1.0
-        if cfg.scale_attn_by_inverse_layer_idx:
-            scale /= float(layer + 1)
-        k_all, v_all, kpos, kvalid = join_cache(layer, cache, k, v, pos_bt, valid_bt)
+        scale = base_scale(cfg)
+        if cfg.scale_attn_by_inverse_layer_idx:  # per layer: a lookup by the (traced) layer index
+            scale = jnp.asarray(inverse_layer_scales(cfg))[layer]
+        k_all, v_all, kpos, kvalid = join_cache(cache, k, v, pos_bt, valid_bt)
         attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=scale)
         x_btd = x_btd + dense(d, "attn_c_proj")(attn.reshape(b, t, d))
 
@@ -152,12 +165,13 @@ class GPT2LMHeadModel(DecoderLM):
     """GPT-2 causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
     EMBED, LAYERS, NORM, POSITION_EMBED, ROTARY_DIM = "wte", "h", "ln_f", "wpe", None
+    LAYER = GPT2Block
 
     def setup(self):
         cfg = self.config
         self.wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=self.dtype, param_dtype=self.param_dtype)
         self.wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.h = [GPT2Block(cfg, self.dtype, self.param_dtype, name=f"h_{i}") for i in range(cfg.n_layer)]
+        self.h = self.layer_stack()
         self.ln_f = LayerNorm(cfg.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -172,13 +186,15 @@ def param_mappings(cfg: GPT2Config) -> list[ParamMapping]:
     m = [ParamMapping("transformer.wte.weight", ("wte", "embedding")),
          ParamMapping("transformer.wpe.weight", ("wpe", "embedding"))]
     for i in range(cfg.n_layer):
-        hf, p = f"transformer.h.{i}", (f"h_{i}",)
-        m += norm_maps(f"{hf}.ln_1", p + ("ln_1",))
-        m += _conv1d_maps(f"{hf}.attn.c_attn", p + ("attn_c_attn",))
-        m += _conv1d_maps(f"{hf}.attn.c_proj", p + ("attn_c_proj",))
-        m += norm_maps(f"{hf}.ln_2", p + ("ln_2",))
-        m += _conv1d_maps(f"{hf}.mlp.c_fc", p + ("mlp_c_fc",))
-        m += _conv1d_maps(f"{hf}.mlp.c_proj", p + ("mlp_c_proj",))
+        hf, p = f"transformer.h.{i}", ("h",)
+        layer: list[ParamMapping] = []
+        layer += norm_maps(f"{hf}.ln_1", p + ("ln_1",))
+        layer += _conv1d_maps(f"{hf}.attn.c_attn", p + ("attn_c_attn",))
+        layer += _conv1d_maps(f"{hf}.attn.c_proj", p + ("attn_c_proj",))
+        layer += norm_maps(f"{hf}.ln_2", p + ("ln_2",))
+        layer += _conv1d_maps(f"{hf}.mlp.c_fc", p + ("mlp_c_fc",))
+        layer += _conv1d_maps(f"{hf}.mlp.c_proj", p + ("mlp_c_proj",))
+        m += at_layer(i, layer)
     m += norm_maps("transformer.ln_f", ("ln_f",))
     if not cfg.tie_word_embeddings:
         m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from .common import (
     DecoderLM,
@@ -21,6 +22,7 @@ from .common import (
     KVCache,
     LayerNorm,
     ParamMapping,
+    at_layer,
     activation,
     dot_product_attention,
     join_cache,
@@ -123,13 +125,29 @@ class GPTNeoConfig:
         }
 
 
+GLOBAL_WINDOW = np.iinfo(np.int32).max  # q_pos - k_pos < this always holds: a global layer in the window table
+
+
+def attention_window(cfg: GPTNeoConfig, layer):
+    """The local-attention window of layer ``layer`` (a traced int32 index): None when every layer is global, the
+    static ``window_size`` when every layer is local, else a lookup in the per-layer int32 table (global layers
+    get ``GLOBAL_WINDOW``), so mixed stacks need no Python branch on the layer."""
+    kinds = set(cfg.attention_layers)
+    if kinds == {"global"}:
+        return None
+    if kinds == {"local"}:
+        return cfg.window_size
+    table = np.array([cfg.window_size if kind == "local" else GLOBAL_WINDOW for kind in cfg.attention_layers], np.int32)
+    return jnp.asarray(table)[layer]
+
+
 class GPTNeoBlock(nn.Module):
     config: GPTNeoConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_btd, pos_bt, valid_bt, layer: int, cache: Optional[KVCache]):
+    def __call__(self, x_btd, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
         cfg = self.config
         b, t, d = x_btd.shape
         h, e = cfg.num_heads, cfg.head_dim
@@ -138,8 +156,8 @@ class GPTNeoBlock(nn.Module):
 
         y = norm("ln_1")(x_btd)
         q, k, v = (dense(d, f"attn_{n}_proj", False)(y).reshape(b, t, h, e) for n in "qkv")
-        window = cfg.window_size if cfg.attention_layers[layer] == "local" else None
-        k_all, v_all, kpos, kvalid = join_cache(layer, cache, k, v, pos_bt, valid_bt)
+        window = attention_window(cfg, layer)
+        k_all, v_all, kpos, kvalid = join_cache(cache, k, v, pos_bt, valid_bt)
         attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=1.0, window=window)
         x_btd = x_btd + dense(d, "attn_out_proj", True)(attn.reshape(b, t, d))
 
@@ -151,12 +169,13 @@ class GPTNeoForCausalLM(DecoderLM):
     """GPT-Neo causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
     EMBED, LAYERS, NORM, POSITION_EMBED, ROTARY_DIM = "wte", "h", "ln_f", "wpe", None
+    LAYER = GPTNeoBlock
 
     def setup(self):
         cfg = self.config
         self.wte = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
         self.wpe = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.h = [GPTNeoBlock(cfg, self.dtype, self.param_dtype, name=f"h_{i}") for i in range(cfg.num_layers)]
+        self.h = self.layer_stack()
         self.ln_f = LayerNorm(cfg.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -166,14 +185,16 @@ def param_mappings(cfg: GPTNeoConfig) -> list[ParamMapping]:
     m = [ParamMapping("transformer.wte.weight", ("wte", "embedding")),
          ParamMapping("transformer.wpe.weight", ("wpe", "embedding"))]
     for i in range(cfg.num_layers):
-        hf, p = f"transformer.h.{i}", (f"h_{i}",)
-        m += norm_maps(f"{hf}.ln_1", p + ("ln_1",))
+        hf, p = f"transformer.h.{i}", ("h",)
+        layer: list[ParamMapping] = []
+        layer += norm_maps(f"{hf}.ln_1", p + ("ln_1",))
         for n in "qkv":
-            m += linear_maps(f"{hf}.attn.attention.{n}_proj", p + (f"attn_{n}_proj",), bias=False)
-        m += linear_maps(f"{hf}.attn.attention.out_proj", p + ("attn_out_proj",), bias=True)
-        m += norm_maps(f"{hf}.ln_2", p + ("ln_2",))
-        m += linear_maps(f"{hf}.mlp.c_fc", p + ("mlp_c_fc",), bias=True)
-        m += linear_maps(f"{hf}.mlp.c_proj", p + ("mlp_c_proj",), bias=True)
+            layer += linear_maps(f"{hf}.attn.attention.{n}_proj", p + (f"attn_{n}_proj",), bias=False)
+        layer += linear_maps(f"{hf}.attn.attention.out_proj", p + ("attn_out_proj",), bias=True)
+        layer += norm_maps(f"{hf}.ln_2", p + ("ln_2",))
+        layer += linear_maps(f"{hf}.mlp.c_fc", p + ("mlp_c_fc",), bias=True)
+        layer += linear_maps(f"{hf}.mlp.c_proj", p + ("mlp_c_proj",), bias=True)
+        m += at_layer(i, layer)
     m += norm_maps("transformer.ln_f", ("ln_f",))
     if not cfg.tie_word_embeddings:
         m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))

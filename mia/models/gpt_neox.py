@@ -21,6 +21,7 @@ from .common import (
     KVCache,
     LayerNorm,
     ParamMapping,
+    at_layer,
     activation,
     apply_rotary,
     dot_product_attention,
@@ -113,7 +114,7 @@ class GPTNeoXLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer: int, cache: Optional[KVCache]):
+    def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
         cfg = self.config
         b, t, _ = x_btd.shape
         h, e = cfg.num_attention_heads, cfg.head_dim
@@ -124,7 +125,7 @@ class GPTNeoXLayer(nn.Module):
         qkv = dense(3 * cfg.hidden_size, "attention_query_key_value", cfg.attention_bias)(attn_in)
         q, k, v = jnp.split(qkv.reshape(b, t, h, 3 * e), 3, axis=-1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_all, v_all, kpos, kvalid = join_cache(layer, cache, k, v, pos_bt, valid_bt)
+        k_all, v_all, kpos, kvalid = join_cache(cache, k, v, pos_bt, valid_bt)
         attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=e ** -0.5)
         attn = dense(cfg.hidden_size, "attention_dense", cfg.attention_bias)(attn.reshape(b, t, h * e))
 
@@ -142,12 +143,13 @@ class GPTNeoXForCausalLM(DecoderLM):
     """GPT-NeoX (Pythia) causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
     EMBED, LAYERS, NORM, HEAD = "embed_in", "layers", "final_layer_norm", "embed_out"
+    LAYER = GPTNeoXLayer
     ROTARY_DIM = "rotary_dim"
 
     def setup(self):
         cfg = self.config
         self.embed_in = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.layers = [GPTNeoXLayer(cfg, self.dtype, self.param_dtype, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)]
+        self.layers = self.layer_stack()
         self.final_layer_norm = LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         if not cfg.tie_word_embeddings:
             self.embed_out = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -156,13 +158,15 @@ class GPTNeoXForCausalLM(DecoderLM):
 def param_mappings(cfg: GPTNeoXConfig) -> list[ParamMapping]:
     m = [ParamMapping("gpt_neox.embed_in.weight", ("embed_in", "embedding"))]
     for i in range(cfg.num_hidden_layers):
-        hf, p = f"gpt_neox.layers.{i}", (f"layers_{i}",)
-        m += norm_maps(f"{hf}.input_layernorm", p + ("input_layernorm",))
-        m += norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",))
-        m += linear_maps(f"{hf}.attention.query_key_value", p + ("attention_query_key_value",), cfg.attention_bias)
-        m += linear_maps(f"{hf}.attention.dense", p + ("attention_dense",), cfg.attention_bias)
-        m += linear_maps(f"{hf}.mlp.dense_h_to_4h", p + ("mlp_dense_h_to_4h",), True)
-        m += linear_maps(f"{hf}.mlp.dense_4h_to_h", p + ("mlp_dense_4h_to_h",), True)
+        hf, p = f"gpt_neox.layers.{i}", ("layers",)
+        layer: list[ParamMapping] = []
+        layer += norm_maps(f"{hf}.input_layernorm", p + ("input_layernorm",))
+        layer += norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",))
+        layer += linear_maps(f"{hf}.attention.query_key_value", p + ("attention_query_key_value",), cfg.attention_bias)
+        layer += linear_maps(f"{hf}.attention.dense", p + ("attention_dense",), cfg.attention_bias)
+        layer += linear_maps(f"{hf}.mlp.dense_h_to_4h", p + ("mlp_dense_h_to_4h",), True)
+        layer += linear_maps(f"{hf}.mlp.dense_4h_to_h", p + ("mlp_dense_4h_to_h",), True)
+        m += at_layer(i, layer)
     m += norm_maps("gpt_neox.final_layer_norm", ("final_layer_norm",))
     if not cfg.tie_word_embeddings:
         m.append(ParamMapping("embed_out.weight", ("embed_out", "kernel"), transpose=True))

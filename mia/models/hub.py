@@ -65,7 +65,11 @@ def family(model_type: str) -> Family:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
-    """A Flax module, its params pytree, its tokenizer and config. ``params`` is passed explicitly everywhere."""
+    """A Flax module, its params pytree, its tokenizer and config. ``params`` is passed explicitly everywhere.
+
+    ``mesh``/``fsdp``: the layout the params were placed with (``mia.sharding``); None: the scoring engine's
+    default (every device on ``data``, params replicated).
+    """
 
     module: Any
     params: Any
@@ -74,17 +78,25 @@ class Model:
     model_type: str
     path: Optional[str] = None
     fingerprint: str = ""
+    mesh: Any = None
+    fsdp: bool = False
 
-    def hidden(self, params, tokens, valid=None, positions=None, cache=None):
-        """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens)."""
-        return self.module.apply({"params": params}, tokens, valid, positions, cache, method="hidden")
+    def hidden(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
+        """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens).
+
+        ``layer_transform(layer_index, layer_params) -> layer_params`` (optional, pure): applied inside the layer
+        scan to each layer's params subtree (no [L] axis; ``layer_index`` a traced int32 scalar) just before that
+        layer runs; same structure and shapes out (see ``common.DecoderLM.hidden``).
+        """
+        return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform, method="hidden")
 
     def unembed(self, params, h):
         """Pure: hidden [..., D] -> logits [..., V] (activation dtype)."""
         return self.module.apply({"params": params}, h, method="unembed")
 
-    def logits(self, params, tokens, valid=None, positions=None, cache=None):
-        return self.module.apply({"params": params}, tokens, valid, positions, cache)
+    def logits(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
+        """Pure: logits [B, T, V] (activation dtype); ``layer_transform`` as in ``hidden``."""
+        return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform)
 
     @property
     def max_length(self) -> int:
@@ -195,9 +207,46 @@ def abstract_params(fam: Family, cfg, dtype=jnp.float32, param_dtype=jnp.float32
     return module, shapes
 
 
+class StackedView:
+    """A read-only [L, ...] host array assembled lazily from L per-layer arrays (memory maps stay on disk until
+    read): ``view[i, ...]`` reads only that slice of each layer it covers, so a device's shard of a stacked leaf
+    never needs the whole leaf in host memory."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.shape = (len(layers),) + tuple(layers[0].shape)
+        self.dtype = layers[0].dtype
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        first, rest = (index[0] if index else slice(None)), index[1:]
+        if isinstance(first, (int, np.integer)):
+            return np.asarray(self.layers[first][rest])
+        return np.stack([np.asarray(self.layers[i][rest]) for i in range(len(self.layers))[first]])
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+
 def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, param_dtype, source: str = "checkpoint"):
-    """HF-named numpy tensors -> our params pytree, strict on names and shapes."""
+    """HF-named numpy tensors -> our params pytree (on the default device, ``param_dtype``), strict on names and
+    shapes (see ``host_params_from_hf``)."""
+    views = host_params_from_hf(tensors, fam, cfg, shapes, source)
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a).astype(np.float32), dtype=param_dtype), views)
+
+
+def host_params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, source: str = "checkpoint"):
+    """HF-named numpy tensors -> our params pytree of host views, strict on names and shapes. Nothing is copied or
+    converted: memory maps stay memory maps, transposes are views, and a stacked [L, ...] leaf (the decoder
+    layers) is a ``StackedView`` over its per-layer tensors.
+
+    A mapping with ``layer`` fills slice ``layer`` of a stacked [L, ...] leaf; its tensor's shape is checked
+    against the leaf's shape without the L axis.
+    """
     mappings: list[ParamMapping] = fam.param_mappings(cfg)
+    stacked: dict[tuple, list] = {}  # path -> per-layer views, None until filled
     params: dict = {}
     used = set()
     for m in mappings:
@@ -209,16 +258,25 @@ def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, par
                 name = alt
             else:
                 raise CheckpointError(f"{source}: tensor {m.hf_name!r} is missing")
-        arr = np.asarray(tensors[name])
+        arr = tensors[name]
         if m.transpose:
             arr = arr.T
-        want = _get(shapes, m.path).shape
-        if tuple(arr.shape) != tuple(want):
+        leaf_shape = tuple(_get(shapes, m.path).shape)
+        want = leaf_shape if m.layer is None else leaf_shape[1:]
+        if tuple(arr.shape) != want:
             got = tuple(tensors[name].shape)
             raise CheckpointError(f"{source}: tensor {name!r} has shape {got}, expected "
-                                  f"{tuple(want[::-1]) if m.transpose else tuple(want)} for this config")
-        _set(params, m.path, jnp.asarray(arr.astype(np.float32), dtype=param_dtype))
+                                  f"{tuple(want[::-1]) if m.transpose else want} for this config")
+        if m.layer is None:
+            _set(params, m.path, arr)
+        else:
+            stacked.setdefault(m.path, [None] * leaf_shape[0])[m.layer] = arr
         used.add(name)
+    for path, layers in stacked.items():
+        if any(x is None for x in layers):  # a mapping table bug, not a user error
+            raise AssertionError(f"{fam.model_type}: layers {[i for i, x in enumerate(layers) if x is None]} of "
+                                 f"{path} have no HF mapping")
+        _set(params, path, StackedView(layers))
     extra = [k for k in tensors if k not in used and not any(re.search(p, k) for p in fam.ignored_keys)]
     if extra:
         raise CheckpointError(f"{source}: unexpected tensor(s) not used by {fam.model_type}: {', '.join(sorted(extra)[:8])}"
@@ -230,9 +288,13 @@ def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, par
 
 
 def params_to_hf(params, fam: Family, cfg) -> dict[str, np.ndarray]:
+    """Our params pytree -> HF-named numpy tensors (slice ``layer`` of a stacked leaf for per-layer tensors)."""
     out = {}
+    host: dict[tuple, np.ndarray] = {}
     for m in fam.param_mappings(cfg):
-        arr = np.asarray(jax.device_get(_get(params, m.path)))
+        if m.path not in host:
+            host[m.path] = np.asarray(jax.device_get(_get(params, m.path)))
+        arr = host[m.path] if m.layer is None else host[m.path][m.layer]
         out[m.hf_name] = np.ascontiguousarray(arr.T if m.transpose else arr)
     return out
 
@@ -284,11 +346,17 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
 
 
-def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True) -> Model:
+def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None, fsdp: Optional[bool] = None) -> Model:
     """Load a local HF-layout checkpoint directory. ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
 
-    Log-probabilities are always computed in float32 downstream, whatever ``dtype`` is.
+    Parameters are placed once, with their shardings over ``mesh`` (``mia.sharding``: FSDP over ``data`` when
+    ``fsdp``, the default with an explicit mesh; tensor parallel over ``model``); without a mesh, replicated on
+    every device. Each device's shard is read from the memory-mapped safetensors and converted on its own, so a
+    checkpoint never exists whole in host memory as a second copy. Log-probabilities are always computed in float32
+    downstream, whatever ``dtype`` is.
     """
+    from ..sharding import make_mesh, param_shardings, put_params
+
     root = Path(path)
     fam, cfg, _ = load_config(root)
     dtype = _dtype(dtype)
@@ -298,9 +366,22 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True) -> Mod
     for f in files:
         tensors.update(read_safetensors(f))
     module, shapes = abstract_params(fam, cfg, dtype, param_dtype)
-    params = params_from_hf(tensors, fam, cfg, shapes, param_dtype, source=str(root))
+    views = host_params_from_hf(tensors, fam, cfg, shapes, source=str(root))
+    fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
+    placed_on = make_mesh() if mesh is None else mesh
+    params = put_params(views, param_shardings(shapes, placed_on, fsdp=fsdp), dtype=param_dtype)
     tok = load_tokenizer(root) if tokenizer else None
-    return Model(module, params, tok, cfg, fam.model_type, str(root), fingerprint(root))
+    return Model(module, params, tok, cfg, fam.model_type, str(root), fingerprint(root), placed_on, fsdp)
+
+
+def place(model: Model, mesh=None, fsdp: Optional[bool] = None) -> Model:
+    """The same model with its params placed on ``mesh`` (as ``load(..., mesh=)`` does); e.g. for ``from_config``."""
+    from ..sharding import make_mesh, param_shardings, put_params
+
+    fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
+    mesh = make_mesh() if mesh is None else mesh
+    params = put_params(model.params, param_shardings(model.params, mesh, fsdp=fsdp))
+    return dataclasses.replace(model, params=params, mesh=mesh, fsdp=fsdp)
 
 
 def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", param_dtype=None) -> Model:

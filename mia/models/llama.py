@@ -22,6 +22,7 @@ from .common import (
     ConfigError,
     KVCache,
     ParamMapping,
+    at_layer,
     RMSNorm,
     activation,
     apply_rotary,
@@ -150,7 +151,7 @@ class LlamaLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer: int, cache: Optional[KVCache]):
+    def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
         cfg = self.config
         b, t, _ = x_btd.shape
         h, kv, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -162,7 +163,7 @@ class LlamaLayer(nn.Module):
         k = dense(kv * e, "self_attn_k_proj", cfg.attention_bias)(y).reshape(b, t, kv, e)
         v = dense(kv * e, "self_attn_v_proj", cfg.attention_bias)(y).reshape(b, t, kv, e)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_all, v_all, kpos, kvalid = join_cache(layer, cache, k, v, pos_bt, valid_bt)
+        k_all, v_all, kpos, kvalid = join_cache(cache, k, v, pos_bt, valid_bt)
         attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=e ** -0.5)
         x_btd = x_btd + dense(cfg.hidden_size, "self_attn_o_proj", cfg.attention_bias)(attn.reshape(b, t, h * e))
 
@@ -173,10 +174,12 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(DecoderLM):
     """Llama causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
+    LAYER = LlamaLayer
+
     def setup(self):
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.layers = [LlamaLayer(cfg, self.dtype, self.param_dtype, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)]
+        self.layers = self.layer_stack()
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -200,11 +203,13 @@ def mlp_maps(hf: str, p: tuple, bias: bool) -> list[ParamMapping]:
 def param_mappings(cfg: LlamaConfig) -> list[ParamMapping]:
     m = [ParamMapping("model.embed_tokens.weight", ("embed_tokens", "embedding"))]
     for i in range(cfg.num_hidden_layers):
-        hf, p = f"model.layers.{i}", (f"layers_{i}",)
-        m += norm_maps(f"{hf}.input_layernorm", p + ("input_layernorm",), bias=False)
-        m += norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",), bias=False)
-        m += attention_maps(hf, p, cfg.attention_bias)
-        m += mlp_maps(hf, p, cfg.mlp_bias)
+        hf, p = f"model.layers.{i}", ("layers",)
+        layer: list[ParamMapping] = []
+        layer += norm_maps(f"{hf}.input_layernorm", p + ("input_layernorm",), bias=False)
+        layer += norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",), bias=False)
+        layer += attention_maps(hf, p, cfg.attention_bias)
+        layer += mlp_maps(hf, p, cfg.mlp_bias)
+        m += at_layer(i, layer)
     m += norm_maps("model.norm", ("norm",), bias=False)
     if not cfg.tie_word_embeddings:
         m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))

@@ -20,6 +20,7 @@ from .common import (
     KVCache,
     LayerNorm,
     ParamMapping,
+    at_layer,
     activation,
     apply_rotary,
     check_no_unknown_fields,
@@ -118,7 +119,7 @@ class OlmoLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer: int, cache: Optional[KVCache]):
+    def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
         cfg = self.config
         b, t, _ = x_btd.shape
         h, kv, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -131,7 +132,7 @@ class OlmoLayer(nn.Module):
         k = clip(dense(kv * e, "self_attn_k_proj")(y)).reshape(b, t, kv, e)
         v = clip(dense(kv * e, "self_attn_v_proj")(y)).reshape(b, t, kv, e)
         q, k = rotary_f32(q, cos, sin), rotary_f32(k, cos, sin)
-        k_all, v_all, kpos, kvalid = join_cache(layer, cache, k, v, pos_bt, valid_bt)
+        k_all, v_all, kpos, kvalid = join_cache(cache, k, v, pos_bt, valid_bt)
         attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=e ** -0.5)
         x_btd = x_btd + dense(cfg.hidden_size, "self_attn_o_proj")(attn.reshape(b, t, h * e))
 
@@ -142,10 +143,12 @@ class OlmoLayer(nn.Module):
 class OlmoForCausalLM(DecoderLM):
     """OLMo causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
+    LAYER = OlmoLayer
+
     def setup(self):
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.layers = [OlmoLayer(cfg, self.dtype, self.param_dtype, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)]
+        self.layers = self.layer_stack()
         self.norm = LayerNorm(LN_EPS, use_scale=False, use_bias=False, dtype=self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -154,9 +157,11 @@ class OlmoForCausalLM(DecoderLM):
 def param_mappings(cfg: OlmoConfig) -> list[ParamMapping]:
     m = [ParamMapping("model.embed_tokens.weight", ("embed_tokens", "embedding"))]
     for i in range(cfg.num_hidden_layers):
-        hf, p = f"model.layers.{i}", (f"layers_{i}",)
-        m += attention_maps(hf, p, cfg.attention_bias)
-        m += mlp_maps(hf, p, False)
+        hf, p = f"model.layers.{i}", ("layers",)
+        layer: list[ParamMapping] = []
+        layer += attention_maps(hf, p, cfg.attention_bias)
+        layer += mlp_maps(hf, p, False)
+        m += at_layer(i, layer)
     if not cfg.tie_word_embeddings:
         m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))
     return m

@@ -18,6 +18,7 @@ from .common import (
     DecoderLM,
     KVCache,
     ParamMapping,
+    at_layer,
     RMSNorm,
     activation,
     check_no_unknown_fields,
@@ -111,7 +112,7 @@ class Olmo2Layer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer: int, cache: Optional[KVCache]):
+    def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
         cfg = self.config
         b, t, _ = x_btd.shape
         h, kv, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -122,7 +123,7 @@ class Olmo2Layer(nn.Module):
         k = norm("self_attn_k_norm")(dense(kv * e, "self_attn_k_proj")(x_btd)).reshape(b, t, kv, e)
         v = dense(kv * e, "self_attn_v_proj")(x_btd).reshape(b, t, kv, e)
         q, k = rotary_f32(q, cos, sin), rotary_f32(k, cos, sin)
-        k_all, v_all, kpos, kvalid = join_cache(layer, cache, k, v, pos_bt, valid_bt)
+        k_all, v_all, kpos, kvalid = join_cache(cache, k, v, pos_bt, valid_bt)
         attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=e ** -0.5)
         attn = dense(cfg.hidden_size, "self_attn_o_proj")(attn.reshape(b, t, h * e))
         x_btd = x_btd + norm("post_attention_layernorm")(attn)
@@ -134,10 +135,12 @@ class Olmo2Layer(nn.Module):
 class Olmo2ForCausalLM(DecoderLM):
     """OLMo-2 causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
+    LAYER = Olmo2Layer
+
     def setup(self):
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.layers = [Olmo2Layer(cfg, self.dtype, self.param_dtype, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)]
+        self.layers = self.layer_stack()
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -146,13 +149,15 @@ class Olmo2ForCausalLM(DecoderLM):
 def param_mappings(cfg: Olmo2Config) -> list[ParamMapping]:
     m = [ParamMapping("model.embed_tokens.weight", ("embed_tokens", "embedding"))]
     for i in range(cfg.num_hidden_layers):
-        hf, p = f"model.layers.{i}", (f"layers_{i}",)
-        m += attention_maps(hf, p, cfg.attention_bias)
-        m += norm_maps(f"{hf}.self_attn.q_norm", p + ("self_attn_q_norm",), bias=False)
-        m += norm_maps(f"{hf}.self_attn.k_norm", p + ("self_attn_k_norm",), bias=False)
-        m += norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",), bias=False)
-        m += norm_maps(f"{hf}.post_feedforward_layernorm", p + ("post_feedforward_layernorm",), bias=False)
-        m += mlp_maps(hf, p, False)
+        hf, p = f"model.layers.{i}", ("layers",)
+        layer: list[ParamMapping] = []
+        layer += attention_maps(hf, p, cfg.attention_bias)
+        layer += norm_maps(f"{hf}.self_attn.q_norm", p + ("self_attn_q_norm",), bias=False)
+        layer += norm_maps(f"{hf}.self_attn.k_norm", p + ("self_attn_k_norm",), bias=False)
+        layer += norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",), bias=False)
+        layer += norm_maps(f"{hf}.post_feedforward_layernorm", p + ("post_feedforward_layernorm",), bias=False)
+        layer += mlp_maps(hf, p, False)
+        m += at_layer(i, layer)
     m += norm_maps("model.norm", ("norm",), bias=False)
     if not cfg.tie_word_embeddings:
         m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))

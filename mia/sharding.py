@@ -1,0 +1,273 @@
+"""Where arrays live: the named device mesh, parameter partition rules, and explicit placement of params and batches.
+
+The mesh always has two named axes, ``data`` (rows of a batch; FSDP shards of the parameters) and ``model`` (tensor
+parallel: attention heads, MLP width, vocabulary). ``--mesh data=2,model=4`` asks for 2 x 4 devices; without
+``--mesh`` every device is on ``data`` and the parameters are replicated once (``fsdp=False``).
+
+Parameter rules (``partition_spec``), by the role of a leaf, read from its path, and its shape. Kernels are flax
+``[in, out]``; an embedding is ``[vocab, width]``; a leaf may carry leading stacked axes (``[L, in, out]`` when the
+layers are scanned), and those leading axes are never sharded.
+
+  role      leaves (module name ends with ...)                        ``model`` splits    must divide
+  column    q/k/v_proj, query_key_value, c_attn, gate/up_proj, c_fc,   kernel out, bias    yes
+            dense_h_to_4h, fc_in
+  row       o_proj, out_proj, c_proj, attention_dense, down_proj,      kernel in           yes
+            dense_4h_to_h, fc_out
+  vocab     token embedding (embed_tokens, embed_in, wte) [V, D];      V                   no: replicated on
+            untied head (lm_head, embed_out) [D, V]                                         ``model`` otherwise
+  other     norms, biases of row layers, position tables                 -                   -
+
+With ``fsdp`` every matrix (kernel, embedding) also splits one more dimension over ``data`` (ZeRO-3 style: the
+largest dimension not taken by ``model`` that ``data`` divides; none: replicated over ``data``). Vectors (norms,
+biases) stay replicated over ``data``: they are O(width) per layer. A sharding never changes a number, only where
+it is stored and which collectives XLA inserts, so every layout gives the same scores (tests check it).
+
+Everything here takes the mesh explicitly and works on abstract shapes (``jax.ShapeDtypeStruct``) too, so a step can
+be compiled ahead of time for devices that are not attached (``mia plan``, ``jax.experimental.topologies``).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "model")
+
+COLUMN = re.compile(r"(q_proj|k_proj|v_proj|query_key_value|c_attn|gate_proj|up_proj|c_fc|dense_h_to_4h|fc_in)$")
+ROW = re.compile(r"(o_proj|out_proj|c_proj|attention_dense|down_proj|dense_4h_to_h|fc_out)$")
+VOCAB_EMBED = re.compile(r"(embed_tokens|embed_in|wte)$")
+VOCAB_HEAD = re.compile(r"(lm_head|embed_out)$")
+MATRIX_LEAVES = ("kernel", "embedding")  # logical rank 2; every other leaf has logical rank 1
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be built on the visible devices, or a tensor that cannot be split over it (one line)."""
+
+
+# ------------------------------------------------------------------------------------------------ the mesh
+def parse_mesh(text: str, n_devices: Optional[int] = None) -> dict[str, int]:
+    """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}`` (an axis left out has size 1).
+
+    With ``n_devices`` the product must equal it (``--mesh data=3,model=4 needs 12 devices, 8 are visible``).
+    """
+    axes = {name: 1 for name in AXES}
+    seen = set()
+    for item in filter(None, (s.strip() for s in str(text).split(","))):
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq:
+            raise MeshError(f"--mesh {text}: {item!r} must be AXIS=SIZE (axes: {', '.join(AXES)})")
+        if name not in AXES:
+            raise MeshError(f"--mesh {text}: unknown axis {name!r} (axes: {', '.join(AXES)})")
+        if name in seen:
+            raise MeshError(f"--mesh {text}: axis {name!r} is given twice")
+        try:
+            size = int(value)
+        except ValueError:
+            raise MeshError(f"--mesh {text}: size of {name!r} must be an integer, got {value.strip()!r}") from None
+        if size < 1:
+            raise MeshError(f"--mesh {text}: size of {name!r} must be >= 1, got {size}")
+        axes[name] = size
+        seen.add(name)
+    if not seen:
+        raise MeshError(f"--mesh {text!r}: give AXIS=SIZE pairs, e.g. data=2,model=4")
+    if n_devices is not None and math.prod(axes.values()) != n_devices:
+        raise MeshError(f"--mesh {text} needs {math.prod(axes.values())} devices, {n_devices} are visible")
+    return axes
+
+
+def make_mesh(axes: Optional[Mapping[str, int]] = None, devices: Optional[Sequence[Any]] = None) -> Mesh:
+    """A ``Mesh`` with axes ("data", "model") over ``devices`` (default: all devices, of every process).
+
+    ``axes`` None: every device on ``data``. ``devices`` may be the abstract devices of a TPU topology.
+    Device order comes from ``mesh_utils.create_device_mesh`` (topology-aware on TPU; process-major elsewhere,
+    so with several processes each process holds whole rows of ``data`` when ``data`` >= the process count).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = dict(axes or {"data": len(devices)})
+    unknown = [a for a in sizes if a not in AXES]
+    if unknown:
+        raise MeshError(f"unknown mesh axis {unknown[0]!r} (axes: {', '.join(AXES)})")
+    shape = tuple(int(sizes.get(a, 1)) for a in AXES)
+    if math.prod(shape) != len(devices):
+        text = ",".join(f"{a}={s}" for a, s in zip(AXES, shape))
+        raise MeshError(f"--mesh {text} needs {math.prod(shape)} devices, {len(devices)} are visible")
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except Exception:  # an unusual device kind: plain process-major order
+        grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, AXES)
+
+
+def mesh_axes(mesh) -> dict[str, int]:
+    """{"data": n, "model": m} of a Mesh or AbstractMesh (missing axes are 1)."""
+    shape = dict(mesh.shape)
+    return {a: int(shape.get(a, 1)) for a in AXES}
+
+
+def describe(mesh) -> str:
+    return ",".join(f"{a}={s}" for a, s in mesh_axes(mesh).items())
+
+
+# ------------------------------------------------------------------------------------------------ partition rules
+def leaf_name(path) -> str:
+    """'layers_0/attention_query_key_value/kernel' from a tree_flatten_with_path key path."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def leaf_role(name: str) -> str:
+    """'column' | 'row' | 'vocab_embed' | 'vocab_head' | 'other' for a slash-separated leaf name."""
+    parts = name.split("/")
+    module, kind = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+    if kind == "embedding" and VOCAB_EMBED.search(module):
+        return "vocab_embed"
+    if kind == "kernel" and VOCAB_HEAD.search(module):
+        return "vocab_head"
+    if kind in ("kernel", "bias") and COLUMN.search(module):
+        return "column"
+    if kind == "kernel" and ROW.search(module):
+        return "row"
+    return "other"
+
+
+def partition_spec(name: str, shape: Sequence[int], axes: Mapping[str, int], fsdp: bool = True) -> PartitionSpec:
+    """PartitionSpec of one parameter leaf (see the module docstring for the rules).
+
+    Raises MeshError when a dimension that must split over ``model`` (heads, MLP width) does not divide by it.
+    """
+    shape = tuple(int(s) for s in shape)
+    kind = name.split("/")[-1]
+    logical = 2 if kind in MATRIX_LEAVES else 1
+    lead = max(0, len(shape) - logical)  # stacked-layer axes: never sharded
+    dims = shape[lead:]
+    spec: list = [None] * len(dims)
+    model, data = int(axes.get("model", 1)), int(axes.get("data", 1))
+    role = leaf_role(name)
+    want = {"column": len(dims) - 1, "row": 0, "vocab_embed": 0, "vocab_head": len(dims) - 1}.get(role)
+    if kind == "bias" and role == "column":
+        want = 0
+    if model > 1 and want is not None and want < len(dims):
+        if dims[want] % model == 0:
+            spec[want] = "model"
+        elif role in ("column", "row"):
+            raise MeshError(f"tensor {name} {list(shape)}: dimension {lead + want} ({dims[want]}) is not divisible "
+                            f"by mesh axis model={model}")
+    if fsdp and data > 1 and logical == 2 and len(dims) == 2:
+        free = sorted((i for i in range(2) if spec[i] is None and dims[i] % data == 0), key=lambda i: -dims[i])
+        if free:
+            spec[free[0]] = "data"
+    return PartitionSpec(*([None] * lead + spec))
+
+
+def param_partition_specs(params, axes: Mapping[str, int], fsdp: bool = True):
+    """Pytree of PartitionSpec for a params pytree (arrays or ShapeDtypeStructs; only shapes are read)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs = [partition_spec(leaf_name(p), np.shape(x) if not hasattr(x, "shape") else x.shape, axes, fsdp)
+             for p, x in flat]
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def param_shardings(params, mesh, fsdp: bool = True):
+    """Pytree of NamedSharding(mesh, spec) for a params pytree (arrays or ShapeDtypeStructs; nothing allocated).
+
+    ``fsdp=False`` keeps every parameter replicated over ``data`` (the default layout without ``--mesh``).
+    """
+    specs = param_partition_specs(params, mesh_axes(mesh), fsdp)
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def replicated(mesh) -> NamedSharding:
+    """Every device holds the whole array (small outputs, keys, scalars)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Rows of a batch over ``data`` (each row whole on a device group; replicated over ``model``)."""
+    return NamedSharding(mesh, PartitionSpec("data"))
+
+
+def data_size(mesh) -> int:
+    return mesh_axes(mesh)["data"]
+
+
+def sharded_bytes(abstract_tree, shardings) -> int:
+    """Bytes one device holds of a pytree under ``shardings`` (the largest shard per leaf; nothing allocated)."""
+    total = 0
+    for x, s in zip(jax.tree_util.tree_leaves(abstract_tree), jax.tree_util.tree_leaves(shardings)):
+        shard = s.shard_shape(tuple(x.shape))
+        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+# ------------------------------------------------------------------------------------------------ placement
+def convert(part: np.ndarray, dtype=None) -> np.ndarray:
+    """``part`` in ``dtype`` (floats go through float32, as the unsharded loader does; no copy when it already is)."""
+    if dtype is None or part.dtype == np.dtype(dtype):
+        return part
+    if part.dtype.kind == "f" and np.dtype(dtype).kind in "fV":
+        return part.astype(np.float32).astype(dtype)
+    return part.astype(dtype)
+
+
+def put_array(host, sharding: NamedSharding, dtype=None) -> jax.Array:
+    """Place one array explicitly. ``host``: numpy (a memory map is read slice by slice: each device's shard only)
+    or a jax.Array. Works with several processes: each process transfers the shards of its own devices."""
+    if isinstance(host, jax.Array):
+        if dtype is not None and host.dtype != dtype:
+            host = host.astype(dtype)
+        if host.sharding.is_equivalent_to(sharding, host.ndim):
+            return host
+        if host.is_fully_addressable and sharding.is_fully_addressable:
+            return jax.device_put(host, sharding)
+        host = np.asarray(jax.device_get(host))
+    seen: dict = {}
+
+    def shard(index):
+        key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
+        if key not in seen:  # a replicated shard is converted once and sent to each of its devices
+            seen[key] = convert(np.asarray(host[index]), dtype)
+        return seen[key]
+
+    return jax.make_array_from_callback(tuple(np.shape(host)), sharding, shard)
+
+
+def put_params(params, shardings, dtype=None):
+    """Place a params pytree with a matching pytree of shardings; already-placed leaves are returned as they are."""
+    return jax.tree_util.tree_map(lambda x, s: put_array(x, s, dtype), params, shardings)
+
+
+def put_rows(shape: Sequence[int], sharding: NamedSharding, make_rows: Callable[[np.ndarray], np.ndarray]) -> jax.Array:
+    """A global batch of ``shape`` whose leading axis is rows, placed with ``sharding``.
+
+    ``make_rows(row_ids) -> np.ndarray [len(row_ids), *shape[1:]]`` is called only for the rows this process's
+    devices hold (each process builds and sends its own shard of a global batch; one call per distinct shard).
+    """
+    cache: dict = {}
+
+    def shard(index):
+        rows = index[0] if index else slice(None)
+        start, stop, _ = rows.indices(shape[0])
+        if (start, stop) not in cache:
+            cache[(start, stop)] = np.ascontiguousarray(make_rows(np.arange(start, stop)))
+        return cache[(start, stop)][(slice(None),) + tuple(index[1:])]
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
+
+
+def fetch(tree):
+    """Device -> host of (replicated) outputs, explicitly (allowed under ``jax.transfer_guard("disallow")``)."""
+    return jax.device_get(tree)
+
+
+def start_fetch(tree) -> None:
+    """Begin copying outputs to the host without waiting (so the next ``fetch`` finds them there)."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.copy_to_host_async()
