@@ -28,7 +28,7 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--train-data", help="JSONL of labelled training examples for learned combiners (disjoint from --data)")
     p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter/activation dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="README: Precision policy")
     p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per batch")
     p.add_argument("--cache-dir", default=None, help="on-disk cache of model outputs (default: ~/.cache/mia)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk cache")

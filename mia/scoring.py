@@ -378,6 +378,9 @@ class StatsCache:
 
 def cache_namespace(model, extra: str = "") -> str:
     dtype = str(getattr(model.module, "dtype", "float32"))
+    param_dtype = getattr(model.module, "param_dtype", None)
+    if param_dtype is not None and param_dtype != getattr(model.module, "dtype", None):  # e.g. the float16 mode
+        dtype += f"|params={param_dtype}"
     return hashlib.sha256(f"{model.fingerprint}|{dtype}|{STATS_VERSION}|{extra}".encode()).hexdigest()[:20]
 
 

@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-Array = jax.Array
+from .attention import MASK_VALUE, dot_product_attention  # noqa: F401  (re-exported: the families import them here)
 
-# A finite "minus infinity": a fully masked row (a left pad) then softmaxes to a uniform row, not NaN.
-MASK_VALUE = -1e30
+Array = jax.Array
 
 
 class ConfigError(ValueError):
@@ -154,31 +153,6 @@ class RMSNorm(nn.Module):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), -1, keepdims=True) + self.eps)
         return (w.astype(jnp.float32) * y).astype(self.dtype)
-
-
-def dot_product_attention(
-    q_bthe: Array,
-    k_bske: Array,
-    v_bske: Array,
-    q_pos_bt: Array,
-    k_pos_bs: Array,
-    k_valid_bs: Array,
-    *,
-    scale: float,
-    window: Optional[int] = None,
-) -> Array:
-    """Causal (by position id) grouped-query attention; scores and softmax in float32. Returns [B, T, H, E]."""
-    b, t, h, e = q_bthe.shape
-    kv_heads = k_bske.shape[2]
-    q = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e)
-    scores = jnp.einsum("btkge,bske->bkgts", q.astype(jnp.float32), k_bske.astype(jnp.float32)) * scale
-    allowed = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]
-    if window is not None:
-        allowed = allowed & (q_pos_bt[:, :, None] - k_pos_bs[:, None, :] < window)
-    scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bske.dtype)
-    out = jnp.einsum("bkgts,bske->btkge", probs, v_bske)
-    return out.reshape(b, t, h, e)
 
 
 def join_cache(
@@ -335,10 +309,23 @@ class DecoderLM(nn.Module):
         return getattr(self, self.NORM)(x), KVCache(ks, vs, positions_bt, valid_bt)
 
     def unembed(self, h_btd):
-        """Hidden states [..., D] -> logits [..., V] (activation dtype)."""
+        """Hidden states [..., D] -> float32 logits [..., V].
+
+        The head's operands stay in the activation dtype; the products are summed and returned in float32, so
+        bf16 mode does not round logits to bf16 (at a logit of 20, a bf16 step is 0.125 nats of log-prob).
+        """
         if self.config.tie_word_embeddings:
-            return getattr(self, self.EMBED).attend(h_btd)
-        return getattr(self, self.HEAD)(h_btd)
+            w_dv = getattr(self, self.EMBED).embedding.T
+            bias_v = None
+        else:
+            head = getattr(self, self.HEAD)
+            if self.is_initializing():  # nn.Dense creates its kernel on its first call
+                return head(h_btd).astype(jnp.float32)
+            p = head.variables["params"]
+            w_dv, bias_v = p["kernel"], p.get("bias")
+        logits = jnp.einsum("...d,dv->...v", h_btd.astype(self.dtype), w_dv.astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        return logits if bias_v is None else logits + bias_v.astype(jnp.float32)
 
     def __call__(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None,
                  layer_transform: Optional[Callable] = None):

@@ -7,6 +7,7 @@ tensor of the right shape, and every tensor in the checkpoint must be used (a fe
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -81,6 +82,20 @@ class Model:
     mesh: Any = None
     fsdp: bool = False
 
+    @property
+    def matmul_precision(self) -> Optional[str]:
+        """"highest" when activations are float32 (the float32 and float16 modes), else None (backend default).
+
+        Without it, "float32" matmuls run as TF32 on A100/H100 and as one bf16 pass on TPU, and parity with
+        transformers (1e-4) would hold on CPU only. Every method below traces the module under it, so every
+        matmul of the model (attention and LM head included) carries it into any jitted caller.
+        """
+        return "highest" if jnp.dtype(self.module.dtype) == jnp.float32 else None
+
+    def _precision(self):
+        p = self.matmul_precision
+        return jax.default_matmul_precision(p) if p else contextlib.nullcontext()
+
     def hidden(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
         """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens).
 
@@ -88,15 +103,19 @@ class Model:
         scan to each layer's params subtree (no [L] axis; ``layer_index`` a traced int32 scalar) just before that
         layer runs; same structure and shapes out (see ``common.DecoderLM.hidden``).
         """
-        return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform, method="hidden")
+        with self._precision():
+            return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform,
+                                     method="hidden")
 
     def unembed(self, params, h):
-        """Pure: hidden [..., D] -> logits [..., V] (activation dtype)."""
-        return self.module.apply({"params": params}, h, method="unembed")
+        """Pure: hidden [..., D] -> logits [..., V], float32 whatever the activation dtype."""
+        with self._precision():
+            return self.module.apply({"params": params}, h, method="unembed")
 
     def logits(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
-        """Pure: logits [B, T, V] (activation dtype); ``layer_transform`` as in ``hidden``."""
-        return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform)
+        """Pure: (params, tokens [B,T], ...) -> float32 logits [B,T,V]; ``layer_transform`` as in ``hidden``."""
+        with self._precision():
+            return self.module.apply({"params": params}, tokens, valid, positions, cache, layer_transform)
 
     @property
     def max_length(self) -> int:
@@ -314,6 +333,24 @@ def _dtype(x):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(x, x) if isinstance(x, str) else x
 
 
+def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
+    """A dtype mode -> (activation dtype, parameter dtype); README "Precision policy".
+
+    float32   float32 parameters and activations (matmuls at "highest" precision, see Model.matmul_precision).
+    bfloat16  bfloat16 parameters and activations; norms, softmax, attention sums and the LM head in float32.
+    float16   float16 parameters, exactly as an fp16 checkpoint (Pythia) stores them, and float32 activations:
+              fp16 activations can overflow (max 65504) in the residual stream of models trained in bf16, and a
+              bf16 copy would round every weight to 8 bits of mantissa. Half the parameter memory of float32,
+              the arithmetic of float32.
+    ``param_dtype`` overrides the parameter dtype.
+    """
+    activations = _dtype(dtype)
+    params = _dtype(param_dtype) or activations
+    if jnp.dtype(activations) == jnp.float16:
+        activations = jnp.float32
+    return activations, params
+
+
 def load_config(path) -> tuple[Family, Any, dict]:
     root = Path(path)
     if not root.is_dir():
@@ -347,7 +384,7 @@ def load_tokenizer(path):
 
 
 def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None, fsdp: Optional[bool] = None) -> Model:
-    """Load a local HF-layout checkpoint directory. ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
+    """Load a local HF-layout checkpoint directory. ``dtype``: "float32", "bfloat16" or "float16" (see _dtypes).
 
     Parameters are placed once, with their shardings over ``mesh`` (``mia.sharding``: FSDP over ``data`` when
     ``fsdp``, the default with an explicit mesh; tensor parallel over ``model``); without a mesh, replicated on
@@ -359,8 +396,7 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
 
     root = Path(path)
     fam, cfg, _ = load_config(root)
-    dtype = _dtype(dtype)
-    param_dtype = _dtype(param_dtype) or dtype
+    dtype, param_dtype = _dtypes(dtype, param_dtype)
     files = _weight_files(root)
     tensors: dict = {}
     for f in files:
@@ -388,8 +424,7 @@ def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", par
     """Build a Model from a config object (random init when ``params`` is None)."""
     model_type = next(t for t, (m, c, _) in FAMILIES.items() if type(cfg).__name__ == c)
     fam = family(model_type)
-    dtype = _dtype(dtype)
-    param_dtype = _dtype(param_dtype) or dtype
+    dtype, param_dtype = _dtypes(dtype, param_dtype)
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
     if params is None:
         key = jax.random.PRNGKey(0) if key is None else key

@@ -1,0 +1,267 @@
+"""Causal grouped-query attention masked by position ids: one function, three kernels.
+
+Shapes (legend in :mod:`mia.models.common`): q [B, T, H, E]; k, v [B, S, K, E] with H = K * G; q_pos [B, T] and
+k_pos [B, S] integer position ids; k_valid [B, S] bool. The keys are [cached prefix ; current tokens], so query i
+is key S - T + i. Key j is *allowed* for query i when
+
+    k_valid[j]  and  k_pos[j] <= q_pos[i]  (and  q_pos[i] - k_pos[j] < window  for a local window).
+
+Masking by position id makes right-padded targets, left-padded prefixes and a cached prefix one case. A query
+whose token is valid always has at least one allowed key (itself); a fully masked row (a left pad) yields some
+finite value (uniform attention in ``exact``), never NaN. Rows of padding queries are not used downstream.
+
+Kernels (all return [B, T, H, E] in v's dtype; scores, softmax and accumulation in float32 for any input dtype):
+  exact    materialises the float32 scores [B, K, G, T, S]: the reference the tests compare against, and the
+           fastest for short keys on CPU.
+  blocked  flash-style online softmax in plain JAX: for each block of queries, a scan over key blocks keeps the
+           running max, sum and weighted values in float32 and skips key blocks that no query of the block may
+           see (above the causal diagonal, outside a local window, all padding). The activation peak is one
+           [B, H, block_q, block_k] score block plus the output, linear in T.
+  xla      ``jax.nn.dot_product_attention`` (cuDNN flash attention on a CUDA GPU for bf16/fp16). When there is
+           no cache and the batch is laid out plainly (right padding, position = index), checked at run time,
+           our mask is its ``is_causal`` + sequence lengths + ``local_window_size``: no mask tensor, causal
+           blocks skipped. Otherwise it gets the boolean mask [B, 1, T, S] (quadratic, but booleans/bias, not
+           float32 scores per head).
+
+Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.default_backend()``):
+  the environment variable ``MIA_ATTENTION`` = exact | blocked | xla forces a kernel; auto (the default)
+  picks xla on a GPU when cuDNN can run it (bf16/fp16, no cache, head dim a multiple of 8 and <= 128), else
+  exact while the keys are short (S <= EXACT_MAX_KEYS and the scores fit EXACT_MAX_SCORE_BYTES), else blocked.
+  jit caches are per process: set the variable before anything is traced.
+"""
+from __future__ import annotations
+
+import math
+import os
+from functools import partial
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# A finite "minus infinity": a fully masked row (a left pad) then softmaxes to a uniform row, not NaN.
+MASK_VALUE = -1e30
+
+ENV_VAR = "MIA_ATTENTION"
+KERNEL_NAMES = ("exact", "blocked", "xla")
+
+# auto dispatch thresholds (CPU measurements in README "Attention kernels")
+EXACT_MAX_KEYS = 1024
+EXACT_MAX_SCORE_BYTES = 1 << 30
+BLOCK_Q = 512
+BLOCK_K = 512
+
+
+# ------------------------------------------------------------------------------------------------ masks
+def allowed_mask(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array, window: Optional[int]) -> Array:
+    """[B, T, S] bool: may query t attend to key s (position-id causal, valid keys, optional local window)."""
+    allowed = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]
+    if window is not None:
+        allowed = allowed & (q_pos_bt[:, :, None] - k_pos_bs[:, None, :] < window)
+    return allowed
+
+
+# ------------------------------------------------------------------------------------------------ exact
+def exact_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
+                    window: Optional[int] = None) -> Array:
+    """The reference: full float32 scores [B, K, G, T, S], softmax, probabilities in v's dtype, float32 sums."""
+    b, t, h, e = q_bthe.shape
+    kv_heads = k_bske.shape[2]
+    q = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e)
+    scores = jnp.einsum("btkge,bske->bkgts", q.astype(jnp.float32), k_bske.astype(jnp.float32)) * scale
+    allowed = allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window)
+    scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bske.dtype)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v_bske, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, e).astype(v_bske.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ blocked
+def reachable_blocks(q_pos_bnq: Array, k_pos_bnk: Array, k_valid_bnk: Array, window: Optional[int]) -> Array:
+    """[n_q_blocks, n_k_blocks] bool, False only where no query of the block may see any key of the block.
+
+    Conservative from per-block extremes: some valid key with position <= the block's largest query position
+    (and, with a window, > its smallest query position - window). Blocks of shape [B, n, block].
+    """
+    big = jnp.iinfo(jnp.int32).max // 4
+    k_pos = k_pos_bnk.astype(jnp.int32)
+    k_min = jnp.min(jnp.where(k_valid_bnk, k_pos, big), axis=-1)  # [B, nk]
+    q_max = jnp.max(q_pos_bnq, axis=-1).astype(jnp.int32)  # [B, nq]
+    reach = k_min[:, None, :] <= q_max[:, :, None]
+    if window is not None:
+        k_max = jnp.max(jnp.where(k_valid_bnk, k_pos, -big), axis=-1)
+        q_min = jnp.min(q_pos_bnq, axis=-1).astype(jnp.int32)
+        reach = reach & (k_max[:, None, :] > q_min[:, :, None] - window)
+    return jnp.any(reach, axis=0)
+
+
+def _pad_axis1(x: Array, n: int, value=0) -> Array:
+    if n == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, n)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_valid_bs, *, scale, window):
+    """Fold one key block into the running (max m, sum l, weighted values acc) of one query block, all float32.
+
+    m, l: [B, K, G, Q]; acc: [B, K, G, Q, E]. Masked scores are MASK_VALUE (finite), so m is finite after the
+    first block and a row that later sees a real key forgets its masked entries (their weight exp(MASK - m) is 0).
+    """
+    m, l, acc = carry
+    s = jnp.einsum("bqkge,bske->bkgqs", q_bqkge, k_bske, preferred_element_type=jnp.float32) * scale
+    allowed = allowed_mask(q_pos_bq, k_pos_bs, k_valid_bs, window)
+    s = jnp.where(allowed[:, None, None, :, :], s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    correction = jnp.exp(m - m_new)
+    l = l * correction + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgqs,bske->bkgqe", p.astype(v_bske.dtype), v_bske, preferred_element_type=jnp.float32)
+    return m_new, l, acc * correction[..., None] + pv
+
+
+def blocked_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
+                      window: Optional[int] = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> Array:
+    """Query-blocked online-softmax attention (FlashAttention's recurrence in plain JAX). Same result as
+    :func:`exact_attention` up to float32 rounding for every query that sees at least one key.
+
+    T and S need not be multiples of the block sizes: queries are padded (rows dropped) and keys padded as
+    invalid. A query that no reachable key block serves gets zeros.
+    """
+    b, t, h, e = q_bthe.shape
+    s, kv_heads = k_bske.shape[1], k_bske.shape[2]
+    g = h // kv_heads
+    bq, bk = min(block_q, t), min(block_k, s)
+    nq, nk = -(-t // bq), -(-s // bk)
+    q = _pad_axis1(q_bthe, nq * bq - t)
+    q_pos = _pad_axis1(q_pos_bt, nq * bq - t)
+    k = _pad_axis1(k_bske, nk * bk - s)
+    v = _pad_axis1(v_bske, nk * bk - s)
+    k_pos = _pad_axis1(k_pos_bs, nk * bk - s)
+    k_valid = _pad_axis1(k_valid_bs, nk * bk - s, False)
+
+    q_blocks = q.reshape(b, nq, bq, kv_heads, g, e).swapaxes(0, 1)  # [nq, B, bq, K, G, E]
+    q_pos_blocks = q_pos.reshape(b, nq, bq)
+    k_blocks = k.reshape(b, nk, bk, kv_heads, e).swapaxes(0, 1)  # [nk, B, bk, K, E]
+    v_blocks = v.reshape(b, nk, bk, kv_heads, e).swapaxes(0, 1)
+    k_pos_blocks = k_pos.reshape(b, nk, bk)
+    k_valid_blocks = k_valid.reshape(b, nk, bk)
+    reach = reachable_blocks(q_pos_blocks, k_pos_blocks, k_valid_blocks, window)  # [nq, nk]
+    step = partial(_online_softmax_step, scale=scale, window=window)
+
+    def one_query_block(args):
+        q_blk, q_pos_blk, reach_row = args
+        init = (jnp.full((b, kv_heads, g, bq), -jnp.inf, jnp.float32),
+                jnp.zeros((b, kv_heads, g, bq), jnp.float32),
+                jnp.zeros((b, kv_heads, g, bq, e), jnp.float32))
+
+        def body(carry, xs):
+            k_blk, v_blk, k_pos_blk, k_valid_blk, reachable = xs
+            carry = jax.lax.cond(reachable, lambda c: step(c, q_blk, k_blk, v_blk, q_pos_blk, k_pos_blk, k_valid_blk),
+                                 lambda c: c, carry)
+            return carry, None
+
+        xs = (k_blocks, v_blocks, k_pos_blocks.swapaxes(0, 1), k_valid_blocks.swapaxes(0, 1), reach_row)
+        (_, l, acc), _ = jax.lax.scan(body, init, xs)
+        return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(v_bske.dtype)  # [B, K, G, bq, E]
+
+    out = jax.lax.map(one_query_block, (q_blocks, q_pos_blocks.swapaxes(0, 1), reach))  # [nq, B, K, G, bq, E]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, h, e)
+    return out[:, :t]
+
+
+# ------------------------------------------------------------------------------------------------ xla / cuDNN
+def plain_causal_layout(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array) -> Array:
+    """Scalar bool: no cache and every row is [valid tokens at positions 0..n-1 ; right padding].
+
+    Then, for every valid query, our position-id mask equals index-causal attention over the first n keys
+    (``is_causal`` with ``key_value_seq_lengths`` = n; a local window becomes an index window).
+    """
+    if q_pos_bt.shape[1] != k_pos_bs.shape[1]:
+        return jnp.asarray(False)
+    index = jnp.arange(k_pos_bs.shape[1], dtype=jnp.int32)[None, :]
+    n = jnp.sum(k_valid_bs, axis=1, dtype=jnp.int32)[:, None]
+    prefix = k_valid_bs == (index < n)
+    same_tokens = q_pos_bt == k_pos_bs
+    positions = jnp.where(k_valid_bs, k_pos_bs == index, True)
+    return jnp.all(prefix & same_tokens & positions)
+
+
+def _cudnn_can_run(head_dim: int, dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
+
+
+def _jax_attention(q, k, v, *, scale, implementation, **masking):
+    try:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=implementation, **masking)
+    except (NotImplementedError, RuntimeError, ValueError):  # cuDNN missing or shape/dtype it does not support
+        if implementation is None:
+            raise
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=None, **masking)
+
+
+def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
+                  window: Optional[int] = None) -> Array:
+    """``jax.nn.dot_product_attention`` with our masking; cuDNN where it can run, jax's XLA version elsewhere.
+
+    Valid query rows equal :func:`exact_attention`; padding rows are finite (zeros on the plain-layout branch).
+    """
+    dtype = q_bthe.dtype
+    k, v = k_bske.astype(dtype), v_bske.astype(dtype)
+    on_gpu = jax.default_backend() == "gpu"
+    implementation = "cudnn" if on_gpu and _cudnn_can_run(q_bthe.shape[-1], dtype) else None
+    attend = partial(_jax_attention, q_bthe, k, v, scale=scale, implementation=implementation)
+
+    def general(_):
+        return attend(mask=allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window)[:, None])
+
+    if q_bthe.shape[1] != k_bske.shape[1]:  # a cached prefix: only the general mask expresses it
+        return general(None).astype(v_bske.dtype)
+
+    def plain(_):
+        # at least one key per row, so an all-padding batch row stays finite; padding queries are zeroed
+        n = jnp.maximum(jnp.sum(k_valid_bs, axis=1, dtype=jnp.int32), 1)
+        local = None if window is None else (window - 1, 0)
+        return attend(is_causal=True, query_seq_lengths=n, key_value_seq_lengths=n, local_window_size=local)
+
+    out = jax.lax.cond(plain_causal_layout(q_pos_bt, k_pos_bs, k_valid_bs), plain, general, None)
+    return out.astype(v_bske.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+KERNELS: dict[str, Callable[..., Array]] = {"exact": exact_attention, "blocked": blocked_attention, "xla": xla_attention}
+
+
+def requested_kernel() -> str:
+    """``MIA_ATTENTION`` from the environment: auto (default) or one of KERNEL_NAMES."""
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value != "auto" and value not in KERNEL_NAMES:
+        raise ValueError(f"environment variable {ENV_VAR}={value!r}: expected auto, {', '.join(KERNEL_NAMES)}")
+    return value
+
+
+def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, *, backend: Optional[str] = None,
+                  requested: Optional[str] = None) -> str:
+    """The kernel name for static shapes (see the module docstring); ``requested`` defaults to MIA_ATTENTION."""
+    requested = requested or requested_kernel()
+    if requested != "auto":
+        return requested
+    backend = backend or jax.default_backend()
+    if backend == "gpu" and t == s and _cudnn_can_run(head_dim, dtype):
+        return "xla"
+    score_bytes = 4 * batch * heads * t * s
+    return "exact" if s <= EXACT_MAX_KEYS and score_bytes <= EXACT_MAX_SCORE_BYTES else "blocked"
+
+
+def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt: Array, k_pos_bs: Array,
+                          k_valid_bs: Array, *, scale: float, window: Optional[int] = None) -> Array:
+    """Causal (by position id) grouped-query attention; scores and softmax in float32. Returns [B, T, H, E].
+
+    The kernel is chosen by :func:`select_kernel` when traced; every kernel agrees with ``exact_attention``.
+    """
+    b, t, h, e = q_bthe.shape
+    kernel = select_kernel(b, h, t, k_bske.shape[1], e, q_bthe.dtype)
+    return KERNELS[kernel](q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, scale=scale, window=window)
