@@ -29,7 +29,20 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="README: Precision policy")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per batch")
+    p.add_argument("--batch-tokens", type=int, default=16384,
+                   help="padded tokens per batch per data-parallel device (8 devices on `data`: 8x the rows)")
+    p.add_argument("--mesh", default=None, metavar="AXES",
+                   help="device mesh, e.g. data=2,model=4 (product = the number of devices); parameters are "
+                        "sharded FSDP over data and tensor-parallel over model. Default: every device on data, "
+                        "parameters replicated")
+    p.add_argument("--no-fsdp", action="store_true", help="with --mesh: keep parameters replicated over data")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="several processes (hosts) under jax.distributed: process 0's address "
+                        "(or JAX_COORDINATOR_ADDRESS); process 0 alone writes --out")
+    p.add_argument("--num-processes", type=int, default=None, help="with --coordinator (or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="with --coordinator (or JAX_PROCESS_ID)")
+    p.add_argument("--init-timeout", type=float, default=60.0,
+                   help="seconds for all processes to reach the coordinator (default 60)")
     p.add_argument("--cache-dir", default=None, help="on-disk cache of model outputs (default: ~/.cache/mia)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk cache")
     p.add_argument("--seed", type=int, default=0)
@@ -45,6 +58,7 @@ def default_cache_dir() -> str:
 
 
 def cmd_score(args) -> int:
+    from . import distributed
     from .attacks import AttackContext, assert_disjoint, parse_attacks
     from .attacks.registry import get
     from .data.examples import read_examples, tokenize_examples
@@ -52,8 +66,11 @@ def cmd_score(args) -> int:
     from .scoring import ScoringSettings
 
     attacks = parse_attacks(args.attacks)  # fail on a bad name before loading anything
+    group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
+    distributed.initialize(group, timeout=args.init_timeout)  # before any other jax call
+    mesh = engine_mesh(args.mesh)
     _, examples = read_examples(args.data)
-    model = load(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, mesh=mesh, fsdp=None if mesh is None else not args.no_fsdp)
     max_length = args.max_length or model.max_length
     if max_length > model.max_length:
         raise ValueError(f"--max-length {max_length} exceeds the model context ({model.max_length})")
@@ -88,14 +105,27 @@ def cmd_score(args) -> int:
         scores[label] = s
         timings[label] = time.perf_counter() - t0
 
-    write_scores(args.out, examples, evaluated, scores)
-    for note in ctx.notes:
-        print(f"note: {note}", file=sys.stderr)
-    labels = np.array([e.label if e.label is not None else -1 for e in evaluated])
-    if (labels >= 0).all() and len(set(labels.tolist())) == 2:
-        print(metrics_table(scores, labels, n_resamples=args.bootstrap, seed=args.seed))
-    print(f"wrote {len(evaluated)} scored example(s) to {args.out}", file=sys.stderr)
+    if distributed.is_main():  # every process holds every score; process 0 alone writes and prints
+        write_scores(args.out, examples, evaluated, scores)
+        for note in ctx.notes:
+            print(f"note: {note}", file=sys.stderr)
+        labels = np.array([e.label if e.label is not None else -1 for e in evaluated])
+        if (labels >= 0).all() and len(set(labels.tolist())) == 2:
+            print(metrics_table(scores, labels, n_resamples=args.bootstrap, seed=args.seed))
+        print(f"wrote {len(evaluated)} scored example(s) to {args.out}", file=sys.stderr)
+    distributed.barrier("mia score: done")
     return 0
+
+
+def engine_mesh(text):
+    """The Mesh asked for by ``--mesh`` (checked against the visible devices of every process), or None."""
+    if not text:
+        return None
+    import jax
+
+    from .sharding import make_mesh, parse_mesh
+
+    return make_mesh(parse_mesh(text, len(jax.devices())))
 
 
 def write_scores(path, examples, evaluated, scores: dict) -> None:

@@ -21,11 +21,10 @@ path (concatenate [p ; x], one pass, keep the target positions); tests and ``exp
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
-import os
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -33,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .models.common import KVCache
-from .scoring import ScoringSettings, bucket_length, cache_namespace, chunk_size, example_key
+from .scoring import (ScoringSettings, bucket_length, bucket_rows, cache_namespace, chunk_size, example_key,
+                      pow2_ceil, pow2_floor, write_npz_atomic)
 
 CONDLL_VERSION = "1"  # bump when the meaning of cached conditional LLs changes
 
@@ -121,24 +122,58 @@ def conditional_loglik(model, params, cache: PrefixCache, targets, valid, *, inc
     return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
 
-def token_logprobs(model, params, tokens, valid, *, chunk: Optional[int] = None) -> jax.Array:
-    """Pure: [B, T-1] float32 log p(t_{i+1} | t_<=i) of a plain pass (no prefix cache)."""
+def token_logprobs(model, params, tokens, valid, *, chunk: Optional[int] = None, layer_transform=None) -> jax.Array:
+    """Pure: [B, T-1] float32 log p(t_{i+1} | t_<=i) of a plain pass (no prefix cache). ``layer_transform``: see
+    ``Model.hidden`` (MoPe perturbs each layer inside the layer scan)."""
     b, t = tokens.shape
-    h, _ = model.hidden(params, tokens, valid)
+    h, _ = model.hidden(params, tokens, valid, layer_transform=layer_transform)
     return logprob_from_hidden(model.unembed, params, h[:, :-1], tokens[:, 1:], chunk or chunk_size(b, t - 1, model.vocab_size))
+
+
+def prefix_shardings(model, mesh):
+    """Shardings of a PrefixCache on ``mesh``: keys/values [L, G, S, K, E] split over ``model`` by kv heads when K
+    divides, everything else replicated (every device holds every prefix of a group; targets are split by rows)."""
+    from .sharding import replicated
+
+    model_size = dict(mesh.shape).get("model", 1)
+    shapes = jax.eval_shape(lambda: prefix_cache(model, model.params, jnp.zeros((1, 2), jnp.int32)))
+    heads = jax.tree_util.tree_leaves(shapes.kv.keys)[0].shape[-2]
+    kv = (NamedSharding(mesh, PartitionSpec(*([None] * (shapes.kv.keys.ndim - 2)), "model", None))
+          if model_size > 1 and heads % model_size == 0 else replicated(mesh))
+    rep = replicated(mesh)
+    return PrefixCache(KVCache(kv, kv, rep, rep), rep)
 
 
 @functools.lru_cache(maxsize=32)
 def _jit_prefix(model):
-    return jax.jit(_TRACE_WRAP(lambda params, tokens, valid: prefix_cache(model, params, tokens, valid)))
+    """The prefix pass on the engine's layout: every device computes the whole (small) prefix group."""
+    from .scoring import engine_layout
+    from .sharding import replicated
+
+    mesh, shardings = engine_layout(model)
+    fn = lambda params, tokens, valid: prefix_cache(model, params, tokens, valid)  # noqa: E731
+    return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, replicated(mesh), replicated(mesh)),
+                   out_shardings=prefix_shardings(model, mesh))
 
 
 @functools.lru_cache(maxsize=32)
 def _jit_cond(model, include_first: bool):
-    def fn(params, group: PrefixCache, p_idx, tokens, valid):
-        return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid, include_first=include_first)
+    """(params, prefix group, p_idx, targets [B, T], valid [B, T]) -> [B] LL(target | prefix p_idx), target rows
+    over ``data``, the result replicated."""
+    from .scoring import engine_layout, rows_per_device
+    from .sharding import batch_sharding, replicated
 
-    return jax.jit(_TRACE_WRAP(fn))
+    mesh, shardings = engine_layout(model)
+    rows = batch_sharding(mesh)
+
+    def fn(params, group: PrefixCache, p_idx, tokens, valid):
+        b, t = tokens.shape
+        chunk = chunk_size(rows_per_device(b, mesh), t, model.vocab_size)
+        return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid,
+                                  include_first=include_first, chunk=chunk)
+
+    return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, prefix_shardings(model, mesh), replicated(mesh), rows, rows),
+                   out_shardings=replicated(mesh))
 
 
 @functools.lru_cache(maxsize=32)
@@ -150,8 +185,9 @@ def _jit_plain(model):
 class PairCache:
     """LL[p, x] values on disk under ``root/condll-<namespace>/``: one .npz part per flush, written atomically."""
 
-    def __init__(self, root: Optional[str], namespace: str):
+    def __init__(self, root: Optional[str], namespace: str, writer=None):
         self.dir = Path(root) / f"condll-{namespace}" if root else None
+        self.writer = writer  # a scoring.BackgroundWriter: parts are written off the scoring loop
         self.mem: dict[str, dict[str, float]] = {}
         self.pending: list[tuple[str, str, float]] = []
         if self.dir is not None and self.dir.exists():
@@ -172,23 +208,23 @@ class PairCache:
         self.pending.append((pk, tk, v))
 
     def flush(self) -> None:
-        if self.dir is None or not self.pending:
-            self.pending = []
+        pending, self.pending = self.pending, []
+        if self.dir is None or not pending:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        pkeys = sorted({p for p, _, _ in self.pending})
-        tkeys = sorted({t for _, t, _ in self.pending})
+        job = lambda: self._write(pending)  # noqa: E731
+        self.writer.submit(job) if self.writer is not None else job()
+
+    def _write(self, pending: list) -> None:
+        pkeys = sorted({p for p, _, _ in pending})
+        tkeys = sorted({t for _, t, _ in pending})
         pi = {k: i for i, k in enumerate(pkeys)}
         ti = {k: i for i, k in enumerate(tkeys)}
         arrays = dict(pkeys=json.dumps(pkeys), tkeys=json.dumps(tkeys),
-                      pi=np.array([pi[p] for p, _, _ in self.pending], np.int32),
-                      ti=np.array([ti[t] for _, t, _ in self.pending], np.int32),
-                      v=np.array([v for _, _, v in self.pending], np.float32))
-        name = hashlib.sha256(("".join(pkeys) + "|" + "".join(tkeys) + str(len(self.pending))).encode()).hexdigest()[:16]
-        tmp = self.dir / f"tmp-{name}-{os.getpid()}.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, self.dir / f"part-{name}.npz")
-        self.pending = []
+                      pi=np.array([pi[p] for p, _, _ in pending], np.int32),
+                      ti=np.array([ti[t] for _, t, _ in pending], np.int32),
+                      v=np.array([v for _, _, v in pending], np.float32))
+        name = hashlib.sha256(("".join(pkeys) + "|" + "".join(tkeys) + str(len(pending))).encode()).hexdigest()[:16]
+        write_npz_atomic(self.dir, name, arrays)
 
 
 def condll_namespace(model, include_first: bool, cache_tag: str = "") -> str:
@@ -196,30 +232,29 @@ def condll_namespace(model, include_first: bool, cache_tag: str = "") -> str:
 
 
 # ------------------------------------------------------------------------------------------------ host loops
-def _pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
-
-
 def _rows_for(tlen: int, plen: int, settings: ScoringSettings) -> int:
-    """Target rows per call: ``token_budget`` target tokens, and at most 2x``token_budget`` prefix+target key
-    positions (the broadcast cache and the attention scores scale with rows x (S + T)); a power of two."""
+    """Target rows per data-parallel device: ``token_budget`` target tokens, and at most 2x``token_budget``
+    prefix+target key positions (the broadcast cache and the attention scores scale with rows x (S + T))."""
     cap = min(settings.max_batch, settings.token_budget // tlen, (2 * settings.token_budget) // (plen + tlen))
-    cap = max(1, cap)
-    return 1 << (cap.bit_length() - 1)
+    return pow2_floor(max(1, cap))
 
 
-def _target_batches(lengths: Sequence[int], rows_of, min_bucket: int) -> list[tuple[int, list[int]]]:
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    out, i = [], 0
-    while i < len(order):
-        blen = bucket_length(lengths[order[i]], min_bucket)
-        cap = rows_of(blen)
-        members = []
-        while i < len(order) and len(members) < cap and bucket_length(lengths[order[i]], min_bucket) == blen:
-            members.append(order[i])
-            i += 1
-        out.append((blen, members))
-    return out
+def _buckets(lengths: dict, min_bucket: int) -> dict[int, list]:
+    """{bucket length: keys sorted by (length, key)} for {key: length}."""
+    out: dict[int, list] = {}
+    for k in sorted(lengths, key=lambda k: (lengths[k], k)):
+        out.setdefault(bucket_length(lengths[k], min_bucket), []).append(k)
+    return dict(sorted(out.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One conditional-LL call: prefix row ``p_row`` of the current group against one target batch."""
+
+    pk: str
+    p_row: int
+    target_keys: tuple
+    arrays: tuple  # (group, p_idx, tokens, valid) on the devices
 
 
 def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.ndarray], *, include_first: bool,
@@ -227,84 +262,75 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
                   cache_tag: str = "") -> np.ndarray:
     """LL[p, x] (float32 [P, X]) = mean log p(target x | prefix p) for every pair, prefix caches reused.
 
-    Each prefix needs >= 1 token, each target >= 1 (>= 2 when ``include_first`` is False). With
-    ``settings.cache_dir`` set, computed pairs are stored on disk and reused (also by an interrupted run). Pass
-    ``params`` to use other parameters than ``model.params`` (then also a distinct ``cache_tag``).
+    Each prefix needs >= 1 token, each target >= 1 (>= 2 when ``include_first`` is False). Prefixes are processed
+    in groups (one power-of-two row count per prefix length bucket, at most ``token_budget`` tokens, every device
+    holding the group's cache); targets in batches whose rows are split over the mesh's ``data`` axis (one row
+    count per (prefix bucket, target bucket)). Calls are dispatched one ahead of the fetch; cache parts are written
+    on a background thread. With ``settings.cache_dir`` set, computed pairs are stored on disk and reused (also by
+    an interrupted run). Pass ``params`` to use other parameters than ``model.params`` (then also a distinct
+    ``cache_tag``). With several processes every process calls this with the same arguments and gets the matrix.
     """
     from tqdm.auto import tqdm
 
-    params = model.params if params is None else params
+    from .distributed import any_process
+    from .scoring import DRAIN, BackgroundWriter, engine_layout, pipelined, placed_params, put_padded, show_progress
+    from .sharding import batch_sharding, data_size, replicated
+
     prefixes = [np.asarray(p, np.int32) for p in prefixes]
     targets = [np.asarray(t, np.int32) for t in targets]
     for what, seqs, need in (("prefix", prefixes, 1), ("target", targets, 1 if include_first else 2)):
         for i, s in enumerate(seqs):
             if s.ndim != 1 or len(s) < need:
                 raise ValueError(f"{what} {i} has {len(s)} token(s); at least {need} needed")
-    store = PairCache(settings.cache_dir, condll_namespace(model, include_first, cache_tag))
     pkeys, tkeys = [example_key(p) for p in prefixes], [example_key(t) for t in targets]
-    out = np.full((len(prefixes), len(targets)), np.nan, np.float32)
-    # unique prefixes/targets that still have missing pairs
-    uniq_p: dict[str, int] = {}
-    uniq_t: dict[str, int] = {}
-    todo: dict[str, set] = {}
-    for i, pk in enumerate(pkeys):
-        uniq_p.setdefault(pk, i)
-        for j, tk in enumerate(tkeys):
-            v = store.get(pk, tk)
-            if v is None:
-                todo.setdefault(pk, set()).add(tk)
-                uniq_t.setdefault(tk, j)
-    total = sum(len(v) for v in todo.values())
-    if total:
-        prefix_fn, cond_fn = _jit_prefix(model), _jit_cond(model, bool(include_first))
-        mb = settings.min_bucket
-        todo_p = sorted(todo, key=lambda k: (len(prefixes[uniq_p[k]]), k))
-        # prefix groups: same bucket length, group rows * bucket <= token_budget
-        groups, g = [], 0
-        while g < len(todo_p):
-            plen = bucket_length(len(prefixes[uniq_p[todo_p[g]]]), mb)
-            cap = max(1, min(settings.max_batch, settings.token_budget // plen))
-            cap = 1 << (cap.bit_length() - 1)
-            members = []
-            while g < len(todo_p) and len(members) < cap and bucket_length(len(prefixes[uniq_p[todo_p[g]]]), mb) == plen:
-                members.append(todo_p[g])
-                g += 1
-            groups.append((plen, members))
-        last_flush = time.monotonic()
-        with tqdm(total=total, desc=desc, unit="pair", disable=not settings.progress, leave=False) as bar:
-            for plen, members in groups:
-                rows = _pow2(len(members))
-                ptok = np.zeros((rows, plen), np.int32)
-                pval = np.zeros((rows, plen), bool)
-                for r, pk in enumerate(members):
-                    p = prefixes[uniq_p[pk]]
-                    ptok[r, plen - len(p):] = p
-                    pval[r, plen - len(p):] = True
-                group = prefix_fn(params, ptok, pval)
-                need_t = sorted(set().union(*(todo[pk] for pk in members)))
-                lengths = [len(targets[uniq_t[tk]]) for tk in need_t]
-                for tlen, tmembers in _target_batches(lengths, lambda tl: _rows_for(tl, plen, settings), mb):
-                    trows = _pow2(len(tmembers))
-                    ttok = np.zeros((trows, tlen), np.int32)
-                    tval = np.zeros((trows, tlen), bool)
-                    for r, m in enumerate(tmembers):
-                        t = targets[uniq_t[need_t[m]]]
-                        ttok[r, :len(t)] = t
-                        tval[r, :len(t)] = True
-                    for r, pk in enumerate(members):
-                        want = [m for m in tmembers if need_t[m] in todo[pk]]
-                        if not want:
-                            continue
-                        ll = np.asarray(jax.device_get(cond_fn(params, group, np.int32(r), ttok, tval)))
-                        for rr, m in enumerate(tmembers):
-                            if need_t[m] in todo[pk]:
-                                store.put(pk, need_t[m], float(ll[rr]))
-                        bar.update(len(want))
-                    if len(store.pending) >= 65536 or time.monotonic() - last_flush > 30:
+    p_of = {k: prefixes[i] for i, k in reversed(list(enumerate(pkeys)))}
+    t_of = {k: targets[j] for j, k in reversed(list(enumerate(tkeys)))}
+    up, ut = sorted(p_of), sorted(t_of)
+    with BackgroundWriter() as writer:
+        store = PairCache(settings.cache_dir, condll_namespace(model, include_first, cache_tag), writer)
+        missing = any_process(np.array([[store.get(pk, tk) is None for tk in ut] for pk in up], bool).reshape(len(up), len(ut)))
+        todo = {up[a]: {ut[b] for b in np.flatnonzero(missing[a])} for a in range(len(up)) if missing[a].any()}
+        total = int(missing.sum())
+        if total:
+            mesh, _ = engine_layout(model)
+            params = placed_params(model, params)
+            prefix_fn, cond_fn = _jit_prefix(model), _jit_cond(model, bool(include_first))
+            rows_sharding, rep, n_data = batch_sharding(mesh), replicated(mesh), data_size(mesh)
+            need_t = sorted(set().union(*todo.values()))
+            t_buckets = _buckets({tk: len(t_of[tk]) for tk in need_t}, settings.min_bucket)
+
+            def calls():
+                for plen, pmembers in _buckets({pk: len(p_of[pk]) for pk in todo}, settings.min_bucket).items():
+                    grows = min(pow2_floor(max(1, min(settings.max_batch, settings.token_budget // plen))),
+                                pow2_ceil(len(pmembers)))
+                    p_idx = [jax.device_put(np.int32(r), rep) for r in range(grows)]
+                    for g in range(0, len(pmembers), grows):
+                        members = pmembers[g:g + grows]
+                        yield DRAIN  # one group's cache on the devices at a time
+                        group = prefix_fn(params, *put_padded([p_of[pk] for pk in members], grows, plen, rep, left=True))
+                        for tlen, tmembers in t_buckets.items():
+                            rows = bucket_rows(len(tmembers), _rows_for(tlen, plen, settings), n_data)
+                            for k in range(0, len(tmembers), rows):
+                                batch = tuple(tmembers[k:k + rows])
+                                if not any(tk in todo[pk] for pk in members for tk in batch):
+                                    continue
+                                tok, val = put_padded([t_of[tk] for tk in batch], rows, tlen, rows_sharding)
+                                for r, pk in enumerate(members):
+                                    if any(tk in todo[pk] for tk in batch):
+                                        yield _Call(pk, r, batch, (group, p_idx[r], tok, val))
+
+            with tqdm(total=total, desc=desc, unit="pair", disable=not show_progress(settings), leave=False) as bar:
+                def consume(call: _Call, ll: np.ndarray):
+                    want = [(rr, tk) for rr, tk in enumerate(call.target_keys) if tk in todo[call.pk]]
+                    for rr, tk in want:
+                        store.put(call.pk, tk, float(ll[rr]))
+                    bar.update(len(want))
+                    if len(store.pending) >= 65536:
                         store.flush()
-                        last_flush = time.monotonic()
-                store.flush()
-                last_flush = time.monotonic()
+
+                pipelined(calls(), lambda c: cond_fn(params, *c.arrays), consume)
+            store.flush()
+    out = np.full((len(prefixes), len(targets)), np.nan, np.float32)
     for i, pk in enumerate(pkeys):
         for j, tk in enumerate(tkeys):
             out[i, j] = store.get(pk, tk)
@@ -318,7 +344,7 @@ def plain_loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence
     Same bucketing and token budget as the scoring engine. ``pairs`` (list of (p, x)) restricts the work; other
     entries are NaN.
     """
-    from .scoring import plan_batches
+    from .scoring import padded_rows, plan_batches
 
     params = model.params if params is None else params
     prefixes = [np.asarray(p, np.int32) for p in prefixes]
@@ -327,15 +353,10 @@ def plain_loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence
     seqs = [np.concatenate([prefixes[i], targets[j]]) for i, j in pairs]
     out = np.full((len(prefixes), len(targets)), np.nan, np.float32)
     fn = _jit_plain(model)
-    for blen, members in plan_batches([len(s) for s in seqs], settings):
-        rows = _pow2(len(members))
-        tok = np.zeros((rows, blen), np.int32)
-        val = np.zeros((rows, blen), bool)
-        for r, m in enumerate(members):
-            tok[r, :len(seqs[m])] = seqs[m]
-            val[r, :len(seqs[m])] = True
+    for batch in plan_batches([len(s) for s in seqs], settings):
+        tok, val = padded_rows([seqs[m] for m in batch.members], batch.length, np.arange(batch.rows))
         lp = np.asarray(jax.device_get(fn(params, tok, val)))
-        for r, m in enumerate(members):
+        for r, m in enumerate(batch.members):
             i, j = pairs[m]
             s = len(prefixes[i]) + (0 if include_first else 1)  # first counted target token's index in [p ; x]
             out[i, j] = lp[r, s - 1: len(seqs[m]) - 1].mean()

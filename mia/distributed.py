@@ -147,11 +147,11 @@ def initialize(group: Optional[ProcessGroup], timeout: float = 60.0) -> None:
         return
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if group.process_id == 0:
         _rendezvous_coordinator(group, timeout)
     else:
         _rendezvous_peer(group, timeout)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(group.coordinator, num_processes=group.num_processes, process_id=group.process_id,
                                initialization_timeout=max(10, int(timeout)))
 

@@ -76,8 +76,12 @@ def parse_mesh(text: str, n_devices: Optional[int] = None) -> dict[str, int]:
     if not seen:
         raise MeshError(f"--mesh {text!r}: give AXIS=SIZE pairs, e.g. data=2,model=4")
     if n_devices is not None and math.prod(axes.values()) != n_devices:
-        raise MeshError(f"--mesh {text} needs {math.prod(axes.values())} devices, {n_devices} are visible")
+        raise MeshError(f"--mesh {text} needs {math.prod(axes.values())} devices, {visible(n_devices)}")
     return axes
+
+
+def visible(n: int) -> str:
+    return f"{n} {'is' if n == 1 else 'are'} visible"
 
 
 def make_mesh(axes: Optional[Mapping[str, int]] = None, devices: Optional[Sequence[Any]] = None) -> Mesh:
@@ -95,7 +99,7 @@ def make_mesh(axes: Optional[Mapping[str, int]] = None, devices: Optional[Sequen
     shape = tuple(int(sizes.get(a, 1)) for a in AXES)
     if math.prod(shape) != len(devices):
         text = ",".join(f"{a}={s}" for a, s in zip(AXES, shape))
-        raise MeshError(f"--mesh {text} needs {math.prod(shape)} devices, {len(devices)} are visible")
+        raise MeshError(f"--mesh {text} needs {math.prod(shape)} devices, {visible(len(devices))}")
     try:
         from jax.experimental import mesh_utils
 

@@ -202,17 +202,29 @@ def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, ref_logits
     key, n, sigma = jax.random.PRNGKey(7), 5, 0.05
     # chunk 2 pads the 5 copies to 6 (the extra one is dropped); chunk 5 vmaps all copies at once
     scores = {c: np.asarray(jitted_mope(model, n, sigma, c)(key, model.params, tok, val)) for c in (2, 5)}
-    # explicit loop over perturbed copies, same keys, NumPy log-softmax
-    leaves, treedef = jax.tree_util.tree_flatten(model.params)
-    offsets = np.cumsum([0] + [l.size for l in leaves])
+    # explicit loop over perturbed copies, same keys, NumPy log-softmax. The documented draw, written out: group 0 =
+    # the leaves outside the layer stack, group 1 + l = layer l's slice; leaf j of a group (tree order) gets
+    # sigma * normal(fold_in(fold_in(k_i, group), j)), whole perturbed trees at once (the attack draws per layer)
+    layers = model.module.LAYERS
+    top = {name: v for name, v in model.params.items() if name != layers}
+    stack = model.params[layers]
+    n_layers = jax.tree_util.tree_leaves(stack)[0].shape[0]
+
+    def draw(k, tree):
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        return treedef.unflatten([x + sigma * jax.random.normal(jax.random.fold_in(k, j), x.shape)
+                                  for j, x in enumerate(leaves)])
 
     @jax.jit
-    def noisy(k):  # one flat N(0, 1) draw per model, cut into the leaves in tree order
-        z = jax.random.normal(k, (int(offsets[-1]),))
-        return [l + sigma * z[a:b].reshape(l.shape) for l, a, b in zip(leaves, offsets[:-1], offsets[1:])]
+    def noisy(k):
+        p = draw(jax.random.fold_in(k, 0), top)
+        per_layer = [draw(jax.random.fold_in(k, 1 + i), jax.tree_util.tree_map(lambda a: a[i], stack))
+                     for i in range(n_layers)]
+        p[layers] = jax.tree_util.tree_map(lambda *a: jax.numpy.stack(a), *per_layer)
+        return p
     losses = []
     for k in jax.random.split(key, n):
-        p = jax.tree_util.tree_unflatten(treedef, noisy(k))
+        p = noisy(k)
         losses.append([-np_ll(ref_logits, x, params=p) for x in toks])
     l0 = np.array([-np_ll(ref_logits, x) for x in toks])
     want = np.mean(losses, axis=0) - l0

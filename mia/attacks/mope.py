@@ -1,16 +1,28 @@
 """MoPe (Li et al. 2023, "MoPe: Model Perturbation-based Privacy Attacks on Language Models"). ALGORITHMS.md 3.
 
   L_i(x) = mean token NLL under theta_i;  theta_0 = the model, theta_i = theta_0 + eps_i (i = 1..n)
-  eps_i ~ N(0, sigma^2) i.i.d. on EVERY float parameter (embeddings, unembedding, norms, attention, MLP), added in
-  float32, one PRNG key per perturbed model (``jax.random.split(key, n)``; see ``perturb`` for the draw)
+  eps_i ~ N(0, sigma^2) i.i.d. on EVERY float parameter (embeddings, unembedding, norms, attention, MLP)
   score(x) = mean_i L_i(x) - L_0(x)
 
 HIGHER = MEMBER (training points sit in sharper minima, so noise raises their loss more). pandora's statistic is
 L_0 - mean_i L_i (lower = member): ours is its negative. Defaults n = 10, sigma = 0.005 (CheckMIABench App. A).
 
-The perturbed copies are never materialised all at once: ``chunk`` copies are vmapped, and ``lax.map`` runs the
-ceil(n / chunk) chunks one after another, so peak memory is ~ (1 + chunk) x params + chunk x activations. The
-same key gives the same n models in every batch, so a score does not depend on batching. Nothing goes to disk.
+The draw (``perturb``), per leaf, so that no flat copy of all parameters ever exists:
+  k_i = jax.random.split(key, n)[i]                               one key per perturbed model
+  group 0 = the leaves outside the layer stack (embeddings, head, final norm), group 1 + l = decoder layer l
+  leaf j of a group (tree order of that group's subtree; a layer's subtree is its slice of the stacked leaves):
+      eps = sigma * jax.random.normal(fold_in(fold_in(k_i, group), j), leaf.shape, float32)
+      theta_i leaf = (leaf in float32 + eps) rounded once to the PARAMETER dtype
+For float32 models this is exactly ALGORITHMS.md 3 (float32 noise added in float32); for bfloat16/float16 models
+the perturbed copy is kept in the parameter dtype (the issue's memory budget: a float32 copy would double it),
+the noise itself is still drawn in float32 and added before the single rounding.
+
+Memory: the layer groups are perturbed inside the model's layer scan (``Model.hidden(layer_transform=...)``), so
+only one layer's perturbed copy exists at a time; group 0 is perturbed directly; each perturbed leaf keeps the
+sharding of the parameter it perturbs (``jax.random`` is partitionable: the same numbers on any mesh). ``chunk``
+copies are vmapped and ``lax.map`` runs the ceil(n / chunk) chunks one after another, so the peak is about the
+params + chunk x (group 0 + one layer) + chunk x activations. The same key gives the same n models in every batch,
+on every mesh and for every ``chunk``, so a score depends on none of them. Nothing goes to disk.
 """
 from __future__ import annotations
 
@@ -23,46 +35,83 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..conditional import token_logprobs
-from ..scoring import plan_batches
+from ..scoring import chunk_size, engine_layout, pipelined, placed_params, plan_batches, put_padded, rows_per_device
 from .registry import AttackError, register
 
 
-def perturb(key: jax.Array, params, sigma: float):
-    """params + N(0, sigma^2) noise on every floating leaf, in float32.
-
-    One draw of sum(leaf sizes) normals from ``key``, split over the floating leaves in tree order (one threefry
-    call instead of one per leaf: much faster to compile, the same distribution).
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
-    sizes = [leaves[i].size for i in floating]
-    noise = sigma * jax.random.normal(key, (sum(sizes),), jnp.float32)
-    out = list(leaves)
-    offset = 0
-    for i, size in zip(floating, sizes):
-        out[i] = leaves[i].astype(jnp.float32) + noise[offset: offset + size].reshape(leaves[i].shape)
-        offset += size
-    return jax.tree_util.tree_unflatten(treedef, out)
+def perturb_leaf(key: jax.Array, leaf: jax.Array, sigma: float, sharding=None) -> jax.Array:
+    """leaf + N(0, sigma^2) noise drawn in float32, rounded once to the leaf's dtype; non-float leaves unchanged."""
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        return leaf
+    noise = sigma * jax.random.normal(key, leaf.shape, jnp.float32)
+    out = (leaf.astype(jnp.float32) + noise).astype(leaf.dtype)
+    return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
 
-def mean_nll(logprob_fn: Callable, params, tokens_bt, mask_bt) -> jax.Array:
+def perturb_group(key: jax.Array, tree, sigma: float, shardings=None):
+    """Every leaf j of ``tree`` (tree order) perturbed with ``fold_in(key, j)``; ``shardings`` a matching tree."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)  # dict and FrozenDict (inside the scan): sorted keys
+    shards = [None] * len(leaves) if shardings is None else jax.tree_util.tree_leaves(shardings)
+    return treedef.unflatten([perturb_leaf(jax.random.fold_in(key, j), x, sigma, sh)
+                              for j, (x, sh) in enumerate(zip(leaves, shards))])
+
+
+def split_layers(params: dict, layers: str) -> tuple[dict, dict]:
+    """(params without the layer stack, the stacked layer subtree [L, ...])."""
+    return {k: v for k, v in params.items() if k != layers}, params[layers]
+
+
+def perturb(key: jax.Array, params: dict, sigma: float, layers: str) -> dict:
+    """theta_i for the key k_i: the whole perturbed tree at once (the reference of the draw; the attack itself
+    perturbs the layers one at a time inside the scan, with the same numbers)."""
+    top, stack = split_layers(params, layers)
+    n_layers = jax.tree_util.tree_leaves(stack)[0].shape[0]
+    per_layer = [perturb_group(jax.random.fold_in(key, 1 + i), jax.tree_util.tree_map(lambda a: a[i], stack), sigma)
+                 for i in range(n_layers)]
+    out = perturb_group(jax.random.fold_in(key, 0), top, sigma)
+    out[layers] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_layer)
+    return out
+
+
+def layer_slice_shardings(stack_shardings):
+    """Shardings of one layer's slice of stacked leaves (the leading [L] axis dropped), or None."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if stack_shardings is None:
+        return None
+    return jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, PartitionSpec(*tuple(s.spec)[1:])), stack_shardings)
+
+
+def mean_nll(logprob_fn: Callable, params, tokens_bt, mask_bt, layer_transform=None) -> jax.Array:
     """[B] mean token NLL over the T-1 predicted positions of valid tokens."""
-    lp = logprob_fn(params, tokens_bt, mask_bt).astype(jnp.float32)
+    lp = logprob_fn(params, tokens_bt, mask_bt, layer_transform).astype(jnp.float32)
     m = (mask_bt[:, 1:] & mask_bt[:, :-1]).astype(jnp.float32)
     return -jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
 
-def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk: int = 1) -> Callable:
+def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk: int = 1, layers: str = "layers",
+              shardings=None) -> Callable:
     """Build ``fn(key, params, tokens [B, T], mask [B, T]) -> [B]`` MoPe scores (higher = member).
 
-    ``logprob_fn(params, tokens, mask) -> [B, T-1]`` float32 log p(t_{i+1} | t_<=i). Perturbation i uses
-    ``jax.random.split(key, n)[i]``, whatever ``chunk`` is (chunk changes memory and speed, not scores). When
+    ``logprob_fn(params, tokens, mask, layer_transform) -> [B, T-1]`` float32 log p(t_{i+1} | t_<=i), applying
+    ``layer_transform(layer_index, layer_params)`` inside its layer scan. ``layers``: the key of the stacked layer
+    params. ``shardings``: the params' shardings (perturbed leaves keep them), or None. Perturbation i uses
+    ``jax.random.split(key, n)[i]`` whatever ``chunk`` is (chunk changes memory and speed, not scores). When
     ``chunk`` does not divide n, the last chunk is padded with repeats of key 0 whose results are dropped.
     """
     if n < 1 or chunk < 1:
         raise ValueError(f"make_mope: n and chunk must be >= 1, got n={n}, chunk={chunk}")
     chunk = min(chunk, n)
     n_chunks = -(-n // chunk)
+    top_shardings, stack_shardings = split_layers(shardings, layers) if shardings is not None else (None, None)
+    slice_shardings = layer_slice_shardings(stack_shardings)
+
+    def one(k, params, tokens_bt, mask_bt):
+        top, stack = split_layers(params, layers)
+        noisy = perturb_group(jax.random.fold_in(k, 0), top, sigma, top_shardings)
+        noisy[layers] = stack
+        transform = lambda i, lp: perturb_group(jax.random.fold_in(k, 1 + i), lp, sigma, slice_shardings)  # noqa: E731
+        return mean_nll(logprob_fn, noisy, tokens_bt, mask_bt, transform)
 
     def fn(key, params, tokens_bt, mask_bt):
         mask_bt = mask_bt.astype(bool)
@@ -72,17 +121,32 @@ def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk:
         if pad:
             keys = jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (pad,) + keys.shape[1:])])
         keys = keys.reshape((n_chunks, chunk) + keys.shape[1:])
-        one = lambda k: mean_nll(logprob_fn, perturb(k, params, sigma), tokens_bt, mask_bt)  # noqa: E731
-        losses = jax.lax.map(jax.vmap(one), keys).reshape(n_chunks * chunk, -1)[:n]  # [n, B]
+        run = jax.vmap(lambda k: one(k, params, tokens_bt, mask_bt))
+        losses = jax.lax.map(run, keys).reshape(n_chunks * chunk, -1)[:n]  # [n, B]
         return jnp.mean(losses, axis=0) - l0
 
     return fn
 
 
+def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int):
+    """jit of MoPe with explicit shardings: (key, params [``shardings``], tokens [B, T], mask [B, T], rows over
+    ``data``) -> [B] replicated. Can be ``.lower()``ed on ShapeDtypeStructs for abstract devices (``mia plan``)."""
+    from ..sharding import batch_sharding, replicated
+
+    def logprob_fn(p, t, v, layer_transform=None):
+        return token_logprobs(model, p, t, v, layer_transform=layer_transform,
+                              chunk=chunk_size(rows_per_device(t.shape[0], mesh), t.shape[1] - 1, model.vocab_size))
+
+    fn = make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk, layers=model.module.LAYERS, shardings=shardings)
+    rows = batch_sharding(mesh)
+    return jax.jit(fn, in_shardings=(replicated(mesh), shardings, rows, rows), out_shardings=replicated(mesh))
+
+
 @functools.lru_cache(maxsize=16)
 def jitted_mope(model, n: int, sigma: float, chunk: int):
-    logprob_fn = lambda p, t, v: token_logprobs(model, p, t, v)  # noqa: E731
-    return jax.jit(make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk))
+    """MoPe on the engine's layout (``engine_layout``): see ``build_mope_step``."""
+    mesh, shardings = engine_layout(model)
+    return build_mope_step(model, mesh, shardings, n, sigma, chunk)
 
 
 @register("mope", needs=("model",), n=10, sigma=0.005, chunk=2)
@@ -92,21 +156,25 @@ def _mope(ctx, *, n: int, sigma: float, chunk: int) -> np.ndarray:
         raise AttackError(f"attack mope: need n >= 1, chunk >= 1, sigma > 0; got n={n}, chunk={chunk}, sigma={sigma}")
     from tqdm.auto import tqdm
 
-    fn = jitted_mope(ctx.model, int(n), float(sigma), int(chunk))
-    key = jax.random.PRNGKey(ctx.seed)
+    from ..scoring import show_progress
+    from ..sharding import batch_sharding, data_size, replicated
+
+    model = ctx.model
+    mesh, _ = engine_layout(model)
+    fn = jitted_mope(model, int(n), float(sigma), int(chunk))
+    params = placed_params(model)
+    key = jax.device_put(jax.random.PRNGKey(ctx.seed), replicated(mesh))
     toks = [np.asarray(e.tokens, np.int32) for e in ctx.examples]
     # each vmapped copy holds its own activations: shrink the batch by the chunk size
     settings = dataclasses.replace(ctx.settings, token_budget=max(16, ctx.settings.token_budget // min(chunk, n)))
     out = np.zeros(len(toks), np.float64)
-    with tqdm(total=len(toks), desc="mope", disable=not ctx.settings.progress, leave=False) as bar:
-        for blen, members in plan_batches([len(t) for t in toks], settings):
-            rows = 1 << (len(members) - 1).bit_length()
-            tok = np.zeros((rows, blen), np.int32)
-            val = np.zeros((rows, blen), bool)
-            for r, i in enumerate(members):
-                tok[r, :len(toks[i])] = toks[i]
-                val[r, :len(toks[i])] = True
-            s = np.asarray(jax.device_get(fn(key, ctx.model.params, tok, val)))
-            out[members] = s[:len(members)]
-            bar.update(len(members))
+    rows_sharding = batch_sharding(mesh)
+    with tqdm(total=len(toks), desc="mope", disable=not show_progress(ctx.settings), leave=False) as bar:
+        def consume(batch, s):
+            out[list(batch.members)] = np.asarray(s)[:len(batch.members)]
+            bar.update(len(batch.members))
+
+        pipelined(plan_batches([len(t) for t in toks], settings, data_size(mesh)),
+                  lambda b: fn(key, params, *put_padded([toks[i] for i in b.members], b.rows, b.length, rows_sharding)),
+                  consume)
     return out

@@ -31,7 +31,8 @@ def load_reference(ctx):
         if not path:
             raise AttackError("attack ref needs a reference model: give --ref-model DIR (a local model directory)")
         try:
-            m["ref_model"] = load(path)
+            # the same layout as the target model (mesh and FSDP), so both score with the same batches
+            m["ref_model"] = load(path, mesh=ctx.model.mesh, fsdp=ctx.model.fsdp)
         except (FileNotFoundError, ValueError) as e:
             raise AttackError(f"--ref-model {path}: {e}") from None
     return m["ref_model"]

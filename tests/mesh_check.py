@@ -1,0 +1,99 @@
+"""Run in a subprocess with 8 CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``):
+
+    python tests/mesh_check.py OUT.json NEOX_DIR FAMILY [FAMILY ...]
+
+For each family, the same tiny model twice: on one device (the float32 reference) and on the mesh data=2,model=4
+(FSDP over data, tensor parallel over model). Scores token stats, a conditional-LL matrix and MoPe with both, the
+mesh side under ``jax.transfer_guard("disallow")`` (no implicit transfer: parameters were placed once, batches are
+put explicitly), and writes the largest absolute differences, the compiled token-stats programs and the number of
+length buckets, and how the parameters are laid out, to OUT.json. ``tests/test_sharding.py`` asserts on them.
+"""
+import json
+import sys
+
+import jax
+import numpy as np
+
+import mia.models as mm
+from mia.attacks import AttackContext, get
+from mia.conditional import loglik_matrix
+from mia.data.examples import Example
+from mia.scoring import ScoringSettings, bucket_length, compute_token_stats, jitted_token_stats
+from mia.sharding import make_mesh
+
+V = 128
+LENGTHS = [5, 40, 17, 3, 64, 33, 8, 21, 9, 11, 100, 2]
+SETTINGS = ScoringSettings(progress=False, token_budget=256, min_bucket=64)
+
+
+def hf_config(name):
+    import transformers as tf
+
+    small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    return {
+        "llama": lambda: tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False, **small),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, n_inner=64),
+        "gpt_neo": lambda: tf.GPTNeoConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                                           max_position_embeddings=128, window_size=8,
+                                           attention_types=[[["global", "local"], 1]]),
+        "olmo": lambda: tf.OlmoConfig(num_hidden_layers=2, num_key_value_heads=2, clip_qkv=0.5, **small),
+        "olmo2": lambda: tf.Olmo2Config(num_hidden_layers=2, num_key_value_heads=2, **small),
+    }[name]().to_dict()
+
+
+def models(name, neox_dir, one, mesh):
+    """(reference on one device, the same weights on ``mesh``)."""
+    if name == "gpt_neox":  # a real checkpoint: load() reads each device's shard from the memory map
+        return mm.load(neox_dir, mesh=one), mm.load(neox_dir, mesh=mesh)
+    hf = hf_config(name)
+    fam = mm.hub.family(hf["model_type"])
+    base = mm.from_config(fam.config_cls.from_hf(hf), key=jax.random.PRNGKey(1))
+    params = jax.tree_util.tree_map(lambda a: a * 3.0, base.params)  # larger than init, so differences would show
+    base = mm.from_config(base.config, params=params)
+    return mm.place(base, one), mm.place(base, mesh)
+
+
+def scores(model, seqs, mope_chunk):
+    stats = compute_token_stats(model, seqs, SETTINGS)
+    ll = loglik_matrix(model, seqs[:2], seqs[2:8], include_first=True, settings=SETTINGS)
+    ctx = AttackContext(model, [Example(str(i), tokens=s, label=i % 2) for i, s in enumerate(seqs)], SETTINGS, {},
+                        {"seed": 3})
+    mope = get("mope").fn(ctx, n=3, sigma=0.02, chunk=mope_chunk)
+    return stats, ll, mope
+
+
+def layout(model):
+    """Per leaf: global shape, the shape one device holds, and the spec."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(model.params)[0]:
+        name = "/".join(str(k.key) for k in path)
+        out[name] = dict(shape=list(x.shape), shard=list(x.addressable_shards[0].data.shape), spec=str(x.sharding.spec))
+    return out
+
+
+def main(out_path, neox_dir, families):
+    assert len(jax.devices()) == 8, jax.devices()
+    one = make_mesh(devices=jax.devices()[:1])
+    mesh = make_mesh({"data": 2, "model": 4})
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, V, n).astype(np.int32) for n in LENGTHS]
+    report = {}
+    for name in families:
+        m1, m8 = models(name, neox_dir, one, mesh)
+        with jax.transfer_guard("disallow"):
+            s8, ll8, mope8 = scores(m8, seqs, mope_chunk=2)
+        s1, ll1, mope1 = scores(m1, seqs, mope_chunk=3)
+        report[name] = dict(
+            stats={k: max(float(np.abs(a[k] - b[k]).max()) for a, b in zip(s1, s8)) for k in s1[0]},
+            condll=float(np.abs(ll1 - ll8).max()), mope=float(np.abs(mope1 - mope8).max()),
+            scale=dict(logprob=float(np.mean([np.abs(a["logprob"]).mean() for a in s1])),
+                       condll=float(np.abs(ll1).mean()), mope=float(np.abs(mope1).mean())),
+            compiled_stats_programs=int(jitted_token_stats(m8)._cache_size()),
+            length_buckets=len({bucket_length(n, SETTINGS.min_bucket) for n in LENGTHS}),
+            layout=layout(m8))
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
