@@ -81,6 +81,7 @@ class PlanResult:
     device_kind: str
     mesh: dict
     peak_source: str
+    group_bytes: Optional[int] = None  # MoPe: the largest leaf group perturbed at once (per device)
 
     @property
     def fits(self) -> Optional[bool]:
@@ -90,7 +91,7 @@ class PlanResult:
         return {"params_bytes": self.params_bytes, "peak_bytes": self.peak_bytes, "device_bytes": self.device_bytes,
                 "fits": self.fits, "temp_bytes": self.temp_bytes, "argument_bytes": self.argument_bytes,
                 "output_bytes": self.output_bytes, "devices": self.devices, "device_kind": self.device_kind,
-                "mesh": self.mesh, "peak_source": self.peak_source}
+                "mesh": self.mesh, "peak_source": self.peak_source, "group_bytes": self.group_bytes}
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -190,6 +191,19 @@ def memory_figures(compiled) -> tuple[int, int, int, int, str]:
     return bound, arg, tmp, out, "arguments+outputs+temporaries-aliased"
 
 
+def mope_group_bytes(model, shapes, shardings) -> int:
+    """Per-device bytes of the largest group MoPe perturbs at once: the non-layer leaves (embeddings, head, final
+    norm) together, or one layer's slice of the stacked leaves."""
+    from .sharding import sharded_bytes
+
+    layers = model.module.LAYERS
+    top = {k: v for k, v in shapes.items() if k != layers}
+    top_bytes = sharded_bytes(top, {k: v for k, v in shardings.items() if k != layers})
+    stack = sharded_bytes(shapes[layers], shardings[layers])
+    n_layers = int(model.config.num_hidden_layers)
+    return max(top_bytes, stack // n_layers)
+
+
 def abstract_model(hf: dict, dtype: str):
     """(Model with no params, abstract params pytree) of an HF config dict; nothing is allocated."""
     from .models.hub import Model, _dtypes, abstract_params, family
@@ -209,8 +223,12 @@ def abstract_model(hf: dict, dtype: str):
 
 def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: int = 2048,
                  mesh_axes: Optional[dict] = None, devices=None, fsdp: Optional[bool] = None,
-                 device_bytes: Optional[int] = None) -> PlanResult:
-    """Compile the token-stats step (the scoring pass every attack shares) ahead of time and read its memory.
+                 device_bytes: Optional[int] = None, attack: str = "stats", mope_n: int = 10,
+                 mope_chunk: int = 2) -> PlanResult:
+    """Compile a scoring step ahead of time and read its memory.
+
+    ``attack``: "stats" (the token-statistics pass every attack shares) or "mope" (MoPe's step with ``mope_n``
+    perturbed models, ``mope_chunk`` of them vmapped at a time).
 
     ``devices``: the devices to compile for (default: the local ones; a TPU topology's abstract devices work).
     ``mesh_axes``: {"data": n, "model": m} (default: all devices on data). ``fsdp`` defaults to True when a mesh is
@@ -220,7 +238,7 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     import jax.numpy as jnp
 
     from .scoring import build_token_stats_step
-    from .sharding import batch_sharding, make_mesh, param_shardings, sharded_bytes
+    from .sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
 
     devices = list(jax.devices() if devices is None else devices)
     mesh = make_mesh(mesh_axes, devices)
@@ -234,12 +252,21 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     rows = batch_sharding(mesh)
     tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=rows)
     valid = jax.ShapeDtypeStruct((batch, length), jnp.bool_, sharding=rows)
-    compiled = build_token_stats_step(model, mesh, shardings).lower(params, tokens, valid).compile()
-    peak, arg, tmp, out, source = memory_figures(compiled)
+    if attack == "stats":
+        lowered = build_token_stats_step(model, mesh, shardings).lower(params, tokens, valid)
+    elif attack == "mope":
+        from .attacks.mope import build_mope_step
+
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))
+        lowered = build_mope_step(model, mesh, shardings, mope_n, 0.005, mope_chunk).lower(key, params, tokens, valid)
+    else:
+        raise PlanError(f"--attack {attack!r}: expected stats or mope")
+    peak, arg, tmp, out, source = memory_figures(lowered.compile())
     return PlanResult(params_bytes=sharded_bytes(shapes, shardings), peak_bytes=peak,
                       device_bytes=device_memory(devices[0], device_bytes), argument_bytes=arg, temp_bytes=tmp,
                       output_bytes=out, devices=len(devices), device_kind=str(devices[0].device_kind),
-                      mesh={k: int(v) for k, v in dict(mesh.shape).items()}, peak_source=source)
+                      mesh={k: int(v) for k, v in dict(mesh.shape).items()}, peak_source=source,
+                      group_bytes=mope_group_bytes(model, shapes, shardings) if attack == "mope" else None)
 
 
 # ----------------------------------------------------------------------------------------------- command line
@@ -255,9 +282,27 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--mesh", default=None, help="e.g. data=1,model=8 (default: every device on data, params replicated)")
     p.add_argument("--topology", default=None, help="TPU topology to compile for without a TPU, e.g. v5e:2x4 "
                                                     "(needs the libtpu wheel)")
+    p.add_argument("--attack", default="stats", help="the step to plan: stats (the pass every attack shares) or "
+                                                      "mope[:n=10,chunk=2]")
     p.add_argument("--device-memory", default=None, help="memory of one device, e.g. 80GiB (default: the TPU "
                                                          "chip's HBM, or what the local device reports)")
     p.set_defaults(func=cmd_plan)
+
+
+def parse_attack(text: str) -> tuple[str, dict]:
+    """'stats' | 'mope' | 'mope:n=10,chunk=2' -> (name, plan_scoring keyword arguments)."""
+    name, _, rest = text.partition(":")
+    if name == "stats" and not rest:
+        return "stats", {}
+    if name != "mope":
+        raise PlanError(f"--attack {text!r}: expected stats or mope[:n=10,chunk=2]")
+    opts = {"mope_n": 10, "mope_chunk": 2}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("n", "chunk") or not value.isdigit() or int(value) < 1:
+            raise PlanError(f"--attack {text!r}: expected n=INT,chunk=INT (both >= 1)")
+        opts["mope_" + key] = int(value)
+    return "mope", opts
 
 
 def _fmt(n: Optional[int]) -> str:
@@ -278,14 +323,18 @@ def cmd_plan(args) -> int:
 
     n_devices = len(devices) if devices is not None else len(jax.devices())
     axes = parse_mesh(args.mesh, n_devices) if args.mesh else None
+    attack, opts = parse_attack(args.attack)
     r = plan_scoring(hf, dtype=args.dtype, batch=args.batch, length=args.length, mesh_axes=axes, devices=devices,
-                     device_bytes=device_bytes)
+                     device_bytes=device_bytes, attack=attack, **opts)
     where = f"TPU topology {args.topology}" if args.topology else "local devices"
-    print(f"mia plan: {args.model} {args.dtype}, token stats of {args.batch} x {args.length}, {r.devices} x "
+    step = "token stats" if attack == "stats" else f"MoPe (n={opts['mope_n']}, chunk={opts['mope_chunk']})"
+    print(f"mia plan: {args.model} {args.dtype}, {step} of {args.batch} x {args.length}, {r.devices} x "
           f"{r.device_kind} ({where}), mesh {','.join(f'{k}={v}' for k, v in r.mesh.items())}")
     print(f"  parameters per device     {_fmt(r.params_bytes)}")
     print(f"  XLA arguments / temps     {_fmt(r.argument_bytes)} / {_fmt(r.temp_bytes).strip()}")
     print(f"  peak per device           {_fmt(r.peak_bytes)}   ({r.peak_source})")
+    if r.group_bytes is not None:
+        print(f"  largest perturbed group   {_fmt(r.group_bytes)}   (MoPe holds at most chunk copies at once)")
     print(f"  device memory             {_fmt(r.device_bytes)}")
     verdict = {True: "fits", False: "does NOT fit", None: "unknown (give --device-memory)"}[r.fits]
     print(f"  verdict                   {verdict}")

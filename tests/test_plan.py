@@ -106,3 +106,16 @@ def test_topology_compiles_for_tpu_and_refuses_unknown_names(run_plan):
     assert last["device_kind"] == "TPU v5 lite" and last["devices"] == 8 and last["fits"] is True
     r = run_plan("--model", "pythia-70m", "--topology", "v9z:2x4")
     assert r.returncode == 2 and "libtpu does not know it" in r.stderr
+
+
+def test_mope_plan_reports_its_perturbed_group():
+    from mia.plan import parse_attack
+
+    assert parse_attack("mope:n=4,chunk=2") == ("mope", {"mope_n": 4, "mope_chunk": 2})
+    with pytest.raises(PlanError):
+        parse_attack("mope:n=0")
+    r = plan_scoring(TINY, dtype="float32", batch=2, length=64, attack="mope", mope_n=4, mope_chunk=2)
+    stats = plan_scoring(TINY, dtype="float32", batch=2, length=64)
+    # the largest group: the embedding + head + final norm of TINY (2 x 512 x 64 + 2 x 64 floats) vs one layer
+    assert r.group_bytes == 4 * (2 * 512 * 64 + 2 * 64)
+    assert r.params_bytes == stats.params_bytes and r.peak_bytes > stats.peak_bytes
