@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_score_parser(sub)
     a = sub.add_parser("attacks", help="list registered attacks and their parameters")
     a.set_defaults(func=cmd_attacks)
-    for module, fn in (("mia.data.cli", "add_split_parser"), ("mia.blind.cli", "add_blind_parser")):
+    for module, fn in (("mia.data.cli", "add_split_parser"), ("mia.blind.cli", "add_blind_parser"),
+                       ("mia.plan", "add_plan_parser")):
         try:
             mod = __import__(module, fromlist=[fn])
         except ImportError:
