@@ -53,7 +53,7 @@ from mia.report import csv_text
 
 from experiments.common import (ExperimentError, Timings, experiment_parser, open_members, pick_members,
                                 run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
-                                use_compilation_cache, write_json, write_manifest, write_scores, write_tables)
+                                write_json, write_manifest, write_scores, write_tables)
 
 BASELINES = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "ref", "neighbor")  # the paper's K = 20 for Min-K%
 COMBINERS = ("edgington", "fisher", "pearson", "george")
@@ -553,7 +553,6 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     say = say_fn(progress)
     timings = Timings()
     t0 = time.perf_counter()
-    use_compilation_cache()  # reruns and every split reuse compiled scoring code
     out = Path(out) if out is not None else Path("results") / f"camia-{'mimir' if mimir else preset}"
     for sub in ("scores", "signals", "splits"):
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -814,7 +813,7 @@ def main(argv=None) -> int:
         draws=a.draws, memorize_epochs=a.memorize_epochs, mimir=a.mimir, model_dir=a.model, ref_model=a.ref_model,
         mlm=a.mlm, split=a.split, table2_domains=_csv(a.table2_domains), max_per_class=a.max_per_class,
         blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap, progress=not a.no_progress, argv=argv),
-        debug=a.debug)
+        debug=a.debug, compile_cache=not a.no_compile_cache)
     if status:
         return status
     print(report_markdown(s))

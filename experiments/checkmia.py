@@ -33,7 +33,7 @@ import numpy as np
 
 from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, draw_testbed_split, fmt,
                                 metric_rows, plot_roc, run_blind_baselines, run_main, say_fn, score_attacks,
-                                select_attacks as _select, sha_file, use_compilation_cache, versions, write_json,
+                                select_attacks as _select, sha_file, versions, write_json,
                                 write_scores)
 
 # Examples per class in each partition, per preset (non-members only in calib / prefix).
@@ -146,7 +146,6 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     say = say_fn(progress)
     timings = Timings()
     t_start = time.perf_counter()
-    use_compilation_cache()
     base = SIZES.get(preset, SIZES["default"])
     for k, v in (("members", n_members), ("train", n_train), ("calib", n_calib), ("prefix", n_prefix),
                  ("nonmembers", n_nonmembers)):

@@ -37,7 +37,7 @@ from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentErr
                                 check_token_ids, count_params, default_out, draw_olmo_split, draw_pythia_split,
                                 draw_testbed_split, experiment_parser, metric_rows, olmo_checkpoint, open_members,
                                 require_order, run_blind_baselines, run_main, say_fn, score_attacks, select_attacks,
-                                select_pythia, sha_file, size_name, use_compilation_cache, write_json, write_manifest,
+                                select_pythia, sha_file, size_name, write_json, write_manifest,
                                 write_scores, write_tables)
 
 MODULE = "experiments.checkmiabench"
@@ -311,7 +311,6 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
     say = say_fn(progress)
     timings = Timings()
     t_start = time.perf_counter()
-    use_compilation_cache()
     split_sizes = p.sizes.replace(eval=n_members, train=n_train, prefix=n_prefix, calib=n_calib)
     bootstrap = p.bootstrap if bootstrap is None else int(bootstrap)
     bins = p.bins if bins is None else int(bins)
@@ -562,7 +561,7 @@ def main(argv=None) -> int:
                     end_step=args.end_step, batch_size=args.batch_size, seq_len=args.seq_len, bins=args.bins,
                     memorize_epochs=args.memorize_epochs, seed=args.seed, bootstrap=args.bootstrap,
                     progress=not args.no_progress, argv=argv),
-        debug=args.debug)
+        debug=args.debug, compile_cache=not args.no_compile_cache)
     if status:
         return status
     print(report_markdown(s))

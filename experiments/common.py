@@ -2,7 +2,7 @@
 
 CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``--bootstrap``, ``--no-progress``,
                  ``--debug``), ``run_main`` (a user error is one ``error: ...`` line and exit 2; Ctrl-C 130),
-                 ``ExperimentError`` (bad input, one line), ``default_out``, ``use_compilation_cache``.
+                 ``ExperimentError`` (bad input, one line), ``default_out``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
                  ``open_members`` (given testbeds, else the suite, else one testbed), ``pick_members``,
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
@@ -66,36 +66,21 @@ def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_prese
                         + (f"{default_bootstrap})" if default_bootstrap is not None else "the preset's)"))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    from mia.cli import add_compile_cache_flag
+
+    add_compile_cache_flag(p)
     return p
 
 
-def run_main(fn: Callable[[], object], *, debug: bool = False,
+def run_main(fn: Callable[[], object], *, debug: bool = False, compile_cache: bool = True,
              on_interrupt: str = "interrupted; rerun the same command: finished work is cached and reused"):
     """``(status, result)`` of ``fn()`` through ``mia.cli.run_for_user``: one ``error: ...`` line and status 2 for
-    bad input, 130 on Ctrl-C."""
+    bad input, 130 on Ctrl-C. It also turns on JAX's persistent compilation cache (``mia.compile_cache``: every
+    checkpoint of one model size and every rerun reuse compiled code; ``--no-compile-cache`` or
+    ``MIA_COMPILE_CACHE=0`` turn it off)."""
     from mia.cli import run_for_user
 
-    return run_for_user(fn, debug=debug, on_interrupt=on_interrupt)
-
-
-def use_compilation_cache(cache_root: Optional[str] = None) -> Optional[str]:
-    """Turn on JAX's persistent compilation cache under ``<cache root>/jax`` (``$MIA_CACHE_DIR`` or
-    ``~/.cache/mia``), so that every checkpoint of one model size, and every rerun, reuses the compiled scoring
-    functions instead of compiling them again (``mia.scoring`` jits per loaded model). Compiled code only: it never
-    changes a number. ``MIA_JAX_CACHE=0`` turns it off; a cache directory set by the user is kept."""
-    import jax
-
-    if os.environ.get("MIA_JAX_CACHE", "1") == "0":
-        return None
-    if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
-    from mia.cli import default_cache_dir
-
-    path = str(Path(cache_root or default_cache_dir()) / "jax")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
+    return run_for_user(fn, debug=debug, on_interrupt=on_interrupt, compile_cache=compile_cache)
 
 
 def default_out(module: str, preset: str, tag: str = "") -> Path:

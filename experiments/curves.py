@@ -262,7 +262,7 @@ def main(argv=None) -> int:
         rec, sc = curves_from_results(args.results, args.bins, args.bootstrap, args.seed)
         return write_curves(args.results, rec, sc, Path(args.results).name), rec, sc
 
-    status, res = run_main(go, debug=args.debug)
+    status, res = run_main(go, debug=args.debug, compile_cache=False)  # no model: nothing compiles
     if status:
         return status
     paths, rec, sc = res

@@ -46,7 +46,7 @@ import numpy as np
 from experiments.common import (ExperimentError, SplitSizes, Timings, check_token_ids, draw_testbed_split,
                                 experiment_parser, metric_rows, olmo_checkpoint, open_members, pick_members,
                                 run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
-                                use_compilation_cache, write_json, write_manifest, write_scores, write_tables)
+                                write_json, write_manifest, write_scores, write_tables)
 
 SPLITS = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
 INITS = ("loss", "ref", "zlib", "mink", "minkpp")
@@ -347,7 +347,6 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     say = say_fn(progress)
     timings = Timings()
     t0 = time.perf_counter()
-    use_compilation_cache()  # reruns and every split reuse compiled scoring code
     out = Path(out) if out is not None else Path("results") / f"em_mia-{'olmo' if olmo else preset}"
     (out / "splits").mkdir(parents=True, exist_ok=True)
     notes: list = []
@@ -550,7 +549,7 @@ def main(argv=None) -> int:
         nonmember_steps=a.nonmember_steps, ref_model=a.ref_model, eos=a.eos, batch_size=a.batch_size,
         seq_len=a.seq_len, pool=a.pool, size=a.size, k=a.k, threshold=a.threshold, doc_len=a.doc_len,
         encoder=a.encoder, embeddings=a.embeddings, blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap,
-        progress=not a.no_progress, argv=argv), debug=a.debug)
+        progress=not a.no_progress, argv=argv), debug=a.debug, compile_cache=not a.no_compile_cache)
     if status:
         return status
     print(report_markdown(s))

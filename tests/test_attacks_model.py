@@ -2,6 +2,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -368,3 +369,23 @@ def test_neighbor_score_matches_numpy_and_is_cached(tiny_model, tiny_mlm_dir, da
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     with pytest.raises(AttackError, match="--mlm DIR"):
         get("neighbor").fn(ctx_for(tiny_model, data[:4]), n=4, k=3, p=0.7)
+
+
+def test_mope_noise_is_drawn_in_the_parameter_dtype():
+    """bf16/fp16 leaves: noise drawn and added in the leaf's dtype (the memory budget), equal to the documented
+    draw; float32 leaves unchanged from ALGORITHMS.md 3; integer leaves untouched."""
+    from mia.attacks.mope import perturb_leaf
+
+    key = jax.random.PRNGKey(3)
+    for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+        leaf = jnp.asarray(np.random.default_rng(0).standard_normal((7, 5)) * 0.1, dt)
+        out = perturb_leaf(key, leaf, 0.005)
+        assert out.dtype == dt
+        want = np.asarray(leaf, np.float64) + np.asarray(jnp.asarray(0.005, dt) * jax.random.normal(key, (7, 5), dt),
+                                                         np.float64)
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-2 if dt != jnp.float32 else 1e-6,
+                                   atol=1e-7)
+        diff = np.asarray(out, np.float64) - np.asarray(leaf, np.float64)
+        assert 0.002 < diff.std() < 0.008, (dt, diff.std())  # noise of the stated sigma, not rounded away
+    ints = jnp.arange(6)
+    assert perturb_leaf(key, ints, 0.5) is ints

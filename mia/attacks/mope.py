@@ -11,11 +11,12 @@ The draw (``perturb``), per leaf, so that no flat copy of all parameters ever ex
   k_i = jax.random.split(key, n)[i]                               one key per perturbed model
   group 0 = the leaves outside the layer stack (embeddings, head, final norm), group 1 + l = decoder layer l
   leaf j of a group (tree order of that group's subtree; a layer's subtree is its slice of the stacked leaves):
-      eps = sigma * jax.random.normal(fold_in(fold_in(k_i, group), j), leaf.shape, float32)
-      theta_i leaf = (leaf in float32 + eps) rounded once to the PARAMETER dtype
-For float32 models this is exactly ALGORITHMS.md 3 (float32 noise added in float32); for bfloat16/float16 models
-the perturbed copy is kept in the parameter dtype (the issue's memory budget: a float32 copy would double it),
-the noise itself is still drawn in float32 and added before the single rounding.
+      eps = sigma * jax.random.normal(fold_in(fold_in(k_i, group), j), leaf.shape, leaf.dtype)
+      theta_i leaf = leaf + eps                                     in the PARAMETER dtype
+For float32 models this is exactly ALGORITHMS.md 3. For bfloat16/float16 models noise and perturbed copy are in
+the parameter dtype (a float32 draw would double the bytes of every perturbed leaf: measured on Pythia-6.9B bf16,
+MoPe n=10 chunk=2, the step's temporaries fell from 3.12 to 2.35 GiB); sigma = 0.005 is far above bf16's spacing
+near typical weights (~4e-4 at 0.1), so the rounding does not change what the attack measures.
 
 Memory: the layer groups are perturbed inside the model's layer scan (``Model.hidden(layer_transform=...)``), so
 only one layer's perturbed copy exists at a time; group 0 is perturbed directly; each perturbed leaf keeps the
@@ -41,11 +42,10 @@ from .registry import AttackError, register
 
 
 def perturb_leaf(key: jax.Array, leaf: jax.Array, sigma: float, sharding=None) -> jax.Array:
-    """leaf + N(0, sigma^2) noise drawn in float32, rounded once to the leaf's dtype; non-float leaves unchanged."""
+    """leaf + N(0, sigma^2) noise drawn in the leaf's own dtype (no float32 copy); non-float leaves unchanged."""
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
         return leaf
-    noise = sigma * jax.random.normal(key, leaf.shape, jnp.float32)
-    out = (leaf.astype(jnp.float32) + noise).astype(leaf.dtype)
+    out = leaf + jnp.asarray(sigma, leaf.dtype) * jax.random.normal(key, leaf.shape, leaf.dtype)
     return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
 
