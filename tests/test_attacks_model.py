@@ -8,9 +8,9 @@ import pytest
 
 from mia.attacks import AttackContext, AttackError, get
 from mia.attacks import em_mia as E
-from mia.attacks.mope import jitted_mope
+from mia.attacks.mope import build_mope_step, jitted_mope
 from mia.data.examples import Example, tokenize_examples
-from mia.scoring import ScoringSettings
+from mia.scoring import ScoringSettings, engine_layout
 
 WORDS = ("the of and to in is that for it as with was on be by this are from not but have which "
          "data model train member loss token text line file value").split()
@@ -201,20 +201,35 @@ def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, ref_logits
     toks = [e.tokens for e in data[:4]]
     tok, val = padded(toks)
     key, n, sigma = jax.random.PRNGKey(7), 5, 0.05
-    # chunk 2 pads the 5 copies to 6 (the extra one is dropped); chunk 5 vmaps all copies at once
-    scores = {c: np.asarray(jitted_mope(model, n, sigma, c)(key, model.params, tok, val)) for c in (2, 5)}
+    # noise blocks of 1000 elements, so that the tiny model's matrices are drawn in many blocks, the last one cut
+    # (the default 2^22 makes every leaf here one block); chunk 2 pads the 5 copies to 6 (the extra one is dropped),
+    # chunk 5 vmaps all copies at once
+    block = 1000
+    mesh, shardings = engine_layout(model)
+    scores = {c: np.asarray(build_mope_step(model, mesh, shardings, n, sigma, c, block)(key, model.params, tok, val))
+              for c in (2, 5)}
     # explicit loop over perturbed copies, same keys, NumPy log-softmax. The documented draw, written out: group 0 =
-    # the leaves outside the layer stack, group 1 + l = layer l's slice; leaf j of a group (tree order) gets
-    # sigma * normal(fold_in(fold_in(k_i, group), j)), whole perturbed trees at once (the attack draws per layer)
+    # the leaves outside the layer stack, group 1 + l = layer l's slice; leaf j of a group (tree order), shape
+    # [R, *rest], gets sigma * (normal(fold_in(k_ij, b), [rows, *rest]) for b = 0, 1, ... stacked)[:R] with
+    # k_ij = fold_in(fold_in(k_i, group), j) and rows = min(R, max(1, block // prod(rest))); whole perturbed trees
+    # at once, block after block in a Python loop (the attack draws per layer, blocks vmapped)
     layers = model.module.LAYERS
     top = {name: v for name, v in model.params.items() if name != layers}
     stack = model.params[layers]
     n_layers = jax.tree_util.tree_leaves(stack)[0].shape[0]
 
+    def noise(k, shape):
+        rest = int(np.prod(shape[1:]))
+        rows = min(shape[0], max(1, block // rest))
+        parts, b = [], 0
+        while b * rows < shape[0]:
+            parts.append(jax.random.normal(jax.random.fold_in(k, b), (rows,) + tuple(shape[1:])))
+            b += 1
+        return jax.numpy.concatenate(parts)[:shape[0]]
+
     def draw(k, tree):
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        return treedef.unflatten([x + sigma * jax.random.normal(jax.random.fold_in(k, j), x.shape)
-                                  for j, x in enumerate(leaves)])
+        return treedef.unflatten([x + sigma * noise(jax.random.fold_in(k, j), x.shape) for j, x in enumerate(leaves)])
 
     @jax.jit
     def noisy(k):
@@ -223,6 +238,7 @@ def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, ref_logits
                      for i in range(n_layers)]
         p[layers] = jax.tree_util.tree_map(lambda *a: jax.numpy.stack(a), *per_layer)
         return p
+    assert max(x.size for x in jax.tree_util.tree_leaves(model.params)) > 8 * block  # many blocks per matrix
     losses = []
     for k in jax.random.split(key, n):
         p = noisy(k)
@@ -381,11 +397,45 @@ def test_mope_noise_is_drawn_in_the_parameter_dtype():
         leaf = jnp.asarray(np.random.default_rng(0).standard_normal((7, 5)) * 0.1, dt)
         out = perturb_leaf(key, leaf, 0.005)
         assert out.dtype == dt
-        want = np.asarray(leaf, np.float64) + np.asarray(jnp.asarray(0.005, dt) * jax.random.normal(key, (7, 5), dt),
-                                                         np.float64)
+        # a leaf of at most NOISE_BLOCK elements is one block: normal(fold_in(key, 0), shape)
+        noise = jax.random.normal(jax.random.fold_in(key, 0), (7, 5), dt)
+        want = np.asarray(leaf, np.float64) + np.asarray(jnp.asarray(0.005, dt) * noise, np.float64)
         np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-2 if dt != jnp.float32 else 1e-6,
                                    atol=1e-7)
         diff = np.asarray(out, np.float64) - np.asarray(leaf, np.float64)
         assert 0.002 < diff.std() < 0.008, (dt, diff.std())  # noise of the stated sigma, not rounded away
     ints = jnp.arange(6)
     assert perturb_leaf(key, ints, 0.5) is ints
+
+
+def test_mope_block_noise_is_gaussian_and_independent_across_blocks():
+    """The blocked draw at the default block size, judged as noise (not against its own layout): a [3, 2^21] leaf is
+    drawn as two blocks of 2 rows (the second cut to 1 row). Mean ~0, std ~sigma, Kolmogorov-Smirnov against
+    N(0, sigma^2); rows of different blocks, rows of one block, two leaves and two copies uncorrelated; in bf16 the
+    same mean and std."""
+    from scipy.stats import kstest
+
+    from mia.attacks.mope import NOISE_BLOCK, block_rows, perturb_leaf
+
+    shape, sigma = (3, NOISE_BLOCK // 2), 0.005
+    assert block_rows(shape) == 2  # two blocks: rows {0, 1} and {2}
+    zero = jnp.zeros(shape, jnp.float32)
+    k = jax.random.PRNGKey(11)
+    eps = np.asarray(perturb_leaf(k, zero, sigma), np.float64)
+    other_leaf = np.asarray(perturb_leaf(jax.random.fold_in(k, 1), zero, sigma), np.float64)
+    n = eps.size
+    assert abs(eps.mean()) < 4 * sigma / np.sqrt(n)
+    assert abs(eps.std() / sigma - 1) < 4 / np.sqrt(2 * n)
+    assert kstest(eps.ravel() / sigma, "norm").pvalue > 1e-3
+    bound = 5 / np.sqrt(shape[1])  # 5 standard errors of a correlation of independent rows
+
+    def corr(a, b):
+        return abs(np.corrcoef(a, b)[0, 1])
+    assert corr(eps[0], eps[2]) < bound and corr(eps[1], eps[2]) < bound  # across blocks, same positions
+    assert corr(eps[0], eps[1]) < bound  # within a block
+    assert corr(eps[2], other_leaf[2]) < bound and corr(eps[0], other_leaf[0]) < bound  # another leaf's key
+    assert not np.array_equal(eps[2], eps[0]) and np.all(eps != 0, axis=1).mean() == 1.0
+    # in bf16 jax.random.normal is coarse (128 distinct values, mean about -0.011, std 0.997): within 2% of sigma
+    eps16 = np.asarray(perturb_leaf(k, zero.astype(jnp.bfloat16), sigma), np.float64)
+    assert abs(eps16.mean()) < 0.02 * sigma and abs(eps16.std() / sigma - 1) < 0.01
+    assert corr(eps16[0], eps16[2]) < bound

@@ -7,12 +7,21 @@
 HIGHER = MEMBER (training points sit in sharper minima, so noise raises their loss more). pandora's statistic is
 L_0 - mean_i L_i (lower = member): ours is its negative. Defaults n = 10, sigma = 0.005 (CheckMIABench App. A).
 
-The draw (``perturb``), per leaf, so that no flat copy of all parameters ever exists:
+The draw (``perturb``), per leaf and in blocks of rows, so that no flat copy of all parameters and no random-bit
+array the size of a big leaf ever exists:
   k_i = jax.random.split(key, n)[i]                               one key per perturbed model
   group 0 = the leaves outside the layer stack (embeddings, head, final norm), group 1 + l = decoder layer l
-  leaf j of a group (tree order of that group's subtree; a layer's subtree is its slice of the stacked leaves):
-      eps = sigma * jax.random.normal(fold_in(fold_in(k_i, group), j), leaf.shape, leaf.dtype)
+  leaf j of a group (tree order of that group's subtree; a layer's subtree is its slice of the stacked leaves),
+  shape [R, *rest] (a scalar counts as [1]):
+      k_ij = fold_in(fold_in(k_i, group), j)
+      rows = min(R, max(1, 2^22 // prod(rest)))                     rows of one block (NOISE_BLOCK = 2^22 elements)
+      block b = jax.random.normal(fold_in(k_ij, b), [rows, *rest], leaf.dtype)    b = 0 .. ceil(R / rows) - 1
+      eps = sigma * concatenate(blocks, axis 0)[:R]                 the last block is drawn whole and cut
       theta_i leaf = leaf + eps                                     in the PARAMETER dtype
+A leaf of at most 2^22 elements is one block: eps = sigma * normal(fold_in(k_ij, 0), shape). The blocks only bound
+memory: XLA builds threefry's uint32 counters at the shape of one ``normal`` call, and at the size of a 50432 x 4096
+embedding those were 2 x 788 MiB of temporaries (see Memory). Blocks depend on the leaf's shape alone, never on
+the mesh, the chunk or the batch.
 For float32 models this is exactly ALGORITHMS.md 3. For bfloat16/float16 models noise and perturbed copy are in
 the parameter dtype (a float32 draw would double the bytes of every perturbed leaf: measured on Pythia-6.9B bf16,
 MoPe n=10 chunk=2, the step's temporaries fell from 3.12 to 2.35 GiB); sigma = 0.005 is far above bf16's spacing
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Optional
 
 import jax
@@ -41,19 +51,54 @@ from ..sharding import compose
 from .registry import AttackError, register
 
 
-def perturb_leaf(key: jax.Array, leaf: jax.Array, sigma: float, sharding=None) -> jax.Array:
-    """leaf + N(0, sigma^2) noise drawn in the leaf's own dtype (no float32 copy); non-float leaves unchanged."""
-    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+NOISE_BLOCK = 1 << 22  # elements of one noise block (see the module docstring): 16 MiB of uint32 counters
+
+
+def block_rows(shape: tuple, block: int = NOISE_BLOCK) -> int:
+    """Rows (entries of the leading axis) of one noise block of a leaf of ``shape``: as many whole rows as fit in
+    ``block`` elements, at least 1, at most all of them. A scalar is one block of one row."""
+    if not shape:
+        return 1
+    return max(1, min(shape[0], block // max(1, math.prod(shape[1:]))))
+
+
+def perturb_leaf(key: jax.Array, leaf: jax.Array, sigma: float, sharding=None, block: int = NOISE_BLOCK) -> jax.Array:
+    """leaf + sigma * N(0, 1) noise drawn in the leaf's own dtype (no float32 copy), block by block of ``block_rows``
+    leading rows (the module docstring's draw): block b = normal(fold_in(key, b), [rows, *rest]), the last block
+    drawn whole and cut. A ``fori_loop`` writes block after block into the perturbed copy, so XLA's random counters
+    are the size of one block, never of the leaf. Non-float leaves unchanged."""
+    if not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.size == 0:
         return leaf
-    out = leaf + jnp.asarray(sigma, leaf.dtype) * jax.random.normal(key, leaf.shape, leaf.dtype)
+    scale = jnp.asarray(sigma, leaf.dtype)
+    shape = tuple(leaf.shape)
+    rows = block_rows(shape, block)
+    if not shape or rows == shape[0]:
+        out = leaf + scale * jax.random.normal(jax.random.fold_in(key, 0), shape, leaf.dtype)
+    else:
+        rest = shape[1:]
+
+        def noisy_block(b, length):
+            start = b * rows
+            eps = jax.random.normal(jax.random.fold_in(key, b), (rows,) + rest, leaf.dtype)[:length]
+            return start, jax.lax.dynamic_slice_in_dim(leaf, start, length) + scale * eps
+
+        def body(b, out):
+            start, new = noisy_block(b, rows)
+            return jax.lax.dynamic_update_slice_in_dim(out, new, start, 0)
+
+        whole = shape[0] // rows
+        out = jax.lax.fori_loop(0, whole, body, leaf)
+        if whole * rows < shape[0]:
+            start, new = noisy_block(whole, shape[0] - whole * rows)
+            out = jax.lax.dynamic_update_slice_in_dim(out, new, start, 0)
     return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
 
-def perturb_group(key: jax.Array, tree, sigma: float, shardings=None):
+def perturb_group(key: jax.Array, tree, sigma: float, shardings=None, block: int = NOISE_BLOCK):
     """Every leaf j of ``tree`` (tree order) perturbed with ``fold_in(key, j)``; ``shardings`` a matching tree."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)  # dict and FrozenDict (inside the scan): sorted keys
     shards = [None] * len(leaves) if shardings is None else jax.tree_util.tree_leaves(shardings)
-    return treedef.unflatten([perturb_leaf(jax.random.fold_in(key, j), x, sigma, sh)
+    return treedef.unflatten([perturb_leaf(jax.random.fold_in(key, j), x, sigma, sh, block)
                               for j, (x, sh) in enumerate(zip(leaves, shards))])
 
 
@@ -62,14 +107,14 @@ def split_layers(params: dict, layers: str) -> tuple[dict, dict]:
     return {k: v for k, v in params.items() if k != layers}, params[layers]
 
 
-def perturb(key: jax.Array, params: dict, sigma: float, layers: str) -> dict:
+def perturb(key: jax.Array, params: dict, sigma: float, layers: str, block: int = NOISE_BLOCK) -> dict:
     """theta_i for the key k_i: the whole perturbed tree at once (the reference of the draw; the attack itself
     perturbs the layers one at a time inside the scan, with the same numbers)."""
     top, stack = split_layers(params, layers)
     n_layers = jax.tree_util.tree_leaves(stack)[0].shape[0]
-    per_layer = [perturb_group(jax.random.fold_in(key, 1 + i), jax.tree_util.tree_map(lambda a: a[i], stack), sigma)
-                 for i in range(n_layers)]
-    out = perturb_group(jax.random.fold_in(key, 0), top, sigma)
+    per_layer = [perturb_group(jax.random.fold_in(key, 1 + i), jax.tree_util.tree_map(lambda a: a[i], stack), sigma,
+                               block=block) for i in range(n_layers)]
+    out = perturb_group(jax.random.fold_in(key, 0), top, sigma, block=block)
     out[layers] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_layer)
     return out
 
@@ -91,7 +136,8 @@ def mean_nll(logprob_fn: Callable, params, tokens_bt, mask_bt, layer_transform=N
 
 
 def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk: int = 1, layers: str = "layers",
-              shardings=None, gather: Optional[Callable] = None, gather_top: Optional[Callable] = None) -> Callable:
+              shardings=None, gather: Optional[Callable] = None, gather_top: Optional[Callable] = None,
+              block: int = NOISE_BLOCK) -> Callable:
     """Build ``fn(key, params, tokens [B, T], mask [B, T]) -> [B]`` MoPe scores (higher = member).
 
     ``logprob_fn(params, tokens, mask, layer_transform) -> [B, T-1]`` float32 log p(t_{i+1} | t_<=i), applying
@@ -112,12 +158,12 @@ def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk:
 
     def one(k, params, tokens_bt, mask_bt):
         top, stack = split_layers(params, layers)
-        noisy = perturb_group(jax.random.fold_in(k, 0), top, sigma, top_shardings)
+        noisy = perturb_group(jax.random.fold_in(k, 0), top, sigma, top_shardings, block)
         noisy[layers] = stack
         noisy = top_gather(noisy)
 
         def perturb_layer(i, lp):
-            return perturb_group(jax.random.fold_in(k, 1 + i), lp, sigma, slice_shardings)
+            return perturb_group(jax.random.fold_in(k, 1 + i), lp, sigma, slice_shardings, block)
 
         return mean_nll(logprob_fn, noisy, tokens_bt, mask_bt, compose(perturb_layer, gather))
 
@@ -136,7 +182,7 @@ def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk:
     return fn
 
 
-def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int):
+def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int, block: int = NOISE_BLOCK):
     """jit of MoPe with explicit shardings: (key [replicated], params [``shardings``], tokens [B, T] and mask
     [B, T] rows over ``data``) -> [B] scores, replicated. Lowers on ``jax.ShapeDtypeStruct`` arguments for abstract
     devices (compile-only planning), like ``scoring.build_token_stats_step``."""
@@ -148,7 +194,7 @@ def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int):
         return token_logprobs(model, p, t, v, layer_transform=layer_transform,
                               chunk=chunk_size(rows_per_device(t.shape[0], mesh), t.shape[1] - 1, model.vocab_size))
 
-    fn = make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk, layers=layers, shardings=shardings,
+    fn = make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk, layers=layers, shardings=shardings, block=block,
                    gather=layer_gather(shardings, layers),
                    gather_top=lambda p: gather_outside_layers(p, shardings, layers))
     rows = batch_sharding(mesh)
