@@ -123,11 +123,16 @@ def conditional_loglik(model, params, cache: PrefixCache, targets, valid, *, inc
     return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
 
-def token_logprobs(model, params, tokens, valid, *, chunk: Optional[int] = None, layer_transform=None) -> jax.Array:
+def token_logprobs(model, params, tokens, valid, *, chunk: Optional[int] = None, layer_transform=None,
+                   head_params=None) -> jax.Array:
     """Pure: [B, T-1] float32 log p(t_{i+1} | t_<=i) of a plain pass (no prefix cache). ``layer_transform``: see
-    ``Model.hidden`` (MoPe perturbs each layer inside the layer scan)."""
+    ``Model.hidden`` (MoPe perturbs each layer inside the layer scan). ``head_params(params, h) -> params``, if
+    given, gives the parameters the LM head uses once the final hidden states ``h`` [B, T, D] exist (MoPe draws
+    its perturbed head there, so that the copy is not alive during the layer scan)."""
     b, t = tokens.shape
     h, _ = model.hidden(params, tokens, valid, layer_transform=layer_transform)
+    if head_params is not None:
+        params = head_params(params, h)
     return logprob_from_hidden(model.unembed, params, h[:, :-1], tokens[:, 1:], chunk or chunk_size(b, t - 1, model.vocab_size))
 
 

@@ -26,12 +26,22 @@ For float32 models this is exactly ALGORITHMS.md 3. For bfloat16/float16 models 
 the parameter dtype (a float32 draw would double the bytes of every perturbed leaf: measured on Pythia-6.9B bf16,
 MoPe n=10 chunk=2, the step's temporaries fell from 3.12 to 2.35 GiB); sigma = 0.005 is far above bf16's spacing
 near typical weights (~4e-4 at 0.1), so the rounding does not change what the attack measures.
+Note: ``jax.random.normal`` in bfloat16 takes only 128 distinct values (mean -0.011, std 0.997, measured on 2^22
+draws); now that blocks bound the temporaries, a float32 draw per block rounded to the parameter dtype would cost
+16 MiB, not a float32 copy of the leaf (not done: it changes the numbers).
 
 Memory: the layer groups are perturbed inside the model's layer scan (``Model.hidden(layer_transform=...)``), so
-only one layer's perturbed copy exists at a time; group 0 is perturbed directly; each perturbed leaf keeps the
-sharding of the parameter it perturbs (``jax.random`` is partitionable: the same numbers on any mesh). ``chunk``
-copies are vmapped and ``lax.map`` runs the ceil(n / chunk) chunks one after another, so the peak is about the
-params + chunk x (group 0 + one layer) + chunk x activations. The same key gives the same n models in every batch,
+only one layer's perturbed copy exists at a time. Group 0 is drawn twice with the same keys: for the embeddings
+before the scan and for the LM head after it (``token_logprobs(head_params=...)``, behind
+``lax.optimization_barrier`` on the final hidden states, so XLA cannot compute the head's copy early and keep it
+through the scan). Each perturbed leaf keeps the sharding of the parameter it perturbs (``jax.random`` is
+partitionable, and blocks depend on shapes only: the same numbers on any mesh). ``chunk`` copies are vmapped and
+``lax.map`` runs the ceil(n / chunk) chunks one after another, so the peak is about the params + chunk x the largest
+group + chunk x activations. Measured (``mia plan --model pythia-6.9b --dtype bfloat16 --batch 1 --length 2048
+--topology v5p:1x1x1 --attack mope:n=2,chunk=2``; n only sets the loop count): temporaries 2.35 GiB with one
+``normal`` per leaf (its uint32 counters at the size of the 50432 x 4096 embedding and head, 2 x 788 MiB each),
+2.29 GiB with blocks, 1.64 GiB with blocks and the head drawn after the scan (2 copies of group 0 are 1.54 GiB);
+at chunk=1 3.53 GiB before, 0.63 GiB now. The same key gives the same n models in every batch,
 on every mesh and for every ``chunk``, so a score depends on none of them. Nothing goes to disk.
 """
 from __future__ import annotations
@@ -128,9 +138,10 @@ def layer_slice_shardings(stack_shardings):
     return jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, PartitionSpec(*tuple(s.spec)[1:])), stack_shardings)
 
 
-def mean_nll(logprob_fn: Callable, params, tokens_bt, mask_bt, layer_transform=None) -> jax.Array:
+def mean_nll(logprob_fn: Callable, params, tokens_bt, mask_bt, layer_transform=None, head_params=None) -> jax.Array:
     """[B] mean token NLL over the T-1 predicted positions of valid tokens."""
-    lp = logprob_fn(params, tokens_bt, mask_bt, layer_transform).astype(jnp.float32)
+    extra = {} if head_params is None else {"head_params": head_params}
+    lp = logprob_fn(params, tokens_bt, mask_bt, layer_transform, **extra).astype(jnp.float32)
     m = (mask_bt[:, 1:] & mask_bt[:, :-1]).astype(jnp.float32)
     return -jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
@@ -140,8 +151,10 @@ def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk:
               block: int = NOISE_BLOCK) -> Callable:
     """Build ``fn(key, params, tokens [B, T], mask [B, T]) -> [B]`` MoPe scores (higher = member).
 
-    ``logprob_fn(params, tokens, mask, layer_transform) -> [B, T-1]`` float32 log p(t_{i+1} | t_<=i), applying
-    ``layer_transform(layer_index, layer_params)`` inside its layer scan. ``layers``: the key of the stacked layer
+    ``logprob_fn(params, tokens, mask, layer_transform, head_params=None) -> [B, T-1]`` float32
+    log p(t_{i+1} | t_<=i), applying ``layer_transform(layer_index, layer_params)`` inside its layer scan and taking
+    the LM head's parameters from ``head_params(params, h)`` once the final hidden states ``h`` exist
+    (``conditional.token_logprobs`` does both). ``layers``: the key of the stacked layer
     params. ``shardings``: the params' shardings (perturbed leaves keep them), or None. ``gather``: a layer
     transform run after the perturbation (the engine's per-layer FSDP all-gather), ``gather_top(params)`` the same
     for the leaves outside the layers, or None. Perturbation i uses
@@ -158,14 +171,22 @@ def make_mope(logprob_fn: Callable, *, n: int = 10, sigma: float = 0.005, chunk:
 
     def one(k, params, tokens_bt, mask_bt):
         top, stack = split_layers(params, layers)
-        noisy = perturb_group(jax.random.fold_in(k, 0), top, sigma, top_shardings, block)
-        noisy[layers] = stack
-        noisy = top_gather(noisy)
+
+        def noisy_tree(top_leaves):
+            noisy = perturb_group(jax.random.fold_in(k, 0), top_leaves, sigma, top_shardings, block)
+            noisy[layers] = stack
+            return top_gather(noisy)
+
+        def head_params(_, h):
+            # group 0 drawn again (same keys, same numbers) once the final hidden states exist: the barrier makes
+            # the head's perturbed copy depend on h, so XLA cannot compute it before the layer scan
+            _, late = jax.lax.optimization_barrier((h, top))
+            return noisy_tree(late)
 
         def perturb_layer(i, lp):
             return perturb_group(jax.random.fold_in(k, 1 + i), lp, sigma, slice_shardings, block)
 
-        return mean_nll(logprob_fn, noisy, tokens_bt, mask_bt, compose(perturb_layer, gather))
+        return mean_nll(logprob_fn, noisy_tree(top), tokens_bt, mask_bt, compose(perturb_layer, gather), head_params)
 
     def fn(key, params, tokens_bt, mask_bt):
         mask_bt = mask_bt.astype(bool)
@@ -190,8 +211,8 @@ def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int, bl
 
     layers = model.module.LAYERS
 
-    def logprob_fn(p, t, v, layer_transform=None):
-        return token_logprobs(model, p, t, v, layer_transform=layer_transform,
+    def logprob_fn(p, t, v, layer_transform=None, head_params=None):
+        return token_logprobs(model, p, t, v, layer_transform=layer_transform, head_params=head_params,
                               chunk=chunk_size(rows_per_device(t.shape[0], mesh), t.shape[1] - 1, model.vocab_size))
 
     fn = make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk, layers=layers, shardings=shardings, block=block,
