@@ -31,6 +31,8 @@ from typing import Optional
 
 import numpy as np
 
+from mia.atomic import write_text
+
 from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, draw_testbed_split, fmt,
                                 metric_rows, plot_roc, run_blind_baselines, run_main, say_fn, score_attacks,
                                 select_attacks as _select, sha_file, versions, write_json,
@@ -238,7 +240,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         "notes": notes,
     }
     write_json(out / "summary.json", summary)
-    (out / "report.md").write_text(report_markdown(summary))
+    write_text(out / "report.md", report_markdown(summary))
     outputs = ["report.md", "summary.json", "scores.jsonl", "split.jsonl", "roc.png", "manifest.json", "timings.json"]
     manifest = {
         "command": ["python", "-m", "experiments.checkmia", *(argv or [])],

@@ -71,3 +71,12 @@ def save_figure(fig, path, **savefig_kwargs) -> None:
     path = Path(path)
     with atomic_write(path, "wb") as f:
         fig.savefig(f, format=savefig_kwargs.pop("format", path.suffix.lstrip(".") or None), **savefig_kwargs)
+
+
+def temporary_sibling(path) -> Path:
+    """A unique, not yet existing name next to ``path`` (``.<name>.<random>.tmp``), for what ``atomic_write`` cannot
+    write: a directory built in place, or a hard link, then ``os.replace``d onto ``path``."""
+    import secrets
+
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")

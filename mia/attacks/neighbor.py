@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from ..atomic import write_json
 from ..scoring import compute_token_stats
 from .recall import memo, unconditional_ll
 from .registry import AttackError, register
@@ -70,9 +70,7 @@ def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
         nb = neighbours(mlm, text, jax.random.fold_in(key, int(h[:7], 16)), n=n, k=k, p=p)
         if f is not None:
             root.mkdir(parents=True, exist_ok=True)
-            tmp = f.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"text": text, "neighbors": nb}))
-            os.replace(tmp, f)
+            write_json(f, {"text": text, "neighbors": nb})
         out.append(nb)
     return out
 
