@@ -1,0 +1,175 @@
+"""mia.generate against transformers on a tiny GPT-NeoX, and the SaMIA attack's scoring against pure Python."""
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from mia.generate import GenerationError, generate
+
+
+@pytest.fixture(scope="module")
+def sharp_neox(tmp_path_factory):
+    """(torch model, our model) of a 2-layer random GPT-NeoX with large weights: peaked, context-dependent next-token
+    distributions, so that greedy paths vary and a wrong cache would change them."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    import mia.models as mm
+
+    path = tmp_path_factory.mktemp("sharp_neox")
+    cfg = GPTNeoXConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False,
+                        eos_token_id=0, bos_token_id=0)
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.35)
+    hf.save_pretrained(str(path), safe_serialization=True)
+    return hf, mm.load(path)
+
+
+def hf_greedy(hf, prompt, max_new, eos):
+    import torch
+
+    out = hf.generate(torch.tensor(prompt[None], dtype=torch.long), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                      do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].numpy()
+
+
+def hf_probs(hf, prefix, temperature, top_k):
+    """transformers' next-token distribution after ``prefix`` with its temperature then top-k warpers (float64)."""
+    import torch
+
+    with torch.no_grad():
+        logits = hf(torch.tensor(np.asarray(prefix)[None], dtype=torch.long)).logits[0, -1].double().numpy()
+    z = logits / temperature
+    z = np.where(z < np.sort(z)[-top_k], -np.inf, z)
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+PROMPTS = [np.array(p, np.int32) for p in ([5, 17, 3], [40, 2, 9, 9, 71, 12, 30], [88], [7, 7, 61, 25, 3, 50, 11, 4, 19])]
+
+
+def test_greedy_equals_transformers_token_for_token(sharp_neox):
+    hf, model = sharp_neox
+    free = generate(model, PROMPTS, max_new=20, greedy=True, eos_ids=())
+    assert len({tuple(o[0]) for o in free}) == len(PROMPTS) and all(len(set(o[0].tolist())) > 3 for o in free)
+    for p, o in zip(PROMPTS, free):
+        np.testing.assert_array_equal(o[0], hf_greedy(hf, p, 20, None))
+    # per-row stop: the EOS id is a token row 1 reaches at step 5 (other rows may stop elsewhere or run to the end)
+    eos = int(free[1][0][5])
+    stopped = generate(model, PROMPTS, max_new=20, greedy=True, eos_ids=(eos,))
+    assert len(stopped[1][0]) == list(free[1][0]).index(eos) + 1 <= 6
+    for p, o in zip(PROMPTS, stopped):
+        np.testing.assert_array_equal(o[0], hf_greedy(hf, p, 20, eos))
+
+
+def test_sampled_next_tokens_match_the_softmax(sharp_neox):
+    """Chi-square goodness of fit of 4000 draws of token 0 (from the prefill) and of token 1 (through the KV cache)
+    against transformers' softmax with temperature 0.8 and top-k 12; the same counts reject a wrong temperature."""
+    from scipy.stats import chisquare
+
+    hf, model = sharp_neox
+    prompt, T, k, n = PROMPTS[1], 0.8, 12, 4000
+    draws = np.stack(generate(model, [prompt], max_new=2, n=n, temperature=T, top_k=k, eos_ids=(), seed=1)[0])
+    first = draws[:, 0]
+    p0 = hf_probs(hf, prompt, T, k)
+    assert set(first.tolist()) <= set(np.flatnonzero(p0 > 0).tolist())  # top-k: nothing outside the k best
+
+    def pvalue(tokens, p):
+        support = np.flatnonzero(p > 0)
+        counts = np.array([(tokens == t).sum() for t in support])
+        return chisquare(counts, p[support] * len(tokens)).pvalue
+
+    p_first = pvalue(first, p0)
+    assert p_first > 1e-3, p_first
+    assert pvalue(first, hf_probs(hf, prompt, 1.6, k)) < 1e-6  # the test has power: a wrong temperature fails
+    t0 = np.bincount(first).argmax()
+    rows = first == t0
+    p_second = pvalue(draws[rows, 1], hf_probs(hf, np.append(prompt, t0), T, k))
+    assert rows.sum() > 300 and p_second > 1e-3, (rows.sum(), p_second)
+    print(f"chi-square p-values: token 0 {p_first:.3f}, token 1 | token 0 = {t0}: {p_second:.3f} ({rows.sum()} rows)")
+
+
+def test_sampling_is_seeded_and_independent_of_batching(sharp_neox):
+    _, model = sharp_neox
+    kw = dict(max_new=8, n=3, temperature=1.0, top_k=50, eos_ids=())
+    together = generate(model, PROMPTS, seed=4, prompt_ids=[10, 11, 12, 13], **kw)
+    alone = generate(model, PROMPTS[2:3], seed=4, prompt_ids=[12], **kw)
+    for a, b in zip(together[2], alone[0]):
+        np.testing.assert_array_equal(a, b)
+    again = generate(model, PROMPTS, seed=4, prompt_ids=[10, 11, 12, 13], **kw)
+    assert all((a == b).all() for x, y in zip(together, again) for a, b in zip(x, y))
+    other = generate(model, PROMPTS, seed=5, prompt_ids=[10, 11, 12, 13], **kw)
+    assert any((a != b).any() for x, y in zip(together, other) for a, b in zip(x, y))
+    assert len({tuple(s) for s in together[0]}) > 1  # the n samples of one prompt differ
+
+
+def test_refuses_generation_past_the_context(sharp_neox):
+    _, model = sharp_neox
+    with pytest.raises(GenerationError, match=r"past the model's context: prompt 1 has 60 tokens \+ 8 new = 68 > the 64"):
+        generate(model, [PROMPTS[0], np.ones(60, np.int32)], max_new=8, greedy=True)
+    with pytest.raises(GenerationError, match="empty"):
+        generate(model, [np.zeros(0, np.int32)], max_new=2, greedy=True)
+
+
+# ------------------------------------------------------------------------------------------------ SaMIA
+def rouge1_reference(candidate: list, reference: list) -> float:
+    """ROUGE-1 recall written out: matched reference words (each matched at most as often as it occurs in the
+    candidate) over the reference length."""
+    if not candidate or not reference:
+        return 0.0
+    left = list(candidate)
+    hits = 0
+    for word in reference:
+        if word in left:
+            left.remove(word)
+            hits += 1
+    return hits / len(reference)
+
+
+def test_samia_scores_match_a_pure_python_rouge1():
+    from mia.attacks.samia import samia_scores, split_prompt
+
+    rng = np.random.default_rng(0)
+    vocab = "the a of cat dog sat on mat and ran far away".split()
+    refs = [list(rng.choice(vocab, int(rng.integers(1, 12)))) for _ in range(6)] + [["solo"]]
+    cands = [[list(rng.choice(vocab, int(rng.integers(0, 15)))) for _ in range(4)] for _ in range(6)]
+    cands.append([["solo", "solo"], [], ["x"], ["solo"]])
+    for use_zlib in (False, True):
+        got = samia_scores(refs, cands, use_zlib=use_zlib)
+        want = [np.mean([rouge1_reference(c, r) * (len(zlib.compress(" ".join(c).encode())) if use_zlib else 1)
+                         for c in cs]) for r, cs in zip(refs, cands)]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert samia_scores([["a", "b"]], [[["b", "a", "a"]]])[0] == 1.0
+    assert Counter(split_prompt("w1 w2\nw3  w4 w5", 0.5)[1]) == Counter(["w3", "w4", "w5"])
+
+
+def test_samia_attack_end_to_end(tiny_model):
+    """Registered, seeded, and equal to the scoring of its own samples; a verbatim continuation scores 1."""
+    from mia.attacks import AttackContext, get
+    from mia.attacks.samia import sampled_candidates, samia_scores
+    from mia.data.examples import Example, tokenize_examples
+    from mia.scoring import ScoringSettings
+
+    texts = ["the model reads the data and the data is long", "a line of text with several words in it now",
+             "value token file member loss train"]
+    ex = tokenize_examples([Example(f"s{i}", text=t, label=i % 2) for i, t in enumerate(texts)], tiny_model.tokenizer, 256)
+    ctx = AttackContext(tiny_model, ex, ScoringSettings(progress=False), {}, {"seed": 0})
+    params = dict(get("samia").defaults, n=4, max_length=40)
+    s = get("samia").fn(ctx, **params)
+    z = get("samia_zlib").fn(ctx, **params)
+    refs, cands = sampled_candidates(ctx, **params)
+    assert len(cands) == 3 and all(len(c) == 4 for c in cands)
+    np.testing.assert_array_equal(s, samia_scores(refs, cands))
+    np.testing.assert_array_equal(z, samia_scores(refs, cands, use_zlib=True))
+    ctx2 = AttackContext(tiny_model, ex, ScoringSettings(progress=False), {}, {"seed": 0})
+    np.testing.assert_array_equal(s, get("samia").fn(ctx2, **params))
+    assert samia_scores([refs[0]], [[refs[0]]])[0] == 1.0
+    assert get("samia").defaults == dict(n=10, top_k=50, temperature=1.0, prefix_ratio=0.5, max_length=1024)
