@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .models.common import KVCache
+from .scoring import bucket_length, padded_rows, pow2_ceil, pow2_floor
 
 
 class GenerationError(ValueError):
@@ -75,26 +76,34 @@ def write_slot(buf: KVCache, new: KVCache, slot) -> KVCache:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """Static decoding settings (one compiled program each). ``top_k`` 0: no top-k filter; ``eos_ids``: ids that
-    end a row (empty: none); ``pad_id`` fills a row after it is done."""
+    """Static decoding settings (one compiled program each): buffer length ``max_new``, samples per prompt ``n``,
+    ``top_k`` (0: no top-k filter), ``greedy``."""
 
     max_new: int
     n: int = 1
     top_k: int = 0
     greedy: bool = False
-    eos_ids: tuple = ()
-    pad_id: int = 0
 
 
-def decode(model, params, tokens_bs, valid_bs, keys_r, budget_r, temperature, cfg: Sampling):
-    """Pure: (tokens [B, S] LEFT padded, valid [B, S], keys [R, 2] uint32, budget [R] int32 new tokens per row
-    (<= ``cfg.max_new``), temperature scalar) -> (generated [R, N] int32, lengths [R] int32), R = B * cfg.n.
+def row_keys(seed, prompt_ids_b: jax.Array, n: int) -> jax.Array:
+    """[B * n, 2] uint32 raw keys: row b * n + j draws with fold_in(fold_in(PRNGKey(seed), prompt_ids_b[b]), j)."""
+    base = jax.random.PRNGKey(seed)
+    per_prompt = lambda pid: jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(base, pid), j))(jnp.arange(n))  # noqa: E731
+    return jax.vmap(per_prompt)(prompt_ids_b.astype(jnp.uint32)).reshape(-1, 2)
+
+
+def decode(model, params, tokens_bs, valid_bs, prompt_ids_b, seed, budget_r, temperature, eos_e, pad_id,
+           cfg: Sampling):
+    """Pure: (tokens [B, S] LEFT padded, valid [B, S], prompt ids [B] uint32 and seed (row keys: ``row_keys``),
+    budget [R] int32 new tokens per row (<= ``cfg.max_new``), temperature scalar, eos_e [E] int32 ids that end a row (-1: unused slot), pad_id scalar
+    filling a row after it is done) -> (generated [R, N] int32, lengths [R] int32), R = B * cfg.n.
 
     Row r continues prompt r // n. ``lengths`` counts each row's tokens up to and including its EOS.
     """
     b, s = tokens_bs.shape
     n_new, r = cfg.max_new, b * cfg.n
-    eos = jnp.asarray(cfg.eos_ids if cfg.eos_ids else (-1,), jnp.int32)
+    keys_r = row_keys(seed, prompt_ids_b, cfg.n)
+    eos = jnp.asarray(eos_e, jnp.int32)
     pick = functools.partial(sample_next, temperature=temperature, top_k=cfg.top_k, greedy=cfg.greedy)
 
     h, kv = model.hidden(params, tokens_bs, valid_bs)
@@ -107,14 +116,14 @@ def decode(model, params, tokens_bs, valid_bs, keys_r, budget_r, temperature, cf
 
     def emit(i, tok, out, lengths, done):
         """Record token i (pad where done), advance lengths, update done."""
-        tok = jnp.where(done, cfg.pad_id, tok)
+        tok = jnp.where(done, pad_id, tok)
         out = out.at[:, i].set(tok)
         lengths = lengths + (~done).astype(jnp.int32)
         done = done | jnp.isin(tok, eos) | (lengths >= budget_r)
         return tok, out, lengths, done
 
     done0 = budget_r <= 0
-    out0 = jnp.full((r, n_new), cfg.pad_id, jnp.int32)
+    out0 = jnp.full((r, n_new), pad_id, jnp.int32)
     tok, out, lengths, done = emit(0, pick(logits, keys_r, 0), out0, jnp.zeros((r,), jnp.int32), done0)
 
     def cond(state):
@@ -135,20 +144,13 @@ def decode(model, params, tokens_bs, valid_bs, keys_r, budget_r, temperature, cf
 
 @functools.lru_cache(maxsize=32)
 def jitted_decode(model, cfg: Sampling):
-    """``decode`` compiled for one model and one ``Sampling`` (params, tokens, valid, keys, budget, temperature)."""
-    return jax.jit(lambda params, tokens, valid, keys, budget, temperature: decode(
-        model, params, tokens, valid, keys, budget, temperature, cfg))
+    """``decode`` compiled for one model and one ``Sampling``: (params, tokens, valid, prompt ids, seed, budget,
+    temperature, eos, pad_id) -> (generated, lengths)."""
+    return jax.jit(lambda params, tokens, valid, ids, seed, budget, temperature, eos, pad_id: decode(
+        model, params, tokens, valid, ids, seed, budget, temperature, eos, pad_id, cfg))
 
 
 # ------------------------------------------------------------------------------------------------ host loop
-def row_keys(seed: int, prompt_ids: Sequence[int], n: int) -> np.ndarray:
-    """[len(prompt_ids) * n, 2] uint32 raw keys: fold_in(fold_in(PRNGKey(seed), prompt id), sample index)."""
-    base = jax.random.PRNGKey(seed)
-    ids = jnp.asarray(np.asarray(prompt_ids, np.uint32))
-    one = lambda pid: jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(base, pid), j))(jnp.arange(n))  # noqa: E731
-    return np.asarray(jax.vmap(one)(ids)).reshape(len(prompt_ids) * n, 2)
-
-
 def default_eos_ids(model) -> tuple:
     """The model config's ``eos_token_id`` (an int or a list) as a tuple; () when it has none."""
     eos = getattr(model.config, "eos_token_id", None)
@@ -202,10 +204,10 @@ def generate(model, prompts: Sequence[np.ndarray], *, max_new: Union[int, Sequen
         return []
     params = model.params if params is None else params
     eos = default_eos_ids(model) if eos_ids is None else tuple(int(e) for e in eos_ids)
-    cfg = Sampling(max_new=max(1, max(budgets)), n=n, top_k=int(top_k), greedy=bool(greedy), eos_ids=eos,
-                   pad_id=eos[0] if eos else 0)
-    from .scoring import bucket_length, padded_rows, pow2_ceil, pow2_floor
-
+    cfg = Sampling(max_new=max(1, max(budgets)), n=n, top_k=int(top_k), greedy=bool(greedy))
+    eos_e = np.full(pow2_ceil(max(1, len(eos))), -1, np.int32)  # a power-of-two slot count: few programs
+    eos_e[:len(eos)] = eos
+    pad_id = np.int32(eos[0] if eos else 0)
     out: list[list[np.ndarray]] = [[] for _ in prompts]
     buckets: dict[int, list[int]] = {}
     for i in sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i)):
@@ -218,8 +220,8 @@ def generate(model, prompts: Sequence[np.ndarray], *, max_new: Union[int, Sequen
             tokens, valid = padded_rows([prompts[i] for i in chunk], length, np.arange(per_call), left=True)
             ids = [prompt_ids[i] for i in chunk] + [0] * (per_call - len(chunk))
             budget = np.repeat([budgets[i] for i in chunk] + [0] * (per_call - len(chunk)), n).astype(np.int32)
-            gen, lengths = jax.device_get(fn(params, tokens, valid, row_keys(seed, ids, n), budget,
-                                             np.float32(temperature if not greedy else 1.0)))
+            gen, lengths = jax.device_get(fn(params, tokens, valid, np.asarray(ids, np.uint32), np.uint32(seed), budget,
+                                             np.float32(temperature if not greedy else 1.0), eos_e, pad_id))
             for k, i in enumerate(chunk):
                 out[i] = [np.asarray(gen[k * n + j, :lengths[k * n + j]]) for j in range(n)]
     return out

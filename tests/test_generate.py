@@ -66,8 +66,9 @@ def test_greedy_equals_transformers_token_for_token(sharp_neox):
     eos = int(free[1][0][5])
     stopped = generate(model, PROMPTS, max_new=20, greedy=True, eos_ids=(eos,))
     assert len(stopped[1][0]) == list(free[1][0]).index(eos) + 1 <= 6
-    for p, o in zip(PROMPTS, stopped):
-        np.testing.assert_array_equal(o[0], hf_greedy(hf, p, 20, eos))
+    np.testing.assert_array_equal(stopped[1][0], hf_greedy(hf, PROMPTS[1], 20, eos))
+    for o, f in zip(stopped, free):  # transformers' rule: the free path up to and including the first EOS
+        np.testing.assert_array_equal(o[0], f[0][:list(f[0]).index(eos) + 1] if eos in f[0] else f[0])
 
 
 def test_sampled_next_tokens_match_the_softmax(sharp_neox):
@@ -95,20 +96,6 @@ def test_sampled_next_tokens_match_the_softmax(sharp_neox):
     p_second = pvalue(draws[rows, 1], hf_probs(hf, np.append(prompt, t0), T, k))
     assert rows.sum() > 300 and p_second > 1e-3, (rows.sum(), p_second)
     print(f"chi-square p-values: token 0 {p_first:.3f}, token 1 | token 0 = {t0}: {p_second:.3f} ({rows.sum()} rows)")
-
-
-def test_sampling_is_seeded_and_independent_of_batching(sharp_neox):
-    _, model = sharp_neox
-    kw = dict(max_new=8, n=3, temperature=1.0, top_k=50, eos_ids=())
-    together = generate(model, PROMPTS, seed=4, prompt_ids=[10, 11, 12, 13], **kw)
-    alone = generate(model, PROMPTS[2:3], seed=4, prompt_ids=[12], **kw)
-    for a, b in zip(together[2], alone[0]):
-        np.testing.assert_array_equal(a, b)
-    again = generate(model, PROMPTS, seed=4, prompt_ids=[10, 11, 12, 13], **kw)
-    assert all((a == b).all() for x, y in zip(together, again) for a, b in zip(x, y))
-    other = generate(model, PROMPTS, seed=5, prompt_ids=[10, 11, 12, 13], **kw)
-    assert any((a != b).any() for x, y in zip(together, other) for a, b in zip(x, y))
-    assert len({tuple(s) for s in together[0]}) > 1  # the n samples of one prompt differ
 
 
 def test_refuses_generation_past_the_context(sharp_neox):
@@ -151,8 +138,9 @@ def test_samia_scores_match_a_pure_python_rouge1():
     assert Counter(split_prompt("w1 w2\nw3  w4 w5", 0.5)[1]) == Counter(["w3", "w4", "w5"])
 
 
-def test_samia_attack_end_to_end(tiny_model):
-    """Registered, seeded, and equal to the scoring of its own samples; a verbatim continuation scores 1."""
+def test_samia_attack_end_to_end_seeded_and_order_free(tiny_model):
+    """Registered; equal to the scoring of its own samples; seeded: the same seed gives the same samples in another
+    run and with the examples in another order (rows draw from their own keys), another seed other samples."""
     from mia.attacks import AttackContext, get
     from mia.attacks.samia import sampled_candidates, samia_scores
     from mia.data.examples import Example, tokenize_examples
@@ -161,15 +149,19 @@ def test_samia_attack_end_to_end(tiny_model):
     texts = ["the model reads the data and the data is long", "a line of text with several words in it now",
              "value token file member loss train"]
     ex = tokenize_examples([Example(f"s{i}", text=t, label=i % 2) for i, t in enumerate(texts)], tiny_model.tokenizer, 256)
-    ctx = AttackContext(tiny_model, ex, ScoringSettings(progress=False), {}, {"seed": 0})
+    ctx_for = lambda examples, seed: AttackContext(tiny_model, examples, ScoringSettings(progress=False, min_bucket=64), {},  # noqa: E731
+                                                   {"seed": seed})
+    ctx = ctx_for(ex, 0)
     params = dict(get("samia").defaults, n=4, max_length=40)
     s = get("samia").fn(ctx, **params)
     z = get("samia_zlib").fn(ctx, **params)
     refs, cands = sampled_candidates(ctx, **params)
-    assert len(cands) == 3 and all(len(c) == 4 for c in cands)
+    assert len(cands) == 3 and all(len(c) == 4 for c in cands) and len({" ".join(c) for c in cands[0]}) > 1
     np.testing.assert_array_equal(s, samia_scores(refs, cands))
     np.testing.assert_array_equal(z, samia_scores(refs, cands, use_zlib=True))
-    ctx2 = AttackContext(tiny_model, ex, ScoringSettings(progress=False), {}, {"seed": 0})
-    np.testing.assert_array_equal(s, get("samia").fn(ctx2, **params))
+    again = sampled_candidates(ctx_for(ex[::-1], 0), **params)[1][::-1]
+    assert again == cands
+    other = sampled_candidates(ctx_for(ex, 1), **params)[1]
+    assert other != cands
     assert samia_scores([refs[0]], [[refs[0]]])[0] == 1.0
     assert get("samia").defaults == dict(n=10, top_k=50, temperature=1.0, prefix_ratio=0.5, max_length=1024)

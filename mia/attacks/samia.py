@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..scoring import pow2_ceil
 from ..generate import GenerationError, default_eos_ids, generate
 from .fit import add_note, context_length
 from .recall import memo
@@ -71,8 +72,8 @@ def word_ids(references: list, candidates: list) -> tuple[np.ndarray, ...]:
     ``rouge1_recall``: each reference's distinct words get ids 0.., a candidate word not in its reference gets
     the id W, the padded reference width (never matched)."""
     b, n = len(references), max((len(c) for c in candidates), default=1)
-    w = max(1, max((len(r) for r in references), default=1))
-    c = max(1, max((len(s) for cs in candidates for s in cs), default=1))
+    w = pow2_ceil(max(8, max((len(r) for r in references), default=1)))  # power-of-two widths: few programs
+    c = pow2_ceil(max(8, max((len(s) for cs in candidates for s in cs), default=1)))
     ref_ids, ref_mask = np.zeros((b, w), np.int32), np.zeros((b, w), bool)
     cand_ids, cand_mask = np.zeros((b, n, c), np.int32), np.zeros((b, n, c), bool)
     for i, (ref, cands) in enumerate(zip(references, candidates)):
@@ -135,7 +136,8 @@ def sampled_candidates(ctx, *, n: int, top_k: int, temperature: float, prefix_ra
                           f"room to generate within {total} tokens")
     try:
         samples = generate(ctx.model, prompts, max_new=budgets, n=n, temperature=temperature, top_k=top_k,
-                           seed=ctx.seed, prompt_ids=[_zlib.crc32(e.id.encode("utf-8")) for e in ctx.examples])
+                           seed=ctx.seed, prompt_ids=[_zlib.crc32(e.id.encode("utf-8")) for e in ctx.examples],
+                           min_bucket=ctx.settings.min_bucket)
     except GenerationError as err:
         raise AttackError(f"attack samia: {err}") from None
     eos = set(default_eos_ids(ctx.model))
