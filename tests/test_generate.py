@@ -98,6 +98,23 @@ def test_sampled_next_tokens_match_the_softmax(sharp_neox):
     print(f"chi-square p-values: token 0 {p_first:.3f}, token 1 | token 0 = {t0}: {p_second:.3f} ({rows.sum()} rows)")
 
 
+def test_kth_largest_is_exact_with_ties_and_infinities():
+    import jax
+    import jax.numpy as jnp
+
+    from mia.generate import kth_largest
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 300)).astype(np.float32) * np.float32(10.0) ** rng.uniform(-3, 3, (6, 1)).astype(np.float32)
+    x[:, :120] = np.round(x[:, :120])  # ties
+    x[0, :7] = -np.inf
+    x[1, 3] = np.inf
+    x[2, :] = -0.0
+    fn = jax.jit(kth_largest, static_argnums=1)
+    for k in (1, 2, 50, 299, 300):
+        np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), k)), np.sort(x, axis=-1)[:, -k])
+
+
 def test_refuses_generation_past_the_context(sharp_neox):
     _, model = sharp_neox
     with pytest.raises(GenerationError, match=r"past the model's context: prompt 1 has 60 tokens \+ 8 new = 68 > the 64"):

@@ -152,13 +152,13 @@ _DEFAULTS = dict(n=10, top_k=50, temperature=1.0, prefix_ratio=0.5, max_length=P
 
 @register("samia", needs=("model", "text"), **_DEFAULTS)
 def _samia(ctx, **params) -> np.ndarray:
-    """SaMIA: mean ROUGE-1 recall of the true second half by n sampled continuations of the first half (higher =
-    member, as the source), Kaneko et al. 2024."""
+    """SaMIA (Kaneko et al. 2024): mean ROUGE-1 recall of x's second half by n samples continuing its first half.
+    Higher = member, as the source."""
     return samia_scores(*sampled_candidates(ctx, **params))
 
 
 @register("samia_zlib", needs=("model", "text"), **_DEFAULTS)
 def _samia_zlib(ctx, **params) -> np.ndarray:
-    """SaMIA*zlib: mean over the samples of ROUGE-1 x zlib bytes of the sample (higher = member, as the source),
-    Kaneko et al. 2024."""
+    """SaMIA*zlib (Kaneko et al. 2024): mean over the n samples of ROUGE-1 x the sample's zlib-compressed bytes.
+    Higher = member, as the source."""
     return samia_scores(*sampled_candidates(ctx, **params), use_zlib=True)
