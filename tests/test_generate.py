@@ -182,3 +182,14 @@ def test_samia_attack_end_to_end_seeded_and_order_free(tiny_model):
     assert other != cands
     assert samia_scores([refs[0]], [[refs[0]]])[0] == 1.0
     assert get("samia").defaults == dict(n=10, top_k=50, temperature=1.0, prefix_ratio=0.5, max_length=1024)
+
+
+@pytest.mark.slow
+def test_samia_sees_the_memorization_dial(smoke_testbed, tmp_path):
+    """The issue's dial check: on the smoke dial split (the README's command) both variants find the members."""
+    from experiments.checkmia import run
+
+    s = run("smoke", tmp_path / "dial", testbed_dir=smoke_testbed.root, attacks="samia,samia_zlib", blind=False,
+            bootstrap=100, memorize_epochs=8, n_members=100, n_train=0, n_calib=30, n_prefix=4, seed=1, progress=False)
+    auc = {r["method"]: r["auc"] for r in s["rows"] if r["kind"] == "attack"}
+    assert set(auc) == {"samia", "samia_zlib"} and all(a >= 0.58 for a in auc.values()), auc
