@@ -193,3 +193,27 @@ def test_samia_sees_the_memorization_dial(smoke_testbed, tmp_path):
             bootstrap=100, memorize_epochs=8, n_members=100, n_train=0, n_calib=30, n_prefix=4, seed=1, progress=False)
     auc = {r["method"]: r["auc"] for r in s["rows"] if r["kind"] == "attack"}
     assert set(auc) == {"samia", "samia_zlib"} and all(a >= 0.58 for a in auc.values()), auc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama_gqa", "llama_tied", "gpt2", "gpt_neo", "olmo", "olmo2"])
+def test_greedy_equals_transformers_for_every_family(family, tmp_path):
+    """GQA, tied heads, learned positions (gpt2), local attention windows (gpt_neo: window 4 < 20 tokens), clip_qkv."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import mia.models as mm
+    from test_families_parity import CASES
+
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(CASES[family]()).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.35)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = mm.load(tmp_path)
+    prompts = [p % 97 for p in PROMPTS]
+    ours = generate(model, prompts, max_new=12, greedy=True, eos_ids=())
+    for p, o in zip(prompts, ours):
+        np.testing.assert_array_equal(o[0], hf_greedy(hf, p, 12, None))
