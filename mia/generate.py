@@ -209,7 +209,7 @@ def check_context(model, prompt_lengths: Sequence[int], budgets: Sequence[int]) 
 
 def generate(model, prompts: Sequence[np.ndarray], *, max_new: Union[int, Sequence[int]], n: int = 1,
              temperature: float = 1.0, top_k: int = 0, greedy: bool = False, eos_ids: Optional[Sequence[int]] = None,
-             seed: int = 0, prompt_ids: Optional[Sequence[int]] = None, params=None, row_budget: int = 1 << 16,
+             seed: int = 0, prompt_ids: Optional[Sequence[int]] = None, params=None, token_budget: int = 1 << 16,
              min_bucket: int = 16) -> list[list[np.ndarray]]:
     """Continue each prompt ``n`` times; returns out[i][j] = sample j of prompt i, int32 [<= max_new] (its EOS
     included when one was drawn, nothing after it).
@@ -220,7 +220,8 @@ def generate(model, prompts: Sequence[np.ndarray], *, max_new: Union[int, Sequen
     (``prompt_ids`` default 0 .. len - 1), so it does not depend on the order or batching of the prompts.
 
     Batching: prompts sorted by length into power-of-two length buckets (>= ``min_bucket``), a power-of-two number
-    of prompts per call with about ``row_budget`` key slots (rows x (S + N)) per call; one program per bucket.
+    of prompts per call with at most ``token_budget`` key slots (rows x (S + N)) per call (at least one prompt);
+    one program per bucket.
     Raises GenerationError past the model's context.
     """
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
@@ -249,7 +250,7 @@ def generate(model, prompts: Sequence[np.ndarray], *, max_new: Union[int, Sequen
         buckets.setdefault(bucket_length(len(prompts[i]), min_bucket), []).append(i)
     fn = jitted_decode(model, cfg)
     for length, members in sorted(buckets.items()):
-        per_call = min(pow2_floor(max(1, row_budget // (n * (length + cfg.max_new)))), pow2_ceil(len(members)))
+        per_call = min(pow2_floor(max(1, token_budget // (n * (length + cfg.max_new)))), pow2_ceil(len(members)))
         for lo in range(0, len(members), per_call):
             chunk = members[lo:lo + per_call]
             tokens, valid = padded_rows([prompts[i] for i in chunk], length, np.arange(per_call), left=True)

@@ -158,7 +158,7 @@ def test_samia_scores_match_a_pure_python_rouge1():
 def test_samia_attack_end_to_end_seeded_and_order_free(tiny_model):
     """Registered; equal to the scoring of its own samples; seeded: the same seed gives the same samples in another
     run and with the examples in another order (rows draw from their own keys), another seed other samples."""
-    from mia.attacks import AttackContext, get
+    from mia.attacks import AttackContext, AttackError, get
     from mia.attacks.samia import sampled_candidates, samia_scores
     from mia.data.examples import Example, tokenize_examples
     from mia.scoring import ScoringSettings
@@ -181,6 +181,9 @@ def test_samia_attack_end_to_end_seeded_and_order_free(tiny_model):
     other = sampled_candidates(ctx_for(ex, 1), **params)[1]
     assert other != cands
     assert samia_scores([refs[0]], [[refs[0]]])[0] == 1.0
+    one_word = tokenize_examples([Example("w", text="supercalifragilistic", label=0)], tiny_model.tokenizer, 256)
+    with pytest.raises(AttackError, match="example w has 1 word"):
+        get("samia").fn(ctx_for(one_word, 0), **params)
     assert get("samia").defaults == dict(n=10, top_k=50, temperature=1.0, prefix_ratio=0.5, max_length=1024)
 
 

@@ -7,7 +7,8 @@ A black-box attack: it only samples text from the model. For an example x with w
   reference   the remaining words w_{k+1}..w_W
   candidates  n continuations of the prompt sampled from the model (``mia.generate``: top-k 50, temperature 1.0,
               until EOS or ``max_length`` tokens in all, prompt included: 1024 as the official sampling script, cut
-              to the context the model was trained at, with a note), decoded without special tokens, split into words
+              to the context the model was trained at, with a note), decoded without special tokens, split into words;
+              each call holds at most ``--token-budget`` key slots (rows x (prompt + continuation) tokens)
   ROUGE-1     per candidate: recall of the reference unigrams, sum_w min(count_ref(w), count_cand(w)) / |reference|
               (0 when the candidate or the reference is empty), the official ``rouge_n(..., n=1)``
   samia       the mean ROUGE-1 over the n candidates (n = 10, the official default)
@@ -137,7 +138,7 @@ def sampled_candidates(ctx, *, n: int, top_k: int, temperature: float, prefix_ra
     try:
         samples = generate(ctx.model, prompts, max_new=budgets, n=n, temperature=temperature, top_k=top_k,
                            seed=ctx.seed, prompt_ids=[_zlib.crc32(e.id.encode("utf-8")) for e in ctx.examples],
-                           min_bucket=ctx.settings.min_bucket)
+                           min_bucket=ctx.settings.min_bucket, token_budget=ctx.settings.token_budget)
     except GenerationError as err:
         raise AttackError(f"attack samia: {err}") from None
     eos = set(default_eos_ids(ctx.model))
