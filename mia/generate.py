@@ -130,8 +130,9 @@ def row_keys(seed, prompt_ids_b: jax.Array, n: int) -> jax.Array:
 def decode(model, params, tokens_bs, valid_bs, prompt_ids_b, seed, budget_r, temperature, eos_e, pad_id,
            cfg: Sampling):
     """Pure: (tokens [B, S] LEFT padded, valid [B, S], prompt ids [B] uint32 and seed (row keys: ``row_keys``),
-    budget [R] int32 new tokens per row (<= ``cfg.max_new``), temperature scalar, eos_e [E] int32 ids that end a row (-1: unused slot), pad_id scalar
-    filling a row after it is done) -> (generated [R, N] int32, lengths [R] int32), R = B * cfg.n.
+    budget [R] int32 new tokens per row (<= ``cfg.max_new``), temperature scalar, eos_e [E] int32 ids that end a
+    row (-1: unused slot), pad_id scalar filling a row after it is done) -> (generated [R, N] int32, lengths [R]
+    int32), R = B * cfg.n.
 
     Row r continues prompt r // n. ``lengths`` counts each row's tokens up to and including its EOS.
     """
