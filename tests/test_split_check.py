@@ -75,6 +75,7 @@ def test_changed_checkpoint_step_is_caught(tmp_path):
     p, _, _ = draw(tmp_path)
     edit_line(p, 1, lambda h: h["params"].update(step=6))
     probs = check_split(p)
+    assert "line 1: header differs from its header_sha256 (edited after the split was written)" in probs
     assert any(x.startswith("line 1: header params.member_steps is [0, 4] but step 6, gap 1") for x in probs), probs
     assert "line 1: header params.revision is 'step5' but step 6, gap 1, end_step 10 and batch_size 4 give 'step6'" in probs
 
@@ -103,6 +104,12 @@ def test_row_replaced_by_another_in_range_row_is_caught_by_the_redraw(tmp_path):
         f"end_step 10, batch 4)",
         f"line 1: 1 of the 6 member positions the header's draw gives (seed 0, step 5, gap 1, end_step 10, batch 4) "
         f"are not in the file, e.g. {s.examples[first]['index']}"]
+
+
+def test_edited_text_split_header_is_caught(tmp_path):
+    p = text_split(tmp_path)
+    edit_line(p, 1, lambda h: h["params"].update(seed=1))
+    assert check_split(p) == ["line 1: header differs from its header_sha256 (edited after the split was written)"]
 
 
 def test_header_fields_of_the_wrong_type_are_problems_not_crashes(tmp_path):
@@ -137,20 +144,23 @@ def test_row_added_by_hand_is_caught(tmp_path):
 def test_old_split_without_new_fields_lists_what_it_could_not_verify(tmp_path, capsys):
     p, _, _ = draw(tmp_path, vocab_size=None)
     lines = p.read_text().splitlines()
-    rows = [json.loads(x) for x in lines[1:]]
-    for r in rows:
+    objs = [json.loads(x) for x in lines]
+    objs[0].pop("header_sha256")
+    for r in objs[1:]:
         r.pop("row_sha256")
-    p.write_text("\n".join([lines[0]] + [json.dumps(r) for r in rows]) + "\n")
+    p.write_text("\n".join(json.dumps(o) for o in objs) + "\n")
     code, out, _ = cli(["split", "check", str(p)], capsys)
     assert code == 0 and "ok" not in out.split()
     assert out.splitlines() == [
+        f"{p}: not verified: header: no header_sha256 (written before header hashes): fields that follow from no "
+        "other field (seed, source notes, text-split parameters) are not checked against an edit",
         f"{p}: not verified: rows: no row_sha256 (written before row hashes): edits of ids, labels, partitions and "
         "texts are not detectable from the file itself",
         f"{p}: not verified: tokens: ids not checked against a vocabulary (the header records no vocab_size; give "
         "--model DIR or --vocab-size N)",
-        f"{p}: no problem found, but 2 verification(s) could not be done (listed above)"]
+        f"{p}: no problem found, but 3 verification(s) could not be done (listed above)"]
     # the vocabulary given to check verifies the ids (and finds those past a smaller one)
-    assert cli(["split", "check", str(p), "--vocab-size", "65536"], capsys)[1].count("not verified") == 1
+    assert cli(["split", "check", str(p), "--vocab-size", "65536"], capsys)[1].count("not verified") == 2
     code, out, _ = cli(["split", "check", str(p), "--vocab-size", "100"], capsys)
     assert code == 1 and "outside the vocabulary (100 ids)" in out
 
@@ -277,4 +287,5 @@ def test_olmo_split_is_fully_verified_and_redrawn(tmp_path, capsys):
     assert cli(["split", "check", str(out)], capsys)[:2] == (0, f"{out}: ok\n")
     edit_line(out, 1, lambda h: h["params"].update(seed=4))
     probs = check_split(out)
+    assert probs.pop(0) == "line 1: header differs from its header_sha256 (edited after the split was written)"
     assert probs and all("is not one the header's draw gives" in x or "are not in the file" in x for x in probs), probs

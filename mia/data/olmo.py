@@ -27,7 +27,7 @@ import numpy as np
 
 from .examples import out_of_vocab
 from .splits import (SplitError, assign_partitions, derived_problems, file_record, int_fields, partition_counts,
-                     position_problems, redraw_problems, rows_to_lists, token_id_problems, vocab_bound)
+                     position_problems, redraw_problems, rows_to_lists, seed_ok, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 2160
 SEQ_LEN = 2048
@@ -470,7 +470,7 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
         return
     _redraw(order, params, header.get("counts") or {}, (step, S2, E, B), docs, eos, doc_len, examples, problems,
             not_verified)
-    vocab = vocab_bound(params, vocab_size, not_verified)
+    vocab = vocab_bound(params, vocab_size, problems, not_verified)
     note = f" (token files read as {order.tokens.dtype}: a wrong token dtype?)"
     for e in examples:
         ln = e.get("_line", "?")
@@ -517,10 +517,13 @@ def _redraw(order, params, counts, steps, docs, eos, doc_len, examples, problems
     n = int_fields(counts, ("members", "nonmembers"), "counts", problems)
     seed, pool = params.get("seed"), params.get("pool")
     have = {k: sum(1 for e in examples if e.get("label") == v) for k, v in (("members", 1), ("nonmembers", 0))}
-    if (n is None or n != have or not isinstance(seed, (int, list)) or isinstance(seed, bool)
-            or not (pool is None or (isinstance(pool, int) and pool >= 0))):
-        not_verified.append("rows: not re-drawn from the seed (header counts differ from the rows, or params.seed "
-                            "/ params.pool is unusable)")
+    if not seed_ok(seed, problems):
+        return
+    if not (pool is None or (isinstance(pool, int) and not isinstance(pool, bool) and pool >= 0)):
+        problems.append(f"line 1: header params.pool is {pool!r}, expected a non-negative integer or null")
+        return
+    if n is None or n != have:
+        not_verified.append("rows: not re-drawn from the seed (the header's counts differ from the rows)")
         return
     m_rng, n_rng = (0, step * B), (S2 * B, max(E, S2) * B)
     try:

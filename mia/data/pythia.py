@@ -18,7 +18,7 @@ import numpy as np
 from .examples import out_of_vocab
 from .indexed import CODE_OF_DTYPE, IndexedDataset
 from .splits import (SplitError, assign_partitions, derived_problems, file_record, int_fields, partition_counts,
-                     position_problems, redraw_problems, rows_to_lists, token_id_problems, vocab_bound)
+                     position_problems, redraw_problems, rows_to_lists, seed_ok, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 1024
 ROW_LEN = 2049
@@ -244,7 +244,7 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
         not_verified.append("rows: not re-drawn from the seed (the header's steps are past the data)")
     else:
         _redraw(params, header.get("counts") or {}, step, gap, end_step, B, examples, problems, not_verified)
-    vocab = vocab_bound(params, vocab_size, not_verified)
+    vocab = vocab_bound(params, vocab_size, problems, not_verified)
     _verify_rows(ds, params if ranges_ok else {**params, **expected_params(step, gap, end_step, B)}, examples,
                  problems, vocab)
 
@@ -257,9 +257,10 @@ def _redraw(params, counts, step, gap, end_step, B, examples, problems, not_veri
     n = int_fields(counts, ("members", "nonmembers"), "counts", problems)
     seed = params.get("seed")
     have = {k: sum(1 for e in examples if e.get("label") == v) for k, v in (("members", 1), ("nonmembers", 0))}
-    if n is None or n != have or not isinstance(seed, (int, list)) or isinstance(seed, bool):
-        not_verified.append("rows: not re-drawn from the seed (header counts differ from the rows, or params.seed "
-                            "is unusable)")
+    if not seed_ok(seed, problems):
+        return
+    if n is None or n != have:
+        not_verified.append("rows: not re-drawn from the seed (the header's counts differ from the rows)")
         return
     try:
         members, nonmembers = draw_row_indices(step, gap, end_step, B, n["members"], n["nonmembers"], seed)

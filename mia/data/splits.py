@@ -34,6 +34,7 @@ class Split:
 
 
 ROW_HASH = "row_sha256"
+HEADER_HASH = "header_sha256"
 
 
 def _row_body(e: dict) -> str:
@@ -51,13 +52,16 @@ def write_split(path, header: dict, examples: Iterable[dict]) -> Path:
     """Write atomically (tmp file + rename) so an interrupted run never leaves a half split.
 
     Every example line ends with ``"row_sha256"``: the sha256 of the line's JSON without that field (every field:
-    id, label, partition, text or tokens, positions), so ``check_split`` can tell a row edited after the draw."""
+    id, label, partition, text or tokens, positions), so ``check_split`` can tell a row edited after the draw; the
+    header line likewise ends with ``"header_sha256"``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = {"type": "header", "format": FORMAT, **{k: v for k, v in header.items() if k not in ("type", "format")}}
+    header = {"type": "header", "format": FORMAT,
+              **{k: v for k, v in header.items() if k not in ("type", "format", HEADER_HASH)}}
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
-        f.write(json.dumps(header) + "\n")
+        body = json.dumps(header)
+        f.write(f'{body[:-1]}, "{HEADER_HASH}": "{row_digest(body)}"}}\n')
         for e in examples:
             e = dict(e)
             e.pop("_line", None)  # added by read_split
@@ -130,9 +134,11 @@ def read_split(path, compact_tokens: bool = False) -> Split:
     """Read a split file; a file without a header line is read as plain examples (header = {}).
 
     ``compact_tokens=True`` stores each ``tokens`` list as an int64 numpy array while reading (about 5x less
-    memory than Python lists for 2049-token rows). The rows' ``row_sha256`` is dropped (``check_split`` checks it;
-    ``write_split`` writes a new one)."""
-    return _read(path, compact_tokens)
+    memory than Python lists for 2049-token rows). The ``row_sha256`` / ``header_sha256`` fields are dropped
+    (``check_split`` checks them; ``write_split`` writes new ones)."""
+    split = _read(path, compact_tokens)
+    split.header.pop(HEADER_HASH, None)
+    return split
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -483,6 +489,12 @@ def verify_split(path, verify_sources: bool = True, verify_hashes: bool = True,
     except SplitError as e:
         return SplitCheck([str(e)], [])
     h, ex = split.header, split.examples
+    if h and h.get(HEADER_HASH) is None:
+        not_verified.append(f"header: no {HEADER_HASH} (written before header hashes): fields that follow from no "
+                            "other field (seed, source notes, text-split parameters) are not checked against an edit")
+    elif h and (not isinstance(h[HEADER_HASH], str)
+                or row_digest(json.dumps({k: v for k, v in h.items() if k != HEADER_HASH})) != h[HEADER_HASH]):
+        problems.append(f"line 1: header differs from its {HEADER_HASH} (edited after the split was written)")
     if hash_missing and len(hash_missing) == len(ex):
         not_verified.append(f"rows: no {ROW_HASH} (written before row hashes): edits of ids, labels, partitions and "
                             "texts are not detectable from the file itself")
@@ -581,6 +593,15 @@ def derived_problems(params: dict, expected: dict, problems: list, why: str) -> 
     return ok
 
 
+def seed_ok(seed, problems: list) -> bool:
+    """True for a seed ``numpy.random.default_rng`` takes as the draw wrote it (an int or a list of ints)."""
+    if isinstance(seed, bool) or not (isinstance(seed, int) or (isinstance(seed, list) and seed and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in seed))):
+        problems.append(f"line 1: header params.seed is {seed!r}, expected an integer")
+        return False
+    return True
+
+
 def redraw_problems(examples: list, drawn: dict, problems: list, what: str) -> None:
     """Rows against a re-draw from the header's parameters. ``drawn``: ``{label: collection of positions}``
     (``index`` for rows, ``(index, segment)`` keys with a segment); ``what`` describes the draw."""
@@ -622,13 +643,16 @@ def token_id_problems(e: dict, vocab_size: Optional[int], dtype_note: str = "") 
     return []
 
 
-def vocab_bound(params: dict, vocab_size: Optional[int], not_verified: list) -> Optional[int]:
+def vocab_bound(params: dict, vocab_size: Optional[int], problems: list, not_verified: list) -> Optional[int]:
     """The vocabulary size to check ids against: the one given, else the header's ``params.vocab_size``."""
     if vocab_size is not None:
         return int(vocab_size)
     v = params.get("vocab_size")
     if isinstance(v, int) and not isinstance(v, bool) and v > 0:
         return v
+    if v is not None:
+        problems.append(f"line 1: header params.vocab_size is {v!r}, expected a positive integer")
+        return None
     not_verified.append("tokens: ids not checked against a vocabulary (the header records no vocab_size; "
                         "give --model DIR or --vocab-size N)")
     return None
