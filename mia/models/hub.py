@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ..validate import check_config, check_hf_config, safetensors_header
 from .common import ConfigError, ParamMapping
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -135,23 +136,15 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Memory-mapped numpy views of every tensor in a .safetensors file (bfloat16 via ml_dtypes)."""
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(header_len))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        lo, hi = info["data_offsets"]
-        out[name] = data[lo:hi].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
+    """Memory-mapped numpy views of every tensor in a .safetensors file (bfloat16 via ml_dtypes). The header is
+    checked whole first (``mia.validate.safetensors_header``): a corrupt file is one ``CheckpointError``."""
+    header, data_start = safetensors_header(path, error=CheckpointError)
+    if not header:
+        return {}
+    empty = os.path.getsize(path) == data_start  # only zero-size tensors: nothing to map
+    data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
+    return {name: data[lo:hi].view(_ST_DTYPES[dtype]).reshape(shape)
+            for name, (dtype, shape, (lo, hi)) in header.items()}
 
 
 def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Optional[dict] = None) -> None:
@@ -363,10 +356,13 @@ def load_config(path) -> tuple[Family, Any, dict]:
     cfg_file = root / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{root}: config.json is missing")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: is not a file")
     try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(cfg_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
+    check_hf_config(hf, str(cfg_file), error=ConfigError)  # types and ranges of every known field, by name
     if "model_type" not in hf:
         raise CheckpointError(f"{cfg_file}: field 'model_type' is missing")
     fam = family(hf["model_type"])
@@ -376,7 +372,9 @@ def load_config(path) -> tuple[Family, Any, dict]:
         raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
     except ConfigError as e:
         raise ConfigError(f"{cfg_file}: {e}") from None
-    return fam, cfg, hf
+    except (TypeError, ValueError, ArithmeticError) as e:  # a field of a type the by-name check does not know
+        raise ConfigError(f"{cfg_file}: unusable field value ({type(e).__name__}: {e})") from None
+    return fam, check_config(cfg, str(cfg_file), error=ConfigError), hf
 
 
 def load_tokenizer(path):
