@@ -302,6 +302,10 @@ def check_config(cfg, source: str, *, error=InputError):
         args = typing.get_args(hint)
         if v is None and type(None) in args:
             continue
+        if f.name.endswith("_token_id") and isinstance(v, (list, tuple)):  # HF allows a list (several eos ids)
+            for i, t in enumerate(v):
+                integer(t, f"{where}[{i}]", lo=0, hi=INT32_MAX, error=error)
+            continue
         base = next((a for a in args if a is not type(None)), hint) if args else hint
         if base is bool:
             boolean(v, where, error=error)
@@ -382,7 +386,9 @@ def safetensors_header(path, *, error=InputError, file_size: Optional[int] = Non
         if not (isinstance(offsets, list) and len(offsets) == 2):
             raise error(f"{at}: 'data_offsets' must be [begin, end], got {str(offsets)[:60]}")
         lo, hi = (integer(o, f"{at}: data_offsets[{i}]", lo=0, error=error) for i, o in enumerate(offsets))
-        if hi > data_size or lo > hi:
+        if lo > hi:
+            raise error(f"{at}: data_offsets [{lo}, {hi}] begin after they end")
+        if hi > data_size:
             raise error(f"{at}: data_offsets [{lo}, {hi}] lie outside the {data_size} data bytes of the file")
         want = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
         if hi - lo != want:

@@ -106,7 +106,8 @@ def _coerce(value: str, default: Any, where: str):
     except ValueError as e:
         if isinstance(e, AttackError):
             raise
-        raise AttackError(f"{where}: expected a {type(default).__name__}, got {value!r}") from None
+        raise AttackError(f"{where}: expected {'an integer' if isinstance(default, int) else 'a float'}, "
+                          f"got {value!r}") from None
     return value
 
 

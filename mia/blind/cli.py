@@ -55,7 +55,7 @@ def check_blind_args(args) -> None:
     for flag, known in (("features", FEATURE_NAMES), ("classifiers", CLASSIFIER_NAMES)):
         names = V.nonempty(_csv(getattr(args, flag)), f"--{flag} {getattr(args, flag)!r}", error=BlindError)
         for name in names:
-            V.text(name, f"--{flag}: {name!r}", choices=known, error=BlindError)
+            V.text(name, f"--{flag}", choices=known, error=BlindError)
         if len(set(names)) < len(names):
             raise BlindError(f"--{flag}: a name is given twice ({getattr(args, flag)})")
 

@@ -151,7 +151,7 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Opti
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset, blobs = 0, []
     for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
+        arr = np.ascontiguousarray(tensors[name]).reshape(np.shape(tensors[name]))  # keeps a 0-d tensor 0-d
         blob = arr.tobytes()
         header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
         offset += len(blob)
@@ -365,7 +365,10 @@ def load_config(path) -> tuple[Family, Any, dict]:
     check_hf_config(hf, str(cfg_file), error=ConfigError)  # types and ranges of every known field, by name
     if "model_type" not in hf:
         raise CheckpointError(f"{cfg_file}: field 'model_type' is missing")
-    fam = family(hf["model_type"])
+    try:
+        fam = family(hf["model_type"])
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_file}: {e}") from None
     try:
         cfg = fam.config_cls.from_hf(hf)
     except KeyError as e:
