@@ -68,6 +68,7 @@ def cmd_score(args) -> int:
     from .scoring import ScoringSettings
 
     attacks = parse_attacks(args.attacks)  # fail on a bad name before loading anything
+    check_attack_inputs(attacks, args)
     check_score_paths(args)  # every path before any work: a bad --out is not found after all the scoring
     group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
     distributed.initialize(group, timeout=args.init_timeout)  # before any other jax call
@@ -92,6 +93,7 @@ def cmd_score(args) -> int:
     evaluated = [e for e in examples if e.partition == "eval" and e.invalid is None]
     if not evaluated:
         raise ValueError(f"{args.data}: no valid examples in the evaluation partition")
+    check_attack_inputs(attacks, args, partitions)  # before the first attack runs, not after the others
     for name, part in partitions.items():
         assert_disjoint(evaluated, part, f"partition {name!r}")
 
@@ -138,6 +140,26 @@ def check_score_paths(args) -> None:
         V.output_dir(args.cache_dir, "--cache-dir")
     elif not args.no_cache:
         V.output_dir(default_cache_dir(), "the cache directory (MIA_CACHE_DIR or ~/.cache/mia)")
+
+
+def check_attack_inputs(attacks, args, partitions: dict | None = None) -> None:
+    """What the chosen attacks need from the command line: --ref-model / --mlm (always), and, once the data are read
+    (``partitions`` given), a non-empty learned-from partition for each ``prefix``/``calib``/``train`` need; the
+    attacks check their own minimum sizes."""
+    from .attacks.registry import AttackError, get
+
+    flags = {"prefix": "--prefix-data", "calib": "--calib-data", "train": "--train-data"}
+    for label, name, params in attacks:
+        needs = set(get(name).needs) | ({"ref"} if params.get("init") == "ref" else set())
+        if "ref" in needs and not args.ref_model:
+            raise AttackError(f"attack {label} needs a reference model: give --ref-model DIR (a local model directory)")
+        if "mlm" in needs and not args.mlm:
+            raise AttackError(f"attack {label} needs a masked language model: give --mlm DIR (a local BERT MLM "
+                              "directory)")
+        for need in needs & set(flags) if partitions is not None else ():
+            if not partitions.get(need):
+                raise AttackError(f"attack {label} needs '{need}' examples, got none (give {flags[need]} FILE or a "
+                                  f"split with a '{need}' partition)")
 
 
 def engine_mesh(text):

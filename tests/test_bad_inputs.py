@@ -172,6 +172,12 @@ SCORE_CASES = [
     score_case("recall-variant", GOOD, ("recall", "variant"), ["--attacks", "recall:variant=x"]),
     score_case("recall-include-first", GOOD, ("recall", "include_first"), ["--attacks", "recall:include_first=maybe"]),
     score_case("neighbor-p-one", GOOD, ("neighbor", "parameter p"), ["--attacks", "neighbor:p=1"]),
+    score_case("ref-without-ref-model", GOOD, ("--ref-model",), ["--attacks", "loss,ref"]),
+    score_case("em-init-ref-without-ref-model", GOOD, ("--ref-model",), ["--attacks", "em_mia:init=ref"]),
+    score_case("neighbor-without-mlm", GOOD, ("--mlm",), ["--attacks", "neighbor"]),
+    score_case("recall-without-prefix", GOOD, ("--prefix-data",), ["--attacks", "loss,recall"]),
+    score_case("camia-without-calib", GOOD, ("--calib-data",), ["--attacks", "camia"]),
+    score_case("camia-lr-without-train", GOOD, ("--train-data",), ["--attacks", "camia_lr"]),
     # paths, checked before any work
     score_case("out-is-directory", GOOD, ("--out", "is a directory"), ["--out", "{tmp}"]),
     score_case("out-under-file", GOOD, ("--out", "is a file"), ["--out", "{tmp}/d.jsonl/o.jsonl"]),
@@ -233,7 +239,25 @@ SCORE_CASES = [
                weights=_st({"w": dict(_F32, data_offsets=[8, 0])}, b"\0" * 8)),
     model_case("st-metadata-list", ("model.safetensors", "__metadata__"), weights=_st({"__metadata__": [1]})),
     model_case("st-valid-but-wrong-tensors", ("missing",), weights=_st({"w": _F32}, b"\0" * 8)),
+    Case("tokenizer-json-corrupt", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/o.jsonl",
+                                    "--no-progress", "--no-cache"], ("tokenizer",),
+         {"d.jsonl": GOOD, "m": lambda tmp, model: (_model_copy(tmp, model),
+                                                     (tmp / "m" / "tokenizer.json").write_text('{"version": 3'))}),
+    Case("shard-index-escapes", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/o.jsonl",
+                                 "--no-progress", "--no-cache"], ("model.safetensors.index.json", "file name"),
+         {"d.jsonl": GOOD, "m": lambda tmp, model: _sharded(tmp, model, {"weight_map": {"a": "../../x.safetensors"}})}),
+    Case("shard-index-values-not-strings", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out",
+                                            "{tmp}/o.jsonl", "--no-progress", "--no-cache"],
+         ("model.safetensors.index.json", "weight_map"),
+         {"d.jsonl": GOOD, "m": lambda tmp, model: _sharded(tmp, model, {"weight_map": {"a": 3}})}),
 ]
+
+
+def _sharded(tmp: Path, model: Path, index) -> None:
+    """{tmp}/m with model.safetensors replaced by a shard index (``index``, a JSON value)."""
+    m = _model_copy(tmp, model)
+    (m / "model.safetensors").unlink()
+    (m / "model.safetensors.index.json").write_text(json.dumps(index))
 
 BLIND_CASES = [
     Case("blind-alpha-2", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--alpha", "2"], ("--alpha",)),

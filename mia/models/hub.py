@@ -173,9 +173,14 @@ def _weight_files(root: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: malformed shard index ({e})") from None
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed shard index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        outside = [v for v in weight_map.values() if Path(v).name != v or v in ("", ".", "..")]
+        if outside:
+            raise CheckpointError(f"{index}: shard {outside[0][:80]!r} is not a file name in the model directory")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (root / f).exists()]
         if missing:
@@ -386,7 +391,11 @@ def load_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001  (corrupt tokenizer files raise many types; the user gets one line)
+        msg = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{root}: tokenizer files could not be loaded ({type(e).__name__}: {msg})") from None
 
 
 def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None,
