@@ -31,8 +31,6 @@ from typing import Optional
 
 import numpy as np
 
-from mia import validate as V
-
 from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, draw_testbed_split, fmt,
                                 metric_rows, plot_roc, run_blind_baselines, run_main, say_fn, score_attacks,
                                 select_attacks as _select, sha_file, versions, write_json,
@@ -269,6 +267,8 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mia import validate as V
+
     p = V.OneLineParser(prog="python -m experiments.checkmia", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="default", help="testbed preset: smoke, default, large (default: default)")
@@ -302,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> bool:
     """Options checked before the testbed is built or loaded: preset, paths, the attack list."""
+    from mia import validate as V
     from mia.testbed.config import PRESETS
 
     if args.preset not in PRESETS:

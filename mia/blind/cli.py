@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import sys
 
-from .. import validate as V
-
 
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
 def add_blind_parser(subparsers) -> None:
+    from .. import validate as V
+
     p = subparsers.add_parser(
         "blind", help="model-free baselines: can members be told apart without the model?",
         description="Train blind classifiers (features x classifiers) on partition 'train' of a split, score partition "
@@ -45,6 +45,7 @@ def check_blind_args(args) -> None:
     """Every option of ``mia blind`` checked before any feature is computed (``mia.validate``)."""
     from .classifiers import CLASSIFIER_NAMES
     from .features import FEATURE_NAMES
+    from .. import validate as V
     from .run import BlindError
 
     V.input_file(args.split, "--split", error=BlindError)

@@ -141,7 +141,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     header, data_start = safetensors_header(path, error=CheckpointError)
     if not header:
         return {}
-    empty = os.path.getsize(path) == data_start  # only zero-size tensors: nothing to map
+    empty = Path(path).stat().st_size == data_start  # only zero-size tensors: nothing to map
     data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
     return {name: data[lo:hi].view(_ST_DTYPES[dtype]).reshape(shape)
             for name, (dtype, shape, (lo, hi)) in header.items()}
