@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ..validate import check_config, check_hf_config, safetensors_header
 from .common import ConfigError, ParamMapping
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -138,6 +137,8 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Memory-mapped numpy views of every tensor in a .safetensors file (bfloat16 via ml_dtypes). The header is
     checked whole first (``mia.validate.safetensors_header``): a corrupt file is one ``CheckpointError``."""
+    from ..validate import safetensors_header
+
     header, data_start = safetensors_header(path, error=CheckpointError)
     if not header:
         return {}
@@ -355,6 +356,10 @@ def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
 
 
 def load_config(path) -> tuple[Family, Any, dict]:
+    """(family, config, raw config.json) of a checkpoint directory; every field type- and range-checked
+    (``mia.validate.check_hf_config`` by name, then ``check_config`` on the family config)."""
+    from ..validate import check_config, check_hf_config
+
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"model directory not found: {root}")
