@@ -566,9 +566,9 @@ def _check_safetensors(data: bytes):
         assert hi - lo == math.prod(shape) * V.SAFETENSORS_DTYPE_BYTES[dtype]
 
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-FUZZ_SLOW = settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ_SLOW = settings(max_examples=5000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
 @FUZZ
