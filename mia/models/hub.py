@@ -385,7 +385,7 @@ def load_config(path) -> tuple[Family, Any, dict]:
         raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
     except ConfigError as e:
         raise ConfigError(f"{cfg_file}: {e}") from None
-    except (TypeError, ValueError, ArithmeticError) as e:  # a field of a type the by-name check does not know
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:  # a field the by-name check does not know
         raise ConfigError(f"{cfg_file}: unusable field value ({type(e).__name__}: {e})") from None
     return fam, check_config(cfg, str(cfg_file), error=ConfigError), hf
 
