@@ -43,6 +43,7 @@ from ..scoring import compute_token_stats, example_key
 from . import camia_signals as cs
 from .fit import add_note
 from .registry import AttackError, register
+from ..validate import Range
 
 KEYS = ("loss", "ppl", "count_above", "lz", "count_mean", "cal_loss", "cal_ppl")
 GROUPS = KEYS + ("token_diversity", "slope", "apen", "count_above_pre")
@@ -238,7 +239,8 @@ def group_pca_lr_scores(f_train: np.ndarray, y_train: np.ndarray, f_eval: np.nda
     return score
 
 
-@register("camia", needs=("stats", "model", "text", "calib"), method="edgington", min_calib=20, diversity="low")
+@register("camia", needs=("stats", "model", "text", "calib"), method="edgington", min_calib=20, diversity="low",
+          limits={"method": METHODS, "min_calib": Range(MIN_CALIB_FLOOR), "diversity": ("low", "high")})
 def _camia(ctx, *, method: str, min_calib: int, diversity: str) -> np.ndarray:
     """CAMIA: 75 context-aware signals, p-values vs calibration non-members, combined; -p (higher = member)."""
     if method not in METHODS:
@@ -256,7 +258,8 @@ def _camia(ctx, *, method: str, min_calib: int, diversity: str) -> np.ndarray:
     return pvalue_scores(f_eval, f_cal, method)
 
 
-@register("camia_lr", needs=("stats", "model", "text", "train"), components=2, diversity="low")
+@register("camia_lr", needs=("stats", "model", "text", "train"), components=2, diversity="low",
+          limits={"components": Range(1, 3), "diversity": ("low", "high")})
 def _camia_lr(ctx, *, components: int, diversity: str) -> np.ndarray:
     """CAMIA signals -> per-group PCA -> logistic regression trained on labelled --train-data (higher = member)."""
     if not 1 <= components <= 3:

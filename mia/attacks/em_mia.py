@@ -28,6 +28,7 @@ from ..conditional import loglik_matrix
 from .fit import add_note, context_length, prefix_room
 from .recall import fitted_targets, memo
 from .registry import AttackError, get, register
+from ..validate import Range
 
 INITS = ("loss", "zlib", "mink", "minkpp", "ref")
 
@@ -68,6 +69,8 @@ def rank_dist(scores_rn: np.ndarray, f_n: np.ndarray) -> np.ndarray:
 
 def em_mia_scores(r_pn: np.ndarray, f0: np.ndarray, *, iters: int = 10, prefix_score: str = "auc") -> np.ndarray:
     """EM-MIA iterations on a ReCaLL matrix R [N, N] (rows = prefixes) from the initial score f0 [N]."""
+    if iters < 1:  # zero iterations would return the initial score under em_mia's name
+        raise AttackError(f"attack em_mia: iters must be >= 1, got {iters}")
     f = np.nan_to_num(np.asarray(f0, np.float64), nan=0.0)
     r_pn = np.asarray(r_pn, np.float64)
     for _ in range(iters):
@@ -110,7 +113,8 @@ def initial_score(ctx, init: str) -> np.ndarray:
     return np.asarray(spec.fn(ctx, **spec.defaults), np.float64)
 
 
-@register("em_mia", needs=("model", "stats"), init="loss", iters=10, prefix_score="auc")
+@register("em_mia", needs=("model", "stats"), init="loss", iters=10, prefix_score="auc",
+          limits={"init": INITS, "iters": Range(1), "prefix_score": ("auc", "rankdist")})
 def _em_mia(ctx, *, init: str, iters: int, prefix_score: str) -> np.ndarray:
     """EM-MIA: prefix scores (AUC of R[p,:] vs median pseudo-labels) and membership f = -r, iterated (higher = member)."""
     f0 = initial_score(ctx, init)

@@ -27,6 +27,7 @@ from ..atomic import write_json
 from ..scoring import compute_token_stats
 from .recall import memo, unconditional_ll
 from .registry import AttackError, register
+from ..validate import Range
 
 NEIGHBOR_VERSION = "1"
 
@@ -80,7 +81,8 @@ def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
     return out
 
 
-@register("neighbor", needs=("stats", "text", "mlm"), n=10, k=5, p=0.7)
+@register("neighbor", needs=("stats", "text", "mlm"), n=10, k=5, p=0.7,
+          limits={"n": Range(1), "k": Range(1), "p": Range(0, 1, hi_open=True)})
 def _neighbor(ctx, *, n: int, k: int, p: float) -> np.ndarray:
     """LL(x) - mean LL(masked-LM neighbours of x) (higher = member). Mattern et al. 2023."""
     if n < 1 or k < 1 or not 0 <= p < 1:

@@ -42,6 +42,7 @@ from .context import assert_disjoint
 from .fit import add_note, context_length, cut_note, cut_targets, prefix_room, truncated_ll
 from .loss import mean_loglik
 from .registry import AttackError, register
+from ..validate import Range
 
 
 def memo(ctx) -> dict:
@@ -116,7 +117,8 @@ def recall_scores(ll_cond: np.ndarray, ll: np.ndarray) -> np.ndarray:
     return np.asarray(ll_cond, np.float64) / np.asarray(ll, np.float64)
 
 
-@register("recall", needs=("model", "stats", "prefix"), n=12, include_first=True, variant="official", tokens=100)
+@register("recall", needs=("model", "stats", "prefix"), n=12, include_first=True, variant="official", tokens=100,
+          limits={"n": Range(1), "variant": VARIANTS, "tokens": Range(2)})
 def _recall(ctx, *, n: int = 12, include_first: bool = True, variant: str = "official", tokens: int = 100) -> np.ndarray:
     """ReCaLL: LL(x | n-shot non-member prefix) / LL(x) (higher = member), Xie et al. 2024; ``variant=checkmia``:
     CheckMIABench's LL([P; x]) - LL(x) with a ``tokens``-token prefix, the paper's orientation (higher = member)."""

@@ -136,30 +136,24 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Memory-mapped numpy views of every tensor in a .safetensors file (bfloat16 via ml_dtypes)."""
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(header_len))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        lo, hi = info["data_offsets"]
-        out[name] = data[lo:hi].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
+    """Memory-mapped numpy views of every tensor in a .safetensors file (bfloat16 via ml_dtypes). The header is
+    checked whole first (``mia.validate.safetensors_header``): a corrupt file is one ``CheckpointError``."""
+    from ..validate import safetensors_header
+
+    header, data_start = safetensors_header(path, error=CheckpointError)
+    if not header:
+        return {}
+    empty = Path(path).stat().st_size == data_start  # only zero-size tensors: nothing to map
+    data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
+    return {name: data[lo:hi].view(_ST_DTYPES[dtype]).reshape(shape)
+            for name, (dtype, shape, (lo, hi)) in header.items()}
 
 
 def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Optional[dict] = None) -> None:
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset, blobs = 0, []
     for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
+        arr = np.ascontiguousarray(tensors[name]).reshape(np.shape(tensors[name]))  # keeps a 0-d tensor 0-d
         blob = arr.tobytes()
         header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
         offset += len(blob)
@@ -179,9 +173,14 @@ def _weight_files(root: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: malformed shard index ({e})") from None
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed shard index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        outside = [v for v in weight_map.values() if Path(v).name != v or v in ("", ".", "..")]
+        if outside:
+            raise CheckpointError(f"{index}: shard {outside[0][:80]!r} is not a file name in the model directory")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (root / f).exists()]
         if missing:
@@ -368,26 +367,38 @@ def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
 
 
 def load_config(path) -> tuple[Family, Any, dict]:
+    """(family, config, raw config.json) of a checkpoint directory; every field type- and range-checked
+    (``mia.validate.check_hf_config`` by name, then ``check_config`` on the family config)."""
+    from ..validate import check_config, check_hf_config
+
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"model directory not found: {root}")
     cfg_file = root / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{root}: config.json is missing")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: is not a file")
     try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(cfg_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
+    check_hf_config(hf, str(cfg_file), error=ConfigError)  # types and ranges of every known field, by name
     if "model_type" not in hf:
         raise CheckpointError(f"{cfg_file}: field 'model_type' is missing")
-    fam = family(hf["model_type"])
+    try:
+        fam = family(hf["model_type"])
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_file}: {e}") from None
     try:
         cfg = fam.config_cls.from_hf(hf)
     except KeyError as e:
         raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
     except ConfigError as e:
         raise ConfigError(f"{cfg_file}: {e}") from None
-    return fam, cfg, hf
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:  # a field the by-name check does not know
+        raise ConfigError(f"{cfg_file}: unusable field value ({type(e).__name__}: {e})") from None
+    return fam, check_config(cfg, str(cfg_file), error=ConfigError), hf
 
 
 def load_tokenizer(path):
@@ -396,7 +407,11 @@ def load_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001  (corrupt tokenizer files raise many types; the user gets one line)
+        msg = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{root}: tokenizer files could not be loaded ({type(e).__name__}: {msg})") from None
 
 
 def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None,
