@@ -26,6 +26,7 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--max-length", type=V.arg_int(2), default=None, help="truncate to this many tokens (default: model context)")
     p.add_argument("--skip-invalid", action="store_true", help="record unusable lines (empty, <2 tokens) and continue")
     p.add_argument("--prefix-data", help="JSONL of non-members for ReCaLL prefixes (disjoint from --data)")
+    p.add_argument("--member-prefix-data", help="JSONL of known members for Con-ReCaLL's member prefix (disjoint from --data)")
     p.add_argument("--calib-data", help="JSONL of calibration non-members for CAMIA p-values (disjoint from --data)")
     p.add_argument("--train-data", help="JSONL of labelled training examples for learned combiners (disjoint from --data)")
     p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
@@ -85,7 +86,8 @@ def cmd_score(args) -> int:
     for e in examples:
         if e.partition != "eval":
             partitions.setdefault(e.partition, []).append(e)
-    for name, path in (("prefix", args.prefix_data), ("calib", args.calib_data), ("train", args.train_data)):
+    for name, path in (("prefix", args.prefix_data), ("member_prefix", args.member_prefix_data),
+                       ("calib", args.calib_data), ("train", args.train_data)):
         if path:
             _, extra = read_examples(path, what=f"--{name}-data")
             tokenize_examples(extra, model.tokenizer, max_length, True, model.vocab_size, notes=data_notes)

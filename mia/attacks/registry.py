@@ -15,6 +15,8 @@ the math lives in pure JAX functions next to it.
   model    further target-model calls (conditional likelihoods, perturbed params, repeated text ...)
   text     the example's text (decoded from tokens when only tokens are given)
   prefix   non-member texts for ReCaLL prefixes (partition "prefix" or --prefix-data), disjoint from evaluation
+  member_prefix  known members for Con-ReCaLL's member prefix (partition "member_prefix" or --member-prefix-data,
+           else the train partition's label-1 examples), disjoint from evaluation
   calib    calibration non-members (partition "calib" or --calib-data), disjoint from evaluation
   train    labelled training examples (partition "train" or --train-data), disjoint from evaluation
   ref      a reference model (--ref-model)
@@ -28,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-NEEDS = ("stats", "model", "text", "prefix", "calib", "train", "ref", "mlm")
+NEEDS = ("stats", "model", "text", "prefix", "member_prefix", "calib", "train", "ref", "mlm")
 
 
 class AttackError(ValueError):
