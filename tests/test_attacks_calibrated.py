@@ -23,7 +23,7 @@ def ref_surp(lp, ent, k, max_entropy):
     return sum(float(lp[i]) for i in chosen) / len(chosen) if chosen else -100.0
 
 
-@pytest.mark.parametrize("k,max_entropy", [(0.4, 2.0), (0.2, 1.5), (1.0, 2.2), (0.4, 1e-3)])
+@pytest.mark.parametrize("k,max_entropy", [(0.4, 2.0), (0.2, 1.5), (0.4, 1e-3)])
 def test_surp_matches_reference(k, max_entropy):
     examples, stats = make_examples(seed=3)
     ctx = ctx_with(examples, stats)
@@ -95,22 +95,27 @@ def test_dcpdd_refuses_bad_corpora():
         run(None)
 
 
-def test_cli_freq_corpus(tiny_neox_dir, tmp_path, capsys):
+def test_freq_corpus_reader_and_cli_error(tiny_model, tiny_neox_dir, tmp_path, capsys):
     from mia.cli import main
+    from mia.data.freq_corpus import read_corpus
 
+    tok = tiny_model.tokenizer
+    text = tmp_path / "corpus.txt"
+    text.write_text("import os\n\nreturn self.value\n")
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text('{"text": "import os"}\n{"tokens": [3, 4, 5]}\n')
+    got = [d.tolist() for d in read_corpus(text, tok, tiny_model.vocab_size)]
+    assert got == [tok("import os")["input_ids"], tok("return self.value")["input_ids"]]
+    got = [d.tolist() for d in read_corpus(jsonl, tok, tiny_model.vocab_size)]
+    assert got == [tok("import os")["input_ids"], [3, 4, 5]]
+    # the CLI reads --freq-corpus before scoring: an id outside the vocabulary is one error line naming file:line
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(f'{{"id": "{i}", "text": "def value(self, line): return line", "label": {i % 2}}}\n'
-                            for i in range(4)).replace('line)', 'line) ').replace('"0", "text": "def', '"0", "text": "class'))
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("import os\n\nreturn self.value\n")
-    out = tmp_path / "s.jsonl"
-    assert main(["score", "--model", str(tiny_neox_dir), "--data", str(data), "--attacks", "dcpdd", "--no-cache",
-                 "--freq-corpus", str(corpus), "--out", str(out), "--no-progress"]) == 0
+    data.write_text('{"id": "a", "text": "def f(x): return x", "label": 1}\n')
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tokens": [1, 2]}\n{"tokens": [3, 99999]}\n')
     capsys.readouterr()
     assert main(["score", "--model", str(tiny_neox_dir), "--data", str(data), "--attacks", "dcpdd", "--no-cache",
-                 "--freq-corpus", str(bad), "--out", str(out), "--no-progress"]) == 2
+                 "--freq-corpus", str(bad), "--out", str(tmp_path / "s.jsonl"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{bad}:2" in err[0] and "outside the model vocabulary" in err[0]
 
@@ -121,10 +126,13 @@ MIXED = ("The Data model Train member Loss token TEXT line File value of and to 
 
 @pytest.fixture(scope="module")
 def cased(tiny_model):
+    # 4 texts of <= 32 tokens, n = 4 copies: the engine shapes test_attacks_model's neighbor test compiles too
     rng = np.random.default_rng(5)
-    ex = [Example(f"x{i}", text=" ".join(rng.choice(MIXED, int(rng.integers(4, 16)))), label=i % 2)
-          for i in range(6)]
-    return tokenize_examples(ex, tiny_model.tokenizer, 256)
+    ex = [Example(f"x{i}", text=" ".join(rng.choice(MIXED, int(rng.integers(3, 8)))), label=i % 2)
+          for i in range(4)]
+    ex = tokenize_examples(ex, tiny_model.tokenizer, 256)
+    assert all(len(e.tokens) <= 32 and len(tiny_model.tokenizer(e.text.lower())["input_ids"]) <= 32 for e in ex)
+    return ex
 
 
 def _ctx(model, examples, **options):
@@ -177,14 +185,14 @@ def ref_pd(lp, k_max=0.05, k_min=0.3):
 @pytest.mark.parametrize("augment", ["words", "tokens"])
 def test_pac_matches_numpy(tiny_model, cased, ref_logits, augment):  # noqa: F811
     ctx = _ctx(tiny_model, cased)
-    got = get("pac").fn(ctx, n=3, alpha=0.3, k_max=0.05, k_min=0.3, augment=augment)
-    copies = P.augmented_sequences(_ctx(tiny_model, cased), n=3, alpha=0.3, augment=augment)
+    got = get("pac").fn(ctx, n=4, alpha=0.3, k_max=0.05, k_min=0.3, augment=augment)
+    copies = P.augmented_sequences(_ctx(tiny_model, cased), n=4, alpha=0.3, augment=augment)
     want = [np.mean([ref_pd(np_lp(ref_logits, c)) for c in cs]) - ref_pd(np_lp(ref_logits, e.tokens))
             for e, cs in zip(cased, copies)]
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
     # a score does not depend on the example's position or its neighbours
-    again = get("pac").fn(_ctx(tiny_model, cased[::-1][:3]), n=3, alpha=0.3, k_max=0.05, k_min=0.3, augment=augment)
-    np.testing.assert_allclose(again, got[::-1][:3], rtol=1e-5)
+    again = get("pac").fn(_ctx(tiny_model, cased[::-1]), n=4, alpha=0.3, k_max=0.05, k_min=0.3, augment=augment)
+    np.testing.assert_allclose(again, got[::-1], rtol=1e-5)
     if augment == "words":  # the copies are word swaps of the text, re-tokenized
         assert all(sorted(tiny_model.tokenizer.decode(c.tolist()).split(" ")) == sorted(e.text.split(" "))
                    for e, cs in zip(cased, copies) for c in cs)
