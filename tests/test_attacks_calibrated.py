@@ -20,7 +20,7 @@ def ref_surp(lp, ent, k, max_entropy):
     kn = max(1, int(n * k))
     lowest = sorted(range(n), key=lambda i: (float(lp[i]), i))[:kn]
     chosen = [i for i in lowest if float(ent[i]) < max_entropy]
-    return sum(float(lp[i]) for i in chosen) / len(chosen) if chosen else -100.0
+    return sum(float(lp[i]) for i in chosen) / len(chosen) if chosen else 0.0
 
 
 @pytest.mark.parametrize("k,max_entropy", [(0.4, 2.0), (0.2, 1.5), (0.4, 1e-3)])
@@ -31,7 +31,7 @@ def test_surp_matches_reference(k, max_entropy):
     want = [ref_surp(s["logprob"], s["entropy"], k, max_entropy) for s in stats]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     if max_entropy < 0.01:  # nobody is confident: every score is the documented empty value, and it is said
-        assert (got == -100.0).all() and any("no surprising token" in n for n in ctx.notes)
+        assert (got == 0.0).all() and any("no surprising token" in n for n in ctx.notes)
     with pytest.raises(AttackError, match="k must be in"):
         get("surp").fn(ctx, k=0.0, max_entropy=2.0)
 
@@ -202,3 +202,22 @@ def test_pac_refuses_unknown_augmentation(tiny_model, cased):
     with pytest.raises(AttackError) as e:
         get("pac").fn(_ctx(tiny_model, cased), **parse_attack("pac:augment=synonyms")[1])
     assert str(e.value) == "attack pac: unknown augmentation 'synonyms'; valid: words, tokens"
+
+
+# ------------------------------------------------------------------------------------------------ the dial
+@pytest.mark.slow
+def test_calibrated_attacks_detect_the_memorization_dial(smoke_testbed, tmp_path):
+    """On the smoke dial split (test_checkmia's: same members, seed and partitions, so the dial checkpoint and the
+    token-stats cache are shared), each of the four attacks sees the memorized members. surp's default entropy
+    threshold (2 nats, tuned on LLMs) leaves most smoke texts without a surprising token (README): its default gets a
+    weaker bar, and the threshold at the smoke model's entropy scale (4 nats) the full one. Slow: pac's 10 extra
+    passes over 200 texts (~1-3 min on 2 busy cores)."""
+    from experiments.checkmia import run
+
+    attacks = "lowercase,surp,surp:max_entropy=4.0,dcpdd,pac"
+    s = run("smoke", tmp_path / "dial", testbed_dir=smoke_testbed.root, attacks=attacks, blind=False, bootstrap=100,
+            memorize_epochs=8, n_members=100, n_train=0, n_calib=30, n_prefix=4, seed=1, progress=False)
+    auc = {r["method"]: r["auc"] for r in s["rows"] if r["kind"] == "attack"}
+    print("dial AUCs:", auc)
+    assert set(auc) == {"lowercase", "surp", "surp:max_entropy=4.0", "dcpdd", "pac"}, s["skipped"]
+    assert auc.pop("surp") >= 0.6 and all(a >= 0.75 for a in auc.values()), auc

@@ -12,8 +12,11 @@ log-probs come from the shared stats pass (no extra model call). Sign: the sourc
 (computationalprivacy/mia_llms_benchmark ``attacks/surp.py``; members' surprising tokens are less surprising).
 
 Deviations, stated: k_n = max(1, .) as Min-K% (the SoK code takes int(k T) and an empty set for short texts); ties at
-the k_n boundary keep the earlier position (stable sort; torch.topk picks arbitrarily). An example with no surprising
-token scores EMPTY_SCORE = -100, the SoK code's ``nan_to_num`` value (ranked least member-like; counted in a note).
+the k_n boundary keep the earlier position (stable sort; torch.topk picks arbitrarily). An example with NO surprising
+token scores EMPTY_SCORE = 0, the log-prob ceiling: by the paper's hypothesis (members surprise the model less) it is
+the most member-like case. The SoK code maps it to -100 (``nan_to_num``), the least member-like, which inverts the
+attack where confident models leave many texts without surprising tokens: on the smoke memorization dial 129 of 200
+texts (mostly members) had none, and -100 gave AUC 0.39 where 0 gives 0.70 (counted in a note either way).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import numpy as np
 from .mink import check_k, k_count_table, pad_batch
 from .registry import AttackError, register
 
-EMPTY_SCORE = -100.0
+EMPTY_SCORE = 0.0
 
 
 def bottom_k_selection(values_bl: jax.Array, mask_bl: jax.Array, *, k: float) -> jax.Array:
