@@ -31,6 +31,8 @@ from typing import Optional
 
 import numpy as np
 
+from mia.atomic import write_text
+
 from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, draw_testbed_split, fmt,
                                 metric_rows, plot_roc, run_blind_baselines, run_main, say_fn, score_attacks,
                                 select_attacks as _select, sha_file, versions, write_json,
@@ -45,7 +47,10 @@ SIZES = {
 # Attacks too slow for a preset's time budget on 2 CPU cores (measured on the default split: CAMIA's signals take
 # ~0.2 s per example, so camia + camia_lr alone would take ~7 minutes): run only when named or with --attacks all.
 COSTLY = {"default": {"camia": "~0.2 s per example on 2 CPU cores (75 signals incl. repeated-text passes)",
-                      "camia_lr": "CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores"}}
+                      "camia_lr": "CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores",
+                      "samia": "10 sampled continuations per example (~0.14 s per example at context 64 on 2 CPU "
+                               "cores, several times more at the default context 128)",
+                      "samia_zlib": "the same 10 samples per example as samia"}}
 RECENCY_GROUPS = (("last 5% of steps", 0.0, 0.05), ("5-25% of steps", 0.05, 0.25), ("older (>25%)", 0.25, 1.0))
 
 JobError = ExperimentError  # a bad request for the main job (one line)
@@ -238,7 +243,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         "notes": notes,
     }
     write_json(out / "summary.json", summary)
-    (out / "report.md").write_text(report_markdown(summary))
+    write_text(out / "report.md", report_markdown(summary))
     outputs = ["report.md", "summary.json", "scores.jsonl", "split.jsonl", "roc.png", "manifest.json", "timings.json"]
     manifest = {
         "command": ["python", "-m", "experiments.checkmia", *(argv or [])],
@@ -283,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memorization dial: train checkpoint c E more epochs on the split's members only and evaluate that")
     p.add_argument("--attacks", default=None, help="'all', or NAME[:k=v,...] list (default: every registered attack "
                                                    "except ref/mlm ones, the O(N^2) em_mia, recall_avg, and with "
-                                                   "--preset default the slow camia, camia_lr)")
+                                                   "--preset default the slow camia, camia_lr, samia, samia_zlib)")
     p.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
     p.add_argument("--corpus", default=None, help="corpus for a new testbed: directory or .jsonl/.parquet (default: stdlib)")
     p.add_argument("--train-steps", type=int, default=None, help="testbed override: steps to train")

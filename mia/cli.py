@@ -54,9 +54,9 @@ def _add_score_parser(sub) -> None:
 
 
 def default_cache_dir() -> str:
-    import os
+    from .file_hash import default_cache_dir as cache_root
 
-    return os.environ.get("MIA_CACHE_DIR", str(Path.home() / ".cache" / "mia"))
+    return cache_root()
 
 
 def cmd_score(args) -> int:
@@ -139,8 +139,9 @@ def write_scores(path, examples, evaluated, scores: dict) -> None:
     row_of = {id(e): i for i, e in enumerate(evaluated)}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    with open(tmp, "w") as f:
+    from .atomic import atomic_write
+
+    with atomic_write(out) as f:
         for e in examples:
             if e.partition != "eval":
                 continue
@@ -152,7 +153,6 @@ def write_scores(path, examples, evaluated, scores: dict) -> None:
                 r = row_of[id(e)]
                 line["scores"] = {k: _finite_or_none(v[r]) for k, v in scores.items()}
             f.write(json.dumps(line) + "\n")
-    tmp.replace(out)
 
 
 def _finite_or_none(x):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+from ..atomic import write_text
+
 
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
@@ -74,10 +76,10 @@ def cmd_blind(args) -> int:
     paths = report.write_tables(rows, out, stem="blind", columns=cols_chosen, title="Blind baselines",
                                 extra_json={"verdict": verdict, "notes": notes,
                                             "params": {k: v for k, v in vars(args).items() if k != "func"}})
-    paths["md"].write_text(md)
-    paths["tex"].write_text(report.latex(chosen, cols_chosen, caption=t_chosen)
-                            + "\n" + report.latex(best, cols_best, caption=t_best)
-                            + "\n" + report.latex(runs, cols_run, caption="Blind baselines: all runs"))
+    write_text(paths["md"], md)
+    write_text(paths["tex"], report.latex(chosen, cols_chosen, caption=t_chosen)
+               + "\n" + report.latex(best, cols_best, caption=t_best)
+               + "\n" + report.latex(runs, cols_run, caption="Blind baselines: all runs"))
     report.plot_roc(scores, labels, path=out / "blind_roc.png", title="Blind baselines")
     print(report.markdown(chosen, cols_chosen, title=t_chosen))
     print(verdict["text"])

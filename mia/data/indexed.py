@@ -25,6 +25,8 @@ from typing import Iterable, Sequence, Union
 
 import numpy as np
 
+from ..atomic import atomic_write
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 9 + 8 + 1 + 8 + 8  # 34 bytes
@@ -76,8 +78,7 @@ def write_idx(idx_path: PathLike, sizes, dtype=np.uint16, pointers=None, doc_idx
         raise IndexedDataError(f"{idx_path}: pointers must have shape ({n},), got {pointers.shape}")
     doc_idx = np.arange(n + 1, dtype=np.int64) if doc_idx is None else np.asarray(doc_idx, dtype=np.int64)
     idx_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = idx_path.with_name(idx_path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(idx_path, "wb") as f:
         f.write(MAGIC)
         f.write(struct.pack("<Q", VERSION))
         f.write(struct.pack("<B", code))
@@ -86,7 +87,6 @@ def write_idx(idx_path: PathLike, sizes, dtype=np.uint16, pointers=None, doc_idx
         f.write(sizes.astype("<i4").tobytes())
         f.write(pointers.astype("<i8").tobytes())
         f.write(doc_idx.astype("<i8").tobytes())
-    os.replace(tmp, idx_path)
     return idx_path
 
 
@@ -119,13 +119,11 @@ def write_indexed(prefix: PathLike, rows: Union[Iterable[np.ndarray], np.ndarray
     bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     sizes = []
-    tmp = bin_path.with_name(bin_path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(bin_path, "wb") as f:
         for i, row in enumerate(rows):
             a = _as_row(row, dt, i)
             f.write(a.astype(dt.newbyteorder("<")).tobytes())
             sizes.append(a.size)
-    os.replace(tmp, bin_path)
     write_idx(idx_path, np.asarray(sizes, dtype=np.int64), dt)
 
 

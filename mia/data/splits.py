@@ -38,8 +38,9 @@ def write_split(path, header: dict, examples: Iterable[dict]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     header = {"type": "header", "format": FORMAT, **{k: v for k, v in header.items() if k not in ("type", "format")}}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
+    from ..atomic import atomic_write
+
+    with atomic_write(path) as f:
         f.write(json.dumps(header) + "\n")
         for e in examples:
             e = dict(e)
@@ -48,7 +49,6 @@ def write_split(path, header: dict, examples: Iterable[dict]) -> Path:
                 e["tokens"] = e["tokens"].tolist()
             e.setdefault("partition", "eval")
             f.write(json.dumps(e) + "\n")
-    os.replace(tmp, path)
     return path
 
 

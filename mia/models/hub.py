@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -22,10 +21,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ..atomic import atomic_write, write_text
 from .common import ConfigError, ParamMapping
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from ..offline import force_offline
+
+force_offline()
 
 # model_type -> module name inside mia.models. Each module defines MODEL_TYPE, a frozen config class with
 # from_hf/to_hf, a Flax CausalLM with hidden/unembed methods, param_mappings(cfg) and IGNORED_HF_KEYS.
@@ -165,13 +166,11 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Opti
         blobs.append(blob)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for blob in blobs:
             f.write(blob)
-    os.replace(tmp, path)
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -194,17 +193,29 @@ def _weight_files(root: Path) -> list[Path]:
     raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json found")
 
 
+# Files besides the weights whose content can change a result: the config (architecture, norms, rotary, ...), the
+# shard index (which tensor lives where) and the tokenizer (token ids, hence every score of a text).
+FINGERPRINT_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                     "tokenizer.model", "spiece.model")
+FINGERPRINT_VERSION = "2"
+
+
 def fingerprint(root: Path) -> str:
-    """Cheap content hash: config.json plus each weight file's name, size and first/last MiB."""
-    h = hashlib.sha256((root / "config.json").read_bytes())
+    """Content address of a checkpoint directory: SHA-256 over every byte of every weight file (memoised per file
+    by path, size, mtime and ctime: ``mia.file_hash``) and of each of ``FINGERPRINT_FILES`` present. Any edit of a
+    weight, the config or the tokenizer gives another fingerprint. The dtypes a model is loaded in are not part of
+    it (``mia.scoring.cache_namespace`` adds them)."""
+    from ..file_hash import file_sha256
+
+    root = Path(root)
+    h = hashlib.sha256(f"mia-checkpoint|{FINGERPRINT_VERSION}".encode())
     for f in _weight_files(root):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()[:16]
+        h.update(f"|weights:{f.name}:{file_sha256(f)}".encode())
+    for name in FINGERPRINT_FILES:
+        if (root / name).is_file():
+            h.update(f"|{name}:{hashlib.sha256((root / name).read_bytes()).hexdigest()}".encode())
+    return h.hexdigest()[:32]
 
 
 # ----------------------------------------------------------------------------------------------- params <-> HF
@@ -435,10 +446,17 @@ def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", par
     if params is None:
         key = jax.random.PRNGKey(0) if key is None else key
         params = module.init(key, jnp.zeros((1, 2), jnp.int32), method=init_method(module))["params"]
-    h = hashlib.sha256(json.dumps(cfg.to_hf(), sort_keys=True).encode())
-    for leaf in jax.tree_util.tree_leaves(params):
-        h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
-    return Model(module, params, tokenizer, cfg, model_type, None, h.hexdigest()[:16])
+    return Model(module, params, tokenizer, cfg, model_type, None, params_fingerprint(cfg, params))
+
+
+def params_fingerprint(cfg, params) -> str:
+    """Content address of an in-memory model: its config and every byte of every parameter (in its own dtype)."""
+    h = hashlib.sha256(f"mia-params|{FINGERPRINT_VERSION}|".encode() + json.dumps(cfg.to_hf(), sort_keys=True).encode())
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        a = np.asarray(jax.device_get(leaf))
+        h.update(f"|{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}|".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:32]
 
 
 def save(model: Model, path, dtype: str = "float32") -> Path:
@@ -452,7 +470,7 @@ def save(model: Model, path, dtype: str = "float32") -> Path:
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     tensors = {k: v.astype(np_dtype) for k, v in params_to_hf(model.params, fam, model.config).items()}
     write_safetensors(tensors, root / "model.safetensors")
-    (root / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+    write_text(root / "config.json", json.dumps(hf_cfg, indent=2, sort_keys=True))
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(root))
     return root
