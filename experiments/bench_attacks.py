@@ -15,6 +15,10 @@
    transformers' ``generate(do_sample=True, top_k=50)`` in PyTorch on the SAME weights (saved by transformers and
    loaded by mia), ``--gen-prompts`` prompts x ``--gen-samples`` samples of ``--gen-new`` new tokens after a
    ``--length``/2-token prompt, no EOS stop; tokens/s, one timed run each after a warm-up.
+5. lowercase (one re-tokenized variant per text) and PAC n = 10 (swapped copies; ``augment=tokens`` since the random
+   model has no tokenizer): the variants through the shared engine (``compute_token_stats``: length-bucketed batches)
+   vs the reference repositories' loop, one unpadded pass per text at its own length (zhang-wei-chao/DC-PDD
+   ``com_pro_dis.py`` scores the lowercased text that way, yyy01/PAC ``src/prob.py`` every augmented copy).
 
 Times are steady state (a warm-up call compiles every shape first). Peak memory
 is XLA's compiled-program estimate for the largest call of each side (arguments + outputs + temporaries); the
@@ -64,7 +68,8 @@ def main(argv=None):
     ap.add_argument("--gen-prompts", type=int, default=8)
     ap.add_argument("--gen-samples", type=int, default=4, help="samples per prompt (SaMIA's n)")
     ap.add_argument("--gen-new", type=int, default=64, help="new tokens per sample")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: recall,conrecall,em,mope,generate")
+    ap.add_argument("--pac-n", type=int, default=10)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: recall,conrecall,em,mope,generate,variants")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
@@ -205,6 +210,30 @@ def main(argv=None):
     gen_rows = []
     if "generate" not in skip:
         gen_rows.append(bench_generate(cfg, args))
+
+    # ---------------------------------------------------------------- 5. lowercase and PAC text variants
+    if "variants" not in skip:
+        from mia.attacks.pac import augment_tokens
+        from mia.scoring import compute_token_stats
+
+        # texts of 8 lengths just under --length (variants differ in length from their originals)
+        lens = args.length - rng.integers(0, 8, args.targets)
+        xs = [rng.integers(1, args.vocab, int(n)).astype(np.int32) for n in lens]
+        copies = [c for i, x in enumerate(xs)
+                  for c in augment_tokens(x, n=args.pac_n, alpha=0.3, rng=np.random.default_rng(i))]
+
+        def per_text(seqs):
+            return [np.asarray(plain_fn(params, s[None], np.ones((1, len(s)), bool)))[0, :len(s) - 1] for s in seqs]
+
+        for name, seqs in ((f"lowercase: {args.targets} variant texts, one engine pass", xs),
+                           (f"PAC n={args.pac_n} (token swaps): {len(copies)} copies of {args.targets} texts",
+                            copies)):
+            run_e = lambda: compute_token_stats(model, seqs, settings)  # noqa: E731
+            run_e()
+            te, a = timed(run_e)
+            per_text([next(s for s in seqs if len(s) == n) for n in sorted(set(map(len, seqs)))])  # compile each length
+            tp, b = timed(lambda: per_text(seqs))
+            results.append((name, te, tp, float(max(np.abs(x["logprob"] - y).max() for x, y in zip(a, b)))))
 
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
     print(f"\nbench_attacks: random GPT-NeoX hidden={args.hidden} layers={args.layers} heads={args.heads} "

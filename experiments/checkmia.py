@@ -50,7 +50,8 @@ COSTLY = {"default": {"camia": "~0.2 s per example on 2 CPU cores (75 signals in
                       "camia_lr": "CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores",
                       "samia": "10 sampled continuations per example (~0.14 s per example at context 64 on 2 CPU "
                                "cores, several times more at the default context 128)",
-                      "samia_zlib": "the same 10 samples per example as samia"}}
+                      "samia_zlib": "the same 10 samples per example as samia",
+                      "pac": "10 augmented copies of every example, 10 extra scoring passes"}}
 RECENCY_GROUPS = (("last 5% of steps", 0.0, 0.05), ("5-25% of steps", 0.05, 0.25), ("older (>25%)", 0.25, 1.0))
 
 JobError = ExperimentError  # a bad request for the main job (one line)

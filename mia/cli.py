@@ -31,6 +31,8 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--train-data", help="JSONL of labelled training examples for learned combiners (disjoint from --data)")
     p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
+    p.add_argument("--freq-corpus", help="local corpus (.jsonl with text|tokens, or plain text, one document a line) "
+                                         "for the `dcpdd` token frequencies (default: the calib partition)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="README: Precision policy")
     p.add_argument("--batch-tokens", type=V.arg_int(1), default=16384,
                    help="padded tokens per batch per data-parallel device (8 devices on `data`: 8x the rows)")
@@ -102,6 +104,10 @@ def cmd_score(args) -> int:
     settings = ScoringSettings(token_budget=args.batch_tokens, progress=not args.no_progress,
                                cache_dir=None if args.no_cache else (args.cache_dir or default_cache_dir()))
     options = {"seed": args.seed, "ref_model": args.ref_model, "mlm": args.mlm, "max_length": max_length}
+    if args.freq_corpus:
+        from .data.freq_corpus import read_corpus
+
+        options["freq_corpus"] = read_corpus(args.freq_corpus, model.tokenizer, model.vocab_size)
     ctx = AttackContext(model, evaluated, settings, partitions, options)
     scores: dict[str, np.ndarray] = {}
     timings = {}

@@ -21,6 +21,7 @@ the math lives in pure JAX functions next to it.
   train    labelled training examples (partition "train" or --train-data), disjoint from evaluation
   ref      a reference model (--ref-model)
   mlm      a masked language model directory (--mlm)
+  freq     a reference token-frequency corpus (--freq-corpus FILE), else the "calib" partition's non-members
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-NEEDS = ("stats", "model", "text", "prefix", "member_prefix", "calib", "train", "ref", "mlm")
+NEEDS = ("stats", "model", "text", "prefix", "member_prefix", "calib", "train", "ref", "mlm", "freq")
 
 
 class AttackError(ValueError):
