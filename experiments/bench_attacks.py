@@ -6,8 +6,19 @@
    target attending to it (``mia.conditional.loglik_matrix``) vs one plain pass over [prefix ; target] per target
    (exact, unpadded length: the plain side gets no bucketing waste). Goal >= 4x.
 2. The EM-MIA matrix LL(x | p) for 64 texts (64 x 64 pairs): cached prefixes vs plain concatenation.
+2b. Con-ReCaLL: a 12-shot non-member AND a 12-shot member prefix over the same 64 targets (the registered attack's
+   two conditional passes, each prefix's KV cache computed once) vs the official code's plain pass over
+   [prefix ; target] per target and prefix (2 x 64 passes).
 3. MoPe n = 10 (``make_mope``: vmapped chunks of perturbed copies under lax.map) vs 11 plain scoring passes of
    the same batches (the minimum any implementation must run). Goal within 1.15x.
+4. Generation (SaMIA's sampling): ``mia.generate`` (one jitted while-loop over a fixed KV-cache buffer) vs
+   transformers' ``generate(do_sample=True, top_k=50)`` in PyTorch on the SAME weights (saved by transformers and
+   loaded by mia), ``--gen-prompts`` prompts x ``--gen-samples`` samples of ``--gen-new`` new tokens after a
+   ``--length``/2-token prompt, no EOS stop; tokens/s, one timed run each after a warm-up.
+5. lowercase (one re-tokenized variant per text) and PAC n = 10 (swapped copies; ``augment=tokens`` since the random
+   model has no tokenizer): the variants through the shared engine (``compute_token_stats``: length-bucketed batches)
+   vs the reference repositories' loop, one unpadded pass per text at its own length (zhang-wei-chao/DC-PDD
+   ``com_pro_dis.py`` scores the lowercased text that way, yyy01/PAC ``src/prob.py`` every augmented copy).
 
 Times are steady state (a warm-up call compiles every shape first). Peak memory
 is XLA's compiled-program estimate for the largest call of each side (arguments + outputs + temporaries); the
@@ -54,7 +65,11 @@ def main(argv=None):
     ap.add_argument("--mope-n", type=int, default=10)
     ap.add_argument("--mope-chunk", type=int, default=2)
     ap.add_argument("--token-budget", type=int, default=16384)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: recall,em,mope")
+    ap.add_argument("--gen-prompts", type=int, default=8)
+    ap.add_argument("--gen-samples", type=int, default=4, help="samples per prompt (SaMIA's n)")
+    ap.add_argument("--gen-new", type=int, default=64, help="new tokens per sample")
+    ap.add_argument("--pac-n", type=int, default=10)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: recall,conrecall,em,mope,generate,variants")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
@@ -120,6 +135,23 @@ def main(argv=None):
         tok = np.zeros((rows, length), np.int32)
         mem.append((f"ReCaLL plain: {rows} x {length}", compiled_bytes(plain_fn, params, tok, tok.astype(bool))))
 
+    # ---------------------------------------------------------------- 2b. Con-ReCaLL (two prefixes)
+    if "conrecall" not in skip:
+        p_nm, p_m = np.concatenate(texts(args.shots)), np.concatenate(texts(args.shots))
+        targets = texts(args.targets)
+        pairs = [(i, j) for i in range(2) for j in range(len(targets))]
+
+        def run_c():  # as mia.attacks.conrecall: one conditional pass per prefix
+            return np.stack([loglik_matrix(model, [p], targets, include_first=True, settings=settings)[0]
+                             for p in (p_nm, p_m)])
+
+        run_c()
+        tc, a = timed(run_c)
+        plain_pairs([p_nm, p_m], targets, pairs[:rows_plain(len(p_nm) + args.length)], True)
+        tp, (b, rows, length) = timed(lambda: plain_pairs([p_nm, p_m], targets, pairs, True))
+        results.append((f"Con-ReCaLL 2 x {args.shots}-shot prefixes, {args.targets} targets", tc, tp,
+                        float(np.nanmax(np.abs(a - b)))))
+
     # ---------------------------------------------------------------- 2. EM-MIA matrix
     if "em" not in skip:
         em = texts(args.em_texts)
@@ -174,6 +206,35 @@ def main(argv=None):
         t = np.zeros((prow, args.length), np.int32)
         mem.append((f"plain pass: {prow} x {args.length}", compiled_bytes(plain_fn, params, t, t.astype(bool))))
 
+    # ---------------------------------------------------------------- 4. generation
+    gen_rows = []
+    if "generate" not in skip:
+        gen_rows.append(bench_generate(cfg, args))
+
+    # ---------------------------------------------------------------- 5. lowercase and PAC text variants
+    if "variants" not in skip:
+        from mia.attacks.pac import augment_tokens
+        from mia.scoring import compute_token_stats
+
+        # texts of 8 lengths just under --length (variants differ in length from their originals)
+        lens = args.length - rng.integers(0, 8, args.targets)
+        xs = [rng.integers(1, args.vocab, int(n)).astype(np.int32) for n in lens]
+        copies = [c for i, x in enumerate(xs)
+                  for c in augment_tokens(x, n=args.pac_n, alpha=0.3, rng=np.random.default_rng(i))]
+
+        def per_text(seqs):
+            return [np.asarray(plain_fn(params, s[None], np.ones((1, len(s)), bool)))[0, :len(s) - 1] for s in seqs]
+
+        for name, seqs in ((f"lowercase: {args.targets} variant texts, one engine pass", xs),
+                           (f"PAC n={args.pac_n} (token swaps): {len(copies)} copies of {args.targets} texts",
+                            copies)):
+            run_e = lambda: compute_token_stats(model, seqs, settings)  # noqa: E731
+            run_e()
+            te, a = timed(run_e)
+            per_text([next(s for s in seqs if len(s) == n) for n in sorted(set(map(len, seqs)))])  # compile each length
+            tp, b = timed(lambda: per_text(seqs))
+            results.append((name, te, tp, float(max(np.abs(x["logprob"] - y).max() for x, y in zip(a, b)))))
+
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
     print(f"\nbench_attacks: random GPT-NeoX hidden={args.hidden} layers={args.layers} heads={args.heads} "
           f"vocab={args.vocab} ({n_params / 1e6:.1f}M params; smaller than Pythia-70m, which is too slow for this "
@@ -183,10 +244,52 @@ def main(argv=None):
           f"{'max|LL diff|':>12}")
     for name, ours, plain, diff in results:
         print(f"{name:<62} {ours:8.2f} {plain:8.2f} {plain / ours:9.2f}x {diff:12.2e}")
+    for name, ours, theirs, compile_s in gen_rows:
+        print(f"\n{'generation (tokens/s, one timed run after a warm-up)':<62} {'mia':>8} {'HF torch':>8} {'mia/HF':>10} "
+              f"{'compile s':>12}")
+        print(f"{name:<62} {ours:8.0f} {theirs:8.0f} {ours / theirs:9.2f}x {compile_s:12.1f}")
     print(f"\n{'compiled call (XLA memory estimate)':<62} {'peak':>10}")
     for name, b in mem:
         print(f"{name:<62} {mib(b):>10}")
     print(f"process max RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB")
+
+
+def bench_generate(cfg, args) -> tuple:
+    """(row name, mia tokens/s, transformers tokens/s, mia's first-call seconds) on one random GPT-NeoX saved by
+    transformers and loaded by mia (the same weights on both sides)."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    import mia.models as mm
+    from mia.generate import generate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.GPTNeoXConfig(**cfg.to_hf())).float().eval()
+        hf.save_pretrained(tmp, safe_serialization=True)
+        model = mm.load(tmp)
+    rng = np.random.default_rng(1)
+    plen, new, n = max(1, args.length // 2), args.gen_new, args.gen_samples
+    prompts = [rng.integers(1, args.vocab, plen).astype(np.int32) for _ in range(args.gen_prompts)]
+    tokens = args.gen_prompts * n * new
+    run_ours = lambda: generate(model, prompts, max_new=new, n=n, top_k=50, temperature=1.0, eos_ids=())  # noqa: E731
+    first, _ = timed(run_ours)
+    t_ours, out = timed(run_ours)
+    assert all(len(s) == new for per in out for s in per)
+    batch = torch.tensor(np.repeat(np.stack(prompts), n, axis=0), dtype=torch.long)
+
+    def run_hf(rows):
+        with torch.no_grad():
+            return hf.generate(rows, attention_mask=torch.ones_like(rows), do_sample=True, top_k=50, temperature=1.0,
+                               max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+
+    run_hf(batch[:2])  # warm-up
+    t_hf, g = timed(lambda: run_hf(batch))
+    assert g.shape == (len(batch), plen + new)
+    name = f"{args.gen_prompts} prompts x {n} samples x {new} new tokens ({plen}-token prompts)"
+    return name, tokens / t_ours, tokens / t_hf, first
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from mia.atomic import save_npz, write_text
 from mia.report import csv_text
 
 from experiments.common import (ExperimentError, Timings, experiment_parser, open_members, pick_members,
@@ -167,9 +168,7 @@ def row_documents(tb, progress: bool = False) -> RowDocuments:
     doc, share = majority_documents(found, np.array([len(d) + 1 for d in docs]), tb.row_len)
     out = RowDocuments(tuple(d.path for d in corpus.documents), doc, share)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(cache.stem + ".tmp.npz")
-    np.savez(tmp, paths=np.array(out.paths), doc=doc.astype(np.int32), share=share.astype(np.float32))
-    tmp.replace(cache)
+    save_npz(cache, paths=np.array(out.paths), doc=doc.astype(np.int32), share=share.astype(np.float32))
     return out
 
 
@@ -523,7 +522,7 @@ def evaluate_dataset(name: str, model, examples: list, attacks, settings, *, pre
             results = {"blind": b, **results}
     meta = {e["id"]: {k: e[k] for k in ("index", "step", "document", "share") if k in e} for e in examples}
     write_scores(out / "scores" / f"{_file(name)}.jsonl", run, meta)
-    np.savez(out / "signals" / f"{_file(name)}.npz", signals=signals.astype(np.float64), labels=labels,
+    save_npz(out / "signals" / f"{_file(name)}.npz", signals=signals.astype(np.float64), labels=labels,
              ids=np.array(run.ids), names=np.array(camia.FEATURE_NAMES))
     return {"results": results, "per_draw": res, "skipped": {**run.failed, **skipped}, "notes": run.context.notes,
             "run": run, "signals": signals}
@@ -569,7 +568,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
                          progress=progress, timings=timings)
     s["notes"] = notes + s["notes"]
     write_json(out / "summary.json", {k: v for k, v in s.items() if not k.startswith("_")})
-    (out / "report.md").write_text(report_markdown(s))
+    write_text(out / "report.md", report_markdown(s))
     write_manifest(out, module="experiments.camia", argv=argv, config=s["_config"], seeds={
         "draws": f"numpy.random.default_rng([{seed}, i]) for i < {p.draws}", "domains": [seed, 0xCA01],
         "blind": seed, "mimir_subsample": [seed, 0x313]}, hashes=s["_hashes"], paths=s["_paths"],
@@ -588,7 +587,7 @@ def _finish(p: Preset, out: Path, results: dict, counts: dict, t2: dict, *, sett
     write_tables(wide, out, "table1", list(wide[0]) if wide else ["method"],
                  title=f"CAMIA Table 1 / 13 ({setting}): AUC and TPR@1%FPR (%), mean ± sd over {p.draws} draws")
     values = value_rows(results, counts)
-    (out / "table1_values.csv").write_text(csv_text(values))
+    write_text(out / "table1_values.csv", csv_text(values))
     write_json(out / "table1_values.json", {"rows": values})
     t2_rows = table2_rows(t2) if t2 else []
     if t2_rows:

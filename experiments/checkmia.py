@@ -31,6 +31,8 @@ from typing import Optional
 
 import numpy as np
 
+from mia.atomic import write_text
+
 from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, draw_testbed_split, fmt,
                                 metric_rows, plot_roc, run_blind_baselines, run_main, say_fn, score_attacks,
                                 select_attacks as _select, sha_file, versions, write_json,
@@ -45,7 +47,11 @@ SIZES = {
 # Attacks too slow for a preset's time budget on 2 CPU cores (measured on the default split: CAMIA's signals take
 # ~0.2 s per example, so camia + camia_lr alone would take ~7 minutes): run only when named or with --attacks all.
 COSTLY = {"default": {"camia": "~0.2 s per example on 2 CPU cores (75 signals incl. repeated-text passes)",
-                      "camia_lr": "CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores"}}
+                      "camia_lr": "CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores",
+                      "samia": "10 sampled continuations per example (~0.14 s per example at context 64 on 2 CPU "
+                               "cores, several times more at the default context 128)",
+                      "samia_zlib": "the same 10 samples per example as samia",
+                      "pac": "10 augmented copies of every example, 10 extra scoring passes"}}
 RECENCY_GROUPS = (("last 5% of steps", 0.0, 0.05), ("5-25% of steps", 0.05, 0.25), ("older (>25%)", 0.25, 1.0))
 
 JobError = ExperimentError  # a bad request for the main job (one line)
@@ -238,7 +244,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         "notes": notes,
     }
     write_json(out / "summary.json", summary)
-    (out / "report.md").write_text(report_markdown(summary))
+    write_text(out / "report.md", report_markdown(summary))
     outputs = ["report.md", "summary.json", "scores.jsonl", "split.jsonl", "roc.png", "manifest.json", "timings.json"]
     manifest = {
         "command": ["python", "-m", "experiments.checkmia", *(argv or [])],
@@ -267,29 +273,31 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.checkmia", description=__doc__.split("\n\n")[0],
+    from mia import validate as V
+
+    p = V.OneLineParser(prog="python -m experiments.checkmia", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="default", help="testbed preset: smoke, default, large (default: default)")
     p.add_argument("--testbed", default=None, help="testbed directory (default: testbeds/<preset>, or "
                                                    "testbeds/<preset>-<hash> with overrides; built if missing)")
     p.add_argument("--out", default=None, help="results directory (default: results/checkmia-<preset>-<time>)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint c to evaluate (default: the last)")
-    p.add_argument("--n-members", type=int, default=None, help="members in the eval partition (default per preset)")
-    p.add_argument("--n-nonmembers", type=int, default=None, help="non-members in the eval partition (default = --n-members)")
-    p.add_argument("--n-train", type=int, default=None, help="per class, partition train (blind classifiers, camia_lr)")
-    p.add_argument("--n-calib", type=int, default=None, help="non-members in partition calib (CAMIA)")
-    p.add_argument("--n-prefix", type=int, default=None, help="non-members in partition prefix (ReCaLL)")
-    p.add_argument("--memorize-epochs", type=int, default=0,
+    p.add_argument("--step", type=V.arg_int(0), default=None, help="checkpoint c to evaluate (default: the last)")
+    p.add_argument("--n-members", type=V.arg_int(1), default=None, help="members in the eval partition (default per preset)")
+    p.add_argument("--n-nonmembers", type=V.arg_int(1), default=None, help="non-members in the eval partition (default = --n-members)")
+    p.add_argument("--n-train", type=V.arg_int(0), default=None, help="per class, partition train (blind classifiers, camia_lr)")
+    p.add_argument("--n-calib", type=V.arg_int(0), default=None, help="non-members in partition calib (CAMIA)")
+    p.add_argument("--n-prefix", type=V.arg_int(0), default=None, help="non-members in partition prefix (ReCaLL)")
+    p.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
                    help="memorization dial: train checkpoint c E more epochs on the split's members only and evaluate that")
     p.add_argument("--attacks", default=None, help="'all', or NAME[:k=v,...] list (default: every registered attack "
                                                    "except ref/mlm ones, the O(N^2) em_mia, recall_avg, and with "
-                                                   "--preset default the slow camia, camia_lr)")
+                                                   "--preset default the slow camia, camia_lr, samia, samia_zlib)")
     p.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
     p.add_argument("--corpus", default=None, help="corpus for a new testbed: directory or .jsonl/.parquet (default: stdlib)")
-    p.add_argument("--train-steps", type=int, default=None, help="testbed override: steps to train")
-    p.add_argument("--batch-size", type=int, default=None, help="testbed override: rows per step")
-    p.add_argument("--seed", type=int, default=0, help="split, partition and bootstrap seed")
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the AUC SE")
+    p.add_argument("--train-steps", type=V.arg_int(1), default=None, help="testbed override: steps to train")
+    p.add_argument("--batch-size", type=V.arg_int(1), default=None, help="testbed override: rows per step")
+    p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0, help="split, partition and bootstrap seed")
+    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000, help="bootstrap resamples for the AUC SE")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     from mia.cli import add_compile_cache_flag
@@ -298,13 +306,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args) -> bool:
+    """Options checked before the testbed is built or loaded: preset, paths, the attack list."""
+    from mia import validate as V
+    from mia.testbed.config import PRESETS
+
+    if args.preset not in PRESETS:
+        raise JobError(f"--preset {args.preset!r}: unknown; presets: {', '.join(sorted(PRESETS))}")
+    if args.testbed is not None:
+        V.output_dir(args.testbed, "--testbed", error=JobError)
+    if args.out is not None:
+        V.output_dir(args.out, "--out", error=JobError)
+    if args.corpus is not None and not Path(args.corpus).is_dir():
+        V.input_file(args.corpus, "--corpus", error=JobError)
+    if args.attacks is not None:
+        select_attacks(args.attacks, args.preset)  # a bad name or parameter stops here, not after training
+    return True
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in (("corpus", args.corpus), ("train_steps", args.train_steps),
                                    ("batch_size", args.batch_size)) if v is not None}
     status, s = run_main(
-        lambda: run(args.preset, args.out, testbed_dir=args.testbed, step=args.step, n_members=args.n_members,
+        lambda: check_args(args) and run(args.preset, args.out, testbed_dir=args.testbed, step=args.step, n_members=args.n_members,
                     n_nonmembers=args.n_nonmembers, n_train=args.n_train, n_calib=args.n_calib,
                     n_prefix=args.n_prefix, memorize_epochs=args.memorize_epochs, attacks=args.attacks,
                     blind=not args.no_blind, seed=args.seed, bootstrap=args.bootstrap,

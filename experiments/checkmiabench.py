@@ -32,6 +32,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from mia.atomic import write_text
+
 from experiments import curves
 from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings, argv_or_sys,
                                 check_token_ids, count_params, default_out, draw_olmo_split, draw_pythia_split,
@@ -438,7 +440,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
             ([PAPER_BLIND_NOT_SAME] if show_paper else []),
         }
         write_json(out / "summary.json", summary)
-        (out / "report.md").write_text(report_markdown(summary))
+        write_text(out / "report.md", report_markdown(summary))
     outputs = ["report.md", "summary.json", "blind.*", "blind_runs.*", "attacks.*", "recency.*", "scale.*",
                "recency.png", "scale.png", "scores/", "splits/", "manifest.json", "timings.json"]
     models = list(dict.fromkeys(t.model for t in sorted(setup.targets, key=lambda t: t.params)))

@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import platform
 import re
 import struct
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
+
+from mia.atomic import atomic_write, save_figure, write_text
 
 
 class ExperimentError(ValueError):
@@ -686,9 +687,7 @@ def write_json(path, obj) -> Path:
     """Atomic, deterministic JSON (keys in insertion order, 2-space indent, NaN as null)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_nan_to_none(obj), indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(_nan_to_none(obj), indent=2, default=_json_default) + "\n")
     return path
 
 
@@ -719,14 +718,12 @@ def write_scores(path, run: ScoreRun, meta: Mapping[str, dict], extra_scores: Op
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     scores = {**run.scores, **(extra_scores or {})}
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_write(path) as f:
         for i, e in enumerate(run.evaluated):
             line = {"id": e.id, "label": e.label, "n_tokens": e.n_tokens, "truncated": e.truncated,
                     **meta.get(e.id, {}),
                     "scores": {k: (float(v[i]) if np.isfinite(v[i]) else None) for k, v in scores.items()}}
             f.write(json.dumps(line) + "\n")
-    os.replace(tmp, path)
     return path
 
 
@@ -788,7 +785,7 @@ def plot_lines(series: Mapping[str, tuple], path, *, xlabel: str, ylabel: str, t
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, metadata={"Software": None})
+    save_figure(fig, path, dpi=120, metadata={"Software": None})
     plt.close(fig)
     return path
 

@@ -43,6 +43,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from mia.atomic import write_text
+
 from experiments.common import (ExperimentError, SplitSizes, Timings, check_token_ids, draw_testbed_split,
                                 experiment_parser, metric_rows, olmo_checkpoint, open_members, pick_members,
                                 run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
@@ -391,7 +393,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     values = value_rows(results, blind_res)
     from mia.report import csv_text
 
-    (out / "values.csv").write_text(csv_text(values))
+    write_text(out / "values.csv", csv_text(values))
     write_json(out / "values.json", {"rows": values})
     difficulty = {"params": {"size": p.size, "k": p.k, "threshold": p.threshold, "niter": p.niter, "seed": 42},
                   "info": dinfo}
@@ -403,7 +405,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
                "difficulty": difficulty, "table_auc": t_auc, "table_tpr": t_tpr, "blind": blind_res,
                "results": results, "skipped": skipped, "notes": notes}
     write_json(out / "summary.json", summary)
-    (out / "report.md").write_text(report_markdown(summary))
+    write_text(out / "report.md", report_markdown(summary))
     write_manifest(out, module="experiments.em_mia", argv=argv, config={
         "preset": preset, "settings": dataclasses.asdict(p), "bootstrap": bootstrap, **info["config"]},
         seeds={"pool": seed, "kmeans": 42, "medium": [43, 44], "random": [42, 43], "blind_halves": [seed, 0xB1D],

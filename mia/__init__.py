@@ -4,9 +4,9 @@ Score convention everywhere: higher = more likely member. Labels: 1 = member, 0 
 """
 import os as _os
 
-_os.environ.setdefault("HF_HUB_OFFLINE", "1")
-_os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-_os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+from .offline import force_offline as _force_offline
+
+_force_offline()  # local files only, whatever HF_*_OFFLINE say (mia.offline)
 _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 __version__ = "0.1.0"

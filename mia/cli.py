@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import validate as V
+
 
 def _add_score_parser(sub) -> None:
     p = sub.add_parser("score", help="score examples with one or more attacks",
@@ -21,15 +23,18 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--data", required=True, help="JSONL examples or a split file")
     p.add_argument("--attacks", default="loss", help="comma-separated, each NAME[:key=value,...]; `mia attacks` lists them")
     p.add_argument("--out", required=True, help="output JSONL, one line per evaluated example")
-    p.add_argument("--max-length", type=int, default=None, help="truncate to this many tokens (default: model context)")
+    p.add_argument("--max-length", type=V.arg_int(2), default=None, help="truncate to this many tokens (default: model context)")
     p.add_argument("--skip-invalid", action="store_true", help="record unusable lines (empty, <2 tokens) and continue")
     p.add_argument("--prefix-data", help="JSONL of non-members for ReCaLL prefixes (disjoint from --data)")
+    p.add_argument("--member-prefix-data", help="JSONL of known members for Con-ReCaLL's member prefix (disjoint from --data)")
     p.add_argument("--calib-data", help="JSONL of calibration non-members for CAMIA p-values (disjoint from --data)")
     p.add_argument("--train-data", help="JSONL of labelled training examples for learned combiners (disjoint from --data)")
     p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
+    p.add_argument("--freq-corpus", help="local corpus (.jsonl with text|tokens, or plain text, one document a line) "
+                                         "for the `dcpdd` token frequencies (default: the calib partition)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="README: Precision policy")
-    p.add_argument("--batch-tokens", type=int, default=16384,
+    p.add_argument("--batch-tokens", type=V.arg_int(1), default=16384,
                    help="padded tokens per batch per data-parallel device (8 devices on `data`: 8x the rows)")
     p.add_argument("--mesh", default=None, metavar="AXES",
                    help="device mesh, e.g. data=2,model=4 (product = the number of devices); parameters are "
@@ -39,22 +44,22 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="several processes (hosts) under jax.distributed: process 0's address "
                         "(or JAX_COORDINATOR_ADDRESS); process 0 alone writes --out")
-    p.add_argument("--num-processes", type=int, default=None, help="with --coordinator (or JAX_NUM_PROCESSES)")
-    p.add_argument("--process-id", type=int, default=None, help="with --coordinator (or JAX_PROCESS_ID)")
-    p.add_argument("--init-timeout", type=float, default=60.0,
+    p.add_argument("--num-processes", type=V.arg_int(1), default=None, help="with --coordinator (or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=V.arg_int(0), default=None, help="with --coordinator (or JAX_PROCESS_ID)")
+    p.add_argument("--init-timeout", type=V.arg_float(0, lo_open=True), default=60.0,
                    help="seconds for all processes to reach the coordinator (default 60)")
     p.add_argument("--cache-dir", default=None, help="on-disk cache of model outputs (default: ~/.cache/mia)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk cache")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the AUC standard error")
+    p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
+    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000, help="bootstrap resamples for the AUC standard error")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_score)
 
 
 def default_cache_dir() -> str:
-    import os
+    from .file_hash import default_cache_dir as cache_root
 
-    return os.environ.get("MIA_CACHE_DIR", str(Path.home() / ".cache" / "mia"))
+    return cache_root()
 
 
 def cmd_score(args) -> int:
@@ -66,34 +71,43 @@ def cmd_score(args) -> int:
     from .scoring import ScoringSettings
 
     attacks = parse_attacks(args.attacks)  # fail on a bad name before loading anything
+    check_attack_inputs(attacks, args)
+    check_score_paths(args)  # every path before any work: a bad --out is not found after all the scoring
     group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
     distributed.initialize(group, timeout=args.init_timeout)  # before any other jax call
     mesh = engine_mesh(args.mesh)
-    _, examples = read_examples(args.data)
+    _, examples = read_examples(args.data, what="--data")
     model = load(args.model, dtype=args.dtype, mesh=mesh, fsdp=None if mesh is None else not args.no_fsdp)
-    max_length = args.max_length or model.max_length
+    max_length = args.max_length if args.max_length is not None else model.max_length
     if max_length > model.max_length:
         raise ValueError(f"--max-length {max_length} exceeds the model context ({model.max_length})")
-    tokenize_examples(examples, model.tokenizer, max_length, args.skip_invalid, model.vocab_size)
+    data_notes: list[str] = []
+    tokenize_examples(examples, model.tokenizer, max_length, args.skip_invalid, model.vocab_size, notes=data_notes)
 
     partitions: dict = {}
     for e in examples:
         if e.partition != "eval":
             partitions.setdefault(e.partition, []).append(e)
-    for name, path in (("prefix", args.prefix_data), ("calib", args.calib_data), ("train", args.train_data)):
+    for name, path in (("prefix", args.prefix_data), ("member_prefix", args.member_prefix_data),
+                       ("calib", args.calib_data), ("train", args.train_data)):
         if path:
-            _, extra = read_examples(path)
-            tokenize_examples(extra, model.tokenizer, max_length, True, model.vocab_size)
+            _, extra = read_examples(path, what=f"--{name}-data")
+            tokenize_examples(extra, model.tokenizer, max_length, True, model.vocab_size, notes=data_notes)
             partitions.setdefault(name, []).extend(e for e in extra if e.invalid is None)
     evaluated = [e for e in examples if e.partition == "eval" and e.invalid is None]
     if not evaluated:
         raise ValueError(f"{args.data}: no valid examples in the evaluation partition")
+    check_attack_inputs(attacks, args, partitions)  # before the first attack runs, not after the others
     for name, part in partitions.items():
         assert_disjoint(evaluated, part, f"partition {name!r}")
 
     settings = ScoringSettings(token_budget=args.batch_tokens, progress=not args.no_progress,
                                cache_dir=None if args.no_cache else (args.cache_dir or default_cache_dir()))
     options = {"seed": args.seed, "ref_model": args.ref_model, "mlm": args.mlm, "max_length": max_length}
+    if args.freq_corpus:
+        from .data.freq_corpus import read_corpus
+
+        options["freq_corpus"] = read_corpus(args.freq_corpus, model.tokenizer, model.vocab_size)
     ctx = AttackContext(model, evaluated, settings, partitions, options)
     scores: dict[str, np.ndarray] = {}
     timings = {}
@@ -107,7 +121,7 @@ def cmd_score(args) -> int:
 
     if distributed.is_main():  # every process holds every score; process 0 alone writes and prints
         write_scores(args.out, examples, evaluated, scores)
-        for note in ctx.notes:
+        for note in data_notes + ctx.notes:
             print(f"note: {note}", file=sys.stderr)
         labels = np.array([e.label if e.label is not None else -1 for e in evaluated])
         if (labels >= 0).all() and len(set(labels.tolist())) == 2:
@@ -115,6 +129,45 @@ def cmd_score(args) -> int:
         print(f"wrote {len(evaluated)} scored example(s) to {args.out}", file=sys.stderr)
     distributed.barrier("mia score: done")
     return 0
+
+
+def check_score_paths(args) -> None:
+    """Every path option of ``mia score`` checked before anything is loaded or scored (``mia.validate``)."""
+    from . import validate as V
+
+    V.input_dir(args.model, "--model", noun="model directory")
+    V.input_file(args.data, "--data")
+    for flag in ("prefix_data", "calib_data", "train_data"):
+        if getattr(args, flag):
+            V.input_file(getattr(args, flag), "--" + flag.replace("_", "-"))
+    for flag in ("ref_model", "mlm"):
+        if getattr(args, flag):
+            V.input_dir(getattr(args, flag), "--" + flag.replace("_", "-"), noun="model directory")
+    V.output_file(args.out, "--out", inputs=(args.data, args.prefix_data, args.calib_data, args.train_data))
+    if not args.no_cache and args.cache_dir:
+        V.output_dir(args.cache_dir, "--cache-dir")
+    elif not args.no_cache:
+        V.output_dir(default_cache_dir(), "the cache directory (MIA_CACHE_DIR or ~/.cache/mia)")
+
+
+def check_attack_inputs(attacks, args, partitions: dict | None = None) -> None:
+    """What the chosen attacks need from the command line: --ref-model / --mlm (always), and, once the data are read
+    (``partitions`` given), a non-empty learned-from partition for each ``prefix``/``calib``/``train`` need; the
+    attacks check their own minimum sizes."""
+    from .attacks.registry import AttackError, get
+
+    flags = {"prefix": "--prefix-data", "calib": "--calib-data", "train": "--train-data"}
+    for label, name, params in attacks:
+        needs = set(get(name).needs) | ({"ref"} if params.get("init") == "ref" else set())
+        if "ref" in needs and not args.ref_model:
+            raise AttackError(f"attack {label} needs a reference model: give --ref-model DIR (a local model directory)")
+        if "mlm" in needs and not args.mlm:
+            raise AttackError(f"attack {label} needs a masked language model: give --mlm DIR (a local BERT MLM "
+                              "directory)")
+        for need in needs & set(flags) if partitions is not None else ():
+            if not partitions.get(need):
+                raise AttackError(f"attack {label} needs '{need}' examples, got none (give {flags[need]} FILE or a "
+                                  f"split with a '{need}' partition)")
 
 
 def engine_mesh(text):
@@ -133,8 +186,9 @@ def write_scores(path, examples, evaluated, scores: dict) -> None:
     row_of = {id(e): i for i, e in enumerate(evaluated)}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    with open(tmp, "w") as f:
+    from .atomic import atomic_write
+
+    with atomic_write(out) as f:
         for e in examples:
             if e.partition != "eval":
                 continue
@@ -146,7 +200,6 @@ def write_scores(path, examples, evaluated, scores: dict) -> None:
                 r = row_of[id(e)]
                 line["scores"] = {k: _finite_or_none(v[r]) for k, v in scores.items()}
             f.write(json.dumps(line) + "\n")
-    tmp.replace(out)
 
 
 def _finite_or_none(x):
@@ -160,8 +213,15 @@ def metrics_table(scores: dict, labels: np.ndarray, n_resamples: int = 1000, see
     lines = [f"{'attack':<28} {'AUC':>7} {'AUC SE':>7} {'TPR@1%FPR':>10}", "-" * 55]
     for name, s in scores.items():
         ok = np.isfinite(s)
+        if not ok.any():
+            lines.append(f"{name:<28} no metrics: all {len(s)} scores are non-finite (NaN/inf)")
+            continue
         if ok.sum() < len(s):
             lines.append(f"{name:<28} {int((~ok).sum())} non-finite score(s); metrics on the rest")
+        if len(set(labels[ok].tolist())) < 2:
+            lines.append(f"{name:<28} no metrics: the finite scores are all of "
+                         f"{'members' if labels[ok][0] == 1 else 'non-members'}")
+            continue
         r = summary_row(name, s[ok], labels[ok], n_resamples=n_resamples, seed=seed)
         lines.append(f"{name:<28} {r['auc']:7.4f} {r['auc_se']:7.4f} {r['tpr_at_1pct_fpr']:10.4f}")
     return "\n".join(lines)
@@ -177,7 +237,7 @@ def cmd_attacks(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mia", description="Membership inference attacks on language models.")
+    parser = V.OneLineParser(prog="mia", description="Membership inference attacks on language models.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     add_compile_cache_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -35,10 +36,11 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .models.common import KVCache
-from .scoring import (ScoringSettings, bucket_length, bucket_rows, cache_namespace, chunk_size, example_key,
-                      pow2_ceil, pow2_floor, write_npz_atomic)
+from .atomic import save_npz
+from .scoring import (ScoringSettings, bucket_length, bucket_rows, cache_namespace, cacheable, chunk_size,
+                      example_key, pow2_ceil, pow2_floor)
 
-CONDLL_VERSION = "1"  # bump when the meaning of cached conditional LLs changes
+CONDLL_VERSION = "2"  # bump when the meaning or numerics of cached conditional LLs change (2: precision policy)
 
 # Tests replace this with ``chex.assert_max_traces(n=...)`` to count compilations; identity otherwise.
 _TRACE_WRAP = lambda f: f  # noqa: E731
@@ -198,22 +200,39 @@ def _jit_plain(model):
 
 # ------------------------------------------------------------------------------------------------ on-disk cache
 class PairCache:
-    """LL[p, x] values on disk under ``root/condll-<namespace>/``: one .npz part per flush, written atomically."""
+    """LL[p, x] values on disk under ``root/condll-<namespace>/``: one .npz part per flush, written atomically
+    (``mia.atomic``), and the pairs in memory.
 
-    def __init__(self, root: Optional[str], namespace: str, writer=None):
+    Only the pairs of the run's prefixes x targets (``prefixes``/``targets``: key sets; None: all) are kept when
+    the parts are read, so memory is bounded by the run, not by the cache. A damaged part (unreadable zip, a CRC
+    error, indices out of range) is reported by one ``warning:`` line and its pairs are recomputed.
+    """
+
+    def __init__(self, root: Optional[str], namespace: str, writer=None, prefixes=None, targets=None):
         self.dir = Path(root) / f"condll-{namespace}" if root else None
         self.writer = writer  # a scoring.BackgroundWriter: parts are written off the scoring loop
         self.mem: dict[str, dict[str, float]] = {}
         self.pending: list[tuple[str, str, float]] = []
-        if self.dir is not None and self.dir.exists():
+        if self.dir is not None and self.dir.is_dir():
             for f in sorted(self.dir.glob("part-*.npz")):
-                try:
-                    with np.load(f) as z:
-                        pk, tk = json.loads(str(z["pkeys"])), json.loads(str(z["tkeys"]))
-                        for i, j, v in zip(z["pi"], z["ti"], z["v"]):
-                            self.mem.setdefault(pk[i], {})[tk[j]] = float(v)
-                except Exception:  # a corrupt part: its pairs are recomputed
-                    continue
+                self._read_part(f, prefixes, targets)
+
+    def _read_part(self, f: Path, prefixes, targets) -> None:
+        try:
+            with np.load(f, allow_pickle=False) as z:
+                pk, tk = json.loads(str(z["pkeys"])), json.loads(str(z["tkeys"]))
+                pi, ti, v = z["pi"], z["ti"], z["v"]
+            if not (pi.shape == ti.shape == v.shape and pi.ndim == 1 and v.dtype == np.float32
+                    and ((pi >= 0) & (pi < len(pk))).all() and ((ti >= 0) & (ti < len(tk))).all()):
+                raise ValueError("arrays do not fit together")
+        except Exception as e:  # zipfile, json and numpy raise many types; a damaged part is recomputed
+            print(f"warning: cache file {f} is damaged ({type(e).__name__}: {e}); its entries are recomputed",
+                  file=sys.stderr)
+            return
+        keep_p = np.array([prefixes is None or k in prefixes for k in pk], bool)
+        keep_t = np.array([targets is None or k in targets for k in tk], bool)
+        for n in np.flatnonzero(keep_p[pi] & keep_t[ti]):
+            self.mem.setdefault(pk[pi[n]], {}).setdefault(tk[ti[n]], float(v[n]))
 
     def get(self, pk: str, tk: str) -> Optional[float]:
         return self.mem.get(pk, {}).get(tk)
@@ -239,7 +258,8 @@ class PairCache:
                       ti=np.array([ti[t] for _, t, _ in pending], np.int32),
                       v=np.array([v for _, _, v in pending], np.float32))
         name = hashlib.sha256(("".join(pkeys) + "|" + "".join(tkeys) + str(len(pending))).encode()).hexdigest()[:16]
-        write_npz_atomic(self.dir, name, arrays)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_npz(self.dir / f"part-{name}.npz", **arrays)
 
 
 def condll_namespace(model, include_first: bool, cache_tag: str = "") -> str:
@@ -282,8 +302,9 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
     holding the group's cache); targets in batches whose rows are split over the mesh's ``data`` axis (one row
     count per (prefix bucket, target bucket)). Calls are dispatched one ahead of the fetch; cache parts are written
     on a background thread. With ``settings.cache_dir`` set, computed pairs are stored on disk and reused (also by
-    an interrupted run). Pass ``params`` to use other parameters than ``model.params`` (then also a distinct
-    ``cache_tag``). With several processes every process calls this with the same arguments and gets the matrix.
+    an interrupted run). Pass ``params`` to use other parameters than ``model.params``
+    (such results are never cached). With several processes every process calls this with the same arguments and
+    gets the matrix.
     """
     from tqdm.auto import tqdm
 
@@ -302,7 +323,8 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
     t_of = {k: targets[j] for j, k in reversed(list(enumerate(tkeys)))}
     up, ut = sorted(p_of), sorted(t_of)
     with BackgroundWriter() as writer:
-        store = PairCache(settings.cache_dir, condll_namespace(model, include_first, cache_tag), writer)
+        store = PairCache(settings.cache_dir if cacheable(model, params) else None,
+                          condll_namespace(model, include_first, cache_tag), writer, set(pkeys), set(tkeys))
         have_not = np.array([[store.get(pk, tk) is None for tk in ut] for pk in up], bool).reshape(len(up), len(ut))
         missing = any_process(have_not)
         todo = {up[a]: {ut[b] for b in np.flatnonzero(missing[a])} for a in range(len(up)) if missing[a].any()}

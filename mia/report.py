@@ -16,6 +16,8 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .atomic import save_figure, write_text
+
 # column key -> header; unknown keys are shown under their own name
 HEADERS = {
     "method": "Method", "feature": "Feature", "classifier": "Classifier",
@@ -117,10 +119,10 @@ def write_tables(rows: Sequence[Mapping], out_dir, stem: str = "results", column
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {k: out / f"{stem}.{k}" for k in ("md", "csv", "tex", "json")}
-    paths["md"].write_text(markdown(rows, columns, title) + (("\n" + extra_markdown) if extra_markdown else ""))
-    paths["csv"].write_text(csv_text(rows))
-    paths["tex"].write_text(latex(rows, columns, caption=title))
-    paths["json"].write_text(json.dumps({"rows": list(rows), **(extra_json or {})}, indent=2, default=_json_default))
+    write_text(paths["md"], markdown(rows, columns, title) + (("\n" + extra_markdown) if extra_markdown else ""))
+    write_text(paths["csv"], csv_text(rows))
+    write_text(paths["tex"], latex(rows, columns, caption=title))
+    write_text(paths["json"], json.dumps({"rows": list(rows), **(extra_json or {})}, indent=2, default=_json_default))
     return paths
 
 
@@ -164,7 +166,7 @@ def plot_roc(curves: Mapping[str, tuple], labels=None, path=None, title: str = "
     fig.tight_layout()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=150)
+        save_figure(fig, path, dpi=150)
         plt.close(fig)
     return fig
 
@@ -190,6 +192,6 @@ def plot_histograms(scores: Mapping[str, Iterable[float]], labels, path=None, bi
     fig.tight_layout()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, dpi=120)
         plt.close(fig)
     return fig

@@ -361,7 +361,7 @@ def test_cli_end_to_end(tiny_neox_dir, tiny_model, tmp_path, capsys):
 
     small = write_jsonl(tmp_path / "small.jsonl", cal[:5])
     assert main(common + ["--attacks", "camia", "--calib-data", str(small)]) == 2
-    assert "needs at least 20 'calib' example(s), got 5 (give --calib-data FILE" in capsys.readouterr().err
+    assert "needs at least 10 'calib' example(s), got 5 (give --calib-data FILE" in capsys.readouterr().err
 
 
 def _ctx(model, evaluated, **partitions):

@@ -118,9 +118,14 @@ def test_shards_read_as_one_concatenation(tmp_path):
     np.testing.assert_array_equal(ds.get_rows([2, 5, 7, 8, 9]), rows[[2, 5, 7, 8, 9]])
     with pytest.raises(IndexedDataError, match="pass the single .idx"):
         IndexedDataset(bins)
-    # shards in the wrong order read different bytes: the order given is the order used
-    ds_bad = IndexedDataset(list(reversed(bins)), idx_path=idx)
-    assert not np.array_equal(ds_bad[0], rows[0])
+    # numbered shards in the wrong order would read other bytes as well-formed rows: refused, naming the shard
+    with pytest.raises(IndexedDataError, match=r"doc-00003\.bin: shard given after doc-00004\.bin .* numbered order"):
+        IndexedDataset(list(reversed(bins)), idx_path=idx)
+    # shards named without a common numbered pattern are read in the order given
+    renamed = [os.path.join(tmp_path, n) for n in ("e.bin", "d.bin", "c.bin", "b.bin", "a.bin")]
+    for b, r in zip(bins, renamed):
+        os.rename(b, r)
+    np.testing.assert_array_equal(IndexedDataset(renamed, idx_path=idx)[9], rows[9])
 
 
 def test_int64_offsets_past_4gib(tmp_path):

@@ -137,7 +137,9 @@ def test_documents_draw_check_and_tamper(tmp_path):
     o["tokens"][0] += 1
     lines[2] = json.dumps(o)
     p.write_text("\n".join(lines) + "\n")
-    assert check_split(p) == ["line 3: tokens differ from the data at position %d (first at token 0)" % o["index"]]
+    assert check_split(p) == ["line 3: row differs from its row_sha256 (id, label, partition, text or tokens edited "
+                              "after the split was written)",
+                              "line 3: tokens differ from the data at position %d (first at token 0)" % o["index"]]
     with pytest.raises(SplitError, match=r"only 0 of 1 member documents found in 6 candidate instances"):
         olmo.draw_checkpoint_split(order, 2, 1, 0, seed=0, documents=True, doc_len=2)
 

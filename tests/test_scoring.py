@@ -146,7 +146,7 @@ def test_interrupt_keeps_every_fetched_batch_on_disk(tiny_model, tmp_path, monke
     monkeypatch.setattr(sc, "jitted_token_stats", interrupting)
     with pytest.raises(Interrupt):
         compute_token_stats(tiny_model, seqs, s)
-    on_disk = sc.StatsCache(str(tmp_path), sc.cache_namespace(tiny_model)).mem
+    on_disk = sc.StatsCache(str(tmp_path), sc.cache_namespace(tiny_model)).lookup([sc.example_key(t) for t in seqs])
     assert set(on_disk) == {sc.example_key(seqs[0]), sc.example_key(seqs[1])}
     calls.clear()
     resumed = compute_token_stats(tiny_model, seqs, s)

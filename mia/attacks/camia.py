@@ -15,14 +15,22 @@ member (``diversity="low"``): repetitive texts have low loss (the paper's reason
 the same way as the loss signals; ``diversity="high"`` flips it. (The official code orients every key with the
 ground-truth labels of the whole dataset; we do not, as that leaks labels.)
 
+``orient=train`` (``camia`` and ``camia_lr``) learns the orientation instead from a labelled ``train`` partition
+(--train-data), disjoint from the evaluated examples, with the official code's rule applied to those training rows
+only (``train_orientation``): the 75 signals form 25 blocks of 3 (each base key, its Rep1 and Rep2 differences,
+token_diversity, slope, ApEn, CBPM: ``FEATURE_BLOCKS``); a block is negated when the mean of its raw values over the
+training members is above that over the training non-members (``run_ours_different_agg.py``: ``if f.T[y == 1].mean()
+> f.T[y == 0].mean(): f = -f``), rows with an undefined signal left out. ``diversity`` then does not apply.
+
 ``camia``: each signal's empirical p-value against a calibration set of non-members (partition "calib" /
 --calib-data), p = percentileofscore(calib, f, kind='rank')/100 (the code's form; the paper's is #<= / M, equal
 without ties), combined over the 75 signals by ``method``:
   edgington  mean p (the code's "agg"; the sum p_E ranks identically)
   fisher / pearson / george  scipy.stats.combine_pvalues (george = 'mudholkar_george'), after replacing exact p = 0
              by 1e-10 and p = 1 by 1 - 1e-10.
-Score = -p_combined: HIGHER = MEMBER. The calibration set must hold at least ``min_calib`` (default 20, never less
-than 10) examples whose 75 signals are all defined: p-values then live on a grid of 1/(2M) <= 1/40.
+Score = -p_combined: HIGHER = MEMBER. The calibration set must hold at least ``min_calib`` (default 10, never less
+than 10) examples whose 75 signals are all defined: p-values then live on a grid of 1/(2M) <= 1/20. (The official
+protocol calibrates on 30% of the non-members, 18 on a 60-non-member set; a default of 20 refused that.)
 
 ``camia_lr``: logistic regression on group-PCA features (App. B), trained on the labelled "train" partition
 (--train-data): per group PCA(components) fitted on the training columns (centred, not scaled), concatenated;
@@ -43,6 +51,7 @@ from ..scoring import compute_token_stats, example_key
 from . import camia_signals as cs
 from .fit import add_note
 from .registry import AttackError, register
+from ..validate import Range
 
 KEYS = ("loss", "ppl", "count_above", "lz", "count_mean", "cal_loss", "cal_ppl")
 GROUPS = KEYS + ("token_diversity", "slope", "apen", "count_above_pre")
@@ -58,6 +67,11 @@ _SIGN = {"loss": -1, "ppl": 1, "count_above": -1, "lz": 1, "count_mean": -1, "ca
          "token_diversity": 1, "slope": -1, "apen": 1, "count_above_pre": -1}
 
 
+def _feature_blocks() -> np.ndarray:
+    """[75] block id (0..24) of each signal: consecutive triples of FEATURE_NAMES (one key, one part)."""
+    return np.repeat(np.arange(25), 3)
+
+
 def _feature_table():
     names, groups = [], []
     for g, key in enumerate(GROUPS):
@@ -70,7 +84,10 @@ def _feature_table():
 
 
 FEATURE_NAMES, FEATURE_GROUPS = _feature_table()
+FEATURE_BLOCKS = _feature_blocks()
 assert len(FEATURE_NAMES) == 75 and len(GROUPS) == 11
+assert all(len({n.split("@")[0] for n, b in zip(FEATURE_NAMES, FEATURE_BLOCKS) if b == k}) == 1 for k in range(25))
+ORIENTS = ("label_free", "train")
 METHODS = ("edgington", "fisher", "pearson", "george")
 MIN_CALIB_FLOOR = 10
 REPEATS = 6
@@ -88,6 +105,48 @@ def orientation(diversity: str = "low") -> np.ndarray:
                           f"got {diversity!r}")
     sign = dict(_SIGN, token_diversity=1 if diversity == "low" else -1)
     return np.array([sign[GROUPS[g]] for g in FEATURE_GROUPS], np.float64)
+
+
+def train_orientation(f_raw: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """[75] signs learned from labelled RAW signals ``f_raw`` [M, 75] and labels ``y`` [M] (1 = member): per block of
+    3 (``FEATURE_BLOCKS``), -1 when the members' mean over the block's values exceeds the non-members', else +1 (the
+    official code's rule, here on training rows only). Rows with an undefined signal are left out."""
+    f = np.asarray(f_raw, np.float64)
+    keep = np.isfinite(f).all(axis=1)
+    f, y = f[keep], np.asarray(y)[keep]
+    if not ((y == 1).any() and (y == 0).any()):
+        raise AttackError(f"attack camia: orient=train needs training members and non-members with all 75 signals; "
+                          f"got {int((y == 1).sum())} member(s), {int((y == 0).sum())} non-member(s)")
+    sign = np.ones(f.shape[1])
+    for b in np.unique(FEATURE_BLOCKS):
+        cols = FEATURE_BLOCKS == b
+        if f[y == 1][:, cols].mean() > f[y == 0][:, cols].mean():
+            sign[cols] = -1.0
+    return sign
+
+
+def labelled_train(ctx, attack: str) -> list:
+    """The 'train' partition's examples labelled 0/1; an error unless both classes are there."""
+    train = [e for e in (ctx.partitions.get("train") or []) if e.label in (0, 1)]
+    counts = [sum(e.label == c for e in train) for c in (0, 1)]
+    if min(counts) == 0:
+        raise AttackError(f"attack {attack} needs a labelled 'train' partition with both members and non-members "
+                          f"(give --train-data FILE with label 0/1); got {counts[1]} member(s), "
+                          f"{counts[0]} non-member(s)")
+    return train
+
+
+def signal_orientation(ctx, attack: str, orient: str, diversity: str) -> np.ndarray:
+    """[75] signs: the label-free default (``orientation(diversity)``) or learned from the train partition."""
+    if orient not in ORIENTS:
+        raise AttackError(f"attack {attack}: orient must be one of {', '.join(ORIENTS)}; got {orient!r}")
+    if orient == "label_free":
+        return orientation(diversity)
+    train = labelled_train(ctx, f"{attack}:orient=train")
+    f_tr = features(ctx, train, ctx.stats_for(train, desc="camia: training"), "training")
+    add_note(ctx, f"{attack}: signal orientation learned from {len(train)} labelled 'train' example(s) "
+                  f"(the official per-block mean rule); diversity={diversity} not used")
+    return train_orientation(f_tr, np.array([e.label for e in train]))
 
 
 # ------------------------------------------------------------------------------------------------ signals
@@ -238,15 +297,21 @@ def group_pca_lr_scores(f_train: np.ndarray, y_train: np.ndarray, f_eval: np.nda
     return score
 
 
-@register("camia", needs=("stats", "model", "text", "calib"), method="edgington", min_calib=20, diversity="low")
-def _camia(ctx, *, method: str, min_calib: int, diversity: str) -> np.ndarray:
-    """CAMIA: 75 context-aware signals, p-values vs calibration non-members, combined; -p (higher = member)."""
+@register("camia", needs=("stats", "model", "text", "calib"), method="edgington", min_calib=MIN_CALIB_FLOOR,
+          diversity="low", orient="label_free",
+          limits={"method": METHODS, "min_calib": Range(MIN_CALIB_FLOOR), "diversity": ("low", "high"),
+                  "orient": ORIENTS})
+def _camia(ctx, *, method: str, min_calib: int, diversity: str, orient: str = "label_free") -> np.ndarray:
+    """CAMIA: 75 context-aware signals, p-values vs calibration non-members, combined; -p (higher = member).
+    ``orient=train``: signal orientation learned from the labelled train partition (needs --train-data)."""
     if method not in METHODS:
         raise AttackError(f"attack camia: unknown method {method!r}; valid: {', '.join(METHODS)}")
     if min_calib < MIN_CALIB_FLOOR:
         raise AttackError(f"attack camia: min_calib must be at least {MIN_CALIB_FLOOR}, got {min_calib}")
-    sign = orientation(diversity)
+    if orient not in ORIENTS:
+        raise AttackError(f"attack camia: orient must be one of {', '.join(ORIENTS)}; got {orient!r}")
     calib = ctx.partition("calib", min_calib, flag="--calib-data")
+    sign = signal_orientation(ctx, "camia", orient, diversity)
     f_eval = features(ctx, ctx.examples, ctx.stats(), "evaluated") * sign
     f_cal = features(ctx, calib, ctx.stats_for(calib, desc="camia: calibration"), "calibration") * sign
     n_cal = int(_finite_rows(f_cal).sum())
@@ -256,19 +321,15 @@ def _camia(ctx, *, method: str, min_calib: int, diversity: str) -> np.ndarray:
     return pvalue_scores(f_eval, f_cal, method)
 
 
-@register("camia_lr", needs=("stats", "model", "text", "train"), components=2, diversity="low")
-def _camia_lr(ctx, *, components: int, diversity: str) -> np.ndarray:
+@register("camia_lr", needs=("stats", "model", "text", "train"), components=2, diversity="low", orient="label_free",
+          limits={"components": Range(1, 3), "diversity": ("low", "high"), "orient": ORIENTS})
+def _camia_lr(ctx, *, components: int, diversity: str, orient: str = "label_free") -> np.ndarray:
     """CAMIA signals -> per-group PCA -> logistic regression trained on labelled --train-data (higher = member)."""
     if not 1 <= components <= 3:
         raise AttackError(f"attack camia_lr: components must be 1, 2 or 3 (the smallest group has 3 signals), "
                           f"got {components}")
-    sign = orientation(diversity)
-    train = [e for e in (ctx.partitions.get("train") or []) if e.label in (0, 1)]
-    counts = [sum(e.label == c for e in train) for c in (0, 1)]
-    if min(counts) == 0:
-        raise AttackError(f"attack camia_lr needs a labelled 'train' partition with both members and non-members "
-                          f"(give --train-data FILE with label 0/1); got {counts[1]} member(s), "
-                          f"{counts[0]} non-member(s)")
+    train = labelled_train(ctx, "camia_lr")
+    sign = signal_orientation(ctx, "camia_lr", orient, diversity)
     f_tr = features(ctx, train, ctx.stats_for(train, desc="camia: training"), "training") * sign
     f_ev = features(ctx, ctx.examples, ctx.stats(), "evaluated") * sign
     return group_pca_lr_scores(f_tr, np.array([e.label for e in train]), f_ev, components)

@@ -12,7 +12,10 @@ half the context each instead of stopping with "no room for a prefix". Both cuts
 
 em_mia, from an initial score f0 (higher = member; NaN -> 0), ``iters`` = 10 times, no convergence test:
   y_x = 1[f(x) > median(f)]              (strict >)
-  r_p = AUC(R[p, :], y)                  (ties count 1/2; ``prefix_score=rankdist``: 1 - mean|rank R[p,:] - rank f|/(N-1))
+  r_p = AUC(R[p, :], y)                  (ties count 1/2; the official code's two alternatives:
+                                          ``prefix_score=kendall``: Kendall's tau-b(R[p,:], f), scipy ``kendalltau``
+                                          as em-mia's "Kendall-Tau"; NaN (a constant row or f) -> f = 0 below;
+                                          ``prefix_score=rankdist``: 1 - mean|rank R[p,:] - rank f|/(N-1))
   f(x) = -r_x                            (a good non-member prefix is a non-member); NaN -> 0
 Output f after the last iteration. HIGHER = MEMBER (em-mia's own convention too). The initial score is one of
 loss | zlib | mink | minkpp | ref, computed by that registered attack with its defaults (em-mia: Min-K k = 0.2).
@@ -28,6 +31,7 @@ from ..conditional import loglik_matrix
 from .fit import add_note, context_length, prefix_room
 from .recall import fitted_targets, memo
 from .registry import AttackError, get, register
+from ..validate import Range
 
 INITS = ("loss", "zlib", "mink", "minkpp", "ref")
 
@@ -66,17 +70,34 @@ def rank_dist(scores_rn: np.ndarray, f_n: np.ndarray) -> np.ndarray:
     return 1.0 - np.abs(average_ranks(scores_rn) - average_ranks(np.asarray(f_n)[None])).mean(1) / max(n - 1, 1)
 
 
+def rowwise_kendall_tau(scores_rn: np.ndarray, f_n: np.ndarray) -> np.ndarray:
+    """[R] Kendall's tau-b of each row with f (scipy ``kendalltau``, the em-mia "Kendall-Tau" prefix score; NaN when
+    a row or f is constant). O(N log N) per row."""
+    from scipy.stats import kendalltau
+
+    f = np.asarray(f_n, np.float64)
+    return np.array([kendalltau(row, f).statistic for row in np.asarray(scores_rn, np.float64)], np.float64)
+
+
+PREFIX_SCORES = ("auc", "kendall", "rankdist")
+
+
 def em_mia_scores(r_pn: np.ndarray, f0: np.ndarray, *, iters: int = 10, prefix_score: str = "auc") -> np.ndarray:
     """EM-MIA iterations on a ReCaLL matrix R [N, N] (rows = prefixes) from the initial score f0 [N]."""
+    if iters < 1:  # zero iterations would return the initial score under em_mia's name
+        raise AttackError(f"attack em_mia: iters must be >= 1, got {iters}")
     f = np.nan_to_num(np.asarray(f0, np.float64), nan=0.0)
     r_pn = np.asarray(r_pn, np.float64)
     for _ in range(iters):
         if prefix_score == "auc":
             r = rowwise_auc(r_pn, f > np.median(f))
+        elif prefix_score == "kendall":
+            r = rowwise_kendall_tau(r_pn, f)
         elif prefix_score == "rankdist":
             r = rank_dist(r_pn, f)
         else:
-            raise AttackError(f"attack em_mia: prefix_score must be 'auc' or 'rankdist', got {prefix_score!r}")
+            raise AttackError(f"attack em_mia: prefix_score must be one of {', '.join(PREFIX_SCORES)}; "
+                              f"got {prefix_score!r}")
         f = np.nan_to_num(-r, nan=0.0)
     return f
 
@@ -110,9 +131,13 @@ def initial_score(ctx, init: str) -> np.ndarray:
     return np.asarray(spec.fn(ctx, **spec.defaults), np.float64)
 
 
-@register("em_mia", needs=("model", "stats"), init="loss", iters=10, prefix_score="auc")
+@register("em_mia", needs=("model", "stats"), init="loss", iters=10, prefix_score="auc",
+          limits={"init": INITS, "iters": Range(1), "prefix_score": ("auc", "rankdist")})
 def _em_mia(ctx, *, init: str, iters: int, prefix_score: str) -> np.ndarray:
-    """EM-MIA: prefix scores (AUC of R[p,:] vs median pseudo-labels) and membership f = -r, iterated (higher = member)."""
+    """EM-MIA: prefix scores (AUC of R[p,:] vs median pseudo-labels; or kendall, rankdist) and membership f = -r,
+    iterated (higher = member)."""
+    if prefix_score not in PREFIX_SCORES:
+        raise AttackError(f"attack em_mia: prefix_score must be one of {', '.join(PREFIX_SCORES)}; got {prefix_score!r}")
     f0 = initial_score(ctx, init)
     return em_mia_scores(recall_matrix(ctx), f0, iters=iters, prefix_score=prefix_score)
 

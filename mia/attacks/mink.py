@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .registry import AttackError, register
+from ..validate import Range
 
 
 def k_count_table(k: float, length: int) -> np.ndarray:
@@ -68,7 +69,7 @@ def pad_batch(arrays: dict, min_len: int = 16) -> tuple[dict, int]:
     return out, n
 
 
-@register("mink", needs=("stats",), k=0.2)
+@register("mink", needs=("stats",), k=0.2, limits={"k": Range(0, 1, lo_open=True)})
 def _mink(ctx, *, k: float) -> np.ndarray:
     """Min-K%: mean of the max(1, floor(k(T-1))) lowest token log-probs (higher = member). Shi et al. 2024."""
     k = check_k("mink", k)

@@ -16,6 +16,7 @@ import numpy as np
 
 from .mink import bottom_k_mean, check_k, pad_batch
 from .registry import register
+from ..validate import Range
 
 
 def z_scores(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Array) -> jax.Array:
@@ -33,7 +34,7 @@ def _min_k_plus_plus(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl
 min_k_plus_plus = jax.jit(_min_k_plus_plus, static_argnames=("k",))
 
 
-@register("minkpp", needs=("stats",), k=0.2)
+@register("minkpp", needs=("stats",), k=0.2, limits={"k": Range(0, 1, lo_open=True)})
 def _minkpp(ctx, *, k: float) -> np.ndarray:
     """Min-K%++: mean of the max(1, floor(k(T-1))) lowest z = (logp - mu)/sigma (higher = member). Zhang et al. 2024."""
     k = check_k("minkpp", k)

@@ -59,6 +59,7 @@ from ..conditional import token_logprobs
 from ..scoring import chunk_size, engine_layout, pipelined, placed_params, plan_batches, put_padded, rows_per_device
 from ..sharding import compose
 from .registry import AttackError, register
+from ..validate import Range
 
 
 NOISE_BLOCK = 1 << 22  # elements of one noise block (see the module docstring): 16 MiB of uint32 counters
@@ -229,7 +230,8 @@ def jitted_mope(model, n: int, sigma: float, chunk: int):
     return build_mope_step(model, mesh, shardings, n, sigma, chunk)
 
 
-@register("mope", needs=("model",), n=10, sigma=0.005, chunk=2)
+@register("mope", needs=("model",), n=10, sigma=0.005, chunk=2,
+          limits={"n": Range(1), "sigma": Range(0, lo_open=True), "chunk": Range(1)})
 def _mope(ctx, *, n: int, sigma: float, chunk: int) -> np.ndarray:
     """MoPe: mean NLL under n Gaussian-perturbed models minus the NLL of the model (higher = member). Li et al. 2023."""
     if n < 1 or chunk < 1 or not sigma > 0:

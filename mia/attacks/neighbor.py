@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from ..atomic import write_json
 from ..scoring import compute_token_stats
 from .recall import memo, unconditional_ll
 from .registry import AttackError, register
+from ..validate import Range
 
 NEIGHBOR_VERSION = "1"
 
@@ -62,22 +64,25 @@ def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
         f = root / f"{h}.json" if root else None
         if f is not None and f.exists():
             try:
-                out.append(json.loads(f.read_text())["neighbors"])
+                entry = json.loads(f.read_text())
+                if entry["text"] != text or not all(isinstance(x, str) for x in entry["neighbors"]):
+                    raise ValueError("entry is for another text or not a list of texts")
+                out.append(entry["neighbors"])
                 continue
-            except (json.JSONDecodeError, KeyError):
-                pass
+            except (OSError, ValueError, KeyError, TypeError) as e:  # recomputed and rewritten below
+                print(f"warning: cache file {f} is damaged ({type(e).__name__}: {e}); its entries are recomputed",
+                      file=sys.stderr)
         # the text's hash picks the dropout stream, so a text's neighbours do not depend on its position in the data
         nb = neighbours(mlm, text, jax.random.fold_in(key, int(h[:7], 16)), n=n, k=k, p=p)
         if f is not None:
             root.mkdir(parents=True, exist_ok=True)
-            tmp = f.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"text": text, "neighbors": nb}))
-            os.replace(tmp, f)
+            write_json(f, {"text": text, "neighbors": nb})
         out.append(nb)
     return out
 
 
-@register("neighbor", needs=("stats", "text", "mlm"), n=10, k=5, p=0.7)
+@register("neighbor", needs=("stats", "text", "mlm"), n=10, k=5, p=0.7,
+          limits={"n": Range(1), "k": Range(1), "p": Range(0, 1, hi_open=True)})
 def _neighbor(ctx, *, n: int, k: int, p: float) -> np.ndarray:
     """LL(x) - mean LL(masked-LM neighbours of x) (higher = member). Mattern et al. 2023."""
     if n < 1 or k < 1 or not 0 <= p < 1:

@@ -42,6 +42,7 @@ from .context import assert_disjoint
 from .fit import add_note, context_length, cut_note, cut_targets, prefix_room, truncated_ll
 from .loss import mean_loglik
 from .registry import AttackError, register
+from ..validate import Range
 
 
 def memo(ctx) -> dict:
@@ -83,13 +84,19 @@ def recall_prefix(ctx, n: int) -> np.ndarray:
     if n < 1:
         raise AttackError(f"attack recall: n must be >= 1, got {n}")
     shots = ctx.partition("prefix", min_size=n, flag="--prefix-data")[:n]
-    assert_disjoint(ctx.examples, shots, "recall: prefix data")
+    return fitted_prefix(ctx, shots, n, "recall")
+
+
+def fitted_prefix(ctx, shots: list, n: int, what: str) -> np.ndarray:
+    """Token ids of ``shots`` (the first n of a prefix partition) as a prefix fitted to the model context
+    (``build_prefix`` + ``mia.attacks.fit``), checked disjoint from the evaluated examples, with a note."""
+    assert_disjoint(ctx.examples, shots, f"{what}: prefix data")
     longest = max(len(e.tokens) for e in ctx.examples)
     C = context_length(ctx)
     wanted = len(build_prefix(shots, ctx.model.tokenizer, 1 << 62)[0])
     ids, k, mode, partial = build_prefix(shots, ctx.model.tokenizer, prefix_room(C, longest, wanted))
     how = "joined as text with no separator" if mode == "text" else "as concatenated token ids"
-    note = f"recall: prefix = {k} shot(s) {how}, {len(ids)} tokens"
+    note = f"{what}: prefix = {k} shot(s) {how}, {len(ids)} tokens"
     if partial:
         note += f" (the last {len(ids)} tokens of the last shot"
     elif k < n:
@@ -98,6 +105,17 @@ def recall_prefix(ctx, n: int) -> np.ndarray:
         note += f" so that prefix + target fit the {C}-token context the model was trained at)"
     add_note(ctx, note)
     return ids
+
+
+def conditional_ll(ctx, prefix: np.ndarray, targets: list, include_first: bool, desc: str) -> np.ndarray:
+    """[N] LL(x | prefix) over ``targets`` (``mia.conditional``, the prefix's KV cache computed once), memoized per
+    run by (prefix tokens, include_first, target length) so attacks sharing a prefix share the pass."""
+    key = ("recall", prefix.tobytes(), bool(include_first), max(len(t) for t in targets))
+    m = memo(ctx)
+    if key not in m:
+        m[key] = loglik_matrix(ctx.model, [prefix], targets, include_first=include_first,
+                               settings=ctx.settings, desc=desc)[0]
+    return m[key]
 
 
 def fitted_targets(ctx, prefix_len: int, min_tokens: int, what: str) -> tuple[list, np.ndarray]:
@@ -116,7 +134,8 @@ def recall_scores(ll_cond: np.ndarray, ll: np.ndarray) -> np.ndarray:
     return np.asarray(ll_cond, np.float64) / np.asarray(ll, np.float64)
 
 
-@register("recall", needs=("model", "stats", "prefix"), n=12, include_first=True, variant="official", tokens=100)
+@register("recall", needs=("model", "stats", "prefix"), n=12, include_first=True, variant="official", tokens=100,
+          limits={"n": Range(1), "variant": VARIANTS, "tokens": Range(2)})
 def _recall(ctx, *, n: int = 12, include_first: bool = True, variant: str = "official", tokens: int = 100) -> np.ndarray:
     """ReCaLL: LL(x | n-shot non-member prefix) / LL(x) (higher = member), Xie et al. 2024; ``variant=checkmia``:
     CheckMIABench's LL([P; x]) - LL(x) with a ``tokens``-token prefix, the paper's orientation (higher = member)."""
@@ -126,12 +145,7 @@ def _recall(ctx, *, n: int = 12, include_first: bool = True, variant: str = "off
         return checkmia_recall(ctx, tokens)
     prefix = recall_prefix(ctx, n)
     targets, ll = fitted_targets(ctx, len(prefix), 1 if include_first else 2, "recall")
-    key = ("recall", prefix.tobytes(), bool(include_first), max(len(t) for t in targets))
-    m = memo(ctx)
-    if key not in m:
-        m[key] = loglik_matrix(ctx.model, [prefix], targets, include_first=include_first,
-                               settings=ctx.settings, desc="recall: conditional LL")[0]
-    return recall_scores(m[key], ll)
+    return recall_scores(conditional_ll(ctx, prefix, targets, include_first, "recall: conditional LL"), ll)
 
 
 # ------------------------------------------------------------------------------------------------ CheckMIABench's
@@ -173,11 +187,7 @@ def checkmia_recall_scores(prefix_logprob_sum: float, n_prefix: int, ll_cond: np
 def checkmia_recall(ctx, tokens: int) -> np.ndarray:
     prefix = checkmia_prefix(ctx, tokens)
     targets, ll = fitted_targets(ctx, len(prefix), 1, "recall:variant=checkmia")
-    key = ("recall", prefix.tobytes(), True, max(len(t) for t in targets))
-    m = memo(ctx)
-    if key not in m:
-        m[key] = loglik_matrix(ctx.model, [prefix], targets, include_first=True,
-                               settings=ctx.settings, desc="recall: conditional LL")[0]
+    ll_cond = conditional_ll(ctx, prefix, targets, True, "recall: conditional LL")
     own = ctx.stats_for([Example("recall-prefix", tokens=prefix)], desc="recall: prefix")[0]["logprob"]
-    return checkmia_recall_scores(float(np.sum(np.asarray(own, np.float64))), len(prefix), m[key],
+    return checkmia_recall_scores(float(np.sum(np.asarray(own, np.float64))), len(prefix), ll_cond,
                                   np.array([len(t) for t in targets]), ll)

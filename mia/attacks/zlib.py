@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .loss import mean_loglik
+from .loss import loglik_mask, mean_loglik
 from .mink import pad_batch
 from .registry import register
 
@@ -36,14 +36,17 @@ def zlib_ratio(loglik_b: jax.Array, zlen_b: jax.Array) -> jax.Array:
     return loglik_b.astype(jnp.float32) / zlen_b.astype(jnp.float32)
 
 
-@register("zlib", needs=("stats", "text"))
-def _zlib_attack(ctx) -> np.ndarray:
-    """LL / zlib-compressed byte length of the text (higher = member). Carlini et al. 2021."""
+@register("zlib", needs=("stats", "text"), skip_eos=False)
+def _zlib_attack(ctx, *, skip_eos: bool = False) -> np.ndarray:
+    """LL / zlib-compressed byte length of the text (higher = member). Carlini et al. 2021. ``skip_eos``: LL without
+    end-of-document targets (``mia.attacks.loss``)."""
     p = ctx.padded()
-    padded, n = pad_batch({"logprob": p["logprob"], "mask": p["mask"]})
+    mask = loglik_mask(ctx, skip_eos)
+    padded, n = pad_batch({"logprob": p["logprob"], "mask": mask})
     z = np.ones(padded["mask"].shape[0], np.float32)
     z[:n] = [zlib_length(t) for t in ctx.texts()]
-    return np.asarray(zlib_ratio(mean_loglik(padded["logprob"], padded["mask"]), z))[:n]
+    out = np.asarray(zlib_ratio(mean_loglik(padded["logprob"], padded["mask"]), z))[:n]
+    return np.where(mask.any(axis=1), out, np.nan)
 
 
 @register("zlib_entropy", needs=("text",))

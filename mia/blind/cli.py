@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import sys
 
+from ..atomic import write_text
+
 
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
 def add_blind_parser(subparsers) -> None:
+    from .. import validate as V
+
     p = subparsers.add_parser(
         "blind", help="model-free baselines: can members be told apart without the model?",
         description="Train blind classifiers (features x classifiers) on partition 'train' of a split, score partition "
@@ -28,15 +32,35 @@ def add_blind_parser(subparsers) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory to decode token ids for 'bert' and name tokens for 'w2v' "
                         "(default: source.tokenizer of the split header)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the AUC standard error")
-    p.add_argument("--alpha", type=float, default=0.05, help="family-wise significance level of the shift verdict")
-    p.add_argument("--n-train", type=int, default=None, help="use at most this many training examples per class")
-    p.add_argument("--n-eval", type=int, default=None, help="use at most this many evaluation examples per class")
-    p.add_argument("--cv-folds", type=int, default=3,
+    p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
+    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000, help="bootstrap resamples for the AUC standard error")
+    p.add_argument("--alpha", type=V.arg_float(0, 1, lo_open=True, hi_open=True), default=0.05, help="family-wise significance level of the shift verdict")
+    p.add_argument("--n-train", type=V.arg_int(1), default=None, help="use at most this many training examples per class")
+    p.add_argument("--n-eval", type=V.arg_int(1), default=None, help="use at most this many evaluation examples per class")
+    p.add_argument("--cv-folds", type=V.arg_int(2), default=3,
                    help="folds of the cross-validation on the training partition that chooses each feature's "
                         "classifier (default 3)")
     p.set_defaults(func=cmd_blind)
+
+
+def check_blind_args(args) -> None:
+    """Every option of ``mia blind`` checked before any feature is computed (``mia.validate``)."""
+    from .classifiers import CLASSIFIER_NAMES
+    from .features import FEATURE_NAMES
+    from .. import validate as V
+    from .run import BlindError
+
+    V.input_file(args.split, "--split", error=BlindError)
+    V.output_dir(args.out, "--out", error=BlindError)
+    for flag in ("encoder", "tokenizer"):
+        if getattr(args, flag):
+            V.input_dir(getattr(args, flag), f"--{flag}", error=BlindError)
+    for flag, known in (("features", FEATURE_NAMES), ("classifiers", CLASSIFIER_NAMES)):
+        names = V.nonempty(_csv(getattr(args, flag)), f"--{flag} {getattr(args, flag)!r}", error=BlindError)
+        for name in names:
+            V.text(name, f"--{flag}", choices=known, error=BlindError)
+        if len(set(names)) < len(names):
+            raise BlindError(f"--{flag}: a name is given twice ({getattr(args, flag)})")
 
 
 def cmd_blind(args) -> int:
@@ -45,6 +69,7 @@ def cmd_blind(args) -> int:
     from .. import report
     from .run import run_blind, shift_verdict
 
+    check_blind_args(args)
     notes: list[str] = []
 
     def warn(msg: str) -> None:
@@ -74,10 +99,10 @@ def cmd_blind(args) -> int:
     paths = report.write_tables(rows, out, stem="blind", columns=cols_chosen, title="Blind baselines",
                                 extra_json={"verdict": verdict, "notes": notes,
                                             "params": {k: v for k, v in vars(args).items() if k != "func"}})
-    paths["md"].write_text(md)
-    paths["tex"].write_text(report.latex(chosen, cols_chosen, caption=t_chosen)
-                            + "\n" + report.latex(best, cols_best, caption=t_best)
-                            + "\n" + report.latex(runs, cols_run, caption="Blind baselines: all runs"))
+    write_text(paths["md"], md)
+    write_text(paths["tex"], report.latex(chosen, cols_chosen, caption=t_chosen)
+               + "\n" + report.latex(best, cols_best, caption=t_best)
+               + "\n" + report.latex(runs, cols_run, caption="Blind baselines: all runs"))
     report.plot_roc(scores, labels, path=out / "blind_roc.png", title="Blind baselines")
     print(report.markdown(chosen, cols_chosen, title=t_chosen))
     print(verdict["text"])

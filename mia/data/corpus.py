@@ -22,6 +22,9 @@ import sysconfig
 from pathlib import Path
 from typing import Optional
 
+from ..atomic import write_text
+from ..offline import force_offline
+
 DIR_SUFFIXES = (".txt", ".md", ".py")
 TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # Path components that are never library source (tests, IDE, bundled third-party packages, caches, demo scripts).
@@ -81,9 +84,7 @@ class Corpus:
     def write_manifest(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.manifest(), indent=1))
-        os.replace(tmp, path)
+        write_text(path, json.dumps(self.manifest(), indent=1))
         return path
 
 
@@ -194,7 +195,7 @@ def table_corpus(path, text_column: str = "text", max_bytes: Optional[int] = Non
         raise CorpusError(f"{path}: unsupported corpus file type {path.suffix!r} (use .jsonl, .json or .parquet)")
     if not os.access(path, os.R_OK):
         raise CorpusError(f"{path}: cannot read (permission denied)")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    force_offline()
     import datasets
 
     try:

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..atomic import save_npz, write_text
 from .splits import Split, read_split, write_split
 
 DIFFICULTIES = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
@@ -210,7 +211,7 @@ def build_difficulty_splits(pool, out_dir, *, encoder: Any = None, encoder_dir: 
             encoder = load_encoder(encoder_dir)
         # float32, as saved: a later run with --embeddings then computes exactly what this one does
         emb = embed_pool(ordered, encoder, tokenizer).astype(np.float32)
-        np.savez(out / "embeddings.npz", ids=np.array(ids), emb=emb)
+        save_npz(out / "embeddings.npz", ids=np.array(ids), emb=emb)
     sel = graded_splits(emb[: len(members)], emb[len(members):], size=size, k=k, niter=niter, seed=seed,
                         threshold=threshold)
     params = {"size": size, "k": k, "niter": niter, "seed": seed, "threshold": threshold, "medium_seeds": [43, 44],
@@ -233,7 +234,7 @@ def build_difficulty_splits(pool, out_dir, *, encoder: Any = None, encoder_dir: 
                              "eval": len(examples)},
                   "partitions": {"eval": len(examples)}}
         paths[name] = write_split(out / f"{name}.jsonl", header, examples)
-    (out / "difficulty.json").write_text(json.dumps({"params": params, "info": sel["_info"]}, indent=2))
+    write_text(out / "difficulty.json", json.dumps({"params": params, "info": sel["_info"]}, indent=2))
     return paths
 
 

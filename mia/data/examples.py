@@ -12,6 +12,8 @@ from typing import Optional
 
 import numpy as np
 
+from .. import validate as V
+
 
 class DataError(ValueError):
     """Malformed input data; the message names the file and line."""
@@ -33,55 +35,69 @@ class Example:
         return 0 if self.tokens is None else int(len(self.tokens))
 
 
-def read_examples(path) -> tuple[dict, list[Example]]:
-    """(header, examples) from a JSONL file; the header is {} for plain example files."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file not found: {path}")
+SCORE_PARTITIONS = ("eval", "prefix", "calib", "train")  # what ``mia score`` reads; README "Bad input"
+
+
+def read_examples(path, partitions: Optional[tuple] = SCORE_PARTITIONS,
+                  what: str = "data file") -> tuple[dict, list[Example]]:
+    """(header, examples) from a JSONL file; the header is {} for plain example files.
+
+    Every field goes through ``mia.validate`` (one ``DataError`` naming file:line and field): ``id`` a string or
+    integer, unique; ``label`` 0 or 1; ``text`` valid Unicode; ``tokens`` ids in [0, 2**31); ``partition`` one of
+    ``partitions`` (None: any name), so a misspelt partition is an error, not a line silently left unscored.
+    """
+    path = V.input_file(path, what, error=DataError)
     header: dict = {}
     out: list[Example] = []
     seen: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 (byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:
+                raise DataError(f"{where}: invalid JSON ({getattr(e, 'msg', type(e).__name__)})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             if obj.get("type") == "header":
                 header = obj
                 continue
-            if "id" not in obj:
-                raise DataError(f"{where}: field 'id' is missing")
-            ex_id = str(obj["id"])
-            if ex_id in seen:
-                raise DataError(f"{where}: duplicate id {ex_id!r} (first at {seen[ex_id]})")
-            seen[ex_id] = where
-            label = obj.get("label")
-            if label is not None:
-                if isinstance(label, bool) or label not in (0, 1):
-                    raise DataError(f"{where}: field 'label' must be 0 or 1 (1 = member), got {label!r}")
-                label = int(label)
-            has_text, has_tokens = obj.get("text") is not None, obj.get("tokens") is not None
-            if not has_text and not has_tokens:
-                raise DataError(f"{where}: needs a 'text' or a 'tokens' field")
-            tokens = None
-            if has_tokens:
-                toks = obj["tokens"]
-                if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks):
-                    raise DataError(f"{where}: field 'tokens' must be a list of non-negative integers")
-                tokens = np.asarray(toks, np.int32)
-            text = obj.get("text")
-            if has_text and not isinstance(text, str):
-                raise DataError(f"{where}: field 'text' must be a string")
-            out.append(Example(ex_id, tokens, text, label, str(obj.get("partition", "eval")), source=where))
+            out.append(_example(obj, where, seen, partitions))
     if not out:
         raise DataError(f"{path}: no examples")
     return header, out
+
+
+def _example(obj: dict, where: str, seen: dict, partitions: Optional[tuple]) -> Example:
+    """One checked example from one JSON object (``seen``: id -> where, updated)."""
+    if "id" not in obj:
+        raise DataError(f"{where}: field 'id' is missing")
+    raw_id = obj["id"]
+    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+        raise DataError(f"{where}: field 'id' must be a string or an integer, got {type(raw_id).__name__}")
+    ex_id = V.text(str(raw_id), f"{where}: field 'id'", error=DataError)
+    if ex_id in seen:
+        raise DataError(f"{where}: duplicate id {ex_id[:80]!r} (first at {seen[ex_id]})")
+    seen[ex_id] = where
+    label = obj.get("label")
+    if label is not None:
+        if isinstance(label, bool) or label not in (0, 1):
+            raise DataError(f"{where}: field 'label' must be 0 or 1 (1 = member), got {str(label)[:40]!r}")
+        label = int(label)
+    has_text, has_tokens = obj.get("text") is not None, obj.get("tokens") is not None
+    if not has_text and not has_tokens:
+        raise DataError(f"{where}: needs a 'text' or a 'tokens' field")
+    tokens = V.token_ids(obj["tokens"], f"{where}: field 'tokens'", error=DataError) if has_tokens else None
+    text = V.text(obj["text"], f"{where}: field 'text'", error=DataError) if has_text else None
+    partition = V.text(obj.get("partition", "eval"), f"{where}: field 'partition'", choices=partitions,
+                       error=DataError)
+    return Example(ex_id, tokens, text, label, partition, source=where)
 
 
 def out_of_vocab(tokens, vocab_size: int) -> Optional[tuple]:
@@ -97,12 +113,36 @@ def out_of_vocab(tokens, vocab_size: int) -> Optional[tuple]:
     return where, int(arr[where])
 
 
+CUT_CHARS_PER_TOKEN = 16  # first cut of a long text before tokenizing: max_length * 16 characters
+CUT_MARGIN_TOKENS = 64  # a cut is kept when it gives at least max_length + 64 tokens (else it grows 4x)
+
+
+def bounded_token_ids(tokenizer, text: str, max_length: Optional[int]) -> tuple[np.ndarray, bool]:
+    """(token ids of ``text``, whether it was cut before tokenizing). Tokenizing a hostile 30 MB line in full
+    would take gigabytes; so a text longer than ``max_length * 16`` characters is cut to that many characters
+    first, and the cut grows 4x until it yields at least ``max_length + 64`` tokens or covers the whole text.
+    The first ``max_length`` ids then equal those of the whole text: tokenizers split into pre-tokens and merge
+    locally, and the cut lies at least 64 tokens past what is kept (the caller truncates to ``max_length``)."""
+    encode = lambda s: np.asarray(tokenizer(s)["input_ids"], np.int32)
+    if max_length is None:
+        return encode(text), False
+    n = max_length * CUT_CHARS_PER_TOKEN
+    while n < len(text):
+        ids = encode(text[:n])
+        if len(ids) >= max_length + CUT_MARGIN_TOKENS:
+            return ids, True
+        n *= 4
+    return encode(text), False
+
+
 def tokenize_examples(examples: list[Example], tokenizer, max_length: Optional[int], skip_invalid: bool = False,
-                      vocab_size: Optional[int] = None) -> list[Example]:
+                      vocab_size: Optional[int] = None, notes: Optional[list] = None) -> list[Example]:
     """Fill ``tokens`` (tokenizer defaults) and truncate to ``max_length``; validate that each has >= 2 tokens.
 
-    Token ids given in the file are used as they are (never decoded and re-encoded).
+    Token ids given in the file are used as they are (never decoded and re-encoded). Long texts are cut before
+    tokenizing (``bounded_token_ids``); ``notes`` (a list) receives one line saying how many were.
     """
+    n_cut = 0
     for ex in examples:
         if ex.tokens is None:
             if tokenizer is None:
@@ -110,7 +150,8 @@ def tokenize_examples(examples: list[Example], tokenizer, max_length: Optional[i
             if ex.text == "":
                 ex.tokens = np.zeros(0, np.int32)
             else:
-                ex.tokens = np.asarray(tokenizer(ex.text)["input_ids"], np.int32)
+                ex.tokens, cut = bounded_token_ids(tokenizer, ex.text, max_length)
+                n_cut += cut
         bad = out_of_vocab(ex.tokens, vocab_size) if vocab_size is not None else None
         if bad is not None:
             raise DataError(f"{ex.source}: token {bad[0][0]} is id {bad[1]}, outside the model vocabulary "
@@ -123,4 +164,8 @@ def tokenize_examples(examples: list[Example], tokenizer, max_length: Optional[i
             if not skip_invalid:
                 raise DataError(f"{ex.source}: {reason} (use --skip-invalid to record and continue)")
             ex.invalid = reason
+    if n_cut and notes is not None:
+        notes.append(f"{n_cut} text(s) longer than {max_length * CUT_CHARS_PER_TOKEN} characters were cut before "
+                     f"tokenizing (at least {max_length + CUT_MARGIN_TOKENS} tokens kept, then truncated to "
+                     f"--max-length {max_length}); they are marked truncated")
     return examples

@@ -19,11 +19,14 @@ rows asked for. All offset arithmetic is int64.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
-from typing import Iterable, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
+
+from ..atomic import atomic_write
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -76,8 +79,7 @@ def write_idx(idx_path: PathLike, sizes, dtype=np.uint16, pointers=None, doc_idx
         raise IndexedDataError(f"{idx_path}: pointers must have shape ({n},), got {pointers.shape}")
     doc_idx = np.arange(n + 1, dtype=np.int64) if doc_idx is None else np.asarray(doc_idx, dtype=np.int64)
     idx_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = idx_path.with_name(idx_path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(idx_path, "wb") as f:
         f.write(MAGIC)
         f.write(struct.pack("<Q", VERSION))
         f.write(struct.pack("<B", code))
@@ -86,7 +88,6 @@ def write_idx(idx_path: PathLike, sizes, dtype=np.uint16, pointers=None, doc_idx
         f.write(sizes.astype("<i4").tobytes())
         f.write(pointers.astype("<i8").tobytes())
         f.write(doc_idx.astype("<i8").tobytes())
-    os.replace(tmp, idx_path)
     return idx_path
 
 
@@ -119,13 +120,11 @@ def write_indexed(prefix: PathLike, rows: Union[Iterable[np.ndarray], np.ndarray
     bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     sizes = []
-    tmp = bin_path.with_name(bin_path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(bin_path, "wb") as f:
         for i, row in enumerate(rows):
             a = _as_row(row, dt, i)
             f.write(a.astype(dt.newbyteorder("<")).tobytes())
             sizes.append(a.size)
-    os.replace(tmp, bin_path)
     write_idx(idx_path, np.asarray(sizes, dtype=np.int64), dt)
 
 
@@ -172,13 +171,41 @@ def _resolve_paths(prefix_or_bin_paths, idx_path):
     return bins, Path(idx_path)
 
 
+def shard_order_problem(bin_paths: Sequence) -> Optional[str]:
+    """A one-line problem when shards named alike are not given in their numbered order, else None.
+
+    Shards whose names differ only in their numbers (``document-00003-of-00020.bin``, ``part_2.bin``) must come
+    in increasing numeric order: a byte concatenation in another order reads well-formed rows of the wrong tokens,
+    which nothing downstream can tell apart from the right ones (a shell glob of unpadded names, ``part_10``
+    before ``part_2``, is the usual cause)."""
+    if len(bin_paths) < 2:
+        return None
+    names = [Path(p).name for p in bin_paths]
+    skeletons = {re.sub(r"\d+", "#", n) for n in names}
+    if len(skeletons) != 1:
+        return None
+    numbers = [tuple(int(x) for x in re.findall(r"\d+", n)) for n in names]
+    for k in range(1, len(numbers)):
+        if numbers[k] <= numbers[k - 1]:
+            return (f"{bin_paths[k]}: shard given after {names[k - 1]} but numbered before or equal to it: shards are "
+                    f"read as one byte stream in the order given, so they must be in numbered order")
+    return None
+
+
 class IndexedDataset:
     """Memory-mapped reader. ``IndexedDataset("data/document")`` opens ``document.bin``/``.idx``;
     ``IndexedDataset([shard0.bin, shard1.bin, ...], idx_path="document.idx")`` reads the shards as one
-    byte concatenation in the order given."""
+    byte concatenation in the order given (numbered shards must be given in numbered order,
+    ``shard_order_problem``).
+
+    Opening checks the header, that the index arrays fit the ``.idx``, and that the last row ends exactly at the
+    end of the data (a wrong dtype code changes where it ends); reading a row checks its span."""
 
     def __init__(self, prefix_or_bin_paths, idx_path=None):
         self.bin_paths, self.idx_path = _resolve_paths(prefix_or_bin_paths, idx_path)
+        wrong_order = shard_order_problem(self.bin_paths)
+        if wrong_order:
+            raise IndexedDataError(wrong_order)
         self.dtype, n, d = read_idx_header(self.idx_path)
         self._itemsize = np.int64(self.dtype.itemsize)
         need = HEADER_SIZE + 4 * n + 8 * n + 8 * d
@@ -204,11 +231,20 @@ class IndexedDataset:
         self.total_bytes = int(self.shard_starts[-1])
         if n:
             end = int(self.pointers[n - 1]) + int(self.sizes[n - 1]) * int(self._itemsize)
+            names = self.bin_paths[0] if len(self.bin_paths) == 1 else f"{len(self.bin_paths)} shards ({self.bin_paths[0]}, ...)"
             if end > self.total_bytes:
-                names = self.bin_paths[0] if len(self.bin_paths) == 1 else f"{len(self.bin_paths)} shards ({self.bin_paths[0]}, ...)"
                 raise IndexedDataError(
-                    f"{names}: .bin is {self.total_bytes} bytes but {self.idx_path.name} says the last row ends at byte {end}")
+                    f"{names}: .bin is {self.total_bytes} bytes but {self.idx_path.name} says the last row ends at byte {end}"
+                    f"{self._dtype_hint()}")
+            if end < self.total_bytes:
+                raise IndexedDataError(
+                    f"{names}: .bin is {self.total_bytes} bytes but {self.idx_path.name} says the rows end at byte {end} "
+                    f"(Megatron writes no bytes past the last row){self._dtype_hint()}")
         self._maps = [None] * len(self.bin_paths)
+
+    def _dtype_hint(self) -> str:
+        return (f"; the .idx declares dtype {self.dtype} (code {CODE_OF_DTYPE[self.dtype]}): a wrong dtype code, or a "
+                f"truncated or foreign .bin?")
 
     # -- basics
     def __len__(self) -> int:
@@ -253,13 +289,21 @@ class IndexedDataset:
                 pos += take
             k += 1
 
+    def row_span(self, i: int) -> tuple:
+        """``(byte offset, size in tokens)`` of row ``i`` (already in range), checked against the data's length."""
+        ptr, size = int(self.pointers[i]), int(self.sizes[i])
+        if ptr < 0 or size < 0 or ptr + size * int(self._itemsize) > self.total_bytes:
+            raise IndexedDataError(f"{self.idx_path}: row {i} spans bytes [{ptr}, {ptr + size * int(self._itemsize)}) "
+                                   f"({size} tokens), outside the {self.total_bytes} bytes of the data")
+        return ptr, size
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return self.get_rows(range(*i.indices(len(self))))
         i = self._check_index(i)
-        size = int(self.sizes[i])
+        ptr, size = self.row_span(i)
         out = np.empty(size, dtype=self.dtype)
-        self._read_bytes(int(self.pointers[i]), size * int(self._itemsize), out.view(np.uint8))
+        self._read_bytes(ptr, size * int(self._itemsize), out.view(np.uint8))
         return out
 
     def get_rows(self, indices: Sequence[int]) -> np.ndarray:
@@ -272,6 +316,8 @@ class IndexedDataset:
         idx = np.where(idx < 0, idx + n, idx)
         if idx.size == 0:
             return np.zeros((0, 0), dtype=self.dtype)
+        for i in idx.tolist():
+            self.row_span(i)
         sizes = np.asarray(self.sizes[idx], dtype=np.int64)
         row_len = int(sizes[0])
         if (sizes != row_len).any():

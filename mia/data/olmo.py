@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .examples import out_of_vocab
-from .splits import (SplitError, assign_partitions, file_record, partition_counts, position_problems,
-                     rows_to_lists)
+from .splits import (SplitError, assign_partitions, derived_problems, file_record, int_fields, partition_counts,
+                     position_problems, redraw_problems, rows_to_lists, seed_ok, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 2160
 SEQ_LEN = 2048
@@ -60,19 +60,33 @@ def read_data_paths(list_file) -> list:
     return out
 
 
+def token_dtype(spec) -> np.dtype:
+    """The numpy dtype of ``--token-dtype``: an integer dtype (OLMo writes uint16, or uint32 for larger
+    vocabularies); anything else is one ``OlmoDataError``."""
+    try:
+        dt = np.dtype(spec)
+    except (TypeError, ValueError, SyntaxError):
+        raise OlmoDataError(f"--token-dtype {spec!r} is not a numpy dtype (OLMo token files are uint16 or "
+                            "uint32)") from None
+    if dt.kind not in "iu":
+        raise OlmoDataError(f"--token-dtype {spec!r} is {dt}, not an integer dtype (OLMo token files are uint16 "
+                            "or uint32)")
+    return dt
+
+
 class TokenFiles:
     """The ordered token files as a list of ``seq_len``-token instances."""
 
     def __init__(self, paths: Sequence, seq_len: int = SEQ_LEN, dtype=np.uint16):
         self.paths = [Path(p) for p in paths]
         self.seq_len = int(seq_len)
-        self.dtype = np.dtype(dtype)
+        self.dtype = token_dtype(dtype)
         if self.seq_len <= 0:
             raise OlmoDataError(f"seq_len must be positive, got {seq_len}")
         counts = []
         for p in self.paths:
-            if not p.exists():
-                raise OlmoDataError(f"{p}: token file not found")
+            if not p.is_file():
+                raise OlmoDataError(f"{p}: token file not found" + (" (a directory)" if p.is_dir() else ""))
             counts.append(os.path.getsize(p) // self.dtype.itemsize // self.seq_len)
         self.chunks = np.asarray(counts, dtype=np.int64)
         self.starts = np.zeros(len(self.paths) + 1, dtype=np.int64)
@@ -113,11 +127,18 @@ def load_global_indices(path, fmt: str = "raw", dtype=np.uint32) -> np.ndarray:
     path = Path(path)
     if not path.exists():
         raise OlmoDataError(f"{path}: global indices file not found")
+    if path.is_dir():
+        raise OlmoDataError(f"{path}: global indices file is a directory")
     if fmt == "npy":
         try:
-            return np.load(path, mmap_mode="r")
-        except ValueError as e:
-            raise OlmoDataError(f"{path}: not a .npy file ({e}); OLMo's file is raw, use the raw format") from None
+            a = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise OlmoDataError(f"{path}: not a .npy file ({msg}); OLMo's file is raw, use the raw format") from None
+        if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "iu":
+            raise OlmoDataError(f"{path}: expected a 1-D integer array of instance indices, got "
+                                f"{getattr(a, 'dtype', type(a).__name__)} of shape {getattr(a, 'shape', '?')}")
+        return a
     if fmt != "raw":
         raise OlmoDataError(f"unknown global indices format {fmt!r} (raw | npy)")
     dt = np.dtype(dtype)
@@ -164,14 +185,20 @@ class OlmoOrder:
         return len(self) // self.batch_size
 
     def instance_id(self, q: int) -> int:
-        return int(self.global_indices[int(q)])
+        """The instance at global position ``q``, checked against the token files (one ``OlmoDataError`` naming
+        the order file when the position or the instance is out of range)."""
+        q = int(q)
+        name = self.global_indices_path or "global indices"
+        if not 0 <= q < len(self):
+            raise OlmoDataError(f"{name}: position {q} is past the order ({len(self)} positions used)")
+        k = int(self.global_indices[q])
+        if not 0 <= k < len(self.tokens):
+            raise OlmoDataError(f"{name}: position {q} holds instance {k}, but the token files hold "
+                                f"{len(self.tokens)} instances (wrong file list, seq_len or --token-dtype?)")
+        return k
 
     def __getitem__(self, q: int) -> np.ndarray:
-        k = self.instance_id(q)
-        if not 0 <= k < len(self.tokens):
-            raise OlmoDataError(f"{self.global_indices_path or 'global indices'}: position {q} holds instance {k}, "
-                                f"but the token files hold {len(self.tokens)} instances (wrong file list?)")
-        return self.tokens[k]
+        return self.tokens[self.instance_id(q)]
 
     def check_vocab(self, q: int, tokens: np.ndarray, vocab_size: int, offset: int = 0) -> None:
         """Raise naming the token file, instance and token of the first id of ``tokens`` (the instance at position
@@ -284,6 +311,40 @@ def _draw_documents(order: OlmoOrder, rng, lo: int, hi: int, n: int, eos: int, d
     return out
 
 
+SAMPLER = "numpy.random.default_rng(seed).choice(range, n, replace=False): members, then non-members"
+
+
+def draw_positions(order: OlmoOrder, seed, m_rng: tuple, n_rng: tuple, n_members: int, n_nonmembers: int,
+                   documents: bool = False, eos: int = EOS, doc_len: int = DOC_LEN, pool: Optional[int] = None) -> list:
+    """The draw itself: ``[(label, position, document or None, tokens or None), ...]``, members then non-members,
+    from one ``numpy.random.default_rng(seed)`` stream. Positions uniformly without replacement from ``m_rng`` /
+    ``n_rng`` (``[lo, hi)``); with ``documents``, candidate positions scanned in drawn order (``_draw_documents``;
+    the document's tokens come along)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    if documents:
+        for label, (lo, hi), n, what in ((1, m_rng, n_members, "member documents"),
+                                         (0, n_rng, n_nonmembers, "non-member documents")):
+            out += [(label, q, d, toks) for q, d, toks in
+                    _draw_documents(order, rng, lo, hi, n, eos, doc_len, pool, what)]
+    else:
+        for label, (lo, hi), n, what in ((1, m_rng, n_members, "members"), (0, n_rng, n_nonmembers, "non-members")):
+            out += [(label, q, None, None) for q in _positions(rng, lo, hi, n, what).tolist()]
+    return out
+
+
+def check_token_ids(order: OlmoOrder, q: int, toks: np.ndarray, vocab_size: Optional[int], offset: int = 0) -> None:
+    """``check_vocab`` when the vocabulary size is known; else only negative ids (a signed ``--token-dtype`` over
+    unsigned data) stop."""
+    if vocab_size is not None:
+        order.check_vocab(q, toks, int(vocab_size), offset=offset)
+    elif order.tokens.dtype.kind == "i" and toks.size and toks.min() < 0:
+        j = int(np.argmax(toks < 0))
+        raise OlmoDataError(f"{order.tokens.paths[order.tokens.locate(order.instance_id(q))[0]]}: instance "
+                            f"{order.instance_id(q)} token {j + offset} is id {int(toks[j])} read as "
+                            f"{order.tokens.dtype}: negative ids are not token ids (wrong --token-dtype?)")
+
+
 def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonmembers: int, seed: int,
                           nonmember_start: Optional[int] = None, end_step: Optional[int] = None,
                           batch_size: Optional[int] = None, partitions=None, documents: bool = False,
@@ -316,28 +377,21 @@ def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonme
         raise OlmoDataError(f"non-member range [{S2}, {E}) is empty")
     if step == 0 and n_members:
         raise OlmoDataError("member range [0, 0) is empty (step 0)")
-    rng = np.random.default_rng(seed)
     m_rng, n_rng = (0, step * B), (S2 * B, max(E, S2) * B)
+    if documents and doc_len <= 0:
+        raise OlmoDataError("doc_len must be positive")
     examples = []
-    if documents:
-        if doc_len <= 0:
-            raise OlmoDataError("doc_len must be positive")
-        for label, (lo, hi), n, what in ((1, m_rng, n_members, "member documents"),
-                                         (0, n_rng, n_nonmembers, "non-member documents")):
-            for q, (seg, s, e), toks in _draw_documents(order, rng, lo, hi, int(n), eos, doc_len, pool, what):
-                if vocab_size is not None:
-                    order.check_vocab(q, toks, int(vocab_size), offset=s)
-                examples.append({"id": f"olmo{q}-{seg}", "label": label, "partition": "eval", "tokens": rows_to_lists(toks[None])[0],
-                                 "step": q // B, "batch_pos": q % B, "index": q, "instance": order.instance_id(q),
-                                 "segment": seg, "offset": s})
-    else:
-        for label, (lo, hi), n, what in ((1, m_rng, n_members, "members"), (0, n_rng, n_nonmembers, "non-members")):
-            for q in _positions(rng, lo, hi, int(n), what).tolist():
-                toks = order[q]
-                if vocab_size is not None:
-                    order.check_vocab(q, toks, int(vocab_size))
-                examples.append({"id": f"olmo{q}", "label": label, "partition": "eval", "tokens": rows_to_lists(toks[None])[0],
-                                 "step": q // B, "batch_pos": q % B, "index": q, "instance": order.instance_id(q)})
+    for label, q, doc, toks in draw_positions(order, seed, m_rng, n_rng, int(n_members), int(n_nonmembers),
+                                              documents, eos, doc_len, pool):
+        if toks is None:
+            toks = order[q]
+        check_token_ids(order, q, toks, vocab_size, offset=0 if doc is None else doc[1])
+        e = {"id": f"olmo{q}" if doc is None else f"olmo{q}-{doc[0]}", "label": label, "partition": "eval",
+             "tokens": rows_to_lists(toks[None])[0], "step": q // B, "batch_pos": q % B, "index": q,
+             "instance": order.instance_id(q)}
+        if doc is not None:
+            e.update(segment=doc[0], offset=doc[1])
+        examples.append(e)
     if partitions:
         assign_partitions(examples, partitions, seed)
     src = {
@@ -355,8 +409,8 @@ def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonme
     params = {"step": step, "seed": seed, "batch_size": B, "seq_len": order.seq_len, "end_step": E,
               "nonmember_start": S2, "member_steps": [0, step], "nonmember_steps": [S2, E],
               "member_positions": list(m_rng), "nonmember_positions": list(n_rng),
-              "documents": bool(documents),
-              "sampler": "numpy.random.default_rng(seed).choice(range, n, replace=False): members, then non-members"}
+              "documents": bool(documents), "vocab_size": None if vocab_size is None else int(vocab_size),
+              "sampler": SAMPLER}
     if documents:
         params.update({"eos": eos, "doc_len": doc_len, "pool": pool,
                        "doc_rule": "first segment strictly between two EOS with doc_len/2 < len <= doc_len, "
@@ -366,13 +420,34 @@ def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonme
     return header, examples
 
 
-def verify_examples(header: dict, examples: list, problems: list) -> None:
+def expected_params(step: int, nonmember_start: int, end_step: int, batch_size: int) -> dict:
+    """The header fields that follow from the step parameters (what ``draw_checkpoint_split`` writes)."""
+    return {"member_steps": [0, step], "nonmember_steps": [nonmember_start, end_step],
+            "member_positions": [0, step * batch_size],
+            "nonmember_positions": [nonmember_start * batch_size, max(end_step, nonmember_start) * batch_size]}
+
+
+def verify_examples(header: dict, examples: list, problems: list, not_verified: Optional[list] = None,
+                    vocab_size: Optional[int] = None) -> None:
+    """Verify an OLMo split against its header and sources (used by ``splits.verify_split``): the header's
+    parameters against each other and the order, the drawn positions against a re-draw, every row re-read."""
+    not_verified = [] if not_verified is None else not_verified
     src, params = header.get("source", {}), header.get("params", {})
+    p = int_fields(params, ("step", "nonmember_start", "end_step", "batch_size", "seq_len"), "params", problems)
+    if p is None:
+        not_verified.append("rows: not verified against the data (unusable header parameters)")
+        return
+    step, S2, E, B = p["step"], p["nonmember_start"], p["end_step"], p["batch_size"]
+    if B <= 0 or p["seq_len"] <= 0 or step < 0 or S2 < step:
+        problems.append(f"line 1: header params step {step}, nonmember_start {S2}, batch_size {B}, seq_len "
+                        f"{p['seq_len']}: need 0 <= step <= nonmember_start and positive sizes")
+        return
+    derived_problems(params, expected_params(step, S2, E, B), problems,
+                     f"step {step}, nonmember_start {S2}, end_step {E} and batch_size {B}")
     try:
         gi = (src.get("global_indices") or {})["path"]
         paths = [r["path"] for r in src["data_paths"]]
-        order = OlmoOrder(gi, paths, seq_len=int(params.get("seq_len", SEQ_LEN)),
-                          batch_size=int(params.get("batch_size", BATCH_SIZE)),
+        order = OlmoOrder(gi, paths, seq_len=p["seq_len"], batch_size=B,
                           token_dtype=src.get("token_dtype", "uint16"),
                           indices_format=src.get("global_indices_format", "raw"))
     except (KeyError, TypeError) as e:
@@ -381,9 +456,22 @@ def verify_examples(header: dict, examples: list, problems: list) -> None:
     except (ValueError, OSError) as e:
         problems.append(f"line 1: cannot open sources: {e}")
         return
-    B = order.batch_size
+    for k, now in (("n_instances", len(order.tokens)), ("order_positions_used", len(order)),
+                   ("token_dtype", str(order.tokens.dtype))):
+        if src.get(k) not in (None, now):
+            problems.append(f"line 1: header source.{k} is {src.get(k)!r} but the sources give {now!r}")
+    if step > order.steps or E > order.steps:
+        problems.append(f"line 1: header step {step} / end_step {E} past the order ({order.steps} steps of {B})")
+        return
     docs = bool(params.get("documents"))
-    eos, doc_len = int(params.get("eos", EOS)), int(params.get("doc_len", DOC_LEN))
+    eos, doc_len = params.get("eos", EOS), params.get("doc_len", DOC_LEN)
+    if docs and (int_fields({"eos": eos, "doc_len": doc_len}, ("eos", "doc_len"), "params", problems) is None
+                 or doc_len <= 0):
+        return
+    _redraw(order, params, header.get("counts") or {}, (step, S2, E, B), docs, eos, doc_len, examples, problems,
+            not_verified)
+    vocab = vocab_bound(params, vocab_size, problems, not_verified)
+    note = f" (token files read as {order.tokens.dtype}: a wrong token dtype?)"
     for e in examples:
         ln = e.get("_line", "?")
         found, readable = position_problems(e, params, B, len(order), "position", f"order ({len(order)})")
@@ -391,13 +479,20 @@ def verify_examples(header: dict, examples: list, problems: list) -> None:
         if not readable:
             continue
         q = e["index"]
-        inst = order.instance_id(q)
+        try:
+            inst = order.instance_id(q)
+        except OlmoDataError as ex:
+            problems.append(f"line {ln}: {ex}")
+            continue
         if e.get("instance") is not None and e["instance"] != inst:
             problems.append(f"line {ln}: instance {e['instance']} but global_indices[{q}] = {inst}")
         toks = e.get("tokens")
         if toks is None:
             problems.append(f"line {ln}: no tokens")
             continue
+        problems.extend(token_id_problems(e, vocab, note))
+        if not isinstance(toks, np.ndarray):
+            continue  # reported by the row checks
         full = order.tokens[inst]
         if docs:
             d = pick_document(full, eos, doc_len)
@@ -408,6 +503,35 @@ def verify_examples(header: dict, examples: list, problems: list) -> None:
             ref = full[d[1]:d[2]]
         else:
             ref = full
-        if len(toks) != len(ref) or not np.array_equal(np.asarray(toks), ref):
-            diff = next((j for j, (a, b) in enumerate(zip(toks, ref.tolist())) if a != b), min(len(toks), len(ref)))
+        if len(toks) != len(ref) or not np.array_equal(toks, ref):
+            diff = next((j for j, (a, b) in enumerate(zip(toks.tolist(), ref.tolist())) if a != b), min(len(toks), len(ref)))
             problems.append(f"line {ln}: tokens differ from the data at position {q} (first at token {diff})")
+
+
+def _redraw(order, params, counts, steps, docs, eos, doc_len, examples, problems, not_verified) -> None:
+    step, S2, E, B = steps
+    if params.get("sampler") != SAMPLER:
+        not_verified.append(f"rows: not re-drawn from the seed (params.sampler {params.get('sampler')!r} is not "
+                            "mia's OLMo sampler)")
+        return
+    n = int_fields(counts, ("members", "nonmembers"), "counts", problems)
+    seed, pool = params.get("seed"), params.get("pool")
+    have = {k: sum(1 for e in examples if e.get("label") == v) for k, v in (("members", 1), ("nonmembers", 0))}
+    if not seed_ok(seed, problems):
+        return
+    if not (pool is None or (isinstance(pool, int) and not isinstance(pool, bool) and pool >= 0)):
+        problems.append(f"line 1: header params.pool is {pool!r}, expected a non-negative integer or null")
+        return
+    if n is None or n != have:
+        not_verified.append("rows: not re-drawn from the seed (the header's counts differ from the rows)")
+        return
+    m_rng, n_rng = (0, step * B), (S2 * B, max(E, S2) * B)
+    try:
+        drawn = draw_positions(order, seed, m_rng, n_rng, n["members"], n["nonmembers"], docs, eos, doc_len, pool)
+    except (ValueError, TypeError) as e:
+        problems.append(f"line 1: the header's parameters do not give a draw: {str(e).splitlines()[0]}")
+        return
+    keys: dict = {0: set(), 1: set()}
+    for label, q, doc, _ in drawn:
+        keys[label].add(q if doc is None else (q, doc[0]))
+    redraw_problems(examples, keys, problems, f"seed {seed!r}, steps [0, {step}) and [{S2}, {E}), batch {B}")

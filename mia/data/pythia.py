@@ -9,14 +9,16 @@ steps ``[S+G, end_step)``, without replacement, with ``numpy.random.default_rng(
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from .examples import out_of_vocab
-from .indexed import IndexedDataset
-from .splits import (SplitError, assign_partitions, file_record, partition_counts, position_problems,
-                     rows_to_lists)
+from .indexed import CODE_OF_DTYPE, IndexedDataset
+from .splits import (SplitError, assign_partitions, derived_problems, file_record, int_fields, partition_counts,
+                     position_problems, redraw_problems, rows_to_lists, seed_ok, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 1024
 ROW_LEN = 2049
@@ -61,8 +63,16 @@ def open_dataset(data, idx=None) -> IndexedDataset:
     return IndexedDataset(data, idx_path=idx)
 
 
-def check_rows_vocab(ds: IndexedDataset, indices, rows: np.ndarray, vocab_size: int, batch_size: int) -> None:
-    """Raise naming the ``.bin`` shard, row and token of the first id in ``rows`` outside ``[0, vocab_size)``."""
+def check_rows_vocab(ds: IndexedDataset, indices, rows: np.ndarray, vocab_size: Optional[int], batch_size: int) -> None:
+    """Raise naming the ``.bin`` shard, row and token of the first id in ``rows`` outside ``[0, vocab_size)``
+    (``vocab_size`` None: the first negative id, which no tokenizer writes: a wrong dtype code in the ``.idx``)."""
+    if vocab_size is None:
+        if ds.dtype.kind == "u" or rows.size == 0 or rows.min() >= 0:
+            return
+        bad = out_of_vocab(rows, int(rows.max()) + 1)
+        (r, j), tok_id = bad
+        raise SplitError(f"{ds.idx_path}: row {int(indices[r])} token {j} is id {tok_id} read as {ds.dtype} (dtype "
+                         f"code {CODE_OF_DTYPE[ds.dtype]}): negative ids are not token ids (a wrong dtype code?)")
     bad = out_of_vocab(rows, vocab_size)
     if bad is None:
         return
@@ -80,29 +90,14 @@ def member_nonmember_steps(step: int, gap: int, end_step: int) -> tuple:
     return (0, step - gap), (step + gap, end_step)
 
 
-def draw_checkpoint_split(dataset, step: int, n_members: int, n_nonmembers: int, seed: int, gap: int = 0,
-                          end_step: int = EPOCH_END_STEP, batch_size: int = BATCH_SIZE,
-                          partitions: Optional[dict] = None, hash_bin_limit: int = 64 << 20,
-                          vocab_size: Optional[int] = None):
-    """Draw a checkpoint split for revision ``step{step}``.
+SAMPLER = "numpy.random.default_rng(seed).choice(range, n, replace=False): members, then non-members"
 
-    Returns ``(header, examples)``; write it with ``splits.write_split``. ``dataset`` is an ``IndexedDataset``
-    (or a prefix / list of shards with a single ``.idx`` next to it). With ``vocab_size`` (the model's), a drawn
-    token id outside ``[0, vocab_size)`` stops with one line naming the shard, row and token."""
-    ds = open_dataset(dataset)
-    step, gap, end_step, batch_size = int(step), int(gap), int(end_step), int(batch_size)
-    n_members, n_nonmembers = int(n_members), int(n_nonmembers)
-    if batch_size <= 0:
-        raise SplitError(f"batch size must be positive, got {batch_size}")
-    if step < 0 or gap < 0 or n_members < 0 or n_nonmembers < 0:
-        raise SplitError("step, gap and counts must be non-negative")
-    n_rows = len(ds)
-    data_steps = steps_in_data(n_rows, batch_size)
-    if step > data_steps:
-        raise SplitError(f"step {step} is past the data: {n_rows} rows hold {data_steps} steps of {batch_size}")
-    if end_step > data_steps:
-        raise SplitError(f"non-member range [{step + gap}, {end_step}) crosses the end of the data "
-                         f"({n_rows} rows = {data_steps} steps of {batch_size}); lower --end-step")
+
+def draw_row_indices(step: int, gap: int, end_step: int, batch_size: int, n_members: int, n_nonmembers: int,
+                     seed) -> tuple:
+    """``(members, nonmembers)`` row indices (int64 arrays, in drawn order) of the checkpoint split, from the
+    parameters alone: members uniformly from the rows of steps ``[0, step - gap)``, then non-members from
+    ``[step + gap, end_step)``, without replacement, one ``numpy.random.default_rng(seed)`` stream."""
     (m_lo, m_hi), (n_lo, n_hi) = member_nonmember_steps(step, gap, end_step)
     if m_hi <= 0 and n_members:
         raise SplitError(f"member range [0, {m_hi}) is empty (step {step} - gap {gap})")
@@ -114,12 +109,54 @@ def draw_checkpoint_split(dataset, step: int, n_members: int, n_nonmembers: int,
     members = _draw(rng, 0, m_hi * batch_size, n_members, f"members (steps [0, {m_hi}))")
     nonmembers = _draw(rng, n_lo * batch_size, max(n_hi, n_lo) * batch_size, n_nonmembers,
                        f"non-members (steps [{n_lo}, {n_hi}))")
+    return members, nonmembers
+
+
+def token_dtype_problem(ds: IndexedDataset) -> Optional[str]:
+    """A problem when the ``.idx`` declares a dtype that cannot hold token ids (floats)."""
+    if ds.dtype.kind not in "iu":
+        return (f"{ds.idx_path}: dtype code {CODE_OF_DTYPE[ds.dtype]} ({ds.dtype}) is not an integer dtype: not "
+                "token ids (a wrong dtype code?)")
+    return None
+
+
+def draw_checkpoint_split(dataset, step: int, n_members: int, n_nonmembers: int, seed: int, gap: int = 0,
+                          end_step: int = EPOCH_END_STEP, batch_size: int = BATCH_SIZE,
+                          partitions: Optional[dict] = None, hash_bin_limit: int = 64 << 20,
+                          vocab_size: Optional[int] = None):
+    """Draw a checkpoint split for revision ``step{step}``.
+
+    Returns ``(header, examples)``; write it with ``splits.write_split``. ``dataset`` is an ``IndexedDataset``
+    (or a prefix / list of shards with a single ``.idx`` next to it). A float dtype in the ``.idx`` or a negative
+    token id stops (a wrong dtype code); with ``vocab_size`` (the model's, recorded in the header), a drawn token
+    id outside ``[0, vocab_size)`` stops with one line naming the shard, row and token."""
+    ds = open_dataset(dataset)
+    step, gap, end_step, batch_size = int(step), int(gap), int(end_step), int(batch_size)
+    n_members, n_nonmembers = int(n_members), int(n_nonmembers)
+    if batch_size <= 0:
+        raise SplitError(f"batch size must be positive, got {batch_size}")
+    if step < 0 or gap < 0 or n_members < 0 or n_nonmembers < 0:
+        raise SplitError("step, gap and counts must be non-negative")
+    bad_dtype = token_dtype_problem(ds)
+    if bad_dtype:
+        raise SplitError(bad_dtype)
+    if vocab_size is not None and int(vocab_size) <= 0:
+        raise SplitError(f"vocabulary size must be positive, got {vocab_size}")
+    n_rows = len(ds)
+    data_steps = steps_in_data(n_rows, batch_size)
+    if step > data_steps:
+        raise SplitError(f"step {step} is past the data: {n_rows} rows hold {data_steps} steps of {batch_size}")
+    if end_step > data_steps:
+        raise SplitError(f"non-member range [{step + gap}, {end_step}) crosses the end of the data "
+                         f"({n_rows} rows = {data_steps} steps of {batch_size}); lower --end-step")
+    members, nonmembers = draw_row_indices(step, gap, end_step, batch_size, n_members, n_nonmembers, seed)
+    (_, m_hi), (n_lo, n_hi) = member_nonmember_steps(step, gap, end_step)
+    m_hi = max(m_hi, 0)
 
     indices = np.concatenate([members, nonmembers])
     labels = [1] * len(members) + [0] * len(nonmembers)
     rows = ds.get_rows(indices) if len(indices) else np.zeros((0, 0), dtype=ds.dtype)
-    if vocab_size is not None:
-        check_rows_vocab(ds, indices, rows, int(vocab_size), batch_size)
+    check_rows_vocab(ds, indices, rows, None if vocab_size is None else int(vocab_size), batch_size)
     token_lists = rows_to_lists(rows)
     examples = []
     for k, (index, label) in enumerate(zip(indices.tolist(), labels)):
@@ -141,31 +178,102 @@ def draw_checkpoint_split(dataset, step: int, n_members: int, n_nonmembers: int,
             "step": step, "gap": gap, "seed": seed, "end_step": end_step, "batch_size": batch_size,
             "row_len": row_len, "member_steps": [0, m_hi], "nonmember_steps": [n_lo, n_hi],
             "member_rows": [0, m_hi * batch_size], "nonmember_rows": [n_lo * batch_size, n_hi * batch_size],
-            "sampler": "numpy.random.default_rng(seed).choice(range, n, replace=False): members, then non-members",
+            "sampler": SAMPLER,
             "revision": f"step{step}",
+            "vocab_size": None if vocab_size is None else int(vocab_size),
         },
     }
     header.update(partition_counts(examples))
     return header, examples
 
 
-def verify_examples(header: dict, examples: list, problems: list) -> None:
-    """Re-read the rows named by ``examples`` from the sources in ``header`` (used by ``check_split``)."""
+def expected_params(step: int, gap: int, end_step: int, batch_size: int) -> dict:
+    """The header fields that follow from the step parameters (what ``draw_checkpoint_split`` writes)."""
+    (_, m_hi), (n_lo, n_hi) = member_nonmember_steps(step, gap, end_step)
+    m_hi = max(m_hi, 0)
+    return {"member_steps": [0, m_hi], "nonmember_steps": [n_lo, n_hi], "member_rows": [0, m_hi * batch_size],
+            "nonmember_rows": [n_lo * batch_size, n_hi * batch_size], "revision": f"step{step}"}
+
+
+def verify_examples(header: dict, examples: list, problems: list, not_verified: Optional[list] = None,
+                    vocab_size: Optional[int] = None) -> None:
+    """Verify a Pythia-format split against its header and sources (used by ``splits.verify_split``): the header's
+    parameters against each other and the data, the drawn rows against a re-draw, and every row re-read."""
+    not_verified = [] if not_verified is None else not_verified
     src, params = header.get("source", {}), header.get("params", {})
+    p = int_fields(params, ("step", "gap", "end_step", "batch_size"), "params", problems)
+    if p is None:
+        not_verified.append("rows: not verified against the data (unusable header parameters)")
+        return
+    step, gap, end_step, B = p["step"], p["gap"], p["end_step"], p["batch_size"]
+    if B <= 0 or step < 0 or gap < 0:
+        problems.append(f"line 1: header params step {step}, gap {gap}, batch_size {B}: need step, gap >= 0 and "
+                        "batch_size > 0")
+        return
+    ranges_ok = derived_problems(params, expected_params(step, gap, end_step, B), problems,
+                                 f"step {step}, gap {gap}, end_step {end_step} and batch_size {B}")
+    ckpt = src.get("checkpoint")
+    if isinstance(ckpt, str) and re.fullmatch(r"step\d+", Path(ckpt).name) and Path(ckpt).name != f"step{step}":
+        problems.append(f"line 1: header source.checkpoint {ckpt} is not the checkpoint of params.step {step}")
     try:
         bins = [r["path"] for r in src["bin"]]
         ds = IndexedDataset(bins, idx_path=src["idx"]["path"])
     except (KeyError, TypeError) as e:
-        problems.append(f"header: pythia source incomplete ({e})")
+        problems.append(f"line 1: pythia source incomplete ({e})")
         return
     except (ValueError, OSError) as e:
-        problems.append(f"header: cannot open sources: {e}")
+        problems.append(f"line 1: cannot open sources: {e}")
         return
-    _verify_rows(ds, params, examples, problems)
+    bad_dtype = token_dtype_problem(ds)
+    if bad_dtype:
+        problems.append(f"line 1: {bad_dtype}")
+    if src.get("dtype") not in (None, str(ds.dtype)):
+        problems.append(f"line 1: header source.dtype {src.get('dtype')!r} but {ds.idx_path.name} declares {ds.dtype}")
+    if src.get("n_rows") not in (None, len(ds)):
+        problems.append(f"line 1: header source.n_rows {src.get('n_rows')!r} but {ds.idx_path.name} has {len(ds)} rows")
+    data_steps = steps_in_data(len(ds), B)
+    if step > data_steps or end_step > data_steps:
+        problems.append(f"line 1: header step {step} / end_step {end_step} past the data ({len(ds)} rows = "
+                        f"{data_steps} steps of {B})")
+    row_len = params.get("row_len")
+    for e in examples:
+        toks = e.get("tokens")
+        if row_len is not None and isinstance(toks, np.ndarray) and len(toks) != row_len:
+            problems.append(f"line {e.get('_line')}: {len(toks)} tokens but params.row_len is {row_len}")
+    if step > data_steps or end_step > data_steps:
+        not_verified.append("rows: not re-drawn from the seed (the header's steps are past the data)")
+    else:
+        _redraw(params, header.get("counts") or {}, step, gap, end_step, B, examples, problems, not_verified)
+    vocab = vocab_bound(params, vocab_size, problems, not_verified)
+    _verify_rows(ds, params if ranges_ok else {**params, **expected_params(step, gap, end_step, B)}, examples,
+                 problems, vocab)
 
 
-def _verify_rows(ds, params, examples, problems):
+def _redraw(params, counts, step, gap, end_step, B, examples, problems, not_verified) -> None:
+    if params.get("sampler") != SAMPLER:
+        not_verified.append(f"rows: not re-drawn from the seed (params.sampler {params.get('sampler')!r} is not "
+                            "mia's pythia sampler)")
+        return
+    n = int_fields(counts, ("members", "nonmembers"), "counts", problems)
+    seed = params.get("seed")
+    have = {k: sum(1 for e in examples if e.get("label") == v) for k, v in (("members", 1), ("nonmembers", 0))}
+    if not seed_ok(seed, problems):
+        return
+    if n is None or n != have:
+        not_verified.append("rows: not re-drawn from the seed (the header's counts differ from the rows)")
+        return
+    try:
+        members, nonmembers = draw_row_indices(step, gap, end_step, B, n["members"], n["nonmembers"], seed)
+    except (ValueError, TypeError) as e:
+        problems.append(f"line 1: the header's parameters do not give a draw: {e}")
+        return
+    redraw_problems(examples, {1: set(members.tolist()), 0: set(nonmembers.tolist())}, problems,
+                    f"seed {seed!r}, step {step}, gap {gap}, end_step {end_step}, batch {B}")
+
+
+def _verify_rows(ds, params, examples, problems, vocab_size=None):
     B = int(params.get("batch_size", BATCH_SIZE))
+    note = f" (the .idx declares {ds.dtype}: a wrong dtype code?)"
     for e in examples:
         ln = e.get("_line", "?")
         found, readable = position_problems(e, params, B, len(ds), "row", f"data ({len(ds)} rows)")
@@ -177,11 +285,17 @@ def _verify_rows(ds, params, examples, problems):
         if toks is None:
             problems.append(f"line {ln}: no tokens")
             continue
+        problems.extend(token_id_problems(e, vocab_size, note))
         try:
             row = ds[index]
         except ValueError as ex:
             problems.append(f"line {ln}: cannot read row {index}: {ex}")
             continue
-        if len(toks) != len(row) or not np.array_equal(np.asarray(toks), row):
-            diff = next((j for j, (a, b) in enumerate(zip(toks, row.tolist())) if a != b), min(len(toks), len(row)))
+        if row.dtype.kind == "i" and row.size and row.min() < 0:
+            problems.append(f"line {ln}: row {index} of the data holds id {int(row.min())} read as {ds.dtype}: "
+                            f"negative{note}")
+        if not isinstance(toks, np.ndarray):
+            continue  # reported by the row checks
+        if len(toks) != len(row) or not np.array_equal(toks, row):
+            diff = next((j for j, (a, b) in enumerate(zip(toks.tolist(), row.tolist())) if a != b), min(len(toks), len(row)))
             problems.append(f"line {ln}: tokens differ from row {index} of the data (first at position {diff})")

@@ -113,6 +113,9 @@ def _jsonl_strings(f: Path) -> Optional[list]:
 
 
 def _load_with_datasets(f: Path, builder: str) -> list:
+    from ..offline import force_offline
+
+    force_offline()
     import datasets
 
     kwargs = {}

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -22,10 +21,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ..atomic import atomic_write, write_text
 from .common import ConfigError, ParamMapping
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from ..offline import force_offline
+
+force_offline()
 
 # model_type -> module name inside mia.models. Each module defines MODEL_TYPE, a frozen config class with
 # from_hf/to_hf, a Flax CausalLM with hidden/unembed methods, param_mappings(cfg) and IGNORED_HF_KEYS.
@@ -135,43 +136,35 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Memory-mapped numpy views of every tensor in a .safetensors file (bfloat16 via ml_dtypes)."""
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(header_len))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        lo, hi = info["data_offsets"]
-        out[name] = data[lo:hi].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
+    """Memory-mapped numpy views of every tensor in a .safetensors file (bfloat16 via ml_dtypes). The header is
+    checked whole first (``mia.validate.safetensors_header``): a corrupt file is one ``CheckpointError``."""
+    from ..validate import safetensors_header
+
+    header, data_start = safetensors_header(path, error=CheckpointError)
+    if not header:
+        return {}
+    empty = Path(path).stat().st_size == data_start  # only zero-size tensors: nothing to map
+    data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
+    return {name: data[lo:hi].view(_ST_DTYPES[dtype]).reshape(shape)
+            for name, (dtype, shape, (lo, hi)) in header.items()}
 
 
 def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Optional[dict] = None) -> None:
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset, blobs = 0, []
     for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
+        arr = np.ascontiguousarray(tensors[name]).reshape(np.shape(tensors[name]))  # keeps a 0-d tensor 0-d
         blob = arr.tobytes()
         header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
         offset += len(blob)
         blobs.append(blob)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for blob in blobs:
             f.write(blob)
-    os.replace(tmp, path)
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -180,9 +173,14 @@ def _weight_files(root: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: malformed shard index ({e})") from None
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed shard index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        outside = [v for v in weight_map.values() if Path(v).name != v or v in ("", ".", "..")]
+        if outside:
+            raise CheckpointError(f"{index}: shard {outside[0][:80]!r} is not a file name in the model directory")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (root / f).exists()]
         if missing:
@@ -194,17 +192,29 @@ def _weight_files(root: Path) -> list[Path]:
     raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json found")
 
 
+# Files besides the weights whose content can change a result: the config (architecture, norms, rotary, ...), the
+# shard index (which tensor lives where) and the tokenizer (token ids, hence every score of a text).
+FINGERPRINT_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                     "tokenizer.model", "spiece.model")
+FINGERPRINT_VERSION = "2"
+
+
 def fingerprint(root: Path) -> str:
-    """Cheap content hash: config.json plus each weight file's name, size and first/last MiB."""
-    h = hashlib.sha256((root / "config.json").read_bytes())
+    """Content address of a checkpoint directory: SHA-256 over every byte of every weight file (memoised per file
+    by path, size, mtime and ctime: ``mia.file_hash``) and of each of ``FINGERPRINT_FILES`` present. Any edit of a
+    weight, the config or the tokenizer gives another fingerprint. The dtypes a model is loaded in are not part of
+    it (``mia.scoring.cache_namespace`` adds them)."""
+    from ..file_hash import file_sha256
+
+    root = Path(root)
+    h = hashlib.sha256(f"mia-checkpoint|{FINGERPRINT_VERSION}".encode())
     for f in _weight_files(root):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()[:16]
+        h.update(f"|weights:{f.name}:{file_sha256(f)}".encode())
+    for name in FINGERPRINT_FILES:
+        if (root / name).is_file():
+            h.update(f"|{name}:{hashlib.sha256((root / name).read_bytes()).hexdigest()}".encode())
+    return h.hexdigest()[:32]
 
 
 # ----------------------------------------------------------------------------------------------- params <-> HF
@@ -357,26 +367,38 @@ def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
 
 
 def load_config(path) -> tuple[Family, Any, dict]:
+    """(family, config, raw config.json) of a checkpoint directory; every field type- and range-checked
+    (``mia.validate.check_hf_config`` by name, then ``check_config`` on the family config)."""
+    from ..validate import check_config, check_hf_config
+
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"model directory not found: {root}")
     cfg_file = root / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{root}: config.json is missing")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: is not a file")
     try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(cfg_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
+    check_hf_config(hf, str(cfg_file), error=ConfigError)  # types and ranges of every known field, by name
     if "model_type" not in hf:
         raise CheckpointError(f"{cfg_file}: field 'model_type' is missing")
-    fam = family(hf["model_type"])
+    try:
+        fam = family(hf["model_type"])
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_file}: {e}") from None
     try:
         cfg = fam.config_cls.from_hf(hf)
     except KeyError as e:
         raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
     except ConfigError as e:
         raise ConfigError(f"{cfg_file}: {e}") from None
-    return fam, cfg, hf
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:  # a field the by-name check does not know
+        raise ConfigError(f"{cfg_file}: unusable field value ({type(e).__name__}: {e})") from None
+    return fam, check_config(cfg, str(cfg_file), error=ConfigError), hf
 
 
 def load_tokenizer(path):
@@ -385,7 +407,11 @@ def load_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001  (corrupt tokenizer files raise many types; the user gets one line)
+        msg = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{root}: tokenizer files could not be loaded ({type(e).__name__}: {msg})") from None
 
 
 def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None,
@@ -435,10 +461,17 @@ def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", par
     if params is None:
         key = jax.random.PRNGKey(0) if key is None else key
         params = module.init(key, jnp.zeros((1, 2), jnp.int32), method=init_method(module))["params"]
-    h = hashlib.sha256(json.dumps(cfg.to_hf(), sort_keys=True).encode())
-    for leaf in jax.tree_util.tree_leaves(params):
-        h.update(np.asarray(leaf, np.float32).tobytes()[:4096])
-    return Model(module, params, tokenizer, cfg, model_type, None, h.hexdigest()[:16])
+    return Model(module, params, tokenizer, cfg, model_type, None, params_fingerprint(cfg, params))
+
+
+def params_fingerprint(cfg, params) -> str:
+    """Content address of an in-memory model: its config and every byte of every parameter (in its own dtype)."""
+    h = hashlib.sha256(f"mia-params|{FINGERPRINT_VERSION}|".encode() + json.dumps(cfg.to_hf(), sort_keys=True).encode())
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        a = np.asarray(jax.device_get(leaf))
+        h.update(f"|{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}|".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:32]
 
 
 def save(model: Model, path, dtype: str = "float32") -> Path:
@@ -452,7 +485,7 @@ def save(model: Model, path, dtype: str = "float32") -> Path:
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     tensors = {k: v.astype(np_dtype) for k, v in params_to_hf(model.params, fam, model.config).items()}
     write_safetensors(tensors, root / "model.safetensors")
-    (root / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+    write_text(root / "config.json", json.dumps(hf_cfg, indent=2, sort_keys=True))
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(root))
     return root

@@ -7,12 +7,13 @@ import dataclasses
 import sys
 import time
 
-from .config import PRESETS, TestbedConfig
+from ..validate import OneLineParser, arg_int, arg_float, input_file, output_dir
+from .config import FIELD_LIMITS, PRESETS, TestbedConfig, TestbedError
 from .suite import SUITES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mia.testbed",
+    p = OneLineParser(prog="python -m mia.testbed",
                                 description="Train a small Pythia-architecture model with a recorded data order and "
                                             "checkpoints. Rerunning resumes an interrupted build or reuses a finished one.")
     p.add_argument("--preset", default="smoke", choices=sorted(PRESETS), help="size preset (default: smoke)")
@@ -28,15 +29,17 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TestbedConfig):
         if f.name in ("preset", "corpus", "text_column", "checkpoints"):
             continue
-        typ = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), float)
-        p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=None,
+        typ, limit = FIELD_LIMITS[f.name]
+        parse = (arg_int(limit.lo, limit.hi) if typ is int
+                 else arg_float(limit.lo, limit.hi, lo_open=limit.lo_open, hi_open=limit.hi_open))
+        p.add_argument("--" + f.name.replace("_", "-"), type=parse, default=None,
                        help=f"override the preset's {f.name} (mia.testbed.TestbedConfig)")
     p.add_argument("--checkpoints", default=None, help="extra checkpoint steps, comma-separated (0 and the last are always saved)")
-    p.add_argument("--memorize-epochs", type=int, default=0,
+    p.add_argument("--memorize-epochs", type=arg_int(0), default=0,
                    help="memorization dial: after the last checkpoint, train E more epochs on a fixed member subset "
                         "only, saved as checkpoints/step{N}-mem{E}-{hash}/ (non-members stay unseen)")
-    p.add_argument("--memorize-rows", type=int, default=256, help="size of that member subset (default 256)")
-    p.add_argument("--save-every", type=int, default=50, help="steps between resume states (default 50)")
+    p.add_argument("--memorize-rows", type=arg_int(1), default=256, help="size of that member subset (default 256)")
+    p.add_argument("--save-every", type=arg_int(1), default=50, help="steps between resume states (default 50)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     from ..cli import add_compile_cache_flag
@@ -58,11 +61,9 @@ def main(argv=None) -> int:
         v = getattr(args, f.name, None)
         if f.name not in ("preset", "checkpoints") and v is not None:
             overrides[f.name] = v
-    if args.checkpoints:
-        overrides["checkpoints"] = tuple(int(s) for s in args.checkpoints.split(",") if s.strip())
     t0 = time.perf_counter()
     status, tb = run_for_user(
-        lambda: build_testbed(args.preset, args.out, progress=not args.no_progress, save_every=args.save_every,
+        lambda: check_args(args, overrides) and build_testbed(args.preset, args.out, progress=not args.no_progress, save_every=args.save_every,
                               memorize_epochs=args.memorize_epochs, memorize_rows=args.memorize_rows, **overrides),
         debug=args.debug, compile_cache=not args.no_compile_cache,
         on_interrupt="interrupted; rerun the same command to resume from the last saved state")
@@ -73,6 +74,29 @@ def main(argv=None) -> int:
         print(f"memorized checkpoint: {tb.memorized}")
     print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def check_args(args, overrides: dict) -> bool:
+    """The path and list options, checked before anything is built (fills ``overrides["checkpoints"]``)."""
+    if args.out is not None:
+        output_dir(args.out, "--out", error=TestbedError)
+    if args.corpus is not None:
+        from pathlib import Path
+
+        if not Path(args.corpus).is_dir():
+            input_file(args.corpus, "--corpus", error=TestbedError)
+        overrides["corpus"] = args.corpus
+    if args.text_column is not None and not args.text_column.strip():
+        raise TestbedError("--text-column: empty")
+    if args.checkpoints:
+        steps = []
+        for s in filter(None, (s.strip() for s in args.checkpoints.split(","))):
+            try:
+                steps.append(int(s))
+            except ValueError:
+                raise TestbedError(f"--checkpoints: {s!r} is not an integer step") from None
+        overrides["checkpoints"] = tuple(steps)
+    return True
 
 
 def _main_suite(args) -> int:
@@ -88,7 +112,7 @@ def _main_suite(args) -> int:
         return 2
     t0 = time.perf_counter()
     status, suite = run_for_user(
-        lambda: build_suite(args.suite, args.out, progress=not args.no_progress, save_every=args.save_every),
+        lambda: (args.out is None or output_dir(args.out, "--out", error=TestbedError)) and build_suite(args.suite, args.out, progress=not args.no_progress, save_every=args.save_every),
         debug=args.debug, on_interrupt="interrupted; rerun the same command to resume from the last saved state")
     if status:
         return status

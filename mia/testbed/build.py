@@ -28,6 +28,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..atomic import temporary_sibling, write_text
 from ..data.splits import file_record
 from .config import DATA_FIELDS, FORMAT, TestbedConfig, TestbedError, preset as get_preset
 from .tokenizer import EOD_ID
@@ -45,9 +46,7 @@ def _sha_file(path) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=1, sort_keys=False))
 
 
 def model_config(cfg: TestbedConfig, vocab_size: int):
@@ -187,7 +186,7 @@ class Testbed:
         base = load(self.checkpoint_dir(step))
         params, log = run_memorize(base, base.params, self.config, self.dataset().get_rows(idx), epochs, seed=seed,
                                    progress=progress, lr=lr)
-        tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+        tmp = temporary_sibling(out)
         save(dataclasses.replace(base, params=params), tmp)
         _write_json(tmp / "memorize.json", {"base_step": step, "epochs": int(epochs), "seed": int(seed), "lr": lr,
                                             "n_rows": int(idx.size), "rows": idx.tolist(), "log": log})
@@ -247,9 +246,7 @@ DATA_RECORDS = ("corpus", "tokenizer", "data")
 
 def _link_or_copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".tmp-{dst.name}-{os.getpid()}")
-    if tmp.exists():
-        tmp.unlink()
+    tmp = temporary_sibling(dst)
     try:
         os.link(src, tmp)  # a hard link: the suite's members hold one copy of the data on disk
     except OSError:

@@ -6,6 +6,8 @@ import hashlib
 import json
 from typing import Optional
 
+from ..validate import INT32_MAX, Range, integer, number
+
 FORMAT = "mia-testbed/3"  # 2: duplicate documents and rows dropped;
 # 3: model context = the trained seq_len, fast NumPy init, stacked layers (state names [L, ...])
 
@@ -13,6 +15,27 @@ FORMAT = "mia-testbed/3"  # 2: duplicate documents and rows dropped;
 # Members of a suite (``mia.testbed.suite``) share all of them and differ only in the model and its learning rate.
 DATA_FIELDS = ("corpus", "text_column", "max_corpus_bytes", "vocab_size", "seq_len", "batch_size", "train_steps",
                "checkpoints", "seed")
+
+
+# Type and range of each numeric field (``mia.validate``): checked when a config is made, and by the CLI's options.
+FIELD_LIMITS = {
+    "max_corpus_bytes": (int, Range(1)), "vocab_size": (int, Range(258, 65535)), "seq_len": (int, Range(2)),
+    "hidden_size": (int, Range(1)), "num_layers": (int, Range(1)), "num_heads": (int, Range(1)),
+    "intermediate_size": (int, Range(1)), "rotary_pct": (float, Range(0, 1, lo_open=True)),
+    "batch_size": (int, Range(1)), "train_steps": (int, Range(1)), "lr": (float, Range(0, lo_open=True)),
+    "min_lr_ratio": (float, Range(0, 1)), "warmup_steps": (int, Range(0)), "weight_decay": (float, Range(0)),
+    "beta1": (float, Range(0, 1, hi_open=True)), "beta2": (float, Range(0, 1, hi_open=True)),
+    "grad_clip": (float, Range(0, lo_open=True)), "seed": (int, Range(0, INT32_MAX)),
+    "memorize_lr": (float, Range(0, lo_open=True)),
+}
+
+
+def check_field(name: str, value, where: str, error=ValueError):
+    """``value`` of TestbedConfig field ``name`` in its type and range (``FIELD_LIMITS``), or ``error``."""
+    typ, limit = FIELD_LIMITS[name]
+    if typ is int:
+        return integer(value, where, lo=limit.lo, hi=limit.hi, error=error)
+    return number(value, where, lo=limit.lo, hi=limit.hi, lo_open=limit.lo_open, hi_open=limit.hi_open, error=error)
 
 
 class TestbedError(ValueError):
@@ -55,6 +78,11 @@ class TestbedConfig:
     memorize_lr: Optional[float] = None  # constant learning rate of the dial (default: lr)
 
     def __post_init__(self):
+        for name in FIELD_LIMITS:
+            if getattr(self, name) is not None:
+                check_field(name, getattr(self, name), f"testbed config field {name!r}", TestbedError)
+        for s in self.checkpoints:
+            integer(s, "testbed config field 'checkpoints'", lo=0, error=TestbedError)
         object.__setattr__(self, "checkpoints", tuple(sorted({int(s) for s in self.checkpoints})))
         problems = []
         for name in ("vocab_size", "seq_len", "hidden_size", "num_layers", "num_heads", "batch_size", "train_steps"):

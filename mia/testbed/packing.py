@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..atomic import atomic_write
 from .tokenizer import EOD_ID
 
 
@@ -49,5 +50,6 @@ def write_order(prefix, rows: np.ndarray, order: np.ndarray) -> Path:
     from ..data.indexed import write_indexed
 
     write_indexed(prefix, rows[order], dtype=np.uint16)
-    np.save(str(prefix) + ".perm.npy", order.astype(np.int64), allow_pickle=False)
+    with atomic_write(str(prefix) + ".perm.npy", "wb") as f:
+        np.save(f, order.astype(np.int64), allow_pickle=False)
     return Path(str(prefix) + ".bin")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ..atomic import atomic_write, save_figure, temporary_sibling
 from ..models.hub import read_safetensors, save, write_safetensors
 from .config import TestbedConfig, TestbedError
 
@@ -161,9 +162,7 @@ def saved_steps(root) -> list:
 def save_checkpoint(model, params, opt_state, step: int, root, config_hash: str) -> Path:
     """checkpoints/step{N}/: HF directory (config.json, model.safetensors, tokenizer) + train_state.safetensors."""
     final = checkpoint_dir(root, step)
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = temporary_sibling(final)
     save(dataclasses.replace(model, params=params), tmp)
     save_train_state(tmp / STATE_FILE, params, opt_state, step, config_hash)
     if final.exists():
@@ -233,9 +232,8 @@ def train(model, cfg: TestbedConfig, dataset, root, *, until: Optional[int] = No
     write_log = not logged or until >= logged[-1]["step"]
     if write_log:
         log = [r for r in logged if r["step"] <= start]
-        with open(log_path.with_name(log_path.name + ".tmp"), "w") as f:
+        with atomic_write(log_path) as f:
             f.writelines(json.dumps(r) + "\n" for r in log)
-        os.replace(log_path.with_name(log_path.name + ".tmp"), log_path)
     if start >= until:
         return params, opt_state, start
 
@@ -327,6 +325,6 @@ def plot_losses(log_path, png_path, checkpoints=(), title: str = "testbed traini
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     png_path = Path(png_path)
-    fig.savefig(png_path, dpi=120)
+    save_figure(fig, png_path, dpi=120)
     plt.close(fig)
     return png_path

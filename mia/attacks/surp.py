@@ -1,0 +1,67 @@
+"""SURP, surprising tokens (Zhang & Wu 2024, "Adaptive Pre-training Data Detection for Large Language Models via
+Surprising Tokens").
+
+A token is surprising when the model was confident (entropy H_i < max_entropy, in nats) yet gave the true token a low
+probability (l_i among the k_n = max(1, floor(k (T-1))) lowest log-probs of the example). The score is the mean l_i
+over the surprising tokens:
+
+  surp(x) = mean { l_i : rank(l_i) < k_n and H_i < max_entropy }
+
+Defaults k = 0.4, max_entropy = 2.0 (the SoK benchmark's ``surp_40_2``, the setting reported best). Entropy and
+log-probs come from the shared stats pass (no extra model call). Sign: the source's raw mean, HIGHER = MEMBER
+(computationalprivacy/mia_llms_benchmark ``attacks/surp.py``; members' surprising tokens are less surprising).
+
+Deviations, stated: k_n = max(1, .) as Min-K% (the SoK code takes int(k T) and an empty set for short texts); ties at
+the k_n boundary keep the earlier position (stable sort; torch.topk picks arbitrarily). An example with NO surprising
+token scores EMPTY_SCORE = 0, the log-prob ceiling: by the paper's hypothesis (members surprise the model less) it is
+the most member-like case. The SoK code maps it to -100 (``nan_to_num``), the least member-like, which inverts the
+attack where confident models leave many texts without surprising tokens: on the smoke memorization dial 129 of 200
+texts (mostly members) had none, and -100 gave AUC 0.39 where 0 gives 0.70 (counted in a note either way).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .mink import check_k, k_count_table, pad_batch
+from .registry import AttackError, register
+
+EMPTY_SCORE = 0.0
+
+
+def bottom_k_selection(values_bl: jax.Array, mask_bl: jax.Array, *, k: float) -> jax.Array:
+    """[B, L] bool: the k_n = max(1, floor(k n_valid)) smallest valid values of each row (stable: earlier wins ties)."""
+    b, l = values_bl.shape
+    kn_b = jnp.asarray(k_count_table(k, l))[jnp.sum(mask_bl, axis=1)]
+    order_bl = jnp.argsort(jnp.where(mask_bl, values_bl, jnp.inf), axis=1, stable=True)
+    rank_bl = jnp.argsort(order_bl, axis=1)  # inverse permutation: each position's rank in sorted order
+    return (rank_bl < kn_b[:, None]) & mask_bl
+
+
+def _surp(logprob_bl: jax.Array, entropy_bl: jax.Array, mask_bl: jax.Array, *, k: float, max_entropy: float):
+    """[B, L] log-probs, entropies, mask -> ([B] SURP score, [B] number of surprising tokens)."""
+    lp = logprob_bl.astype(jnp.float32)
+    chosen = bottom_k_selection(lp, mask_bl, k=k) & (entropy_bl.astype(jnp.float32) < max_entropy)
+    n_b = jnp.sum(chosen, axis=1)
+    mean_b = jnp.sum(jnp.where(chosen, lp, 0.0), axis=1) / jnp.maximum(n_b, 1).astype(jnp.float32)
+    return jnp.where(n_b > 0, mean_b, EMPTY_SCORE), n_b
+
+
+surp_scores = jax.jit(_surp, static_argnames=("k", "max_entropy"))
+
+
+@register("surp", needs=("stats",), k=0.4, max_entropy=2.0)
+def _surp_attack(ctx, *, k: float, max_entropy: float) -> np.ndarray:
+    """Mean log-prob of the bottom-k tokens with entropy < max_entropy (higher = member). Zhang & Wu 2024."""
+    k = check_k("surp", k)
+    if not max_entropy > 0:
+        raise AttackError(f"attack surp: max_entropy must be > 0 (nats), got {max_entropy}")
+    p = ctx.padded()
+    padded, n = pad_batch({s: p[s] for s in ("logprob", "entropy", "mask")})
+    score, count = surp_scores(padded["logprob"], padded["entropy"], padded["mask"], k=k, max_entropy=float(max_entropy))
+    empty = int((np.asarray(count)[:n] == 0).sum())
+    if empty:
+        note = f"surp: {empty} example(s) had no surprising token (k={k}, max_entropy={max_entropy}); they score {EMPTY_SCORE}"
+        ctx.notes.append(note)
+    return np.asarray(score, np.float64)[:n]

@@ -1,0 +1,68 @@
+"""SHA-256 of whole files, memoised so that a rerun does not rehash gigabytes of unchanged weights.
+
+``file_sha256(path)`` hashes every byte of the file the first time and records the digest in a small sidecar JSON
+under ``<mia cache dir>/file-sha256/`` (``$MIA_CACHE_DIR`` or ``~/.cache/mia``), keyed by the file's absolute path
+and checked against its size, mtime_ns, ctime_ns and inode: any write to the file (even one that keeps its size
+and resets its mtime: the ctime still moves) makes the memo miss and the file is hashed again.
+
+Racy writes (the same problem git's index has): a file modified within the filesystem's timestamp granularity
+after it was hashed could keep all four stat fields. So a memo is only recorded for a file whose mtime and ctime are
+at least ``SETTLE_NS`` in the past when hashing starts and whose stat did not change while it was read; fresher
+files are simply hashed on every call. An unwritable or damaged memo directory only costs the rehash.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from .atomic import write_json
+
+SETTLE_NS = 2_000_000_000  # a file must be this old (mtime and ctime) before its digest is memoised
+_CHUNK = 1 << 22
+
+
+def default_cache_dir() -> str:
+    """``$MIA_CACHE_DIR`` or ``~/.cache/mia``: the root of every mia cache (scores, compiled programs, hashes)."""
+    return os.environ.get("MIA_CACHE_DIR", str(Path.home() / ".cache" / "mia"))
+
+
+def _stat_key(st: os.stat_result) -> list:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def file_sha256(path, memo_dir: Optional[str] = None) -> str:
+    """Hex SHA-256 of the whole file at ``path``; memoised (see the module docstring). ``memo_dir`` defaults to
+    ``<mia cache dir>/file-sha256``."""
+    path = Path(path).resolve()
+    memo = Path(memo_dir or Path(default_cache_dir()) / "file-sha256") / (
+        hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
+    before = os.stat(path)
+    try:
+        rec = json.loads(memo.read_text())
+        if rec.get("path") == str(path) and rec.get("stat") == _stat_key(before) and len(rec.get("sha256", "")) == 64:
+            return rec["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    settled = time.time_ns() - max(before.st_mtime_ns, before.st_ctime_ns) >= SETTLE_NS
+    digest = _sha256(path)
+    if settled and _stat_key(os.stat(path)) == _stat_key(before):
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            write_json(memo, {"path": str(path), "stat": _stat_key(before), "sha256": digest})
+        except OSError:
+            pass
+    return digest

@@ -1,0 +1,604 @@
+"""Bad input at every edge (mia.validate): a table of hostile inputs to ``mia score``, ``mia blind``,
+``python -m mia.testbed`` and ``experiments.checkmia``, each run in-process through its ``main(argv)``.
+
+Each case must give exit status 2 and exactly one stderr line, starting ``error:`` and naming the file, field or
+option at fault. "Accepted" cases check that good input still gives the right result, and hypothesis fuzzes the
+JSONL and safetensors-header readers (any bytes: a valid result or one user error, never another exception).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pytest
+
+from mia import validate as V
+
+
+# ============================================================================================= the harness
+def run_main(main, argv, capsys) -> tuple[int, list[str], str]:
+    """(exit status, non-empty stderr lines, stdout) of ``main(argv)`` called in-process."""
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, [l for l in err.splitlines() if l.strip()], out
+
+
+def assert_one_error(code, lines, *names):
+    assert code == 2, (code, lines)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error:"), lines
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+
+
+@dataclasses.dataclass
+class Case:
+    """A hostile input: ``files`` (name -> str/bytes/callable(dir) written under a fresh directory), ``argv`` with
+    ``{tmp}`` (that directory) and ``{model}`` (the tiny model) filled in, and the ``names`` the error must mention."""
+
+    id: str
+    argv: list
+    names: tuple
+    files: dict = dataclasses.field(default_factory=dict)
+
+
+GOOD = '{"id": 1, "text": "def f(x):\\n    return x"}\n{"id": 2, "text": "import json\\nprint(json)"}\n'
+
+
+def _jsonl(*rows) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+def score_case(id, data, names, extra=(), files=None):
+    """A ``mia score`` case on data file d.jsonl (contents ``data``) with extra argv (--no-cache unless the case
+    is about --cache-dir)."""
+    fs = {"d.jsonl": data}
+    fs.update(files or {})
+    no_cache = [] if "--cache-dir" in extra else ["--no-cache"]
+    return Case(id, ["score", "--model", "{model}", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/o.jsonl",
+                     "--no-progress", *no_cache, *extra], names, fs)
+
+
+def _model_copy(tmp: Path, model: Path, *, config=None, weights: Optional[bytes] = None) -> Path:
+    """{tmp}/m: the tiny model with its config.json replaced (a dict edit or raw bytes) and/or its weights."""
+    m = tmp / "m"
+    m.mkdir()
+    for f in model.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, m / f.name)
+    cfg = json.loads((model / "config.json").read_text())
+    if callable(config):
+        cfg = config(cfg)
+    (m / "config.json").write_bytes(cfg if isinstance(cfg, bytes) else json.dumps(cfg).encode())
+    (m / "model.safetensors").write_bytes(weights if weights is not None else (model / "model.safetensors").read_bytes())
+    return m
+
+
+def model_case(id, names, config=None, weights=None):
+    def make(tmp, model):
+        _model_copy(tmp, model, config=config, weights=weights)
+
+    return Case(id, ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/o.jsonl",
+                     "--no-progress", "--no-cache"], names, {"d.jsonl": GOOD, "m": make})
+
+
+def _set(**kv):
+    return lambda cfg: dict(cfg, **kv)
+
+
+def _drop(key):
+    return lambda cfg: {k: v for k, v in cfg.items() if k != key}
+
+
+def _st(header, data: bytes = b"", length: Optional[int] = None) -> bytes:
+    """A safetensors file from a header (any JSON value, or raw bytes) and data bytes."""
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return (len(head) if length is None else length).to_bytes(8, "little") + head + data
+
+
+_F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+SCORE_CASES = [
+    # --data itself
+    Case("data-is-directory", ["score", "--model", "{model}", "--data", "{tmp}", "--out", "{tmp}/o.jsonl"],
+         ("--data", "is a directory")),
+    Case("data-missing", ["score", "--model", "{model}", "--data", "{tmp}/none.jsonl", "--out", "{tmp}/o.jsonl"],
+         ("--data", "not found")),
+    score_case("invalid-json", GOOD + '{"id": 3, "text": \n', ("d.jsonl:3", "invalid JSON")),
+    score_case("not-an-object", _jsonl([1, 2]), ("d.jsonl:1", "JSON object")),
+    score_case("deep-nesting", '{"id": 1, "text": ' + "[" * 100_000 + "\n", ("d.jsonl:1",)),
+    score_case("not-utf8", b'{"id": 1, "text": "\xff\xfe ab"}\n', ("d.jsonl:1", "UTF-8")),
+    score_case("empty-file", "", ("d.jsonl", "no examples")),
+    score_case("id-missing", _jsonl({"text": "a b c"}), ("d.jsonl:1", "'id'")),
+    score_case("id-object", _jsonl({"id": {"a": 1}, "text": "a b c"}), ("d.jsonl:1", "'id'")),
+    score_case("id-bool", _jsonl({"id": True, "text": "a b c"}), ("d.jsonl:1", "'id'")),
+    score_case("id-surrogate", '{"id": "\\udc80", "text": "a b c"}\n', ("d.jsonl:1", "'id'", "surrogate")),
+    score_case("id-duplicate", _jsonl({"id": 1, "text": "a b"}, {"id": "1", "text": "c d"}), ("d.jsonl:2", "duplicate id")),
+    score_case("label-2", _jsonl({"id": 1, "text": "a b", "label": 2}), ("d.jsonl:1", "'label'")),
+    score_case("label-bool", _jsonl({"id": 1, "text": "a b", "label": True}), ("d.jsonl:1", "'label'")),
+    score_case("label-string", _jsonl({"id": 1, "text": "a b", "label": "1"}), ("d.jsonl:1", "'label'")),
+    score_case("label-nan", '{"id": 1, "text": "a b", "label": NaN}\n', ("d.jsonl:1", "'label'")),
+    score_case("no-text-no-tokens", _jsonl({"id": 1, "label": 1}), ("d.jsonl:1", "'text' or a 'tokens'")),
+    score_case("text-number", _jsonl({"id": 1, "text": 12}), ("d.jsonl:1", "'text'")),
+    score_case("text-lone-surrogate", '{"id": 1, "text": "abc \\ud800 def"}\n', ("d.jsonl:1", "'text'", "surrogate")),
+    score_case("tokens-beyond-int32", _jsonl({"id": 1, "tokens": [1, 2 ** 40]}), ("d.jsonl:1", "'tokens'")),
+    score_case("tokens-negative", _jsonl({"id": 1, "tokens": [1, -3]}), ("d.jsonl:1", "'tokens'")),
+    score_case("tokens-string", _jsonl({"id": 1, "tokens": "1 2 3"}), ("d.jsonl:1", "'tokens'")),
+    score_case("tokens-float", _jsonl({"id": 1, "tokens": [1, 2.5]}), ("d.jsonl:1", "'tokens'")),
+    score_case("tokens-bool", _jsonl({"id": 1, "tokens": [1, True]}), ("d.jsonl:1", "'tokens'")),
+    score_case("tokens-beyond-vocab", _jsonl({"id": 1, "tokens": [1, 100_000]}), ("d.jsonl:1", "vocabulary")),
+    score_case("one-token", _jsonl({"id": 1, "tokens": [5]}), ("d.jsonl:1", "at least 2")),
+    score_case("partition-misspelt", _jsonl({"id": 1, "text": "a b", "partition": "evaluation"}),
+               ("d.jsonl:1", "'partition'", "evaluation")),
+    score_case("partition-number", _jsonl({"id": 1, "text": "a b", "partition": 3}), ("d.jsonl:1", "'partition'")),
+    # options
+    score_case("max-length-negative", GOOD, ("--max-length",), ["--max-length", "-5"]),
+    score_case("max-length-zero", GOOD, ("--max-length",), ["--max-length", "0"]),
+    score_case("max-length-one", GOOD, ("--max-length",), ["--max-length", "1"]),
+    score_case("max-length-text", GOOD, ("--max-length",), ["--max-length", "ten"]),
+    score_case("max-length-beyond-context", GOOD, ("--max-length", "context"), ["--max-length", "100000"]),
+    score_case("batch-tokens-zero", GOOD, ("--batch-tokens",), ["--batch-tokens", "0"]),
+    score_case("bootstrap-negative", GOOD, ("--bootstrap",), ["--bootstrap", "-1"]),
+    score_case("seed-negative", GOOD, ("--seed",), ["--seed", "-1"]),
+    score_case("dtype-unknown", GOOD, ("--dtype",), ["--dtype", "float64"]),
+    score_case("init-timeout-zero", GOOD, ("--init-timeout",), ["--init-timeout", "0"]),
+    score_case("attacks-empty", GOOD, ("--attacks",), ["--attacks", ""]),
+    score_case("attacks-commas", GOOD, ("--attacks",), ["--attacks", " , ;"]),
+    score_case("attack-unknown", GOOD, ("nosuch",), ["--attacks", "loss,nosuch"]),
+    score_case("attack-twice", GOOD, ("'loss'", "twice"), ["--attacks", "loss,loss"]),
+    score_case("attack-param-twice", GOOD, ("mink", "'k'", "twice"), ["--attacks", "mink:k=0.1,k=0.2"]),
+    score_case("attack-param-unknown", GOOD, ("mink", "'q'"), ["--attacks", "mink:q=1"]),
+    score_case("attack-param-not-kv", GOOD, ("mink", "key=value"), ["--attacks", "mink:0.1"]),
+    score_case("em-iters-zero", GOOD, ("em_mia", "iters"), ["--attacks", "em_mia:iters=0"]),
+    score_case("em-iters-negative", GOOD, ("em_mia", "iters"), ["--attacks", "em_mia:iters=-1"]),
+    score_case("em-init-unknown", GOOD, ("em_mia", "init"), ["--attacks", "em_mia:init=bogus"]),
+    score_case("mink-k-above-one", GOOD, ("mink", "parameter k"), ["--attacks", "mink:k=1.5"]),
+    score_case("mink-k-zero", GOOD, ("mink", "parameter k"), ["--attacks", "mink:k=0"]),
+    score_case("mink-k-nan", GOOD, ("mink", "parameter k"), ["--attacks", "mink:k=nan"]),
+    score_case("minkpp-k-text", GOOD, ("minkpp", "parameter k"), ["--attacks", "minkpp:k=small"]),
+    score_case("mope-sigma-zero", GOOD, ("mope", "sigma"), ["--attacks", "mope:sigma=0"]),
+    score_case("mope-n-inf", GOOD, ("mope", "parameter n"), ["--attacks", "mope:n=inf"]),
+    score_case("camia-method", GOOD, ("camia", "method"), ["--attacks", "camia:method=bogus"]),
+    score_case("camia-lr-components", GOOD, ("camia_lr", "components"), ["--attacks", "camia_lr:components=7"]),
+    score_case("recall-variant", GOOD, ("recall", "variant"), ["--attacks", "recall:variant=x"]),
+    score_case("recall-include-first", GOOD, ("recall", "include_first"), ["--attacks", "recall:include_first=maybe"]),
+    score_case("neighbor-p-one", GOOD, ("neighbor", "parameter p"), ["--attacks", "neighbor:p=1"]),
+    score_case("ref-without-ref-model", GOOD, ("--ref-model",), ["--attacks", "loss,ref"]),
+    score_case("em-init-ref-without-ref-model", GOOD, ("--ref-model",), ["--attacks", "em_mia:init=ref"]),
+    score_case("neighbor-without-mlm", GOOD, ("--mlm",), ["--attacks", "neighbor"]),
+    score_case("recall-without-prefix", GOOD, ("--prefix-data",), ["--attacks", "loss,recall"]),
+    score_case("camia-without-calib", GOOD, ("--calib-data",), ["--attacks", "camia"]),
+    score_case("camia-lr-without-train", GOOD, ("--train-data",), ["--attacks", "camia_lr"]),
+    # paths, checked before any work
+    score_case("out-is-directory", GOOD, ("--out", "is a directory"), ["--out", "{tmp}"]),
+    score_case("out-under-file", GOOD, ("--out", "is a file"), ["--out", "{tmp}/d.jsonl/o.jsonl"]),
+    score_case("out-is-data", GOOD, ("--out", "input"), ["--out", "{tmp}/d.jsonl"]),
+    score_case("cache-dir-file", GOOD, ("--cache-dir", "is a file"), ["--cache-dir", "{tmp}/d.jsonl"]),
+    score_case("cache-dir-under-file", GOOD, ("--cache-dir",), ["--cache-dir", "{tmp}/d.jsonl/cache"]),
+    score_case("model-missing", GOOD, ("--model", "not found"), ["--model", "{tmp}/nope"]),
+    score_case("model-is-file", GOOD, ("--model", "is a file"), ["--model", "{tmp}/d.jsonl"]),
+    score_case("prefix-data-directory", GOOD, ("--prefix-data", "is a directory"), ["--prefix-data", "{tmp}"]),
+    score_case("calib-data-missing", GOOD, ("--calib-data", "not found"), ["--calib-data", "{tmp}/c.jsonl"]),
+    score_case("train-data-bad-line", GOOD, ("t.jsonl:1", "'label'"), ["--train-data", "{tmp}/t.jsonl"],
+               files={"t.jsonl": _jsonl({"id": 9, "text": "x y", "label": 5})}),
+    score_case("ref-model-file", GOOD, ("--ref-model", "is a file"), ["--ref-model", "{tmp}/d.jsonl"]),
+    score_case("mlm-missing", GOOD, ("--mlm", "not found"), ["--mlm", "{tmp}/nope"]),
+    # config.json
+    model_case("config-hidden-size-string", ("config.json", "'hidden_size'"), config=_set(hidden_size="96")),
+    model_case("config-hidden-size-float", ("config.json", "'hidden_size'"), config=_set(hidden_size=32.0)),
+    model_case("config-partial-rotary-1.7", ("config.json", "partial_rotary_factor"),
+               config=_set(partial_rotary_factor=1.7, rotary_pct=None)),
+    model_case("config-rope-parameters-rotary", ("config.json", "rope_parameters.partial_rotary_factor"),
+               config=lambda c: dict(c, rope_parameters=dict(c.get("rope_parameters") or {}, partial_rotary_factor=0))),
+    model_case("config-rotary-pct-negative", ("config.json", "'rotary_pct'"), config=_set(rotary_pct=-0.5)),
+    model_case("config-layers-negative", ("config.json", "'num_hidden_layers'"), config=_set(num_hidden_layers=-1)),
+    model_case("config-vocab-huge", ("config.json", "'vocab_size'"), config=_set(vocab_size=2 ** 40)),
+    model_case("config-eps-string", ("config.json", "'layer_norm_eps'"), config=_set(layer_norm_eps="1e-5")),
+    model_case("config-flag-string", ("config.json", "'use_parallel_residual'"), config=_set(use_parallel_residual="yes")),
+    model_case("config-rope-theta-negative", ("config.json", "rope_theta"), config=_set(rotary_emb_base=-1.0,
+                                                                                        rope_theta=-1.0)),
+    model_case("config-eos-list-bad", ("config.json", "eos_token_id"), config=_set(eos_token_id=[0, "a"])),
+    model_case("config-context-zero", ("config.json", "max_position_embeddings"), config=_set(max_position_embeddings=0)),
+    model_case("config-heads-do-not-divide", ("config.json", "divisible"), config=_set(hidden_size=33)),
+    model_case("config-model-type-unknown", ("config.json", "model_type"), config=_set(model_type="mamba")),
+    model_case("config-model-type-missing", ("config.json", "model_type"), config=_drop("model_type")),
+    model_case("config-model-type-list", ("config.json", "'model_type'"), config=_set(model_type=["gpt_neox"])),
+    model_case("config-invalid-json", ("config.json", "invalid JSON"), config=lambda c: b'{"model_type": '),
+    model_case("config-not-utf8", ("config.json",), config=lambda c: b'{"model_type": "\xff"}'),
+    model_case("config-a-list", ("config.json", "JSON object"), config=lambda c: b"[1, 2]"),
+    model_case("config-field-missing", ("config.json", "hidden_size"), config=_drop("hidden_size")),
+    # safetensors headers
+    model_case("st-huge-length", ("model.safetensors", "header length"), weights=_st({}, length=2 ** 63)),
+    model_case("st-random-bytes", ("model.safetensors",),
+               weights=np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()),
+    model_case("st-short", ("model.safetensors", "8-byte"), weights=b"\x01\x02"),
+    model_case("st-header-not-json", ("model.safetensors", "JSON"), weights=_st(b"{not json")),
+    model_case("st-header-not-utf8", ("model.safetensors", "UTF-8"), weights=_st(b'{"\xff": 1}')),
+    model_case("st-header-a-list", ("model.safetensors", "not an object"), weights=_st([1, 2])),
+    model_case("st-entry-string", ("model.safetensors", "'w'", "object"), weights=_st({"w": "F32"})),
+    model_case("st-dtype-unknown", ("model.safetensors", "dtype"),
+               weights=_st({"w": dict(_F32, dtype="F8")}, b"\0" * 8)),
+    model_case("st-shape-strings", ("model.safetensors", "shape"),
+               weights=_st({"w": dict(_F32, shape=["2"])}, b"\0" * 8)),
+    model_case("st-shape-negative", ("model.safetensors", "shape"),
+               weights=_st({"w": dict(_F32, shape=[-2])}, b"\0" * 8)),
+    model_case("st-offsets-outside", ("model.safetensors", "data_offsets", "outside"),
+               weights=_st({"w": dict(_F32, data_offsets=[0, 1 << 40], shape=[1 << 38])}, b"\0" * 8)),
+    model_case("st-offsets-size-mismatch", ("model.safetensors", "data_offsets", "needs"),
+               weights=_st({"w": dict(_F32, data_offsets=[0, 4])}, b"\0" * 8)),
+    model_case("st-offsets-reversed", ("model.safetensors", "data_offsets"),
+               weights=_st({"w": dict(_F32, data_offsets=[8, 0])}, b"\0" * 8)),
+    model_case("st-metadata-list", ("model.safetensors", "__metadata__"), weights=_st({"__metadata__": [1]})),
+    model_case("st-valid-but-wrong-tensors", ("missing",), weights=_st({"w": _F32}, b"\0" * 8)),
+    Case("tokenizer-json-corrupt", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/o.jsonl",
+                                    "--no-progress", "--no-cache"], ("tokenizer",),
+         {"d.jsonl": GOOD, "m": lambda tmp, model: (_model_copy(tmp, model),
+                                                     (tmp / "m" / "tokenizer.json").write_text('{"version": 3'))}),
+    Case("shard-index-escapes", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/o.jsonl",
+                                 "--no-progress", "--no-cache"], ("model.safetensors.index.json", "file name"),
+         {"d.jsonl": GOOD, "m": lambda tmp, model: _sharded(tmp, model, {"weight_map": {"a": "../../x.safetensors"}})}),
+    Case("shard-index-values-not-strings", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out",
+                                            "{tmp}/o.jsonl", "--no-progress", "--no-cache"],
+         ("model.safetensors.index.json", "weight_map"),
+         {"d.jsonl": GOOD, "m": lambda tmp, model: _sharded(tmp, model, {"weight_map": {"a": 3}})}),
+]
+
+
+def _sharded(tmp: Path, model: Path, index) -> None:
+    """{tmp}/m with model.safetensors replaced by a shard index (``index``, a JSON value)."""
+    m = _model_copy(tmp, model)
+    (m / "model.safetensors").unlink()
+    (m / "model.safetensors.index.json").write_text(json.dumps(index))
+
+BLIND_CASES = [
+    Case("blind-alpha-2", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--alpha", "2"], ("--alpha",)),
+    Case("blind-alpha-0", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--alpha", "0"], ("--alpha",)),
+    Case("blind-alpha-nan", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--alpha", "nan"], ("--alpha",)),
+    Case("blind-bootstrap-negative", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--bootstrap", "-3"],
+         ("--bootstrap",)),
+    Case("blind-cv-folds-1", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--cv-folds", "1"], ("--cv-folds",)),
+    Case("blind-n-train-0", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--n-train", "0"], ("--n-train",)),
+    Case("blind-features-empty", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--features", ""],
+         ("--features", "empty")),
+    Case("blind-feature-unknown", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--features", "bow,tfdf"],
+         ("--features", "tfdf")),
+    Case("blind-classifier-twice", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--classifiers", "lr,lr"],
+         ("--classifiers", "twice")),
+    Case("blind-split-directory", ["blind", "--split", "{tmp}", "--out", "{tmp}/o"], ("--split", "is a directory")),
+    Case("blind-split-missing", ["blind", "--split", "{tmp}/none.jsonl", "--out", "{tmp}/o"], ("--split", "not found")),
+    Case("blind-out-is-file", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/s.jsonl"], ("--out", "is a file")),
+    Case("blind-encoder-file", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--encoder", "{tmp}/s.jsonl"],
+         ("--encoder", "is a file")),
+]
+for c in BLIND_CASES:
+    c.files = {"s.jsonl": GOOD}
+
+TESTBED_CASES = [
+    Case("testbed-out-is-file", ["--preset", "smoke", "--out", "{tmp}/f"], ("--out", "is a file"), {"f": "x"}),
+    Case("testbed-out-under-file", ["--preset", "smoke", "--out", "{tmp}/f/tb"], ("--out", "is a file"), {"f": "x"}),
+    Case("testbed-suite-out-is-file", ["--suite", "smoke", "--out", "{tmp}/f"], ("--out", "is a file"), {"f": "x"}),
+    Case("testbed-corpus-missing", ["--out", "{tmp}/tb", "--corpus", "{tmp}/none.jsonl"], ("--corpus", "not found")),
+    Case("testbed-checkpoints-text", ["--out", "{tmp}/tb", "--checkpoints", "10,ten"], ("--checkpoints", "'ten'")),
+    Case("testbed-vocab-small", ["--out", "{tmp}/tb", "--vocab-size", "10"], ("--vocab-size",)),
+    Case("testbed-lr-zero", ["--out", "{tmp}/tb", "--lr", "0"], ("--lr",)),
+    Case("testbed-lr-nan", ["--out", "{tmp}/tb", "--lr", "nan"], ("--lr",)),
+    Case("testbed-beta1-one", ["--out", "{tmp}/tb", "--beta1", "1"], ("--beta1",)),
+    Case("testbed-rotary-1.7", ["--out", "{tmp}/tb", "--rotary-pct", "1.7"], ("--rotary-pct",)),
+    Case("testbed-train-steps-0", ["--out", "{tmp}/tb", "--train-steps", "0"], ("--train-steps",)),
+    Case("testbed-save-every-0", ["--out", "{tmp}/tb", "--save-every", "0"], ("--save-every",)),
+    Case("testbed-memorize-rows-0", ["--out", "{tmp}/tb", "--memorize-rows", "0"], ("--memorize-rows",)),
+    Case("testbed-preset-unknown", ["--preset", "huge"], ("--preset",)),
+]
+
+CHECKMIA_CASES = [
+    Case("checkmia-preset-unknown", ["--preset", "huge", "--out", "{tmp}/o"], ("--preset", "huge")),
+    Case("checkmia-testbed-is-file", ["--preset", "smoke", "--testbed", "{tmp}/f", "--out", "{tmp}/o"],
+         ("--testbed", "is a file"), {"f": "x"}),
+    Case("checkmia-out-is-file", ["--preset", "smoke", "--out", "{tmp}/f"], ("--out", "is a file"), {"f": "x"}),
+    Case("checkmia-attacks-empty", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", ""], ("--attacks",)),
+    Case("checkmia-attack-unknown", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", "nosuch"], ("nosuch",)),
+    Case("checkmia-attack-param", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", "mink:k=2"], ("mink", "k")),
+    Case("checkmia-em-iters-0", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", "em_mia:iters=0"], ("iters",)),
+    Case("checkmia-step-negative", ["--preset", "smoke", "--step", "-1"], ("--step",)),
+    Case("checkmia-n-members-0", ["--preset", "smoke", "--n-members", "0"], ("--n-members",)),
+    Case("checkmia-seed-negative", ["--preset", "smoke", "--seed", "-1"], ("--seed",)),
+    Case("checkmia-bootstrap-negative", ["--preset", "smoke", "--bootstrap", "-1"], ("--bootstrap",)),
+    Case("checkmia-train-steps-0", ["--preset", "smoke", "--train-steps", "0"], ("--train-steps",)),
+    Case("checkmia-corpus-missing", ["--preset", "smoke", "--out", "{tmp}/o", "--corpus", "{tmp}/none"], ("--corpus",)),
+]
+
+
+def _materialise(case: Case, tmp: Path, model: Path) -> list[str]:
+    for name, content in case.files.items():
+        if callable(content):
+            content(tmp, model)
+        elif isinstance(content, bytes):
+            (tmp / name).write_bytes(content)
+        else:
+            (tmp / name).write_text(content)
+    return [str(a).replace("{tmp}", str(tmp)).replace("{model}", str(model)) for a in case.argv]
+
+
+def _ids(cases):
+    return [c.id for c in cases]
+
+
+@pytest.mark.parametrize("case", SCORE_CASES + BLIND_CASES, ids=_ids(SCORE_CASES + BLIND_CASES))
+def test_mia_cli_bad_input(case, tiny_neox_dir, tmp_path, capsys):
+    from mia.cli import main
+
+    argv = _materialise(case, tmp_path, tiny_neox_dir)
+    code, lines, _ = run_main(main, argv, capsys)
+    assert_one_error(code, lines, *case.names)
+    assert not (tmp_path / "o.jsonl").exists() or case.id == "out-is-data"  # nothing written on an error
+
+
+@pytest.mark.parametrize("case", TESTBED_CASES, ids=_ids(TESTBED_CASES))
+def test_testbed_cli_bad_input(case, tmp_path, capsys):
+    from mia.testbed.__main__ import main
+
+    code, lines, _ = run_main(main, _materialise(case, tmp_path, tmp_path), capsys)
+    assert_one_error(code, lines, *case.names)
+    assert not (tmp_path / "tb").exists()  # nothing built
+
+
+@pytest.mark.parametrize("case", CHECKMIA_CASES, ids=_ids(CHECKMIA_CASES))
+def test_checkmia_cli_bad_input(case, tmp_path, capsys, monkeypatch):
+    from experiments.checkmia import main
+
+    monkeypatch.chdir(tmp_path)  # a default testbeds/ or results/ would land here, and must not appear
+    code, lines, _ = run_main(main, _materialise(case, tmp_path, tmp_path) + ["--no-progress"], capsys)
+    assert_one_error(code, lines, *case.names)
+    assert not (tmp_path / "testbeds").exists() and not (tmp_path / "o").exists()
+
+
+def test_table_size():
+    """The issue asks for at least 80 cases across the entry points."""
+    assert len(SCORE_CASES) + len(BLIND_CASES) + len(TESTBED_CASES) + len(CHECKMIA_CASES) >= 80
+
+
+# ============================================================================================= accepted inputs
+def _torch_mean_nll(model_dir: Path, tokens: np.ndarray) -> float:
+    """Independent reference: mean next-token NLL from transformers' PyTorch model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir)).float().eval()
+    with torch.no_grad():
+        logits = m(input_ids=torch.tensor(tokens[None], dtype=torch.long)).logits[0].double()
+    logp = torch.log_softmax(logits[:-1], -1)
+    return float(-logp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:], dtype=torch.long)].mean())
+
+
+def test_accepted_data_scores_right(tiny_neox_dir, tmp_path, capsys):
+    """Edge cases that are fine: integer and string ids, tokens given directly, label as 1.0, partitions other than
+    eval left out of the output, --max-length 2; the loss equals transformers' mean NLL."""
+    from mia.cli import main
+
+    rows = [{"id": 7, "tokens": [5, 9, 11, 3], "label": 1.0},
+            {"id": "b", "text": "def f(x): return x", "label": 0, "partition": "eval"},
+            {"id": "p", "text": "import os", "partition": "prefix"}]
+    (tmp_path / "d.jsonl").write_text(_jsonl(*rows) + "\n   \n")  # blank lines are skipped
+    out = tmp_path / "o.jsonl"
+    code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out", out,
+                                     "--no-progress", "--no-cache", "--max-length", "3"], capsys)
+    assert code == 0, lines
+    got = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [g["id"] for g in got] == ["7", "b"] and got[0]["label"] == 1
+    assert got[0]["n_tokens"] == 3 and got[0]["truncated"]
+    ref = _torch_mean_nll(tiny_neox_dir, np.array([5, 9, 11]))
+    assert got[0]["scores"]["loss"] == pytest.approx(-ref, abs=1e-4)
+
+
+def test_long_line_is_cut_before_tokenizing(tiny_neox_dir, tmp_path, capsys):
+    """A very long line is cut to max_length * 16 characters before tokenizing; the ids kept equal those of the
+    whole text, and a note says so."""
+    from mia.cli import main
+    from mia.data.examples import CUT_CHARS_PER_TOKEN, bounded_token_ids
+    from mia.models.hub import load_tokenizer
+
+    tok = load_tokenizer(tiny_neox_dir)
+    words = " ".join(f"value_{i % 97} = json.dumps({i})" for i in range(4000))
+    for text in (words, "a" * 50_000, "\n" * 20_000 + words):
+        ids, cut = bounded_token_ids(tok, text, 16)
+        assert cut and len(text) > 16 * CUT_CHARS_PER_TOKEN
+        full = np.asarray(tok(text)["input_ids"])
+        np.testing.assert_array_equal(ids[:16], full[:16])
+    short = "def f(x): return x"
+    ids, cut = bounded_token_ids(tok, short, 16)
+    assert not cut and list(ids) == tok(short)["input_ids"]
+
+    (tmp_path / "d.jsonl").write_text(_jsonl({"id": 1, "text": words * 10}))  # ~1.3 MB on one line
+    out = tmp_path / "o.jsonl"
+    code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out", out,
+                                     "--no-progress", "--no-cache", "--max-length", "32"], capsys)
+    assert code == 0, lines
+    assert any(l.startswith("note:") and "cut before tokenizing" in l for l in lines), lines
+    row = json.loads(out.read_text())
+    assert row["n_tokens"] == 32 and row["truncated"]
+
+
+def test_all_nan_score_column_is_named_not_misreported():
+    from mia.cli import metrics_table
+
+    labels = np.array([1, 0, 1, 0, 1, 0])
+    table = metrics_table({"good": np.array([3., 1., 4., 1., 5., 0.]), "broken": np.full(6, np.nan),
+                           "half": np.array([np.nan, 1., np.nan, 2., np.nan, 3.])}, labels, n_resamples=20)
+    rows = {l.split()[0]: l for l in table.splitlines()[2:]}
+    assert "all 6 scores are non-finite" in rows["broken"]
+    assert "need both" not in table
+    assert "non-members" in table.splitlines()[-1] and "no metrics" in table.splitlines()[-1]
+    good = [l for l in table.splitlines() if l.startswith("good")][0]
+    assert float(good.split()[1]) == pytest.approx(1.0)  # members 3,4,5 above non-members 1,1,0
+
+
+def test_em_mia_scores_refuses_zero_iterations():
+    from mia.attacks.em_mia import em_mia_scores
+    from mia.attacks.registry import AttackError
+
+    with pytest.raises(AttackError, match="iters"):
+        em_mia_scores(np.zeros((3, 3)), np.zeros(3), iters=0)
+
+
+def test_parse_attacks_accepts_what_it_should():
+    from mia.attacks import parse_attacks
+
+    got = parse_attacks("loss; mink:k=0.1,zlib,mink:k=1")
+    assert [(l, n, p.get("k")) for l, n, p in got] == [("loss", "loss", None), ("mink:k=0.1", "mink", 0.1),
+                                                        ("zlib", "zlib", None), ("mink:k=1", "mink", 1.0)]
+
+
+def test_config_accepted_values(tiny_neox_dir, tmp_path):
+    """null where HF writes null, an eos list, rotary fraction 1.0: loaded, not refused."""
+    from mia.models.hub import load_config
+
+    m = _model_copy(tmp_path, tiny_neox_dir, config=_set(eos_token_id=[0, 1], bos_token_id=None, rotary_pct=1.0,
+                                                          rope_parameters=None, partial_rotary_factor=None))
+    _, cfg, _ = load_config(m)
+    assert cfg.rotary_pct == 1.0
+
+
+def test_validated_safetensors_round_trip(tmp_path):
+    from mia.models.hub import read_safetensors, write_safetensors
+
+    import ml_dtypes
+    t = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros((0, 4), np.int64),
+         "c": np.ones(3, ml_dtypes.bfloat16), "d": np.array(True)}
+    write_safetensors(t, tmp_path / "x.safetensors")
+    back = read_safetensors(tmp_path / "x.safetensors")
+    assert sorted(back) == sorted(t)
+    for k in t:
+        assert back[k].dtype == t[k].dtype and back[k].shape == t[k].shape
+        np.testing.assert_array_equal(np.asarray(back[k]), t[k])
+    write_safetensors({"z": np.zeros(0, np.float32)}, tmp_path / "empty.safetensors")
+    assert read_safetensors(tmp_path / "empty.safetensors")["z"].shape == (0,)
+
+
+def test_validators_name_the_field():
+    with pytest.raises(V.InputError, match="f must be an integer"):
+        V.integer("3", "f")
+    with pytest.raises(V.InputError, match=r"in \(0, 1\]"):
+        V.number(0.0, "x", lo=0, hi=1, lo_open=True)
+    assert V.number(1, "x", lo=0, hi=1, lo_open=True) == 1.0
+    with pytest.raises(V.InputError, match="surrogate"):
+        V.text("a\udfffb", "t")
+    assert V.token_ids([0, V.INT32_MAX], "t").dtype == np.int32
+
+
+# ============================================================================================= fuzzing
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True),
+                         st.text(max_size=12))
+_json_value = st.recursive(_json_scalar, lambda kids: st.one_of(st.lists(kids, max_size=4),
+                                                                st.dictionaries(st.text(max_size=6), kids, max_size=4)),
+                           max_leaves=12)
+_field = st.sampled_from(["id", "text", "tokens", "label", "partition", "type"])
+_record = st.dictionaries(_field, st.one_of(_json_value, st.lists(st.integers(-5, 2 ** 40), max_size=5),
+                                            st.sampled_from(["eval", "prefix", "header", "evaluation", "\ud800"])),
+                          max_size=6)
+
+
+def _line(obj) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+_jsonl_bytes = st.one_of(
+    st.binary(max_size=300),
+    st.lists(st.one_of(_record.map(_line), _json_value.map(_line), st.binary(max_size=40)), max_size=6).map(b"".join),
+)
+
+
+def _check_jsonl(tmp_dir: Path, data: bytes):
+    from mia.data.examples import DataError, Example, read_examples
+
+    path = tmp_dir / "fuzz.jsonl"
+    path.write_bytes(data)
+    try:
+        header, examples = read_examples(path)
+    except DataError as e:
+        assert "\n" not in str(e).strip() and str(path) in str(e)
+        return
+    assert isinstance(header, dict) and examples
+    for ex in examples:
+        assert isinstance(ex, Example) and isinstance(ex.id, str) and ex.partition in ("eval", "prefix", "calib", "train")
+        assert ex.label in (None, 0, 1)
+        assert (ex.tokens is None or (ex.tokens.dtype == np.int32 and (ex.tokens >= 0).all())) and \
+               (ex.text is None or isinstance(ex.text.encode("utf-8"), bytes))
+
+
+_entry = st.fixed_dictionaries({}, optional={
+    "dtype": st.one_of(st.sampled_from(list(V.SAFETENSORS_DTYPE_BYTES) + ["F8", "x"]), _json_scalar),
+    "shape": st.one_of(st.lists(st.integers(-2, 6), max_size=3), _json_value),
+    "data_offsets": st.one_of(st.lists(st.integers(-4, 80), min_size=2, max_size=2), _json_value)})
+_header = st.dictionaries(st.one_of(st.just("__metadata__"), st.text(max_size=4)), st.one_of(_entry, _json_value),
+                          max_size=4)
+
+
+@st.composite
+def _safetensors_bytes(draw):
+    kind = draw(st.sampled_from(["random", "structured", "length"]))
+    if kind == "random":
+        return draw(st.binary(max_size=200))
+    head = json.dumps(draw(_header)).encode()
+    n = len(head) if kind == "structured" else draw(st.integers(0, 2 ** 64 - 1))
+    return n.to_bytes(8, "little") + head + draw(st.binary(max_size=80))
+
+
+def _check_safetensors(data: bytes):
+    try:
+        header, start = V.safetensors_header("fuzz.safetensors", head=data)
+    except V.InputError as e:
+        assert "\n" not in str(e).strip() and "fuzz.safetensors" in str(e)
+        return
+    for name, (dtype, shape, (lo, hi)) in header.items():
+        assert 0 <= lo <= hi <= len(data) - start
+        assert hi - lo == math.prod(shape) * V.SAFETENSORS_DTYPE_BYTES[dtype]
+
+
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ_SLOW = settings(max_examples=5000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+
+@FUZZ
+@given(data=_jsonl_bytes)
+def test_fuzz_jsonl_reader(tmp_path, data):
+    _check_jsonl(tmp_path, data)
+
+
+@FUZZ
+@given(data=_safetensors_bytes())
+def test_fuzz_safetensors_header(data):
+    _check_safetensors(data)
+
+
+@pytest.mark.slow
+@FUZZ_SLOW
+@given(data=_jsonl_bytes)
+def test_fuzz_jsonl_reader_long(tmp_path, data):
+    _check_jsonl(tmp_path, data)
+
+
+@pytest.mark.slow
+@FUZZ_SLOW
+@given(data=_safetensors_bytes())
+def test_fuzz_safetensors_header_long(data):
+    _check_safetensors(data)
+
+
+def test_safetensors_header_from_a_file_matches_bytes(tmp_path):
+    """The file path and the in-memory path of the header reader agree (the fuzz test uses the latter)."""
+    data = _st({"w": _F32, "__metadata__": {"format": "pt"}}, b"\0" * 8)
+    (tmp_path / "x.safetensors").write_bytes(data)
+    assert V.safetensors_header(tmp_path / "x.safetensors") == V.safetensors_header("x", head=data)
