@@ -172,6 +172,7 @@ SCORE_CASES = [
     score_case("recall-variant", GOOD, ("recall", "variant"), ["--attacks", "recall:variant=x"]),
     score_case("recall-include-first", GOOD, ("recall", "include_first"), ["--attacks", "recall:include_first=maybe"]),
     score_case("neighbor-p-one", GOOD, ("neighbor", "parameter p"), ["--attacks", "neighbor:p=1"]),
+    score_case("samia-temperature-zero", GOOD, ("samia", "temperature"), ["--attacks", "samia:temperature=0"]),
     score_case("ref-without-ref-model", GOOD, ("--ref-model",), ["--attacks", "loss,ref"]),
     score_case("em-init-ref-without-ref-model", GOOD, ("--ref-model",), ["--attacks", "em_mia:init=ref"]),
     score_case("neighbor-without-mlm", GOOD, ("--mlm",), ["--attacks", "neighbor"]),
