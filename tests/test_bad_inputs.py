@@ -453,6 +453,8 @@ def test_em_mia_scores_refuses_zero_iterations():
 def test_parse_attacks_accepts_what_it_should():
     from mia.attacks import parse_attacks
 
+    assert [p["prefix_score"] for _, _, p in parse_attacks("em_mia:prefix_score=kendall;em_mia:prefix_score=rankdist")] \
+        == ["kendall", "rankdist"]  # every prefix score em_mia implements passes its declared limits
     got = parse_attacks("loss; mink:k=0.1,zlib,mink:k=1")
     assert [(l, n, p.get("k")) for l, n, p in got] == [("loss", "loss", None), ("mink:k=0.1", "mink", 0.1),
                                                         ("zlib", "zlib", None), ("mink:k=1", "mink", 1.0)]
