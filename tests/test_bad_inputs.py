@@ -172,6 +172,7 @@ SCORE_CASES = [
     score_case("recall-variant", GOOD, ("recall", "variant"), ["--attacks", "recall:variant=x"]),
     score_case("recall-include-first", GOOD, ("recall", "include_first"), ["--attacks", "recall:include_first=maybe"]),
     score_case("neighbor-p-one", GOOD, ("neighbor", "parameter p"), ["--attacks", "neighbor:p=1"]),
+    score_case("samia-temperature-zero", GOOD, ("samia", "temperature"), ["--attacks", "samia:temperature=0"]),
     score_case("ref-without-ref-model", GOOD, ("--ref-model",), ["--attacks", "loss,ref"]),
     score_case("em-init-ref-without-ref-model", GOOD, ("--ref-model",), ["--attacks", "em_mia:init=ref"]),
     score_case("neighbor-without-mlm", GOOD, ("--mlm",), ["--attacks", "neighbor"]),
@@ -452,6 +453,8 @@ def test_em_mia_scores_refuses_zero_iterations():
 def test_parse_attacks_accepts_what_it_should():
     from mia.attacks import parse_attacks
 
+    assert [p["prefix_score"] for _, _, p in parse_attacks("em_mia:prefix_score=kendall;em_mia:prefix_score=rankdist")] \
+        == ["kendall", "rankdist"]  # every prefix score em_mia implements passes its declared limits
     got = parse_attacks("loss; mink:k=0.1,zlib,mink:k=1")
     assert [(l, n, p.get("k")) for l, n, p in got] == [("loss", "loss", None), ("mink:k=0.1", "mink", 0.1),
                                                         ("zlib", "zlib", None), ("mink:k=1", "mink", 1.0)]

@@ -132,7 +132,7 @@ def initial_score(ctx, init: str) -> np.ndarray:
 
 
 @register("em_mia", needs=("model", "stats"), init="loss", iters=10, prefix_score="auc",
-          limits={"init": INITS, "iters": Range(1), "prefix_score": ("auc", "rankdist")})
+          limits={"init": INITS, "iters": Range(1), "prefix_score": PREFIX_SCORES})
 def _em_mia(ctx, *, init: str, iters: int, prefix_score: str) -> np.ndarray:
     """EM-MIA: prefix scores (AUC of R[p,:] vs median pseudo-labels; or kendall, rankdist) and membership f = -r,
     iterated (higher = member)."""

@@ -34,6 +34,7 @@ from ..generate import GenerationError, default_eos_ids, generate
 from .fit import add_note, context_length
 from .recall import memo
 from .registry import AttackError, register
+from ..validate import Range
 from .zlib import zlib_length
 
 PAPER_MAX_LENGTH = 1024  # the official sampling script's generate(max_length=1024): prompt + continuation tokens
@@ -149,16 +150,18 @@ def sampled_candidates(ctx, *, n: int, top_k: int, temperature: float, prefix_ra
 
 
 _DEFAULTS = dict(n=10, top_k=50, temperature=1.0, prefix_ratio=0.5, max_length=PAPER_MAX_LENGTH)
+_LIMITS = dict(n=Range(1), top_k=Range(0), temperature=Range(0, lo_open=True),
+               prefix_ratio=Range(0, 1, lo_open=True, hi_open=True), max_length=Range(2))  # checked at --attacks
 
 
-@register("samia", needs=("model", "text"), **_DEFAULTS)
+@register("samia", needs=("model", "text"), limits=_LIMITS, **_DEFAULTS)
 def _samia(ctx, **params) -> np.ndarray:
     """SaMIA (Kaneko et al. 2024): mean ROUGE-1 recall of x's second half by n samples continuing its first half.
     Higher = member, as the source."""
     return samia_scores(*sampled_candidates(ctx, **params))
 
 
-@register("samia_zlib", needs=("model", "text"), **_DEFAULTS)
+@register("samia_zlib", needs=("model", "text"), limits=_LIMITS, **_DEFAULTS)
 def _samia_zlib(ctx, **params) -> np.ndarray:
     """SaMIA*zlib (Kaneko et al. 2024): mean over the n samples of ROUGE-1 x the sample's zlib-compressed bytes.
     Higher = member, as the source."""
