@@ -1,7 +1,7 @@
 """Metrics against slow plain references: loop bootstrap, brute-force threshold scan, scipy's Mann-Whitney."""
 import numpy as np
 import pytest
-from scipy.stats import mannwhitneyu
+from scipy.stats import mannwhitneyu, rankdata
 from sklearn.metrics import roc_auc_score
 
 from mia import metrics as M
@@ -44,33 +44,50 @@ def test_rank_auc_equals_sklearn(ties):
     np.testing.assert_allclose(M._auc_rows(s_rn, y_rn), want, atol=1e-12)
 
 
-def _loop_bootstrap(s, y, n_resamples, seed, stratified):
-    rng = np.random.default_rng(seed + 1000)
+def _ranksum_auc(s, y):
+    """AUC = Mann-Whitney U / (n1 n0) from mid-ranks (ties count 1/2); sklearn's roc_auc_score, 50x faster."""
+    r = rankdata(s)
+    n1, n0 = int(y.sum()), int(len(y) - y.sum())
+    return (r[y == 1].sum() - n1 * (n1 + 1) / 2) / (n1 * n0)
+
+
+def _loop_bootstrap(s, y, n_resamples, seed, stratified, fpr=0.05):
+    """Plain loop over the same resamples ``M.bootstrap`` draws: ``default_rng(seed)`` gives one [R, n] index matrix
+    (pooled), or one [R, n1] matrix of member positions then one [R, n0] of non-member positions (stratified);
+    each resample is scored with the rank-sum AUC and the scalar TPR, a single-class resample is dropped.
+    Returns (auc_se, tpr_se, auc_ci) with SEs as std(ddof=1) and the 95% percentile CI of the AUC."""
+    rng = np.random.default_rng(seed)
     pos, neg = np.flatnonzero(y == 1), np.flatnonzero(y == 0)
+    if stratified:
+        draw_pos = rng.integers(0, len(pos), (n_resamples, len(pos)))
+        draw_neg = rng.integers(0, len(neg), (n_resamples, len(neg)))
+        rows = [np.concatenate([pos[draw_pos[r]], neg[draw_neg[r]]]) for r in range(n_resamples)]
+    else:
+        rows = list(rng.integers(0, len(y), (n_resamples, len(y))))
     aucs, tprs = [], []
-    for _ in range(n_resamples):
-        if stratified:
-            idx = np.concatenate([rng.choice(pos, len(pos)), rng.choice(neg, len(neg))])
-        else:
-            idx = rng.integers(0, len(y), len(y))
+    for idx in rows:
         if y[idx].min() == y[idx].max():
             continue
-        aucs.append(roc_auc_score(y[idx], s[idx]))
-        tprs.append(M.tpr_at_fpr(s[idx], y[idx], 0.05))
-    return np.std(aucs, ddof=1), np.std(tprs, ddof=1)
+        aucs.append(_ranksum_auc(s[idx], y[idx]))
+        tprs.append(M.tpr_at_fpr(s[idx], y[idx], fpr))
+    return np.std(aucs, ddof=1), np.std(tprs, ddof=1), tuple(np.quantile(aucs, [0.025, 0.975]))
 
 
 @pytest.mark.parametrize("stratified", [True, False])
 def test_bootstrap_se_matches_plain_loop(stratified):
-    s, y = _data(n1=200, n0=200)
-    b = M.bootstrap(s, y, n_resamples=1000, seed=0, stratified=stratified, fprs=(0.05,))
-    auc_se, tpr_se = _loop_bootstrap(s, y, 600, 0, stratified)
-    assert b["auc_se"] == pytest.approx(auc_se, rel=0.10)
-    assert b["tpr_at_5pct_fpr_se"] == pytest.approx(tpr_se, rel=0.15)
+    # imbalanced classes, so the pooled resamples (class counts vary) and the stratified ones (fixed) differ
+    s, y = _data(n1=60, n0=300)
+    b = M.bootstrap(s, y, n_resamples=600, seed=3, stratified=stratified, fprs=(0.05,))
+    auc_se, tpr_se, (ci_lo, ci_hi) = _loop_bootstrap(s, y, 600, 3, stratified)
+    assert b["auc_se"] == pytest.approx(auc_se, rel=1e-9)
+    assert b["tpr_at_5pct_fpr_se"] == pytest.approx(tpr_se, rel=1e-9)
+    assert (b["auc_ci_low"], b["auc_ci_high"]) == pytest.approx((ci_lo, ci_hi), rel=1e-9)
     assert b["auc_ci_low"] < b["auc"] < b["auc_ci_high"]
     assert b["auc"] == pytest.approx(roc_auc_score(y, s))
-    # the legacy function agrees and is seeded
-    assert M.bootstrap_auc_se(s, y, n_resamples=300, seed=4) == M.bootstrap_auc_se(s, y, n_resamples=300, seed=4)
+    assert (b["n"], b["n_members"], b["n_nonmembers"], b["n_resamples"]) == (360, 60, 300, 600)
+    if not stratified:  # the legacy function is this pooled AUC SE by default, and is seeded
+        assert M.bootstrap_auc_se(s, y, n_resamples=600, seed=3) == pytest.approx(auc_se, rel=1e-9)
+        assert M.bootstrap_auc_se(s, y, n_resamples=300, seed=4) == M.bootstrap_auc_se(s, y, n_resamples=300, seed=4)
 
 
 def test_bootstrap_is_seeded_and_fast():
@@ -113,13 +130,17 @@ def test_paired_test_nominal_rate_for_equal_methods():
     """Two equally good methods (independent noise): the 5% test rejects about 5% of the time."""
     rng = np.random.default_rng(42)
     y = np.r_[np.ones(60, int), np.zeros(60, int)]
-    rejections = 0
-    sims = 150
-    for i in range(sims):
+    p = []
+    for i in range(150):
         a = y * 0.8 + rng.normal(size=120)
         b = y * 0.8 + rng.normal(size=120)
-        rejections += M.paired_bootstrap_test(a, b, y, n_resamples=300, seed=i)["p_value"] < 0.05
-    assert 0.0 <= rejections / sims <= 0.12
+        p.append(M.paired_bootstrap_test(a, b, y, n_resamples=300, seed=i)["p_value"])
+    p = np.array(p)
+    # under the null p is ~uniform: rejection rates within ~2.5 binomial SDs (150 draws) of the level, both sides
+    # (a test that never rejects, e.g. uncentred replicates, fails the lower bound)
+    assert 0.015 <= np.mean(p < 0.05) <= 0.10
+    assert 0.05 <= np.mean(p < 0.10) <= 0.17
+    assert 0.40 <= np.mean(p < 0.50) <= 0.60
 
 
 def test_errors_name_ids():
@@ -137,5 +158,15 @@ def test_summary_row_keys():
     s, y = _data()
     row = M.summary_row("x", s, y, n_resamples=200)
     assert {"method", "auc", "auc_se", "tpr_at_1pct_fpr", "n", "p_auc_gt_half"} <= set(row)
-    assert row["p_auc_gt_half"] < 1e-3
+    # values from independent references: sklearn AUC, the brute-force threshold scan, scipy's Mann-Whitney, and
+    # the plain-loop pooled bootstrap (CheckMIABench's SE) on the same seed
+    auc_se, _, (ci_lo, ci_hi) = _loop_bootstrap(s, y, 200, 0, stratified=False)
+    assert row["method"] == "x" and row["n"] == 320
+    assert row["auc"] == pytest.approx(roc_auc_score(y, s), abs=1e-12)
+    assert row["auc_se"] == pytest.approx(auc_se, rel=1e-9)
+    assert (row["auc_ci_low"], row["auc_ci_high"]) == pytest.approx((ci_lo, ci_hi), rel=1e-9)
+    assert row["tpr_at_1pct_fpr"] == pytest.approx(_brute_tpr(s, y, 0.01))
+    assert row["tpr_at_0.1pct_fpr"] == pytest.approx(_brute_tpr(s, y, 0.001))
+    want_p = mannwhitneyu(s[y == 1], s[y == 0], alternative="greater", method="asymptotic").pvalue
+    assert row["p_auc_gt_half"] == pytest.approx(want_p, rel=1e-9) and row["p_auc_gt_half"] < 1e-3
     assert M.bonferroni_significant([0.01, 0.02, 0.3], alpha=0.05) == [True, False, False]
