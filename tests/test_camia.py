@@ -389,6 +389,35 @@ def test_camia_methods_and_lr_on_tiny_model(tiny_model):
     assert any("fewer than 4 tokens" in n for n in ctx.notes)
     lr = get("camia_lr").fn(ctx, components=2, diversity="low")
     assert lr.shape == (10,) and ((lr[:9] >= 0) & (lr[:9] <= 1)).all() and np.isnan(lr[9])
+    # the same scores from a scikit-learn pipeline built here: per-group PCA(2) on the oriented training signals
+    # (a ColumnTransformer, one PCA per signal group), then LogisticRegression(liblinear), P(member)
+    f_tr = camia.features(ctx, train, ctx.stats_for(train, desc="t"), "training") * camia.orientation("low")
+    f_ev = camia.features(ctx, ev, ctx.stats(), "evaluated") * camia.orientation("low")
+    assert np.isfinite(f_tr).all() and np.isfinite(f_ev[:9]).all() and np.isnan(f_ev[9]).any()
+    np.testing.assert_allclose(lr[:9], _sklearn_group_pca_lr(f_tr, [e.label for e in train], f_ev[:9], 2),
+                               rtol=1e-9, atol=1e-12)
+    lr1 = get("camia_lr").fn(ctx, components=1, diversity="low")
+    np.testing.assert_allclose(lr1[:9], _sklearn_group_pca_lr(f_tr, [e.label for e in train], f_ev[:9], 1),
+                               rtol=1e-9, atol=1e-12)
+    assert not np.allclose(lr1[:9], lr[:9])
+
+
+def _sklearn_group_pca_lr(f_train, y_train, f_eval, components):
+    """CAMIA App. B with stock scikit-learn: one PCA per signal group (the 11 groups of 3..9 columns named in
+    ``camia.FEATURE_NAMES``), concatenated, then liblinear logistic regression; returns P(member) of ``f_eval``."""
+    from sklearn.compose import ColumnTransformer
+    from sklearn.decomposition import PCA
+    from sklearn.linear_model import LogisticRegression
+
+    groups = {g: [] for g in camia.GROUPS}  # in this order: liblinear's coordinate descent sees columns in order
+    for col in range(len(camia.FEATURE_NAMES)):
+        groups[camia.GROUPS[camia.FEATURE_GROUPS[col]]].append(col)
+    assert len(groups) == 11 and sum(map(len, groups.values())) == 75 and min(map(len, groups.values())) >= 3
+    pca = ColumnTransformer([(g, PCA(n_components=components), cols) for g, cols in groups.items()]).fit(f_train)
+    # the training projection is transform(X) = (X - mean) V, not fit_transform's U S: on the tiny model's nearly
+    # degenerate groups the two differ by ~1e-8 and liblinear turns that into ~1e-7 in P(member)
+    lr = LogisticRegression(solver="liblinear", max_iter=5000).fit(pca.transform(f_train), np.asarray(y_train))
+    return lr.predict_proba(pca.transform(f_eval))[:, 1]
 
 
 def test_bad_input_messages(tiny_model):
