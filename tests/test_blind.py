@@ -116,12 +116,9 @@ def test_missing_encoder_dir_is_one_clear_error(tmp_path):
 
 
 def test_bert_text_features_find_a_phrase_shift():
-    from mia.models.bert import EncoderNotFoundError, default_encoder_dir
+    from mia.models.bert import default_encoder_dir
 
-    try:
-        default_encoder_dir()
-    except EncoderNotFoundError as e:
-        pytest.skip(str(e))
+    default_encoder_dir()  # make setup installs MiniLM: its absence fails here (with the pip line), it is not skipped
     rng = np.random.default_rng(0)
     words = "the a of river stone music bright cold seven garden under quickly".split()
     ex = []

@@ -114,12 +114,9 @@ def test_cli_writes_six_split_files(tmp_path, splits):
 
 
 def test_pool_embedding_with_the_encoder(tmp_path):
-    from mia.models.bert import EncoderNotFoundError, default_encoder_dir
+    from mia.models.bert import default_encoder_dir
 
-    try:
-        default_encoder_dir()
-    except EncoderNotFoundError as e:
-        pytest.skip(str(e))
+    default_encoder_dir()  # make setup installs MiniLM: its absence fails here (with the pip line), it is not skipped
     words = "river stone music garden code python compiler kernel".split()
     rng = np.random.default_rng(0)
     ex = [{"id": f"{lab}{i}", "label": lab, "text": " ".join(rng.choice(words[:4] if lab else words[4:], 6))}
