@@ -248,8 +248,13 @@ def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, ref_logits
     for c, s in scores.items():
         np.testing.assert_allclose(s, want, atol=2e-4, err_msg=f"chunk={c}")
     np.testing.assert_allclose(scores[2], scores[5], atol=1e-5)
-    # registered attack: key from the seed and the same n models in every batch, so batching changes nothing:
-    # length-sorted batches of 4 (token budget 1280 / chunk 5 / length 64) vs the examples in file order
+
+
+@pytest.mark.slow
+def test_mope_registered_attack_does_not_depend_on_batching(tiny_model, data):
+    """Registered attack: key from the seed and the same n models in every batch, so batching changes nothing:
+    length-sorted batches of 4 (token budget 1280 / chunk 5 / length 64) vs the examples in file order."""
+    model, n, sigma = tiny_model, 5, 0.05
     fn = jitted_mope(model, n, sigma, 5)
     direct = np.concatenate([np.asarray(fn(jax.random.PRNGKey(0), model.params, *padded([e.tokens for e in part])))
                              for part in (data[:4], data[4:])])

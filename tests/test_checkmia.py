@@ -147,6 +147,7 @@ def test_main_job_bad_inputs(smoke_testbed, tmp_path, capsys):
     assert len(err) == 1 and "empty" in err[0]
 
 
+@pytest.mark.slow  # default-run time; make test-all runs it
 def test_main_job_with_memorization_dial(smoke_testbed, tmp_path):
     # same members and seed as test_testbed's dial test, so the dial checkpoint is reused when both run
     s = run("smoke", tmp_path / "mem", testbed_dir=smoke_testbed.root, attacks="loss", blind=False, bootstrap=100,
@@ -157,6 +158,7 @@ def test_main_job_with_memorization_dial(smoke_testbed, tmp_path):
     assert s["memorize"]["epochs"] == 8 and s["memorize"]["n_rows"] == 100
 
 
+@pytest.mark.slow  # default-run time; make test-all runs it
 def test_quickstart_notebook_runs(smoke_testbed, monkeypatch):
     from pathlib import Path
 
