@@ -351,29 +351,41 @@ def test_cli_end_to_end(tiny_neox_dir, tiny_model, tmp_path, capsys):
     out = tmp_path / "scores.jsonl"
     common = ["score", "--model", str(tiny_neox_dir), "--data", str(data), "--out", str(out), "--no-cache",
               "--no-progress", "--bootstrap", "10"]
-    tr = [{"id": f"t{i}", "text": t, "label": i % 2} for i, t in enumerate(texts(10, 4, tiny_model.tokenizer))]
-    train = write_jsonl(tmp_path / "train.jsonl", tr)
-    assert main(common + ["--attacks", "loss,mink:k=0.1,minkpp,zlib,camia,camia_lr", "--calib-data", str(calib),
-                          "--train-data", str(train)]) == 0
+    assert main(common + ["--attacks", "loss,mink:k=0.1,minkpp,zlib,camia", "--calib-data", str(calib)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 20
     for r in rows:
-        assert set(r["scores"]) == {"loss", "mink:k=0.1", "minkpp", "zlib", "camia", "camia_lr"}
+        assert set(r["scores"]) == {"loss", "mink:k=0.1", "minkpp", "zlib", "camia"}
         assert all(v is not None for v in r["scores"].values())
         assert -1.0 <= r["scores"]["camia"] <= 0.0
-    # camia_lr from the CLI = the scikit-learn pipeline on the signals of the same texts, computed in-process
+
+    small = write_jsonl(tmp_path / "small.jsonl", cal[:5])
+    assert main(common + ["--attacks", "camia", "--calib-data", str(small)]) == 2
+    assert "needs at least 10 'calib' example(s), got 5 (give --calib-data FILE" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~7 s more than the default run's CLI test; make test-all runs it
+def test_cli_camia_lr_matches_sklearn(tiny_neox_dir, tiny_model, tmp_path):
+    """camia_lr through ``mia score --train-data`` = the scikit-learn pipeline on the same texts' signals."""
+    from mia.cli import main
+
+    ev = [{"id": f"e{i}", "text": t, "label": i % 2} for i, t in enumerate(texts(20, 0, tiny_model.tokenizer))]
+    tr = [{"id": f"t{i}", "text": t, "label": i % 2} for i, t in enumerate(texts(10, 4, tiny_model.tokenizer))]
+    data, train = write_jsonl(tmp_path / "data.jsonl", ev), write_jsonl(tmp_path / "train.jsonl", tr)
+    out = tmp_path / "scores.jsonl"
+    assert main(["score", "--model", str(tiny_neox_dir), "--data", str(data), "--out", str(out), "--no-cache",
+                 "--no-progress", "--bootstrap", "10", "--attacks", "camia_lr", "--train-data", str(train)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [e["id"] for e in ev]
     tok = tiny_model.tokenizer
-    ev_x, tr_x = _examples(tok, [(e["text"], e["label"]) for e in ev], "e"), _examples(tok, [(e["text"], e["label"]) for e in tr], "t")
+    ev_x = _examples(tok, [(e["text"], e["label"]) for e in ev], "e")
+    tr_x = _examples(tok, [(e["text"], e["label"]) for e in tr], "t")
     ctx = _ctx(tiny_model, ev_x, train=tr_x)
     sign = camia.orientation("low")
     f_tr = camia.features(ctx, tr_x, ctx.stats_for(tr_x, desc="t"), "training") * sign
     f_ev = camia.features(ctx, ev_x, ctx.stats(), "evaluated") * sign
     want = _sklearn_group_pca_lr(f_tr, [e["label"] for e in tr], f_ev, 2)
     np.testing.assert_allclose([r["scores"]["camia_lr"] for r in rows], want, atol=1e-4)
-
-    small = write_jsonl(tmp_path / "small.jsonl", cal[:5])
-    assert main(common + ["--attacks", "camia", "--calib-data", str(small)]) == 2
-    assert "needs at least 10 'calib' example(s), got 5 (give --calib-data FILE" in capsys.readouterr().err
 
 
 def _ctx(model, evaluated, **partitions):
