@@ -42,11 +42,20 @@ CASES = {
 }
 
 
+_BUILT: dict = {}  # case name -> (name, checkpoint dir, transformers model, our model), built once per session
+
+
+def _build(name, tmp_path_factory):
+    if name not in _BUILT:
+        path = tmp_path_factory.mktemp(name)
+        ref = save_tiny(CASES[name](), path, seed=1)
+        _BUILT[name] = (name, path, ref, mm.load(path))
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    ref = save_tiny(CASES[request.param](), path, seed=1)
-    return request.param, path, ref, mm.load(path)
+    return _build(request.param, tmp_path_factory)
 
 
 def _assert_real_close(got, want, mask, atol):
@@ -92,10 +101,13 @@ def test_prefix_cache_matches_full_sequence(case):
 BF16_EPS = 2.0 ** -8  # bfloat16 keeps 8 significant bits: relative rounding of one value is at most 2^-8
 
 
-def test_bfloat16_close_to_float32(case):
+# every family once in the default run; llama_tied (a second Llama) in make test-all, for default-run time
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neo", "llama_gqa", pytest.param("llama_tied", marks=pytest.mark.slow),
+                                  "olmo", "olmo2"])
+def test_bfloat16_close_to_float32(name, tmp_path_factory):
     """bf16 weights and activations: logits within 6 bf16 roundings of the row's largest float32 logit (these 2-3
     layer nets measure 1.3-3.4); and not equal to float32, so the bf16 path really runs in bf16."""
-    name, path, _, m32 = case
+    name, path, _, m32 = _build(name, tmp_path_factory)  # the parity tests' checkpoint and float32 model
     m16 = mm.load(path, dtype="bfloat16")
     assert {x.dtype for x in jax.tree_util.tree_leaves(m16.params)} == {np.dtype("bfloat16")}
     tokens, mask = padded_batch(V, LENGTHS, seed=2)  # the parity test's batch: the float32 logits are compiled
