@@ -666,11 +666,10 @@ def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Seque
 
 # ============================================================================================ outputs
 def sha_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """Hex SHA-256 of the whole file (``mia.file_hash``)."""
+    from mia.file_hash import sha256_of_file
+
+    return sha256_of_file(path)
 
 
 def _json_default(o):

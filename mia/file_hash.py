@@ -34,7 +34,8 @@ def _stat_key(st: os.stat_result) -> list:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-def _sha256(path: Path) -> str:
+def sha256_of_file(path) -> str:
+    """Hex SHA-256 of every byte of the file at ``path`` (no memo: for files written by this run)."""
     h = hashlib.sha256()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
@@ -58,7 +59,7 @@ def file_sha256(path, memo_dir: Optional[str] = None) -> str:
     except (OSError, ValueError, AttributeError):
         pass
     settled = time.time_ns() - max(before.st_mtime_ns, before.st_ctime_ns) >= SETTLE_NS
-    digest = _sha256(path)
+    digest = sha256_of_file(path)
     if settled and _stat_key(os.stat(path)) == _stat_key(before):
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)

@@ -84,8 +84,8 @@ def test_file_hash_is_memoised_and_misses_after_an_in_place_edit(tmp_path, monke
     first = file_sha256(f, memo)
     assert len(list(memo.glob("*.json"))) == 1
     calls = []
-    real = fh._sha256
-    monkeypatch.setattr(fh, "_sha256", lambda p: calls.append(p) or real(p))
+    real = fh.sha256_of_file
+    monkeypatch.setattr(fh, "sha256_of_file", lambda p: calls.append(p) or real(p))
     assert file_sha256(f, memo) == first and calls == []  # served from the memo: not rehashed
     time.sleep(0.05)  # past the filesystem's timestamp granularity
     _edit_in_place(f, 8192, 64)  # same size, same mtime: only the ctime moves

@@ -149,11 +149,9 @@ def graded_splits(member_emb: np.ndarray, nonmember_emb: np.ndarray, *, size: in
 
 # ----------------------------------------------------------------------------------------------- files
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from ..file_hash import sha256_of_file
+
+    return sha256_of_file(path)
 
 
 def _texts(examples: Sequence[dict], tokenizer: Any) -> list[str]:

@@ -38,11 +38,9 @@ DEFAULT_ROOT = "testbeds"
 
 
 def _sha_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from ..file_hash import sha256_of_file
+
+    return sha256_of_file(path)
 
 
 def _write_json(path: Path, obj) -> None:
