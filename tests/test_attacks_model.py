@@ -206,7 +206,10 @@ def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, ref_logits
     # chunk 5 vmaps all copies at once
     block = 1000
     mesh, shardings = engine_layout(model)
-    scores = {c: np.asarray(build_mope_step(model, mesh, shardings, n, sigma, c, block)(key, model.params, tok, val))
+    rows = -(-len(toks) // mesh.shape["data"]) * mesh.shape["data"]  # the engine's rows: a multiple of `data`
+    ptok, pval = padded(toks + [[]] * (rows - len(toks)))
+    scores = {c: np.asarray(build_mope_step(model, mesh, shardings, n, sigma, c, block)(key, model.params, ptok,
+                                                                                        pval))[:len(toks)]
               for c in (2, 5)}
     # explicit loop over perturbed copies, same keys, NumPy log-softmax. The documented draw, written out: group 0 =
     # the leaves outside the layer stack, group 1 + l = layer l's slice; leaf j of a group (tree order), shape
