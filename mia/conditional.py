@@ -323,8 +323,9 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
     t_of = {k: targets[j] for j, k in reversed(list(enumerate(tkeys)))}
     up, ut = sorted(p_of), sorted(t_of)
     with BackgroundWriter() as writer:
-        store = PairCache(settings.cache_dir if cacheable(model, params) else None,
-                          condll_namespace(model, include_first, cache_tag), writer, set(pkeys), set(tkeys))
+        cache_dir = settings.cache_dir if settings.cache_dir and cacheable(model, params) else None  # no cache, no hash
+        store = PairCache(cache_dir, condll_namespace(model, include_first, cache_tag) if cache_dir else "", writer,
+                          set(pkeys), set(tkeys))
         have_not = np.array([[store.get(pk, tk) is None for tk in ut] for pk in up], bool).reshape(len(up), len(ut))
         missing = any_process(have_not)
         todo = {up[a]: {ut[b] for b in np.flatnonzero(missing[a])} for a in range(len(up)) if missing[a].any()}

@@ -497,12 +497,12 @@ def compute_token_stats(
     for i, t in enumerate(token_lists):
         if len(t) < 2:
             raise ValueError(f"example {i} has {len(t)} token(s); at least 2 are needed to score")
-    cache_dir = settings.cache_dir if cacheable(model, params) else None
+    cache_dir = settings.cache_dir if settings.cache_dir and cacheable(model, params) else None  # no cache, no hash
     mesh, _ = engine_layout(model)
     params = placed_params(model, params)
     keys = [example_key(t) for t in token_lists]
     with BackgroundWriter() as writer:
-        cache = StatsCache(cache_dir, cache_namespace(model, cache_tag), writer)
+        cache = StatsCache(cache_dir, cache_namespace(model, cache_tag) if cache_dir else "", writer)
         cached = cache.lookup(keys)
         results: list[Optional[dict]] = [cached.get(k) for k in keys]
         del cached

@@ -265,3 +265,30 @@ def test_local_loading_makes_no_network_attempt_whatever_the_environment(tmp_pat
     r = subprocess.run([sys.executable, "-c", OFFLINE, str(REPO), str(jsonl), str(csv)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, textwrap.shorten(r.stdout + r.stderr, 2000)
+
+
+def test_no_cache_never_hashes_the_weights(tiny_neox_dir, tmp_path, monkeypatch, capsys):
+    """``mia score --no-cache`` builds no cache key, so it never reads the weight files to hash them (a 12B
+    checkpoint costs minutes): the whole-file hash is made to fail, and the run must still succeed. The model's
+    fingerprint is still there on demand (the cache's key), from the same hash."""
+    import mia.file_hash as fh
+    from mia.cli import main
+    from mia.models import load
+
+    real = fh.sha256_of_file
+
+    def refuse(path):
+        raise AssertionError(f"hashed {path} with the cache off")
+
+    monkeypatch.setenv("MIA_CACHE_DIR", str(tmp_path / "mia-cache"))  # no memo of an earlier hash can answer
+    monkeypatch.setattr(fh, "sha256_of_file", refuse)
+    (tmp_path / "d.jsonl").write_text('{"id": 1, "text": "def f(x): return x", "label": 1}\n'
+                                      '{"id": 2, "text": "import os", "label": 0}\n')
+    argv = ["score", "--model", str(tiny_neox_dir), "--data", str(tmp_path / "d.jsonl"), "--out",
+            str(tmp_path / "o.jsonl"), "--attacks", "loss", "--no-progress", "--no-cache"]
+    assert main(argv) == 0, capsys.readouterr().err
+    model = load(tiny_neox_dir)
+    with pytest.raises(AssertionError, match="cache off"):  # the key, when asked for, does hash the weights
+        model.fingerprint
+    monkeypatch.setattr(fh, "sha256_of_file", real)
+    assert model.fingerprint == fingerprint(tiny_neox_dir)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..models.bert import BertLayer, Encoder, load_encoder
 from ..models.common import LayerNorm, activation
-from ..models.hub import CheckpointError, fingerprint, read_safetensors
+from ..models.hub import CheckpointError, fingerprint, read_safetensors, resolve_lazy
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -36,7 +36,12 @@ class MaskedLM:
     encoder: Encoder
     params: Any  # {"encoder": ..., "head": {dense_w, dense_b, ln_w, ln_b, bias, decoder?}}
     tokenizer: Any
-    fingerprint: str
+    content_address: Any  # the fingerprint, or a zero-argument function computing it on first use
+
+    @property
+    def fingerprint(self) -> str:
+        """Content address of the MLM's weights, hashed on first use only (the neighbour cache's key)."""
+        return resolve_lazy(self, "content_address")
 
     @property
     def config(self):
@@ -72,7 +77,7 @@ def load_mlm(path) -> MaskedLM:
     word = np.asarray(enc.params["word_embeddings"]["embedding"])
     if dec is not None and not np.array_equal(np.asarray(dec, np.float32), word):
         head["decoder"] = f32(dec)
-    return MaskedLM(enc, {"encoder": enc.params, "head": head}, enc.tokenizer, fingerprint(weights))
+    return MaskedLM(enc, {"encoder": enc.params, "head": head}, enc.tokenizer, functools.partial(fingerprint, weights))
 
 
 # ------------------------------------------------------------------------------------------------ pure functions

@@ -55,8 +55,10 @@ def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
 
     mlm = load_masked_lm(ctx)
     texts = ctx.texts()
-    tag = hashlib.sha256(f"{mlm.fingerprint}|{n}|{k}|{p}|{ctx.seed}|{NEIGHBOR_VERSION}".encode()).hexdigest()[:20]
-    root = Path(ctx.settings.cache_dir) / f"neighbors-{tag}" if ctx.settings.cache_dir else None
+    root = None
+    if ctx.settings.cache_dir:  # the MLM's weights are hashed only for a cache that uses the key
+        tag = hashlib.sha256(f"{mlm.fingerprint}|{n}|{k}|{p}|{ctx.seed}|{NEIGHBOR_VERSION}".encode()).hexdigest()[:20]
+        root = Path(ctx.settings.cache_dir) / f"neighbors-{tag}"
     key = jax.random.PRNGKey(ctx.seed)
     out = []
     for text in tqdm(texts, desc="neighbor: MLM search", disable=not ctx.settings.progress, leave=False):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -79,9 +80,15 @@ class Model:
     config: Any
     model_type: str
     path: Optional[str] = None
-    fingerprint: str = ""
+    content_address: Any = ""  # the fingerprint, or a zero-argument function computing it on first use
     mesh: Any = None
     fsdp: bool = False
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's content address (``fingerprint`` of its directory, ``params_fingerprint`` in memory), computed
+        on first use only: a run without the on-disk cache never hashes the weight files."""
+        return resolve_lazy(self, "content_address")
 
     def hidden(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
         """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens).
@@ -198,6 +205,16 @@ FINGERPRINT_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.j
                      "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
                      "tokenizer.model", "spiece.model")
 FINGERPRINT_VERSION = "2"
+
+
+def resolve_lazy(obj, field: str):
+    """``obj.field`` of a frozen dataclass, computed and stored on first use when it holds a zero-argument function
+    (a content address that needs every byte of the weights is only worth its cost when a cache uses it)."""
+    v = getattr(obj, field)
+    if callable(v):
+        v = v()
+        object.__setattr__(obj, field, v)
+    return v
 
 
 def fingerprint(root: Path) -> str:
@@ -439,7 +456,8 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     placed_on = make_mesh() if mesh is None else mesh
     params = put_params(views, param_shardings(shapes, placed_on, fsdp=fsdp), dtype=param_dtype)
     tok = load_tokenizer(root) if tokenizer else None
-    return Model(module, params, tok, cfg, fam.model_type, str(root), fingerprint(root), placed_on, fsdp)
+    return Model(module, params, tok, cfg, fam.model_type, str(root), functools.partial(fingerprint, root), placed_on,
+                 fsdp)
 
 
 def place(model: Model, mesh=None, fsdp: Optional[bool] = None) -> Model:
