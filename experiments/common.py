@@ -365,7 +365,8 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
     """(header, examples, note) of the checkpoint split of testbed ``tb`` at checkpoint ``step``.
 
     Members: rows [0, step*B); non-members: rows [step*B, end_step*B), end_step = the first epoch's end by default.
-    Drawn without replacement by ``mia.data.pythia.draw_checkpoint_split``; partitions by ``assign_partition_plan``.
+    Drawn without replacement by ``mia.data.pythia.draw_checkpoint_split`` with the model's vocabulary
+    (``testbed_vocab_size``: an id outside it stops, naming the row); partitions by ``assign_partition_plan``.
     ``allow_fewer`` shrinks the partitions to what the ranges hold (with a note) instead of stopping.
     """
     from mia.data.pythia import draw_checkpoint_split
@@ -389,7 +390,7 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
                               f"{end_step}) of the first epoch hold only {max(0, (end_step - step) * B)} rows; lower "
                               "the counts or use an earlier --step")
     header, examples = draw_checkpoint_split(tb.dataset(), step, sizes.members, sizes.nonmembers, seed, gap=0,
-                                             end_step=end_step, batch_size=B)
+                                             end_step=end_step, batch_size=B, vocab_size=testbed_vocab_size(tb))
     for e in examples:  # ids of the testbed's rows; kind "testbed" in the header
         e["id"] = f"row{e['index']}"
     header["source"].update(kind="testbed", testbed=str(tb.root.resolve()), tokenizer=str(tb.root.resolve()),
@@ -397,6 +398,12 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
                             checkpoint=str(tb.checkpoint_dir(step).resolve()))
     header["params"].update(epoch_end_step=epoch_end)
     return (*_finish_split(header, examples, sizes, seed), note)
+
+
+def testbed_vocab_size(tb) -> int:
+    """The vocabulary of the testbed's model (its tokenizer's size, recorded in the manifest): every drawn token id
+    must lie in ``[0, vocab_size)``."""
+    return int(tb.manifest["tokenizer"]["vocab_size"])
 
 
 def _fit(what: str, sizes: SplitSizes, allow_fewer: bool, available_members: int, available_nonmembers: int):

@@ -605,3 +605,40 @@ def test_safetensors_header_from_a_file_matches_bytes(tmp_path):
     data = _st({"w": _F32, "__metadata__": {"format": "pt"}}, b"\0" * 8)
     (tmp_path / "x.safetensors").write_bytes(data)
     assert V.safetensors_header(tmp_path / "x.safetensors") == V.safetensors_header("x", head=data)
+
+
+# ============================================================================================= experiments
+class _RowsTestbed:
+    """The few attributes of ``mia.testbed.Testbed`` a checkpoint split needs, over rows written here."""
+
+    batch_size, epoch_steps, train_steps, steps = 4, 10, 10, [5, 10]
+
+    def __init__(self, root: Path, rows: np.ndarray, vocab_size: int):
+        from mia.data.indexed import write_indexed
+
+        self.root = root
+        write_indexed(root / "order", rows)
+        self.config = type("Config", (), {"config_hash": "0" * 16})()
+        self.manifest = {"tokenizer": {"vocab_size": vocab_size}, "corpus": {"sha256": "0" * 64}}
+
+    def dataset(self):
+        from mia.data.indexed import IndexedDataset
+
+        return IndexedDataset(self.root / "order")
+
+    def checkpoint_dir(self, step, create=True):
+        return self.root / f"step{step}"
+
+
+def test_testbed_split_checks_the_model_vocabulary(tmp_path):
+    """``experiments.common.draw_testbed_split`` draws with the testbed model's vocabulary: one id outside it (row
+    13, a member of step 5) stops the draw naming the row and the vocabulary; the same rows within it draw."""
+    from experiments.common import SplitSizes, draw_testbed_split
+
+    rows = np.random.default_rng(0).integers(0, 300, size=(40, 9)).astype(np.uint16)
+    rows[13, 4] = 300
+    sizes = SplitSizes(eval=20)  # every member row [0, 20) is drawn, row 13 among them
+    with pytest.raises(ValueError, match=r"row 13 .*id 300, outside the model vocabulary \(300 ids\)"):
+        draw_testbed_split(_RowsTestbed(tmp_path / "a", rows, 300), 5, sizes, seed=0)
+    header, examples, _ = draw_testbed_split(_RowsTestbed(tmp_path / "b", rows, 301), 5, sizes, seed=0)
+    assert sorted(e["index"] for e in examples if e["label"] == 1) == list(range(20))
