@@ -234,9 +234,9 @@ def test_presets_are_consistent():
     from mia.models.gpt_neox import GPTNeoXForCausalLM
     from mia.testbed import PRESETS, TestbedError, model_config, preset
 
-    # the sizes the preset comments and the README promise, as ranges that round to them (smoke "0.2M", default
-    # "0.9M"); large's comment says "25M" but the formula gives 27.3M, so only its order of magnitude is held
-    promised = {"smoke": (0.15e6, 0.25e6), "default": (0.85e6, 0.95e6), "large": (20e6, 30e6)}
+    # the sizes the preset comments and the README promise, as ranges that round to them (smoke "0.17M", default
+    # "0.9M", large "27.3M")
+    promised = {"smoke": (0.165e6, 0.175e6), "default": (0.85e6, 0.95e6), "large": (27.25e6, 27.35e6)}
     assert set(PRESETS) == set(promised)
     for name, cfg in PRESETS.items():
         assert cfg.preset == name and cfg.checkpoint_steps[0] == 0 and cfg.checkpoint_steps[-1] == cfg.train_steps

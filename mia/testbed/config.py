@@ -144,7 +144,8 @@ class TestbedConfig:
 
 
 PRESETS = {
-    # < 60 s on 2 CPU cores from nothing: 0.4 MB of the stdlib, a 0.2M-parameter model
+    # < 60 s on 2 CPU cores from nothing: 0.4 MB of the stdlib, a 0.17M-parameter model (at the full 512-token
+    # vocabulary)
     "smoke": TestbedConfig(preset="smoke", max_corpus_bytes=800_000, vocab_size=512, seq_len=64, hidden_size=64,
                            num_layers=2, num_heads=4, batch_size=16, train_steps=100, checkpoints=(50,), lr=3e-3,
                            warmup_steps=10),
@@ -152,7 +153,8 @@ PRESETS = {
     "default": TestbedConfig(preset="default", vocab_size=2048, seq_len=128, hidden_size=128, num_layers=2,
                              num_heads=4, batch_size=32, train_steps=400, checkpoints=(100, 200, 300), lr=2e-3,
                              warmup_steps=40),
-    # for an accelerator: 25M parameters; give a larger corpus (--corpus) for more than one epoch's worth of steps
+    # for an accelerator: 27.3M parameters (at the full 8192-token vocabulary; config.n_params()); give a larger
+    # corpus (--corpus) for more than one epoch's worth of steps
     "large": TestbedConfig(preset="large", vocab_size=8192, seq_len=256, hidden_size=512, num_layers=6, num_heads=8,
                            batch_size=32, train_steps=200, checkpoints=(50, 100, 150), lr=1e-3, warmup_steps=20),
 }
