@@ -52,7 +52,8 @@ import numpy as np
 from mia.atomic import save_npz, write_text
 from mia.report import csv_text
 
-from experiments.common import (ExperimentError, Timings, experiment_parser, open_members, pick_members,
+from experiments.common import (ExperimentError, Timings, check_model_dir, check_paths, check_token_ids,
+                                experiment_parser, open_members, pick_members,
                                 run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
                                 write_json, write_manifest, write_scores, write_tables)
 
@@ -285,6 +286,19 @@ def mimir_pick(index: dict, domains: Optional[Sequence[str]], split: str) -> lis
         what = f"domain(s) {', '.join(missing)}" if missing else "any domain"
         raise ExperimentError(f"the MIMIR files have no {what} with split {split!r}; domains there: {_listing(index)}")
     return [(d, split) for d in domains]
+
+
+def mimir_request(root, domains: Optional[Sequence[str]], split: str, table2_domains) -> tuple:
+    """(index, Table 1 keys, Table 2 domains) of a ``--mimir`` run, from the directory listing alone: every requested
+    domain has the split, every Table 2 domain has files; one line naming what is missing and what is there."""
+    index = mimir_index(root)
+    keys = mimir_pick(index, domains, split)
+    t2_domains = [d for d, _ in keys] if table2_domains in (None, "all") else list(table2_domains)
+    unknown = [d for d in t2_domains if not any(k[0] == d for k in index)]
+    if unknown:
+        raise ExperimentError(f"--table2-domains: no MIMIR files for {', '.join(unknown)}; domains there: "
+                              f"{_listing(index)}")
+    return index, keys, t2_domains
 
 
 def mimir_examples(member_file, nonmember_file, tokenizer, max_per_class: Optional[int], seed: int) -> tuple:
@@ -549,10 +563,22 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     for k in ("n_domains", "n_members", "n_nonmembers", "draws"):
         if getattr(p, k) < 1:
             raise ExperimentError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(p, k)}")
+    if max_per_class is not None and max_per_class < 1:
+        raise ExperimentError(f"--max-per-class must be >= 1, got {max_per_class}")
+    out = Path(out) if out is not None else Path("results") / f"camia-{'mimir' if mimir else preset}"
+    # every check that needs no model, suite or data file read, before any of them
+    check_paths(out=out, dirs=[("--testbed", list(testbeds)), ("--mimir", mimir)],
+                model_dirs=[("--model", model_dir), ("--ref-model", ref_model), ("--mlm", mlm)],
+                output_dirs=[("--suite-dir", suite_dir)])
+    if mimir is not None and model_dir is None:
+        raise ExperimentError("--mimir needs --model DIR (a local model directory)")
+    if mimir is not None:
+        mimir_request(mimir, domains, split, table2_domains)  # domains and splits: a directory listing
+    if mimir is None and (model_dir is not None or ref_model is not None):
+        raise ExperimentError("--model/--ref-model go with --mimir; on the testbed the model is a suite member")
     say = say_fn(progress)
     timings = Timings()
     t0 = time.perf_counter()
-    out = Path(out) if out is not None else Path("results") / f"camia-{'mimir' if mimir else preset}"
     for sub in ("scores", "signals", "splits"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     notes: list = []
@@ -561,8 +587,6 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
                        domains=domains, table2_domains=table2_domains, max_per_class=max_per_class, blind=blind,
                        seed=seed, bootstrap=bootstrap, progress=progress, timings=timings)
     else:
-        if model_dir is not None or ref_model is not None:
-            raise ExperimentError("--model/--ref-model go with --mimir; on the testbed the model is a suite member")
         s = _run_testbed(p, preset, out, testbeds=testbeds, suite_dir=suite_dir, step=step, domains=domains,
                          memorize_epochs=memorize_epochs, mlm=mlm, blind=blind, seed=seed, bootstrap=bootstrap,
                          progress=progress, timings=timings)
@@ -696,15 +720,6 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
                    hashes=hashes, paths=paths)
 
 
-def _check_model_dir(path, flag: str) -> Path:
-    p = Path(path)
-    if not p.is_dir():
-        raise ExperimentError(f"{flag} {p}: model directory not found")
-    if not (p / "config.json").exists():
-        raise ExperimentError(f"{flag} {p}: not a model directory (no config.json)")
-    return p
-
-
 def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split, domains, table2_domains,
                max_per_class, blind, seed, bootstrap, progress, timings) -> dict:
     from mia.models import load
@@ -712,16 +727,10 @@ def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split,
 
     if model_dir is None:
         raise ExperimentError("--mimir needs --model DIR (a local model directory)")
-    index = mimir_index(mimir)
-    keys = mimir_pick(index, domains, split)
-    t2_domains = [d for d, _ in keys] if table2_domains in (None, "all") else list(table2_domains)
-    unknown = [d for d in t2_domains if not any(k[0] == d for k in index)]
-    if unknown:
-        raise ExperimentError(f"--table2-domains: no MIMIR files for {', '.join(unknown)}; domains there: "
-                              f"{_listing(index)}")
-    model_dir = _check_model_dir(model_dir, "--model")
+    index, keys, t2_domains = mimir_request(mimir, domains, split, table2_domains)
+    model_dir = check_model_dir(model_dir, "--model")
     if ref_model is not None:
-        _check_model_dir(ref_model, "--ref-model")
+        check_model_dir(ref_model, "--ref-model")
     model = load(model_dir)
     if model.tokenizer is None:
         raise ExperimentError(f"--model {model_dir}: no tokenizer files; MIMIR texts must be tokenized")
@@ -740,6 +749,8 @@ def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split,
         files[name] = {"member": str(mem_f), "nonmember": str(non_f), "member_sha256": sha_file(mem_f),
                        "nonmember_sha256": sha_file(non_f)}
         examples, n = mimir_examples(mem_f, non_f, model.tokenizer, max_per_class, seed)
+        check_token_ids(examples, model.vocab_size, f"--mimir {name} (tokenized by --model's tokenizer)",
+                        f"--model {model_dir}")
         notes += n
         say_fn(progress)(f"{name}: {len(examples)} texts")
         ev = evaluate_dataset(name, model, examples, attacks, settings, preset=p, seed=seed, bootstrap=bootstrap,
@@ -772,18 +783,20 @@ def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split,
 
 # ============================================================================================ CLI
 def build_parser():
+    from mia import validate as V
+
     ap = experiment_parser("python -m experiments.camia", __doc__, PRESETS, default_bootstrap=200)
     g = ap.add_argument_group("testbed (default)")
     g.add_argument("--testbed", action="append", default=[], help="a testbed directory instead of the suite")
     g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
     g.add_argument("--member", default=None, help="target suite member: middle (default), largest, smallest or a size name; the smallest is "
                                                   "the Reference baseline's model")
-    g.add_argument("--step", type=int, default=None, help="checkpoint to evaluate (default: the last)")
-    g.add_argument("--memorize-epochs", type=int, default=0,
+    g.add_argument("--step", type=V.arg_int(1), default=None, help="checkpoint to evaluate (default: the last)")
+    g.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
                    help="memorization dial: train the checkpoint E more epochs on the chosen member rows")
-    g.add_argument("--n-domains", type=int, default=None, help="the largest N domains (default per preset)")
-    g.add_argument("--n-members", type=int, default=None, help="members per domain (default per preset)")
-    g.add_argument("--n-nonmembers", type=int, default=None, help="non-members per domain (default per preset)")
+    g.add_argument("--n-domains", type=V.arg_int(1), default=None, help="the largest N domains (default per preset)")
+    g.add_argument("--n-members", type=V.arg_int(1), default=None, help="members per domain (default per preset)")
+    g.add_argument("--n-nonmembers", type=V.arg_int(1), default=None, help="non-members per domain (default per preset)")
     r = ap.add_argument_group("MIMIR files and a real model")
     r.add_argument("--mimir", default=None, help="MIMIR directory (cache_100_200_1000_512/{train,test}/*.jsonl)")
     r.add_argument("--model", default=None, help="local model directory (HF layout, safetensors)")
@@ -791,9 +804,9 @@ def build_parser():
     r.add_argument("--split", default="ngram_7_0.2", help="MIMIR split of Table 1 (default ngram_7_0.2)")
     r.add_argument("--table2-domains", default=None, help="domains whose other n-gram splits make Table 2 "
                                                           "(default: every Table 1 domain; comma list)")
-    r.add_argument("--max-per-class", type=int, default=None, help="subsample each MIMIR file to N texts")
+    r.add_argument("--max-per-class", type=V.arg_int(1), default=None, help="subsample each MIMIR file to N texts")
     ap.add_argument("--domains", default=None, help="comma list of domains (testbed: top-level names; MIMIR: arxiv, ...)")
-    ap.add_argument("--draws", type=int, default=None, help="calibration draws (default 10)")
+    ap.add_argument("--draws", type=V.arg_int(1), default=None, help="calibration draws (default 10)")
     ap.add_argument("--mlm", default=None, help="local BERT MLM directory for the Neighborhood baseline")
     ap.add_argument("--no-blind", action="store_true", help="skip the blind baseline")
     return ap

@@ -33,7 +33,8 @@ import numpy as np
 
 from mia.atomic import write_text
 
-from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, draw_testbed_split, fmt,
+from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, check_paths, draw_testbed_split,
+                                fmt,
                                 metric_rows, plot_roc, run_blind_baselines, run_main, say_fn, score_attacks,
                                 select_attacks as _select, sha_file, versions, write_json,
                                 write_scores)
@@ -308,17 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> bool:
     """Options checked before the testbed is built or loaded: preset, paths, the attack list."""
-    from mia import validate as V
     from mia.testbed.config import PRESETS
 
     if args.preset not in PRESETS:
         raise JobError(f"--preset {args.preset!r}: unknown; presets: {', '.join(sorted(PRESETS))}")
-    if args.testbed is not None:
-        V.output_dir(args.testbed, "--testbed", error=JobError)
-    if args.out is not None:
-        V.output_dir(args.out, "--out", error=JobError)
-    if args.corpus is not None and not Path(args.corpus).is_dir():
-        V.input_file(args.corpus, "--corpus", error=JobError)
+    corpus_file = args.corpus is not None and not Path(args.corpus).is_dir()  # a corpus is a directory or a file
+    check_paths(out=args.out if args.out is not None else Path("results") / f"checkmia-{args.preset}",
+                files=[("--corpus", args.corpus if corpus_file else None)], output_dirs=[("--testbed", args.testbed)])
     if args.attacks is not None:
         select_attacks(args.attacks, args.preset)  # a bad name or parameter stops here, not after training
     return True

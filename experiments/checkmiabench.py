@@ -35,12 +35,12 @@ import numpy as np
 from mia.atomic import write_text
 
 from experiments import curves
-from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings, argv_or_sys,
-                                check_token_ids, count_params, default_out, draw_olmo_split, draw_pythia_split,
-                                draw_testbed_split, experiment_parser, metric_rows, olmo_checkpoint, open_members,
-                                require_order, run_blind_baselines, run_main, say_fn, score_attacks, select_attacks,
-                                select_pythia, sha_file, size_name, write_json, write_manifest,
-                                write_scores, write_tables)
+from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
+                                arg_int_list, argv_or_sys, check_paths, check_token_ids, count_params, default_out,
+                                draw_olmo_split, draw_pythia_split, draw_testbed_split, experiment_parser, metric_rows,
+                                olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,
+                                score_attacks, select_attacks, select_pythia, sha_file, size_name, write_json,
+                                write_manifest, write_scores, write_tables)
 
 MODULE = "experiments.checkmiabench"
 
@@ -320,6 +320,11 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
     every, last = (tuple(blind_features), ()) if blind_features is not None else (p.blind_every, p.blind_last)
     out = Path(out) if out is not None else default_out("checkmiabench", preset,
                                                         "pythia" if pythia else "olmo" if olmo else "")
+    # every check that needs no model, suite or data file read, before any of them
+    check_paths(out=out, files=[("--data", list(data or ())), ("--idx", idx), ("--global-indices", global_indices),
+                                ("--data-paths", data_paths)],
+                dirs=[("--testbed", list(testbeds)), ("--pythia", pythia), ("--olmo", olmo)],
+                output_dirs=[("--suite-dir", suite_dir)])
     to_run, skipped = select_attacks(list(p.attacks) if attacks is None else attacks, tolerant=attacks is None)
     if not to_run:
         raise ExperimentError("no attack to run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
@@ -511,6 +516,8 @@ def _csv(text: Optional[str]) -> list:
 
 
 def build_parser():
+    from mia import validate as V
+
     p = experiment_parser(f"python -m {MODULE}", __doc__, PRESETS, default_bootstrap=None)
     p.add_argument("--paper", action="store_true", help="the paper's settings (= --preset paper)")
     g = p.add_argument_group("testbed suite (default)")
@@ -518,7 +525,7 @@ def build_parser():
     g.add_argument("--suite-dir", default=None, help="suite directory (built there if missing)")
     g.add_argument("--testbed", default=None, help="testbed directories sharing one data order, comma-separated "
                                                    "(instead of the suite)")
-    g.add_argument("--memorize-epochs", type=int, default=0,
+    g.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
                    help="memorization dial: train each evaluated checkpoint E more epochs on its split's members only")
     r = p.add_argument_group("real checkpoints")
     r.add_argument("--pythia", default=None, help="directory of pythia-SIZE-deduped/stepN/ HF checkpoints")
@@ -528,23 +535,23 @@ def build_parser():
     r.add_argument("--olmo", default=None, help="OLMo checkpoint directory (or a directory of stepN[-tokens...]/)")
     r.add_argument("--global-indices", default=None, help="OLMo: global_indices.npy (raw uint32)")
     r.add_argument("--data-paths", default=None, help="OLMo: text file listing the token files in order")
-    r.add_argument("--gap", type=int, default=None, help="steps left out on each side of the checkpoint (paper preset: "
+    r.add_argument("--gap", type=V.arg_int(0), default=None, help="steps left out on each side of the checkpoint (paper preset: "
                                                          "10; else 0)")
-    r.add_argument("--end-step", type=int, default=None, help="non-members up to this step (Pythia: 98500)")
-    r.add_argument("--batch-size", type=int, default=None, help="rows per step (Pythia 1024, OLMo 2160)")
-    r.add_argument("--seq-len", type=int, default=2048, help="OLMo instance length (2048)")
+    r.add_argument("--end-step", type=V.arg_int(1), default=None, help="non-members up to this step (Pythia: 98500)")
+    r.add_argument("--batch-size", type=V.arg_int(1), default=None, help="rows per step (Pythia 1024, OLMo 2160)")
+    r.add_argument("--seq-len", type=V.arg_int(2), default=2048, help="OLMo instance length (2048)")
     s = p.add_argument_group("what to run")
     s.add_argument("--sizes", default=None, help="model sizes to evaluate, comma-separated (default: all)")
-    s.add_argument("--steps", default=None, help="checkpoints, comma-separated (default: every saved one for the "
+    s.add_argument("--steps", type=arg_int_list(1), default=None, help="checkpoints, comma-separated (default: every saved one for the "
                                                  "suite; 97000 Pythia; 400000 OLMo)")
     s.add_argument("--attacks", default=None, help="attack list NAME[:k=v,...] (default: the preset's)")
     s.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
     s.add_argument("--blind-features", default=None, help="comma-separated of bow,tfidf,w2v,bert (default: preset's)")
-    s.add_argument("--n-members", type=int, default=None, help="evaluated members (= non-members) per checkpoint")
-    s.add_argument("--n-train", type=int, default=None, help="blind-classifier training examples per class")
-    s.add_argument("--n-prefix", type=int, default=None, help="non-members set aside for ReCaLL prefixes")
-    s.add_argument("--n-calib", type=int, default=None, help="non-members set aside for CAMIA calibration")
-    s.add_argument("--bins", type=int, default=None, help="age bins of the recency curves (default 8)")
+    s.add_argument("--n-members", type=V.arg_int(1), default=None, help="evaluated members (= non-members) per checkpoint")
+    s.add_argument("--n-train", type=V.arg_int(0), default=None, help="blind-classifier training examples per class")
+    s.add_argument("--n-prefix", type=V.arg_int(0), default=None, help="non-members set aside for ReCaLL prefixes")
+    s.add_argument("--n-calib", type=V.arg_int(0), default=None, help="non-members set aside for CAMIA calibration")
+    s.add_argument("--bins", type=V.arg_int(1), default=None, help="age bins of the recency curves (default 8)")
     return p
 
 
@@ -552,7 +559,7 @@ def main(argv=None) -> int:
     argv = argv_or_sys(argv)
     args = build_parser().parse_args(argv)
     preset = "paper" if args.paper else args.preset
-    steps = [int(x) for x in _csv(args.steps)] or None
+    steps = args.steps
     status, s = run_main(
         lambda: run(preset, args.out, testbeds=_csv(args.testbed), suite=args.suite, suite_dir=args.suite_dir,
                     pythia=args.pythia, olmo=args.olmo, data=args.data, idx=args.idx,

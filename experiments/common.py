@@ -1,8 +1,9 @@
 """What every ``python -m experiments.NAME`` module shares: one small set of helpers, not copies of each other.
 
 CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``--bootstrap``, ``--no-progress``,
-                 ``--debug``), ``run_main`` (a user error is one ``error: ...`` line and exit 2; Ctrl-C 130),
-                 ``ExperimentError`` (bad input, one line), ``default_out``.
+                 ``--debug``; usage errors are one line), ``run_main`` (a user error is one ``error: ...`` line and
+                 exit 2; Ctrl-C 130), ``ExperimentError`` (bad input, one line), ``default_out``,
+                 ``check_paths`` / ``check_model_dir`` (every path option before any work), ``arg_int_list``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
                  ``open_members`` (given testbeds, else the suite, else one testbed), ``pick_members``,
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
@@ -55,14 +56,17 @@ def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_prese
     ``--bootstrap`` (resamples for AUC SEs; ``default_bootstrap=None`` leaves it to the preset), ``--no-progress``,
     ``--debug`` (tracebacks instead of one line).
     """
-    p = argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from mia import validate as V
+
+    p = V.OneLineParser(prog=prog, description=doc.strip().split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     presets = list(presets)
     p.add_argument("--preset", default=default_preset, choices=presets,
                    help=f"settings preset: {', '.join(presets)} (default: {default_preset})")
     p.add_argument("--out", default=None, help="results directory (default: results/<module>-<preset>)")
-    p.add_argument("--seed", type=int, default=0, help="split, partition, classifier and bootstrap seed (default 0)")
-    p.add_argument("--bootstrap", type=int, default=default_bootstrap,
+    p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0,
+                   help="split, partition, classifier and bootstrap seed (default 0)")
+    p.add_argument("--bootstrap", type=V.arg_int(0), default=default_bootstrap,
                    help="bootstrap resamples for standard errors (default: "
                         + (f"{default_bootstrap})" if default_bootstrap is not None else "the preset's)"))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -70,6 +74,62 @@ def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_prese
     from mia.cli import add_compile_cache_flag
 
     add_compile_cache_flag(p)
+    return p
+
+
+def arg_int_list(lo: Optional[int] = None):
+    """argparse ``type=`` for a comma-separated list of integers, each >= ``lo`` (``--steps 100,200``)."""
+    from mia import validate as V
+
+    one = V.arg_int(lo)
+
+    def parse(text: str) -> list:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+        return [one(x) for x in items]
+
+    parse.__name__ = "integer list"
+    return parse
+
+
+def check_paths(*, out=None, files: Sequence = (), dirs: Sequence = (), model_dirs: Sequence = (),
+                output_dirs: Sequence = ()) -> None:
+    """Every path an experiment was given, checked before any work (a suite built, a model loaded, a split drawn),
+    each with one line naming its option (``mia.validate``, as ``mia score`` does):
+
+    ``out``          the results directory: not an existing file, nothing but directories above it;
+    ``files``        ``(flag, path or paths)`` that must be existing regular files;
+    ``dirs``         ``(flag, path or paths)`` that must be existing directories;
+    ``model_dirs``   ``(flag, path)`` that must be model directories (a ``config.json`` in them);
+    ``output_dirs``  ``(flag, path)`` directories that exist or can be created (``--suite-dir``).
+    A path of ``None`` (an option not given) is skipped."""
+    from mia import validate as V
+
+    def each(pairs):
+        for flag, value in pairs:
+            for v in ([] if value is None else value if isinstance(value, (list, tuple)) else [value]):
+                yield flag, v
+
+    for flag, path in each(files):
+        V.input_file(path, flag, error=ExperimentError)
+    for flag, path in each(dirs):
+        V.input_dir(path, flag, error=ExperimentError)
+    for flag, path in each(model_dirs):
+        check_model_dir(path, flag)
+    for flag, path in each(output_dirs):
+        V.output_dir(path, flag, error=ExperimentError)
+    if out is not None:
+        V.output_dir(out, "--out", error=ExperimentError)
+
+
+def check_model_dir(path, flag: str) -> Path:
+    """An existing model directory (HF layout: ``config.json`` in it), or one line naming ``flag``."""
+    from mia import validate as V
+
+    p = V.input_dir(path, flag, noun="model directory", error=ExperimentError)
+    if not (p / "config.json").is_file():
+        raise ExperimentError(f"{flag} {p}: not a model directory (no config.json)")
     return p
 
 

@@ -246,19 +246,20 @@ def curves_from_results(results_dir, n_bins: int, n_resamples: int, seed: int) -
 
 
 def main(argv=None) -> int:
-    import argparse
+    from mia import validate as V
 
-    from experiments.common import run_main
+    from experiments.common import check_paths, run_main
 
-    p = argparse.ArgumentParser(prog="python -m experiments.curves", description=__doc__.split("\n\n")[0])
+    p = V.OneLineParser(prog="python -m experiments.curves", description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="a python -m experiments.checkmiabench results directory")
-    p.add_argument("--bins", type=int, default=8, help="age bins per recency curve (default 8)")
-    p.add_argument("--bootstrap", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bins", type=V.arg_int(1), default=8, help="age bins per recency curve (default 8)")
+    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000)
+    p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
 
     def go():
+        check_paths(dirs=[("RESULTS_DIR", args.results)])
         rec, sc = curves_from_results(args.results, args.bins, args.bootstrap, args.seed)
         return write_curves(args.results, rec, sc, Path(args.results).name), rec, sc
 

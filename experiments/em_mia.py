@@ -45,9 +45,9 @@ import numpy as np
 
 from mia.atomic import write_text
 
-from experiments.common import (ExperimentError, SplitSizes, Timings, check_token_ids, draw_testbed_split,
-                                experiment_parser, metric_rows, olmo_checkpoint, open_members, pick_members,
-                                run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
+from experiments.common import (ExperimentError, SplitSizes, Timings, check_paths, check_token_ids,
+                                draw_testbed_split, experiment_parser, metric_rows, olmo_checkpoint, open_members,
+                                pick_members, run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
                                 write_json, write_manifest, write_scores, write_tables)
 
 SPLITS = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
@@ -131,12 +131,10 @@ def parse_steps(spec: str, flag: str) -> tuple:
     return a, b
 
 
-def olmo_pool(global_indices, data_paths, *, model_step: int, member_steps: tuple, nonmember_steps: tuple,
-              pool: int, n_prefix: int, doc_len: int, eos: int, batch_size: int, seq_len: int, seed: int,
-              candidates: Optional[int] = None) -> tuple:
-    """(header, pool examples, prefix examples, notes) by the OLMoMIA recipe (``mia.data.olmo`` documents)."""
-    from mia.data.olmo import OlmoOrder, draw_checkpoint_split
-
+def check_olmo_request(model_step: int, member_steps: tuple, nonmember_steps: tuple, global_indices,
+                       data_paths) -> None:
+    """The OLMo options that need no file read: members from step 0, a checkpoint between the member and the
+    non-member ranges, both order files given and present."""
     if member_steps[0] != 0:
         raise ExperimentError(f"--member-steps {member_steps[0]}:{member_steps[1]}: members start at step 0 "
                               "(every instance before the end step was trained on)")
@@ -146,8 +144,23 @@ def olmo_pool(global_indices, data_paths, *, model_step: int, member_steps: tupl
     for flag, f in (("--global-indices", global_indices), ("--data-paths", data_paths)):
         if not f:
             raise ExperimentError(f"--olmo needs the training order: {flag} FILE")
-        if not Path(f).exists():
-            raise ExperimentError(f"{flag} {f}: file not found")
+    check_paths(files=[("--global-indices", global_indices), ("--data-paths", data_paths)])
+
+
+def olmo_steps(member_steps: str, nonmember_steps: str, step: Optional[int]) -> tuple:
+    """(member steps, non-member steps, checkpoint step) of the OLMo options (the checkpoint defaults to the
+    non-member start)."""
+    ms, ns = parse_steps(member_steps, "--member-steps"), parse_steps(nonmember_steps, "--nonmember-steps")
+    return ms, ns, ns[0] if step is None else int(step)
+
+
+def olmo_pool(global_indices, data_paths, *, model_step: int, member_steps: tuple, nonmember_steps: tuple,
+              pool: int, n_prefix: int, doc_len: int, eos: int, batch_size: int, seq_len: int, seed: int,
+              candidates: Optional[int] = None) -> tuple:
+    """(header, pool examples, prefix examples, notes) by the OLMoMIA recipe (``mia.data.olmo`` documents)."""
+    from mia.data.olmo import OlmoOrder, draw_checkpoint_split
+
+    check_olmo_request(model_step, member_steps, nonmember_steps, global_indices, data_paths)
     order = OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
     header, examples = draw_checkpoint_split(
         order, member_steps[1], pool, pool + n_prefix, seed, nonmember_start=nonmember_steps[0],
@@ -346,10 +359,22 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     if p.size < 2 or p.pool < p.size // 2 or p.k < 1 or (p.doc_len is not None and p.doc_len < 2):
         raise ExperimentError(f"need --size >= 2, --pool >= size/2, --k >= 1, --doc-len >= 2 (got size {p.size}, "
                               f"pool {p.pool}, k {p.k}, doc_len {p.doc_len})")
+    if not 0 <= p.threshold <= 2:  # 0: no filter
+        raise ExperimentError(f"--threshold must be a cosine distance in [0, 2], got {p.threshold}")
+    out = Path(out) if out is not None else Path("results") / f"em_mia-{'olmo' if olmo else preset}"
+    # every check that needs no model, suite or data file read, before any of them
+    check_paths(out=out, files=[("--embeddings", embeddings)], dirs=[("--testbed", list(testbeds)),
+                                                                    ("--olmo", olmo), ("--encoder", encoder)],
+                model_dirs=[("--ref-model", ref_model)], output_dirs=[("--suite-dir", suite_dir)])
+    if olmo is not None:
+        ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)
+        check_olmo_request(model_step, ms, ns, global_indices, data_paths)
+    elif ref_model is not None:
+        raise ExperimentError("--ref-model goes with --olmo; on the testbed the suite's smallest member is the "
+                              "reference model")
     say = say_fn(progress)
     timings = Timings()
     t0 = time.perf_counter()
-    out = Path(out) if out is not None else Path("results") / f"em_mia-{'olmo' if olmo else preset}"
     (out / "splits").mkdir(parents=True, exist_ok=True)
     notes: list = []
     with timings("pool"):
@@ -358,9 +383,6 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
                 p, olmo, global_indices, data_paths, member_steps, nonmember_steps, ref_model, step, eos,
                 batch_size, seq_len, seed, notes)
         else:
-            if ref_model is not None:
-                raise ExperimentError("--ref-model goes with --olmo; on the testbed the suite's smallest member is "
-                                      "the reference model")
             targets, header, pool_ex, prefix, shots, info = _testbed_setup(
                 p, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings)
     doc_len = header["params"]["doc_len"]
@@ -475,11 +497,8 @@ def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonme
     from mia.cli import default_cache_dir
     from mia.models import load
 
-    ms, ns = parse_steps(member_steps, "--member-steps"), parse_steps(nonmember_steps, "--nonmember-steps")
-    model_step = ns[0] if step is None else int(step)
+    ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)
     model_dir = olmo_checkpoint(olmo, model_step)
-    if ref_model is not None and not (Path(ref_model) / "config.json").exists():
-        raise ExperimentError(f"--ref-model {ref_model}: not a model directory (no config.json)")
     doc_len = p.doc_len or 128
     model = load(model_dir)
     context = int(model.max_length)
@@ -509,15 +528,17 @@ def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonme
 
 # ============================================================================================ CLI
 def build_parser():
+    from mia import validate as V
+
     ap = experiment_parser("python -m experiments.em_mia", __doc__, PRESETS)
     g = ap.add_argument_group("testbed suite (default)")
     g.add_argument("--testbed", action="append", default=[], help="testbed directories instead of the suite")
     g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
     g.add_argument("--member", default=None, help="suite members to evaluate: middle (default), largest, smallest, "
                                                   "all or size names; the smallest member is the others' Ref")
-    g.add_argument("--step", type=int, default=None, help="checkpoint (testbed: default the last; OLMo: default the "
+    g.add_argument("--step", type=V.arg_int(1), default=None, help="checkpoint (testbed: default the last; OLMo: default the "
                                                           "non-member start, 400000)")
-    g.add_argument("--memorize-epochs", type=int, default=0,
+    g.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
                    help="memorization dial: train each member E more epochs on the pool's member rows")
     o = ap.add_argument_group("OLMo-7B (the OLMoMIA recipe)")
     o.add_argument("--olmo", default=None, help="OLMo checkpoint directory (or a folder of stepN[-tokens...]/ ones)")
@@ -526,15 +547,15 @@ def build_parser():
     o.add_argument("--member-steps", default="0:100000", help="member instances' steps (default 0:100000)")
     o.add_argument("--nonmember-steps", default="400000:450000", help="non-member steps (default 400000:450000)")
     o.add_argument("--ref-model", default=None, help="reference model directory (the paper: stablelm-base-alpha-3b-v2)")
-    o.add_argument("--eos", type=int, default=50279)
-    o.add_argument("--batch-size", type=int, default=2160)
-    o.add_argument("--seq-len", type=int, default=2048)
+    o.add_argument("--eos", type=V.arg_int(0, V.INT32_MAX), default=50279, help="end-of-text token id (50279)")
+    o.add_argument("--batch-size", type=V.arg_int(1), default=2160, help="instances per step (2160)")
+    o.add_argument("--seq-len", type=V.arg_int(2), default=2048, help="tokens per instance (2048)")
     d = ap.add_argument_group("difficulty splits (default per preset)")
-    d.add_argument("--pool", type=int, default=None, help="pool texts per class")
-    d.add_argument("--size", type=int, default=None, help="texts per split (half members)")
-    d.add_argument("--k", type=int, default=None, help="k-means clusters per class")
-    d.add_argument("--threshold", type=float, default=None, help="cosine-distance filter inside clusters")
-    d.add_argument("--doc-len", type=int, default=None, help="text length L in tokens")
+    d.add_argument("--pool", type=V.arg_int(1), default=None, help="pool texts per class")
+    d.add_argument("--size", type=V.arg_int(2), default=None, help="texts per split (half members)")
+    d.add_argument("--k", type=V.arg_int(1), default=None, help="k-means clusters per class")
+    d.add_argument("--threshold", type=V.arg_float(0, 2), default=None, help="cosine-distance filter inside clusters")
+    d.add_argument("--doc-len", type=V.arg_int(2), default=None, help="text length L in tokens")
     d.add_argument("--encoder", default=None, help="local sentence encoder directory (default: MiniLM-L6)")
     d.add_argument("--embeddings", default=None, help="reuse an embeddings.npz of the same pool")
     ap.add_argument("--no-blind", action="store_true", help="skip the blind rows")

@@ -318,6 +318,140 @@ CHECKMIA_CASES = [
 ]
 
 
+def _mimir_files(tmp: Path, model: Path) -> None:
+    """{tmp}/mimir: MIMIR's cache layout with one domain (arxiv, split ngram_7_0.2), two texts per class."""
+    for sub in ("train", "test"):
+        d = tmp / "mimir" / "cache_100_200_1000_512" / sub
+        d.mkdir(parents=True)
+        (d / "arxiv_ngram_7_0.2.jsonl").write_text('"a text"\n"another text"\n')
+
+
+def _pythia_dir(tmp: Path, model: Path) -> None:
+    """{tmp}/py: a --pythia directory holding pythia-70m-deduped/step100 only (a config.json is what is listed)."""
+    d = tmp / "py" / "pythia-70m-deduped" / "step100"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+
+
+# Experiments (``python -m experiments.NAME``; argv[0] is NAME): every case fails before a suite is built, a model
+# loaded or a split drawn, so each costs milliseconds. {tmp}/f is a file, {tmp}/e an empty directory.
+_F = {"f": "x", "e": lambda tmp, model: (tmp / "e").mkdir()}
+_O = ["--out", "{tmp}/o"]
+EXPERIMENT_CASES = [
+    # em_mia
+    Case("em-preset-unknown", ["em_mia", "--preset", "huge", *_O], ("--preset", "huge")),
+    Case("em-out-is-file", ["em_mia", "--out", "{tmp}/f"], ("--out", "is a file")),
+    Case("em-out-under-file", ["em_mia", "--out", "{tmp}/f/o"], ("--out", "is a file")),
+    Case("em-seed-negative", ["em_mia", "--seed", "-1", *_O], ("--seed",)),
+    Case("em-bootstrap-negative", ["em_mia", "--bootstrap", "-1", *_O], ("--bootstrap",)),
+    Case("em-pool-0", ["em_mia", "--pool", "0", *_O], ("--pool",)),
+    Case("em-size-1", ["em_mia", "--size", "1", *_O], ("--size",)),
+    Case("em-pool-below-half-size", ["em_mia", "--pool", "3", "--size", "10", *_O], ("--pool", "size/2")),
+    Case("em-k-0", ["em_mia", "--k", "0", *_O], ("--k",)),
+    Case("em-threshold-3", ["em_mia", "--threshold", "3", *_O], ("--threshold",)),
+    Case("em-threshold-nan", ["em_mia", "--threshold", "nan", *_O], ("--threshold",)),
+    Case("em-doc-len-1", ["em_mia", "--doc-len", "1", *_O], ("--doc-len",)),
+    Case("em-step-0", ["em_mia", "--step", "0", *_O], ("--step",)),
+    Case("em-memorize-negative", ["em_mia", "--memorize-epochs", "-1", *_O], ("--memorize-epochs",)),
+    Case("em-testbed-missing", ["em_mia", "--testbed", "{tmp}/none", *_O], ("--testbed", "not found")),
+    Case("em-testbed-is-file", ["em_mia", "--testbed", "{tmp}/f", *_O], ("--testbed", "is a file")),
+    Case("em-suite-dir-is-file", ["em_mia", "--suite-dir", "{tmp}/f", *_O], ("--suite-dir", "is a file")),
+    Case("em-encoder-missing", ["em_mia", "--encoder", "{tmp}/none", *_O], ("--encoder", "not found")),
+    Case("em-embeddings-directory", ["em_mia", "--embeddings", "{tmp}/e", *_O], ("--embeddings", "is a directory")),
+    Case("em-olmo-missing", ["em_mia", "--olmo", "{tmp}/none", *_O], ("--olmo", "not found")),
+    Case("em-olmo-is-file", ["em_mia", "--olmo", "{tmp}/f", *_O], ("--olmo", "is a file")),
+    Case("em-ref-model-no-config", ["em_mia", "--olmo", "{tmp}/e", "--ref-model", "{tmp}/e", *_O],
+         ("--ref-model", "config.json")),
+    Case("em-ref-model-without-olmo", ["em_mia", "--ref-model", "{model}", *_O], ("--ref-model", "--olmo")),
+    Case("em-olmo-without-order", ["em_mia", "--olmo", "{tmp}/e", *_O], ("--global-indices",)),
+    Case("em-global-indices-missing", ["em_mia", "--olmo", "{tmp}/e", "--global-indices", "{tmp}/none",
+                                       "--data-paths", "{tmp}/f", *_O], ("--global-indices", "not found")),
+    Case("em-data-paths-directory", ["em_mia", "--olmo", "{tmp}/e", "--global-indices", "{tmp}/f", "--data-paths",
+                                     "{tmp}/e", *_O], ("--data-paths", "is a directory")),
+    Case("em-member-steps-text", ["em_mia", "--olmo", "{tmp}/e", "--member-steps", "5", *_O], ("--member-steps",)),
+    Case("em-step-inside-members", ["em_mia", "--olmo", "{tmp}/e", "--step", "50", "--global-indices", "{tmp}/f",
+                                    "--data-paths", "{tmp}/f", *_O], ("--step 50",)),
+    Case("em-eos-negative", ["em_mia", "--eos", "-1", *_O], ("--eos",)),
+    Case("em-batch-size-0", ["em_mia", "--batch-size", "0", *_O], ("--batch-size",)),
+    Case("em-seq-len-1", ["em_mia", "--seq-len", "1", *_O], ("--seq-len",)),
+    # camia
+    Case("camia-preset-unknown", ["camia", "--preset", "paper", *_O], ("--preset", "paper")),
+    Case("camia-out-is-file", ["camia", "--out", "{tmp}/f"], ("--out", "is a file")),
+    Case("camia-draws-0", ["camia", "--draws", "0", *_O], ("--draws",)),
+    Case("camia-n-domains-0", ["camia", "--n-domains", "0", *_O], ("--n-domains",)),
+    Case("camia-n-members-negative", ["camia", "--n-members", "-3", *_O], ("--n-members",)),
+    Case("camia-n-nonmembers-text", ["camia", "--n-nonmembers", "many", *_O], ("--n-nonmembers",)),
+    Case("camia-max-per-class-0", ["camia", "--max-per-class", "0", *_O], ("--max-per-class",)),
+    Case("camia-step-0", ["camia", "--step", "0", *_O], ("--step",)),
+    Case("camia-testbed-is-file", ["camia", "--testbed", "{tmp}/f", *_O], ("--testbed", "is a file")),
+    Case("camia-mimir-missing", ["camia", "--mimir", "{tmp}/none", "--model", "{model}", *_O], ("--mimir", "not found")),
+    Case("camia-mimir-is-file", ["camia", "--mimir", "{tmp}/f", "--model", "{model}", *_O], ("--mimir", "is a file")),
+    Case("camia-mimir-no-files", ["camia", "--mimir", "{tmp}/e", "--model", "{model}", *_O],
+         ("--mimir", "no MIMIR files")),
+    Case("camia-mimir-domain-unknown", ["camia", "--mimir", "{tmp}/mimir", "--model", "{model}", "--domains",
+                                        "pubmed_central", *_O], ("pubmed_central", "domains there: arxiv")),
+    Case("camia-mimir-split-unknown", ["camia", "--mimir", "{tmp}/mimir", "--model", "{model}", "--split",
+                                       "ngram_13_0.8", *_O], ("ngram_13_0.8", "domains there: arxiv")),
+    Case("camia-mimir-without-model", ["camia", "--mimir", "{tmp}/mimir", *_O], ("--mimir needs --model",)),
+    Case("camia-model-missing", ["camia", "--mimir", "{tmp}/mimir", "--model", "{tmp}/none", *_O],
+         ("--model", "not found")),
+    Case("camia-model-no-config", ["camia", "--mimir", "{tmp}/mimir", "--model", "{tmp}/e", *_O],
+         ("--model", "config.json")),
+    Case("camia-model-is-file", ["camia", "--mimir", "{tmp}/mimir", "--model", "{tmp}/f", *_O], ("--model", "is a file")),
+    Case("camia-model-without-mimir", ["camia", "--model", "{model}", *_O], ("--model", "--mimir")),
+    Case("camia-ref-model-no-config", ["camia", "--mimir", "{tmp}/mimir", "--model", "{model}", "--ref-model",
+                                       "{tmp}/e", *_O], ("--ref-model", "config.json")),
+    Case("camia-mlm-missing", ["camia", "--mlm", "{tmp}/none", *_O], ("--mlm", "not found")),
+    # checkmiabench
+    Case("cmb-preset-unknown", ["checkmiabench", "--preset", "huge", *_O], ("--preset", "huge")),
+    Case("cmb-out-under-file", ["checkmiabench", "--out", "{tmp}/f/o"], ("--out", "is a file")),
+    Case("cmb-steps-text", ["checkmiabench", "--steps", "100,last", *_O], ("--steps", "'last'")),
+    Case("cmb-steps-zero", ["checkmiabench", "--steps", "0", *_O], ("--steps",)),
+    Case("cmb-steps-empty", ["checkmiabench", "--steps", ",", *_O], ("--steps",)),
+    Case("cmb-n-members-0", ["checkmiabench", "--n-members", "0", *_O], ("--n-members",)),
+    Case("cmb-n-train-negative", ["checkmiabench", "--n-train", "-1", *_O], ("--n-train",)),
+    Case("cmb-bins-0", ["checkmiabench", "--bins", "0", *_O], ("--bins",)),
+    Case("cmb-gap-negative", ["checkmiabench", "--gap", "-2", *_O], ("--gap",)),
+    Case("cmb-batch-size-0", ["checkmiabench", "--batch-size", "0", *_O], ("--batch-size",)),
+    Case("cmb-end-step-0", ["checkmiabench", "--end-step", "0", *_O], ("--end-step",)),
+    Case("cmb-memorize-negative", ["checkmiabench", "--memorize-epochs", "-1", *_O], ("--memorize-epochs",)),
+    Case("cmb-attack-param", ["checkmiabench", "--attacks", "mink:k=2", *_O], ("mink", "k")),
+    Case("cmb-attack-unknown", ["checkmiabench", "--attacks", "loss,nosuch", *_O], ("nosuch",)),
+    Case("cmb-testbed-missing", ["checkmiabench", "--testbed", "{tmp}/none", *_O], ("--testbed", "not found")),
+    Case("cmb-suite-dir-under-file", ["checkmiabench", "--suite-dir", "{tmp}/f/s", *_O], ("--suite-dir", "is a file")),
+    Case("cmb-pythia-missing", ["checkmiabench", "--pythia", "{tmp}/none", *_O], ("--pythia", "not found")),
+    Case("cmb-pythia-is-file", ["checkmiabench", "--pythia", "{tmp}/f", *_O], ("--pythia", "is a file")),
+    Case("cmb-pythia-and-olmo", ["checkmiabench", "--pythia", "{tmp}/e", "--olmo", "{tmp}/e", *_O], ("not both",)),
+    Case("cmb-pythia-without-idx", ["checkmiabench", "--pythia", "{tmp}/py", "--data", "{tmp}/f", *_O],
+         ("--idx missing",)),
+    Case("cmb-data-missing", ["checkmiabench", "--pythia", "{tmp}/py", "--data", "{tmp}/f", "{tmp}/none.bin", "--idx",
+                              "{tmp}/f", *_O], ("--data", "none.bin", "not found")),
+    Case("cmb-idx-directory", ["checkmiabench", "--pythia", "{tmp}/py", "--data", "{tmp}/f", "--idx", "{tmp}/e", *_O],
+         ("--idx", "is a directory")),
+    Case("cmb-pythia-no-checkpoint-at-step", ["checkmiabench", "--pythia", "{tmp}/py", "--data", "{tmp}/f", "--idx",
+                                              "{tmp}/f", "--steps", "200", *_O],
+         ("--pythia", "no size has a checkpoint at step 200", "pythia-70m-deduped: steps 100")),
+    Case("cmb-pythia-size-missing", ["checkmiabench", "--pythia", "{tmp}/py", "--data", "{tmp}/f", "--idx", "{tmp}/f",
+                                     "--steps", "100", "--sizes", "1b", *_O], ("no checkpoint pythia-1b-deduped/step100",)),
+    Case("cmb-pythia-size-unknown", ["checkmiabench", "--pythia", "{tmp}/py", "--data", "{tmp}/f", "--idx", "{tmp}/f",
+                                     "--sizes", "7b", *_O], ("--sizes", "7b")),
+    Case("cmb-olmo-missing", ["checkmiabench", "--olmo", "{tmp}/none", *_O], ("--olmo", "not found")),
+    Case("cmb-global-indices-missing", ["checkmiabench", "--olmo", "{tmp}/e", "--global-indices", "{tmp}/none",
+                                        "--data-paths", "{tmp}/f", *_O], ("--global-indices", "not found")),
+    Case("cmb-olmo-no-checkpoint-at-step", ["checkmiabench", "--olmo", "{tmp}/e", "--global-indices", "{tmp}/f",
+                                            "--data-paths", "{tmp}/f", "--steps", "7", *_O],
+         ("--olmo", "no checkpoint at step 7")),
+    # curves
+    Case("curves-results-missing", ["curves", "{tmp}/none"], ("RESULTS_DIR", "not found")),
+    Case("curves-results-is-file", ["curves", "{tmp}/f"], ("RESULTS_DIR", "is a file")),
+    Case("curves-not-results", ["curves", "{tmp}/e"], ("no summary.json",)),
+    Case("curves-bins-0", ["curves", "{tmp}/e", "--bins", "0"], ("--bins",)),
+    Case("curves-seed-text", ["curves", "{tmp}/e", "--seed", "x"], ("--seed",)),
+]
+for c in EXPERIMENT_CASES:
+    c.files = dict(_F, mimir=_mimir_files, py=_pythia_dir)
+
+
 def _materialise(case: Case, tmp: Path, model: Path) -> list[str]:
     for name, content in case.files.items():
         if callable(content):
@@ -362,9 +496,26 @@ def test_checkmia_cli_bad_input(case, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "testbeds").exists() and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("case", EXPERIMENT_CASES, ids=_ids(EXPERIMENT_CASES))
+def test_experiment_cli_bad_input(case, tiny_neox_dir, tmp_path, capsys, monkeypatch):
+    """``python -m experiments.NAME``: one line naming the option, before any work: no default testbeds/ or
+    results/ appear, nothing is written under --out."""
+    import importlib
+
+    main = importlib.import_module(f"experiments.{case.argv[0]}").main
+    monkeypatch.chdir(tmp_path)
+    argv = _materialise(dataclasses.replace(case, argv=case.argv[1:]), tmp_path, tiny_neox_dir)
+    code, lines, _ = run_main(main, argv + ([] if case.argv[0] == "curves" else ["--no-progress"]), capsys)
+    assert_one_error(code, lines, *case.names)
+    assert not (tmp_path / "testbeds").exists() and not (tmp_path / "results").exists()
+    assert not (tmp_path / "o").exists()
+
+
 def test_table_size():
     """The issue asks for at least 80 cases across the entry points."""
     assert len(SCORE_CASES) + len(BLIND_CASES) + len(TESTBED_CASES) + len(CHECKMIA_CASES) >= 80
+    assert len({c.id for c in SCORE_CASES + BLIND_CASES + TESTBED_CASES + CHECKMIA_CASES + EXPERIMENT_CASES}) == \
+        len(SCORE_CASES + BLIND_CASES + TESTBED_CASES + CHECKMIA_CASES + EXPERIMENT_CASES)  # ids are unique
 
 
 # ============================================================================================= accepted inputs

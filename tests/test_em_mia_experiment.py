@@ -120,13 +120,13 @@ def test_bad_input_is_one_line(tmp_path, tiny_neox_dir, capsys):
     common = ["--global-indices", str(gi), "--data-paths", str(paths), "--seq-len", "64", "--batch-size", "2",
               "--member-steps", "0:1", "--nonmember-steps", "2:4", "--step", "1"]
     cases = [
-        (["--olmo", str(tmp_path / "missing")] + common, "not a directory"),
+        (["--olmo", str(tmp_path / "missing")] + common, "--olmo"),
         (["--olmo", str(tiny_neox_dir)] + common, "10 entries but the 1 token files hold 7 instances"),
         (["--olmo", str(tiny_neox_dir)] + common[:4] + ["--step", "3"], "--step 3: the checkpoint must have seen"),
         (["--olmo", str(tiny_neox_dir), "--global-indices", str(gi), "--step", "1", "--member-steps", "0:1",
           "--nonmember-steps", "2:4"], "--data-paths FILE"),
         (["--olmo", str(tiny_neox_dir), "--member-steps", "5"] + common[:4], "expected START:END"),
-        (["--testbed", str(tmp_path / "no-testbed")], "not a testbed"),
+        (["--testbed", str(tmp_path / "no-testbed")], "--testbed"),
     ]
     for argv, want in cases:
         assert exp.main(argv + ["--out", str(tmp_path / "o"), "--no-progress"]) == 2, argv
