@@ -793,3 +793,25 @@ def test_testbed_split_checks_the_model_vocabulary(tmp_path):
         draw_testbed_split(_RowsTestbed(tmp_path / "a", rows, 300), 5, sizes, seed=0)
     header, examples, _ = draw_testbed_split(_RowsTestbed(tmp_path / "b", rows, 301), 5, sizes, seed=0)
     assert sorted(e["index"] for e in examples if e["label"] == 1) == list(range(20))
+
+
+def test_mimir_texts_beyond_the_model_vocabulary(tiny_neox_dir, tmp_path, capsys):
+    """MIMIR texts are tokenized with --model's tokenizer; a tokenizer with an id the model's embedding does not have
+    (an added token) stops with one line naming the domain file and the vocabulary, before any scoring."""
+    import transformers
+
+    from experiments.camia import main
+
+    model = Path(shutil.copytree(tiny_neox_dir, tmp_path / "m"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(model))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    tok.add_tokens(["qqzzyy"])
+    tok.save_pretrained(str(model))
+    assert tok.convert_tokens_to_ids("qqzzyy") >= vocab
+    _mimir_files(tmp_path, model)
+    (tmp_path / "mimir" / "cache_100_200_1000_512" / "test" / "arxiv_ngram_7_0.2.jsonl").write_text(
+        '"a text"\n"qqzzyy another text"\n')
+    code, lines, _ = run_main(main, ["--mimir", tmp_path / "mimir", "--model", model, "--out", tmp_path / "o",
+                                     "--no-progress", "--no-blind"], capsys)
+    assert_one_error(code, lines, "arxiv/ngram_7_0.2", f">= the vocabulary size {vocab}", "--model")
+    assert not (tmp_path / "o" / "summary.json").exists()
