@@ -2,10 +2,13 @@
 
 The ``.bin`` is a sparse file (``truncate``), so no 5 GB is written; its ``.idx`` is generated (2049-token
 uint16 rows, packed pointers). The rows the seed will draw are pre-filled with random tokens so that token
-values (and hence Python int objects and JSON sizes) are realistic instead of all zero. Reads of the holes
-come from the page cache, so this measures the library's overhead, not the disk.
+values (and hence Python int objects and JSON sizes) are realistic instead of all zero. By default the drawn rows
+were just written, so they are read from the page cache: this measures the library's overhead, not the disk.
+``--cold`` flushes the ``.bin`` and ``.idx`` and asks the kernel to drop their cached pages
+(``posix_fadvise(DONTNEED)``, this file's pages only) before the draw, so the drawn rows are read from the disk
+(through whatever cache the host keeps below the VM).
 
-    python -m experiments.bench_split [--gb 5] [--n 10000] [--keep DIR]
+    python -m experiments.bench_split [--gb 5] [--n 10000] [--keep DIR] [--cold]
 
 Prints wall time of each phase (draw, write, check) and peak RSS (``resource.getrusage``).
 """
@@ -25,6 +28,17 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+def drop_cached_pages(*paths) -> None:
+    """Write each file's dirty pages to disk and drop its pages from the page cache (this file only)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def main(argv=None) -> int:
     from mia.data import pythia
     from mia.data.indexed import IndexedDataset, write_idx
@@ -37,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=229)
     ap.add_argument("--keep", default=None, help="work in this folder and keep it (default: a temp dir, removed)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="drop the files' cached pages before the draw")
     args = ap.parse_args(argv)
 
     L, B = pythia.ROW_LEN, pythia.BATCH_SIZE
@@ -67,6 +82,9 @@ def main(argv=None) -> int:
               f"({steps} steps), .idx {os.path.getsize(prefix + '.idx') / 1e6:.1f} MB, "
               f"{t_setup:.1f} s, peak RSS {rss_setup:.0f} MB")
 
+        if args.cold:
+            drop_cached_pages(prefix + ".bin", prefix + ".idx")
+            print("cold: the .bin and .idx pages were flushed and dropped from the page cache")
         t0 = time.perf_counter()
         ds = IndexedDataset(prefix)
         header, ex = pythia.draw_checkpoint_split(ds, step, args.n, args.n, args.seed, gap=args.gap, end_step=steps)

@@ -438,8 +438,9 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     Parameters are placed once, with their shardings over ``mesh`` (``mia.sharding``: FSDP over ``data`` when
     ``fsdp``, the default with an explicit mesh; tensor parallel over ``model``); without a mesh, replicated on
     every device. Each device's shard is read from the memory-mapped safetensors and converted on its own, so a
-    checkpoint never exists whole in host memory as a second copy. Log-probabilities are always computed in float32
-    downstream, whatever ``dtype`` is.
+    checkpoint never exists whole in host memory as a second copy. Logits are float32 and log-probabilities are
+    computed from them in float32 whatever ``dtype`` is; in ``"bfloat16"`` the weights, hidden states and matmul
+    operands feeding them are bf16 (README: Precision policy).
     """
     from ..sharding import make_mesh, param_shardings, put_params
 
