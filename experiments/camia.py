@@ -52,10 +52,10 @@ import numpy as np
 from mia.atomic import save_npz, write_text
 from mia.report import csv_text
 
-from experiments.common import (ExperimentError, Timings, check_model_dir, check_paths, check_token_ids,
-                                experiment_parser, open_members, pick_members,
-                                run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
-                                write_json, write_manifest, write_scores, write_tables)
+from experiments.common import (ExperimentError, Timings, check_model_dir, check_paths, check_suite_steps,
+                                check_token_ids, experiment_parser, open_members, pick_members, run_blind_baselines,
+                                run_main, say_fn, score_attacks, select_attacks, sha_file, write_json, write_manifest,
+                                write_scores, write_tables)
 
 BASELINES = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "ref", "neighbor")  # the paper's K = 20 for Min-K%
 COMBINERS = ("edgington", "fisher", "pearson", "george")
@@ -574,6 +574,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
         raise ExperimentError("--mimir needs --model DIR (a local model directory)")
     if mimir is not None:
         mimir_request(mimir, domains, split, table2_domains)  # domains and splits: a directory listing
+    elif not testbeds:
+        check_suite_steps(p.suite, step)
     if mimir is None and (model_dir is not None or ref_model is not None):
         raise ExperimentError("--model/--ref-model go with --mimir; on the testbed the model is a suite member")
     say = say_fn(progress)

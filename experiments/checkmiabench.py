@@ -35,8 +35,8 @@ import numpy as np
 from mia.atomic import write_text
 
 from experiments import curves
-from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
-                                arg_int_list, argv_or_sys, check_paths, check_token_ids, count_params, default_out,
+from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings, arg_int_list,
+                                argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
                                 draw_olmo_split, draw_pythia_split, draw_testbed_split, experiment_parser, metric_rows,
                                 olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,
                                 score_attacks, select_attacks, select_pythia, sha_file, size_name, write_json,
@@ -325,6 +325,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
                                 ("--data-paths", data_paths)],
                 dirs=[("--testbed", list(testbeds)), ("--pythia", pythia), ("--olmo", olmo)],
                 output_dirs=[("--suite-dir", suite_dir)])
+    if not (pythia or olmo or testbeds):
+        check_suite_steps(suite or p.suite, steps, "--steps")
     to_run, skipped = select_attacks(list(p.attacks) if attacks is None else attacks, tolerant=attacks is None)
     if not to_run:
         raise ExperimentError("no attack to run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))

@@ -3,7 +3,8 @@
 CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``--bootstrap``, ``--no-progress``,
                  ``--debug``; usage errors are one line), ``run_main`` (a user error is one ``error: ...`` line and
                  exit 2; Ctrl-C 130), ``ExperimentError`` (bad input, one line), ``default_out``,
-                 ``check_paths`` / ``check_model_dir`` (every path option before any work), ``arg_int_list``.
+                 ``check_paths`` / ``check_model_dir`` (every path option before any work), ``check_suite_steps``,
+                 ``arg_int_list``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
                  ``open_members`` (given testbeds, else the suite, else one testbed), ``pick_members``,
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
@@ -121,6 +122,22 @@ def check_paths(*, out=None, files: Sequence = (), dirs: Sequence = (), model_di
         V.output_dir(path, flag, error=ExperimentError)
     if out is not None:
         V.output_dir(out, "--out", error=ExperimentError)
+
+
+def check_suite_steps(suite: str, steps, flag: str = "--step") -> None:
+    """Checkpoint steps the testbed suite ``suite`` cannot have, refused from its configs before it is built or
+    opened: every step must be in (0, train_steps] (a step between saved checkpoints is trained to on demand)."""
+    try:
+        from mia.testbed.suite import SUITES
+    except ImportError:
+        return
+    if suite not in SUITES or steps is None:
+        return
+    cfg = SUITES[suite][0]  # every member trains the same steps on the same order
+    for step in steps if isinstance(steps, (list, tuple)) else [steps]:
+        if not 0 < int(step) <= cfg.train_steps:
+            raise ExperimentError(f"{flag} {step}: the {suite} suite trains steps (0, {cfg.train_steps}] "
+                                  f"(checkpoints: {', '.join(map(str, cfg.checkpoint_steps))})")
 
 
 def check_model_dir(path, flag: str) -> Path:

@@ -45,10 +45,10 @@ import numpy as np
 
 from mia.atomic import write_text
 
-from experiments.common import (ExperimentError, SplitSizes, Timings, check_paths, check_token_ids,
+from experiments.common import (ExperimentError, SplitSizes, Timings, check_paths, check_suite_steps, check_token_ids,
                                 draw_testbed_split, experiment_parser, metric_rows, olmo_checkpoint, open_members,
-                                pick_members, run_blind_baselines, run_main, say_fn, score_attacks, select_attacks, sha_file,
-                                write_json, write_manifest, write_scores, write_tables)
+                                pick_members, run_blind_baselines, run_main, say_fn, score_attacks, select_attacks,
+                                sha_file, write_json, write_manifest, write_scores, write_tables)
 
 SPLITS = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
 INITS = ("loss", "ref", "zlib", "mink", "minkpp")
@@ -372,6 +372,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     elif ref_model is not None:
         raise ExperimentError("--ref-model goes with --olmo; on the testbed the suite's smallest member is the "
                               "reference model")
+    elif not testbeds:
+        check_suite_steps(p.suite, step)
     say = say_fn(progress)
     timings = Timings()
     t0 = time.perf_counter()
