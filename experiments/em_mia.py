@@ -497,19 +497,19 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
 def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonmember_steps, ref_model, step, eos,
                 batch_size, seq_len, seed, notes) -> tuple:
     from mia.cli import default_cache_dir
-    from mia.models import load
+    from mia.models.hub import load_config
 
     ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)
     model_dir = olmo_checkpoint(olmo, model_step)
     doc_len = p.doc_len or 128
-    model = load(model_dir)
-    context = int(model.max_length)
+    _, cfg, _ = load_config(model_dir)  # context and vocabulary from config.json; the weights load in evaluate()
+    context, vocab_size = int(getattr(cfg, "max_position_embeddings", 2048) or 2048), int(cfg.vocab_size)
     shots = n_shots(context, doc_len)
     header, pool_ex, prefix, pn = olmo_pool(global_indices, data_paths, model_step=model_step, member_steps=ms,
                                             nonmember_steps=ns, pool=p.pool, n_prefix=shots, doc_len=doc_len,
                                             eos=eos, batch_size=batch_size, seq_len=seq_len, seed=seed)
     notes += pn
-    check_token_ids(pool_ex + prefix, model.vocab_size, "--data-paths", f"--olmo {model_dir}")
+    check_token_ids(pool_ex + prefix, vocab_size, "--data-paths", f"--olmo {model_dir}")
     header["source"]["tokenizer"] = str(Path(model_dir).resolve())
     header["params"]["doc_len"] = doc_len
     notes.append(f"ReCaLL: {shots} shot(s) of held-out non-member documents")

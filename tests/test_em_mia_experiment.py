@@ -164,3 +164,24 @@ def test_olmo_recipe_end_to_end(tmp_path, tiny_neox_dir):
             assert (e["step"] < 10) if e["label"] == 1 else (30 <= e["step"] < 60)
     methods = {r["method"] for r in s["table_auc"]}
     assert {"Loss", "ReCaLL (12-shot)", "ReCaLL-Avg", "EM-MIA (init Loss)"} <= methods and "Ref" not in methods
+
+
+def test_olmo_tokens_beyond_the_model_vocabulary(tmp_path, tiny_neox_dir, capsys):
+    """OLMo token files of another tokenizer (ids up to 4000 for a model of a few hundred): one line naming
+    --data-paths and the vocabulary, after the pool is drawn and before any split or score."""
+    rng = np.random.default_rng(0)
+    seq, batch, steps, eos = 64, 4, 60, 0
+    stream = []
+    while len(stream) < seq * batch * steps:
+        stream += [eos] + rng.integers(1, 4000, int(rng.integers(9, 17))).tolist()
+    np.array(stream[: seq * batch * steps], np.uint16).tofile(tmp_path / "part-0.npy")
+    rng.permutation(batch * steps).astype(np.uint32).tofile(tmp_path / "global_indices.npy")
+    (tmp_path / "paths.txt").write_text(f"{tmp_path / 'part-0.npy'}\n")
+    argv = ["--olmo", str(tiny_neox_dir), "--global-indices", str(tmp_path / "global_indices.npy"), "--data-paths",
+            str(tmp_path / "paths.txt"), "--step", "20", "--member-steps", "0:10", "--nonmember-steps", "30:60",
+            "--eos", "0", "--batch-size", str(batch), "--seq-len", str(seq), "--pool", "30", "--size", "12", "--k",
+            "2", "--threshold", "0", "--doc-len", "16", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert exp.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --data-paths") and "the vocabulary size" in err[0], err
+    assert not (tmp_path / "o" / "splits" / "random.jsonl").exists()
