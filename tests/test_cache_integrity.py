@@ -275,13 +275,13 @@ def test_no_cache_never_hashes_the_weights(tiny_neox_dir, tmp_path, monkeypatch,
     from mia.cli import main
     from mia.models import load
 
-    real = fh.sha256_of_file
+    real, real_memoised = fh.sha256_of_file, fh.file_sha256
 
-    def refuse(path):
+    def refuse(path, *args, **kwargs):
         raise AssertionError(f"hashed {path} with the cache off")
 
-    monkeypatch.setenv("MIA_CACHE_DIR", str(tmp_path / "mia-cache"))  # no memo of an earlier hash can answer
     monkeypatch.setattr(fh, "sha256_of_file", refuse)
+    monkeypatch.setattr(fh, "file_sha256", refuse)  # a memo of an earlier hash must not be read either
     (tmp_path / "d.jsonl").write_text('{"id": 1, "text": "def f(x): return x", "label": 1}\n'
                                       '{"id": 2, "text": "import os", "label": 0}\n')
     argv = ["score", "--model", str(tiny_neox_dir), "--data", str(tmp_path / "d.jsonl"), "--out",
@@ -291,4 +291,5 @@ def test_no_cache_never_hashes_the_weights(tiny_neox_dir, tmp_path, monkeypatch,
     with pytest.raises(AssertionError, match="cache off"):  # the key, when asked for, does hash the weights
         model.fingerprint
     monkeypatch.setattr(fh, "sha256_of_file", real)
+    monkeypatch.setattr(fh, "file_sha256", real_memoised)
     assert model.fingerprint == fingerprint(tiny_neox_dir)
