@@ -179,6 +179,49 @@ SCORE_CASES = [
     score_case("recall-without-prefix", GOOD, ("--prefix-data",), ["--attacks", "loss,recall"]),
     score_case("camia-without-calib", GOOD, ("--calib-data",), ["--attacks", "camia"]),
     score_case("camia-lr-without-train", GOOD, ("--train-data",), ["--attacks", "camia_lr"]),
+    score_case("surp-k-zero", GOOD, ("surp", "parameter k"), ["--attacks", "surp:k=0"]),
+    score_case("surp-max-entropy-zero", GOOD, ("surp", "max_entropy"), ["--attacks", "surp:max_entropy=0"]),
+    score_case("dcpdd-a-zero", GOOD, ("dcpdd", "parameter a"), ["--attacks", "dcpdd:a=0"]),
+    score_case("pac-augment-unknown", GOOD, ("pac", "augment", "swap"), ["--attacks", "pac:augment=swap"]),
+    score_case("pac-alpha-above-one", GOOD, ("pac", "alpha"), ["--attacks", "pac:alpha=1.5"]),
+    score_case("pac-k-min-zero", GOOD, ("pac", "k_min"), ["--attacks", "pac:k_min=0"]),
+    score_case("conrecall-gamma-negative", GOOD, ("conrecall", "gamma"), ["--attacks", "conrecall:gamma=-1"]),
+    score_case("conrecall-n-zero", GOOD, ("conrecall", "parameter n"), ["--attacks", "conrecall:n=0"]),
+    score_case("conrecall-without-member-prefix", GOOD, ("conrecall", "--member-prefix-data"),
+               ["--attacks", "loss,conrecall:n=1", "--prefix-data", "{tmp}/p.jsonl"],
+               files={"p.jsonl": _jsonl({"id": "p", "text": "x = 1", "label": 0})}),
+    score_case("dcpdd-without-freq-corpus", GOOD, ("dcpdd", "--freq-corpus"), ["--attacks", "loss,dcpdd"]),
+    score_case("member-prefix-data-missing", GOOD, ("--member-prefix-data", "not found"),
+               ["--member-prefix-data", "{tmp}/m.jsonl"]),
+    score_case("freq-corpus-directory", GOOD, ("--freq-corpus", "is a directory"), ["--freq-corpus", "{tmp}"]),
+    # --documents (mia.documents)
+    score_case("doc-id-missing", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1, "partition": "train"},
+                                        {"id": 2, "text": "c d", "label": 0}),
+               ("d.jsonl:2", "document id missing"), ["--documents"]),
+    score_case("doc-id-object", _jsonl({"id": 1, "doc_id": [1], "text": "a b"}), ("d.jsonl:1", "'doc_id'"),
+               ["--documents"]),
+    score_case("doc-label-disagrees", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1},
+                                             {"id": 2, "doc_id": "a", "text": "c d", "label": 0}),
+               ("d.jsonl:2", "'a'", "label", "d.jsonl:1"), ["--documents"]),
+    score_case("doc-partition-disagrees", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1},
+                                                 {"id": 2, "doc_id": "a", "text": "c d", "label": 1,
+                                                  "partition": "train"}),
+               ("d.jsonl:2", "'a'", "partition"), ["--documents"]),
+    score_case("doc-train-unlabelled", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "partition": "train"}),
+               ("d.jsonl:1", "'a'", "without a label"), ["--documents"]),
+    score_case("doc-no-train", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1},
+                                      {"id": 2, "doc_id": "b", "text": "c d", "label": 0}),
+               ("d.jsonl", "'train'", "got none"), ["--documents"]),
+    score_case("doc-train-one-class", _jsonl(*({"id": i, "doc_id": f"d{i}", "text": "a b", "label": 1,
+                                                "partition": "train"} for i in range(3)),
+                                             {"id": 9, "doc_id": "e", "text": "c d"}),
+               ("d.jsonl", "train document", "members"), ["--documents"]),
+    score_case("doc-no-eval", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1, "partition": "train"},
+                                     {"id": 2, "doc_id": "b", "text": "c d", "label": 0, "partition": "train"}),
+               ("d.jsonl", "'eval'"), ["--documents"]),
+    score_case("doc-features-unknown", GOOD, ("--doc-features",), ["--documents", "--doc-features", "quantiles"]),
+    score_case("doc-bins-zero", GOOD, ("--doc-bins",), ["--documents", "--doc-bins", "0"]),
+    score_case("doc-classifier-unknown", GOOD, ("--doc-classifier",), ["--documents", "--doc-classifier", "svm"]),
     # paths, checked before any work
     score_case("out-is-directory", GOOD, ("--out", "is a directory"), ["--out", "{tmp}"]),
     score_case("out-under-file", GOOD, ("--out", "is a file"), ["--out", "{tmp}/d.jsonl/o.jsonl"]),
@@ -360,6 +403,21 @@ def test_checkmia_cli_bad_input(case, tmp_path, capsys, monkeypatch):
     code, lines, _ = run_main(main, _materialise(case, tmp_path, tmp_path) + ["--no-progress"], capsys)
     assert_one_error(code, lines, *case.names)
     assert not (tmp_path / "testbeds").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("case_id", ["conrecall-without-member-prefix", "dcpdd-without-freq-corpus"])
+def test_missing_attack_data_stops_before_any_scoring(case_id, tiny_neox_dir, tmp_path, capsys, monkeypatch):
+    """conrecall's member prefix and dcpdd's frequency corpus are checked before the first attack (loss) scores."""
+    import mia.attacks.context
+    from mia.cli import main
+
+    def scored(*a, **k):
+        raise AssertionError("an attack was scored before the missing input was reported")
+
+    monkeypatch.setattr(mia.attacks.context, "compute_token_stats", scored)
+    case = next(c for c in SCORE_CASES if c.id == case_id)
+    code, lines, _ = run_main(main, _materialise(case, tmp_path, tiny_neox_dir), capsys)
+    assert_one_error(code, lines, *case.names)
 
 
 def test_table_size():
