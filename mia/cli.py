@@ -64,6 +64,9 @@ def _add_score_parser(sub) -> None:
     d.add_argument("--doc-bins", type=V.arg_int(1), default=10, help="histogram bins, fixed on the train documents")
     d.add_argument("--doc-classifier", default="rf", choices=("rf", "lr"),
                    help="rf: random forest (the paper's), lr: logistic regression (default rf)")
+    d.add_argument("--seq-tokens", type=V.arg_int(2), default=None,
+                   help="cut each eval/train line (a whole document, or a part of one) into sequences of this many "
+                        "tokens (the last one shorter); 'doc_id' defaults to the line's id")
     p.set_defaults(func=cmd_score)
 
 
@@ -89,14 +92,28 @@ def cmd_score(args) -> int:
     mesh = engine_mesh(args.mesh)
     _, examples = read_examples(args.data, what="--data")
     scored = ("eval", "train") if args.documents else ("eval",)  # --documents: train documents are scored too
+    if args.seq_tokens and not args.documents:
+        raise ValueError("--seq-tokens cuts documents into sequences: it needs --documents")
     if args.documents:
+        for e in examples if args.seq_tokens else ():
+            e.doc_id = e.id if e.doc_id is None else e.doc_id  # one line = one document unless doc_id says otherwise
         check_documents(examples, args.data)  # before the model is loaded
     model = load(args.model, dtype=args.dtype, mesh=mesh, fsdp=None if mesh is None else not args.no_fsdp)
     max_length = args.max_length if args.max_length is not None else model.max_length
     if max_length > model.max_length:
         raise ValueError(f"--max-length {max_length} exceeds the model context ({model.max_length})")
+    if args.seq_tokens and args.seq_tokens > model.max_length:
+        raise ValueError(f"--seq-tokens {args.seq_tokens} exceeds the model context ({model.max_length})")
     data_notes: list[str] = []
-    tokenize_examples(examples, model.tokenizer, max_length, args.skip_invalid, model.vocab_size, notes=data_notes)
+    whole = [e for e in examples if e.partition in scored] if args.seq_tokens else []
+    tokenize_examples(whole, model.tokenizer, None, args.skip_invalid, model.vocab_size, notes=data_notes)
+    whole_ids = {id(e) for e in whole}
+    tokenize_examples([e for e in examples if id(e) not in whole_ids], model.tokenizer, max_length,
+                      args.skip_invalid, model.vocab_size, notes=data_notes)
+    if args.seq_tokens:
+        from .documents import chunk_examples
+
+        examples = chunk_examples(examples, args.seq_tokens, scored)
 
     partitions: dict = {}
     for e in examples:

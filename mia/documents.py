@@ -155,6 +155,28 @@ def fit_and_score_documents(train_values: Sequence[np.ndarray], train_labels: Se
     return out
 
 
+def chunk_tokens(tokens: np.ndarray, seq_tokens: int) -> list[np.ndarray]:
+    """Consecutive pieces of ``seq_tokens`` ids of ``tokens`` [T], the last one shorter; a last piece of a single id is
+    dropped (a sequence needs 2 tokens to be scored)."""
+    pieces = [tokens[i:i + seq_tokens] for i in range(0, len(tokens), seq_tokens)]
+    return [p for p in pieces if len(p) >= 2]
+
+
+def chunk_examples(examples: Sequence, seq_tokens: int, partitions: Sequence[str] = ("eval", "train")) -> list:
+    """Each valid example of ``partitions`` replaced by its ``chunk_tokens`` pieces, in order: ids ``<id>#<k>``
+    (k from 0), the same doc_id, label, partition and source; other examples as they are."""
+    import dataclasses
+
+    out = []
+    for e in examples:
+        if e.partition not in partitions or e.invalid is not None:
+            out.append(e)
+            continue
+        out.extend(dataclasses.replace(e, id=f"{e.id}#{k}", tokens=piece, text=None, truncated=False)
+                   for k, piece in enumerate(chunk_tokens(e.tokens, seq_tokens)))
+    return out
+
+
 def check_document_records(records: Sequence, partitions: Sequence[str] = ("eval", "train")) -> None:
     """Refuse records of ``partitions`` (objects with ``doc_id``, ``label``, ``partition``, ``source`` = "file:line")
     without a document id, or whose document's lines disagree on label or partition; one line naming file:line."""

@@ -222,6 +222,12 @@ SCORE_CASES = [
     score_case("doc-features-unknown", GOOD, ("--doc-features",), ["--documents", "--doc-features", "quantiles"]),
     score_case("doc-bins-zero", GOOD, ("--doc-bins",), ["--documents", "--doc-bins", "0"]),
     score_case("doc-classifier-unknown", GOOD, ("--doc-classifier",), ["--documents", "--doc-classifier", "svm"]),
+    score_case("seq-tokens-without-documents", GOOD, ("--seq-tokens", "--documents"), ["--seq-tokens", "8"]),
+    score_case("seq-tokens-one", GOOD, ("--seq-tokens",), ["--documents", "--seq-tokens", "1"]),
+    score_case("seq-tokens-beyond-context", _jsonl({"id": 1, "text": "a b", "label": 1, "partition": "train"},
+                                                   {"id": 2, "text": "c d", "label": 0, "partition": "train"},
+                                                   {"id": 3, "text": "e f"}),
+               ("--seq-tokens", "context"), ["--documents", "--seq-tokens", "100000"]),
     # paths, checked before any work
     score_case("out-is-directory", GOOD, ("--out", "is a directory"), ["--out", "{tmp}"]),
     score_case("out-under-file", GOOD, ("--out", "is a file"), ["--out", "{tmp}/d.jsonl/o.jsonl"]),

@@ -49,6 +49,13 @@ def test_aggregate_features_equal_numpy_loops():
     np.testing.assert_array_equal(both[:, 4:], got)
 
 
+def test_chunk_tokens_cuts_consecutive_pieces():
+    t = np.arange(10)
+    assert [c.tolist() for c in D.chunk_tokens(t, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [c.tolist() for c in D.chunk_tokens(t[:9], 4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a 1-token tail is dropped
+    assert [c.tolist() for c in D.chunk_tokens(t[:3], 8)] == [[0, 1, 2]]
+
+
 # ------------------------------------------------------------------------------------------------ classifier
 @pytest.mark.parametrize("classifier", ["lr", pytest.param("rf", marks=pytest.mark.slow)])  # 500 trees: ~2 s
 def test_classifier_equals_sklearn_built_here(classifier):
@@ -164,6 +171,34 @@ def test_cli_documents_end_to_end(tiny_neox_dir, tmp_path, capsys):
     vals = D.values_per_document(_torch_loss(tiny_neox_dir, [r["text"] for r in rows], 8), groups)
     ref = D.fit_and_score_documents(vals[:8], [d % 2 for d in range(8)], vals[8:], classifier="lr", seed=1)
     np.testing.assert_allclose([g["scores"]["loss"] for g in got], ref, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_cli_seq_tokens_equals_prechunked_lines(tiny_neox_dir, tmp_path, capsys):
+    """--seq-tokens 6 on whole documents (one line each, doc_id = id) gives the document scores of a run on the same
+    documents cut into 6-token lines beforehand (token ids given, doc_id set)."""
+    from mia.cli import main
+    from mia.models.hub import load_tokenizer
+
+    tok = load_tokenizer(tiny_neox_dir)
+    docs = [{"id": f"doc{d}", "text": "".join(TEXTS[(d + j) % 6] for j in range(2 + d % 3)), "label": d % 2,
+             "partition": "train" if d < 8 else "eval"} for d in range(12)]
+    pre = []
+    for r in docs:
+        ids = tok(r["text"])["input_ids"]
+        pre += [{"id": f"{r['id']}-{k}", "doc_id": r["id"], "tokens": ids[i:i + 6], "label": r["label"],
+                 "partition": r["partition"]} for k, i in enumerate(range(0, len(ids), 6)) if len(ids[i:i + 6]) >= 2]
+    outs = []
+    for name, rows, extra in (("whole", docs, ["--seq-tokens", "6"]), ("pre", pre, [])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert main(["score", "--model", str(tiny_neox_dir), "--data", str(tmp_path / f"{name}.jsonl"), "--out",
+                     str(tmp_path / f"{name}.out"), "--documents", "--attacks", "loss", "--no-cache", "--no-progress",
+                     "--bootstrap", "20", *extra]) == 0
+        outs.append([json.loads(l) for l in (tmp_path / f"{name}.out").read_text().splitlines()])
+    assert [o["doc_id"] for o in outs[0]] == [f"doc{d}" for d in range(8, 12)]
+    assert [o["n_sequences"] for o in outs[0]] == [o["n_sequences"] for o in outs[1]]
+    np.testing.assert_allclose([o["scores"]["loss"] for o in outs[0]], [o["scores"]["loss"] for o in outs[1]],
+                               rtol=0, atol=1e-9)
 
 
 @pytest.mark.slow
