@@ -221,7 +221,7 @@ def test_documents_find_the_memorization_dial(smoke_testbed, tmp_path, capsys):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     capsys.readouterr()
-    assert main(["score", "--model", s["paths"]["checkpoint"], "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
+    assert main(["score", "--model", s["memorize"]["path"], "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
                  "--documents", "--attacks", "loss", "--no-cache", "--no-progress", "--bootstrap", "100"]) == 0
     table = capsys.readouterr().out
     print(table)
