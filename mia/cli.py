@@ -128,6 +128,8 @@ def cmd_score(args) -> int:
     evaluated = [e for e in examples if e.partition in scored and e.invalid is None]
     if not evaluated:
         raise ValueError(f"{args.data}: no valid examples in the evaluation partition")
+    if args.documents:
+        check_documents(evaluated, args.data)  # again, without the lines --skip-invalid set aside
     check_attack_inputs(attacks, args, partitions)  # before the first attack runs, not after the others
     for name, part in partitions.items():
         assert_disjoint(evaluated, part, f"partition {name!r}")
@@ -185,11 +187,6 @@ def report_documents(args, evaluated, scores: dict, notes: list) -> None:
     first = [evaluated[ix[0]] for ix in groups]
     is_train = np.array([e.partition == "train" for e in first], bool)
     labels = np.array([-1 if e.label is None else e.label for e in first])
-    if not is_train.any() or len(set(labels[is_train].tolist())) < 2:
-        raise ValueError(f"{args.data}: after dropping invalid lines the train documents do not hold both members "
-                         "and non-members")
-    if is_train.all():
-        raise ValueError(f"{args.data}: --documents found no document in the 'eval' partition to score")
     doc_scores = {}
     for label, s in scores.items():
         values = values_per_document(s, groups)

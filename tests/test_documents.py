@@ -227,4 +227,6 @@ def test_documents_find_the_memorization_dial(smoke_testbed, tmp_path, capsys):
     print(table)
     doc_auc = float(next(l for l in table.splitlines() if l.startswith("loss")).split()[1])
     seq_auc = next(r["auc"] for r in s["rows"] if r["method"] == "loss")
+    print(f"dial: sequence-level loss AUC {seq_auc:.4f} ({len(seqs)} sequences), document-level {doc_auc:.4f} "
+          f"({len(rows) // 4} documents of 4)")
     assert doc_auc >= max(0.9, seq_auc - 0.05), (doc_auc, seq_auc)
