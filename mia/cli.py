@@ -252,17 +252,18 @@ def check_attack_inputs(attacks, args, partitions: dict | None = None) -> None:
                 raise AttackError(f"attack {label} needs '{need}' examples, got none (give {flags[need]} FILE or a "
                                   f"split with a '{need}' partition)")
         if partitions is not None:
-            check_member_prefix_and_freq(label, needs, args, partitions)
+            check_member_prefix_and_freq(label, needs, params, args, partitions)
 
 
-def check_member_prefix_and_freq(label: str, needs: set, args, partitions: dict) -> None:
-    """The ``member_prefix`` and ``freq`` needs, from the partitions read (see ``check_attack_inputs``)."""
+def check_member_prefix_and_freq(label: str, needs: set, params: dict, args, partitions: dict) -> None:
+    """The ``member_prefix`` need (the attack's ``n`` shots, from the member_prefix partition, else the train
+    partition's members) and the ``freq`` need, from the partitions read (see ``check_attack_inputs``)."""
     from .attacks.registry import AttackError
 
     members = partitions.get("member_prefix") or [e for e in partitions.get("train") or [] if e.label == 1]
-    if "member_prefix" in needs and not members:
-        raise AttackError(f"attack {label} needs known members for its member prefix, got none (give "
-                          "--member-prefix-data FILE, or --train-data with label-1 rows)")
+    if "member_prefix" in needs and len(members) < max(1, int(params.get("n", 1))):
+        raise AttackError(f"attack {label} needs at least {max(1, int(params.get('n', 1)))} member prefix example(s), "
+                          f"got {len(members)} (give --member-prefix-data FILE, or --train-data with label-1 rows)")
     if "freq" in needs and not getattr(args, "freq_corpus", None) and not partitions.get("calib"):
         raise AttackError(f"attack {label} needs a token-frequency corpus, got none (give --freq-corpus FILE, or "
                           "--calib-data / a split with a 'calib' partition)")
