@@ -196,6 +196,7 @@ def padded(seqs, t=64):
     return tok, val
 
 
+@pytest.mark.slow  # ~40 s on 2 idle cores (two MoPe steps + a jitted reference draw); default-run budget
 def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, ref_logits):
     model = tiny_model
     toks = [e.tokens for e in data[:4]]
