@@ -80,7 +80,7 @@ def test_matrix_matches_torch_concatenation(checkpoint, include_first):
 @pytest.mark.parametrize("include_first", [True, False])
 def test_pure_left_padded_prefix_batch(checkpoint, include_first):
     """The pure functions on a left-padded prefix batch and right-padded targets: every counted per-token log-prob
-    equals torch's, and padding is never counted."""
+    equals torch's, and padding is never counted (``conditional_loglik``, their mean, runs in the matrix tests)."""
     model, ref = checkpoint
     prefixes, targets = seqs([3, 11, 6], 2), seqs([9, 4, 12], 3)
     s, t = 32, 32
@@ -90,24 +90,20 @@ def test_pure_left_padded_prefix_batch(checkpoint, include_first):
         ptok[r, s - len(p):], pval[r, s - len(p):] = p, True
         ttok[r, :len(x)], tval[r, :len(x)] = x, True
     prefix = jax.jit(lambda p, t, v: C.prefix_cache(model, p, t, v))
-    cond = jax.jit(lambda p, c, t, v: C.conditional_loglik(model, p, c, t, v, include_first=include_first))
     per_token = jax.jit(lambda p, c, t, v: C.conditional_logprobs(model, p, c, t, v, include_first=include_first))
-    cache = prefix(model.params, ptok, pval)
-    lp, mask = (np.asarray(a) for a in per_token(model.params, cache, ttok, tval))
-    for r, (p, x) in enumerate(zip(prefixes, targets)):
-        counted = np.zeros(t, bool)
-        counted[0 if include_first else 1:len(x)] = True
-        np.testing.assert_array_equal(mask[r], counted)
-        np.testing.assert_allclose(lp[r, :len(x)][counted[:len(x)]],
-                                   torch_target_logprobs(ref, p, x)[counted[:len(x)]], rtol=RTOL, atol=ATOL)
-    got = np.asarray(cond(model.params, cache, ttok, tval))
-    want = [torch_cond_ll(ref, p, x, include_first) for p, x in zip(prefixes, targets)]
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+    def check(cache, prefix_of_row):
+        lp, mask = (np.asarray(a) for a in per_token(model.params, cache, ttok, tval))
+        for r, x in enumerate(targets):
+            counted = np.zeros(t, bool)
+            counted[0 if include_first else 1:len(x)] = True
+            np.testing.assert_array_equal(mask[r], counted)
+            want = torch_target_logprobs(ref, prefix_of_row[r], x)[counted[:len(x)]]
+            np.testing.assert_allclose(lp[r, counted], want, rtol=RTOL, atol=ATOL)
+
+    check(prefix(model.params, ptok, pval), prefixes)
     # a batch-1 cache broadcasts over the targets
-    one = prefix(model.params, prefixes[1][None], np.ones((1, len(prefixes[1])), bool))
-    got1 = np.asarray(cond(model.params, one, ttok, tval))
-    np.testing.assert_allclose(got1, [torch_cond_ll(ref, prefixes[1], x, include_first) for x in targets],
-                               rtol=RTOL, atol=ATOL)
+    check(prefix(model.params, prefixes[1][None], np.ones((1, len(prefixes[1])), bool)), [prefixes[1]] * 3)
 
 
 def test_batching_does_not_change_values(model):
