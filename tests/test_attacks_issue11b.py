@@ -3,7 +3,6 @@ each against an independent NumPy/Python reference on small inputs (issue 11, it
 import json
 from itertools import combinations
 
-import jax
 import numpy as np
 import pytest
 
@@ -31,16 +30,12 @@ def log_softmax(x):
 
 
 @pytest.fixture(scope="module")
-def ref_lp(tiny_model):
-    """seq -> [T, V] float64 log-softmax of the model's logits over the whole sequence (one plain causal pass)."""
-    fn = jax.jit(tiny_model.logits)
+def ref_lp(tiny_neox_torch):
+    """seq -> [T, V] float64 log-softmax over the whole sequence (one plain causal pass) of transformers' PyTorch
+    model of the same checkpoint: independent of mia's Flax model."""
+    from hf_tiny import torch_sequence_logits
 
-    def lp(seq):
-        tok, val = np.zeros((1, 256), np.int32), np.zeros((1, 256), bool)
-        tok[0, :len(seq)], val[0, :len(seq)] = seq, True
-        return log_softmax(np.asarray(fn(tiny_model.params, tok, val), np.float64)[0, :len(seq)])
-
-    return lp
+    return lambda seq: log_softmax(torch_sequence_logits(tiny_neox_torch, seq))
 
 
 def np_ll(ref_lp, seq, start=1):

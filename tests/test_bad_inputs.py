@@ -670,6 +670,104 @@ def test_fuzz_safetensors_header_long(data):
     _check_safetensors(data)
 
 
+# ---------------------------------------------------------------------------------------------- config.json
+def _family_configs() -> list[dict]:
+    """A valid, complete config.json object of every decoder family (as transformers writes it) and of BERT."""
+    import transformers as tf
+
+    kw = dict(vocab_size=97, num_hidden_layers=2, num_attention_heads=4, intermediate_size=52)
+    cfgs = [tf.GPTNeoXConfig(hidden_size=40, rotary_pct=0.5, **kw), tf.LlamaConfig(hidden_size=40, num_key_value_heads=2, **kw),
+            tf.GPT2Config(vocab_size=97, n_embd=40, n_layer=2, n_head=4),
+            tf.GPTNeoConfig(vocab_size=97, hidden_size=40, num_layers=2, num_heads=4, window_size=4,
+                            attention_types=[[["global", "local"], 1]]),
+            tf.OlmoConfig(hidden_size=40, clip_qkv=0.5, **kw), tf.Olmo2Config(hidden_size=40, **kw),
+            tf.BertConfig(hidden_size=40, **kw)]
+    return [json.loads(c.to_json_string()) for c in cfgs]
+
+
+_CONFIGS = _family_configs()
+_CONFIG_FIELDS = sorted({k for c in _CONFIGS for k in c} | {"rope_parameters", "rope_scaling", "partial_rotary_factor"})
+_out_of_range = st.one_of(st.integers(-3, 1), st.integers(2 ** 31 - 2, 2 ** 64), st.floats(-2, 3),
+                          st.sampled_from([float("inf"), float("nan"), 1.7, -0.5, 0.0, 1e308, True, "96", "1e-5"]))
+
+
+@st.composite
+def _config_bytes(draw):
+    """config.json bytes: a family's valid config with fields set to values of the wrong type or out of range,
+    dropped or added (one to four edits, also inside rope_parameters), or any other JSON value, or any bytes."""
+    kind = draw(st.sampled_from(["edit", "edit", "edit", "json", "bytes"]))
+    if kind == "bytes":  # invalid UTF-8, truncated JSON, a lone surrogate escaped in JSON ...
+        return draw(st.one_of(st.binary(max_size=120), st.sampled_from(
+            [b'{"model_type": "gpt_neox", "hidden_size": 4\xff}', b'{"model_type": "\ud800"}', b'{"model_type": ',
+             b"\xef\xbb\xbf{}", b"[" * 5000, b'{"hidden_size": 1' + b"0" * 5000 + b"}"])))
+    if kind == "json":
+        return json.dumps(draw(_json_value)).encode()
+    hf = json.loads(json.dumps(draw(st.sampled_from(_CONFIGS))))
+    for _ in range(draw(st.integers(1, 4))):
+        key = draw(st.sampled_from(_CONFIG_FIELDS + ["extra_field"]))
+        how = draw(st.sampled_from(["type", "range", "drop", "rope"]))
+        if how == "drop":
+            hf.pop(key, None)
+        elif how == "rope":
+            rope = hf.setdefault("rope_parameters", {}) if isinstance(hf.get("rope_parameters"), dict) else {}
+            rope[draw(st.sampled_from(["rope_theta", "partial_rotary_factor", "rope_type", "factor"]))] = \
+                draw(st.one_of(_out_of_range, _json_value))
+            hf["rope_parameters"] = rope
+        else:
+            hf[key] = draw(_out_of_range if how == "range" else _json_value)
+    return json.dumps(hf).encode()
+
+
+def _check_config(tmp_dir: Path, data: bytes):
+    """load_config (decoders) and the encoder loader: a config of the family's class, every field checked, or one
+    ValueError line naming config.json."""
+    from mia.models.bert import load_encoder
+    from mia.models.hub import CheckpointError, load_config
+
+    d = tmp_dir / "cfg"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_bytes(data)
+    try:
+        fam, cfg, hf = load_config(d)
+    except ValueError as e:
+        one_line = str(e).strip()
+        assert "\n" not in one_line and "config.json" in one_line, (type(e).__name__, one_line)
+    else:
+        assert isinstance(hf, dict) and isinstance(cfg, fam.config_cls)
+        V.check_config(cfg, "config.json")  # every field of its declared type and range
+    try:  # a BERT directory with this config.json and no weights: the config is read (and refused) first
+        load_encoder(d, tokenizer=False)
+    except CheckpointError as e:
+        if "model.safetensors is missing" in str(e):
+            return  # the config was accepted
+        assert "\n" not in str(e).strip() and "config.json" in str(e), str(e)
+    except ValueError as e:
+        assert "\n" not in str(e).strip() and "config.json" in str(e), (type(e).__name__, str(e))
+
+
+@FUZZ
+@given(data=_config_bytes())
+def test_fuzz_config_json(tmp_path, data):
+    _check_config(tmp_path, data)
+
+
+@pytest.mark.slow
+@FUZZ_SLOW
+@given(data=_config_bytes())
+def test_fuzz_config_json_long(tmp_path, data):
+    _check_config(tmp_path, data)
+
+
+def test_family_configs_are_accepted(tmp_path):
+    """The fuzz's templates are valid: each loads (so the mutations start from a config that passes)."""
+    from mia.models.hub import load_config
+
+    for hf in _CONFIGS[:-1]:
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+        fam, _, _ = load_config(tmp_path)
+        assert fam.model_type == hf["model_type"]
+
+
 def test_safetensors_header_from_a_file_matches_bytes(tmp_path):
     """The file path and the in-memory path of the header reader agree (the fuzz test uses the latter)."""
     data = _st({"w": _F32, "__metadata__": {"format": "pt"}}, b"\0" * 8)

