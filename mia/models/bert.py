@@ -254,11 +254,16 @@ class Encoder:
         return self.embed_ids(self.tokenize(texts), kind=kind, batch_size=batch_size)
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, kind: type = dict):
+    """The JSON value of ``path``, which must be a ``kind`` (``dict``, or ``list`` of objects for modules.json)."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(value, kind) or (kind is list and not all(isinstance(v, dict) for v in value)):
+        want = "a JSON list of objects" if kind is list else "a JSON object"
+        raise CheckpointError(f"{path}: expected {want}, got {type(value).__name__}")
+    return value
 
 
 def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Encoder:
@@ -268,9 +273,9 @@ def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Enc
         raise EncoderNotFoundError(f"encoder directory not found: {root}; {INSTALL_HINT}")
     weights_dir, pooling, normalize, max_length = root, "cls", False, None
     if (root / "modules.json").exists():  # sentence-transformers layout
-        modules = _read_json(root / "modules.json")
+        modules = _read_json(root / "modules.json", list)
         for mod in modules:
-            typ, sub = mod.get("type", ""), mod.get("path", "")
+            typ, sub = str(mod.get("type", "")), str(mod.get("path", ""))
             if typ.endswith("Transformer") and sub:
                 weights_dir = root / sub
             elif typ.endswith("Pooling"):
