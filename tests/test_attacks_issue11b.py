@@ -109,6 +109,12 @@ def test_conrecall_cli_and_listing(tiny_neox_dir, tmp_path, capsys):
     assert main(base) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs at least 2 member prefix example(s), got 0" in err[0]
+    # the same member shots as a member_prefix partition of the data file give the same scores
+    inline = write(tmp_path / "d2.jsonl", [json.loads(line) for line in open(data)] +
+                   [dict(json.loads(line), partition="member_prefix") for line in open(mem)])
+    assert main([a if a != data else inline for a in base] + ["--out", str(tmp_path / "o2.jsonl")]) == 0
+    rows2 = [json.loads(line) for line in open(tmp_path / "o2.jsonl")]
+    assert [r["scores"] for r in rows2] == [r["scores"] for r in rows]
 
 
 def test_attacks_listing_names_the_new_parameters(capsys):
