@@ -53,6 +53,20 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
     p.add_argument("--bootstrap", type=V.arg_int(0), default=1000, help="bootstrap resamples for the AUC standard error")
     p.add_argument("--no-progress", action="store_true")
+    d = p.add_argument_group("document-level inference (README: Document-level MIA)")
+    d.add_argument("--documents", action="store_true",
+                   help="each line is one sequence of the document named by its 'doc_id'; sequence scores of each "
+                        "attack are aggregated per document and a classifier trained on the 'train' documents scores "
+                        "the 'eval' ones; --out gets one line per evaluation document")
+    d.add_argument("--doc-features", default="hist", choices=("hist", "agg", "both"),
+                   help="hist: fraction of a document's sequence scores per bin (the paper's HistFE); agg: mean, min, "
+                        "max, std, count and percentiles (AggFE); both (default hist)")
+    d.add_argument("--doc-bins", type=V.arg_int(1), default=10, help="histogram bins, fixed on the train documents")
+    d.add_argument("--doc-classifier", default="rf", choices=("rf", "lr"),
+                   help="rf: random forest (the paper's), lr: logistic regression (default rf)")
+    d.add_argument("--seq-tokens", type=V.arg_int(2), default=None,
+                   help="cut each eval/train line (a whole document, or a part of one) into sequences of this many "
+                        "tokens (the last one shorter); 'doc_id' defaults to the line's id")
     p.set_defaults(func=cmd_score)
 
 
@@ -77,16 +91,33 @@ def cmd_score(args) -> int:
     distributed.initialize(group, timeout=args.init_timeout)  # before any other jax call
     mesh = engine_mesh(args.mesh)
     _, examples = read_examples(args.data, what="--data")
+    scored = ("eval", "train") if args.documents else ("eval",)  # --documents: train documents are scored too
+    if args.seq_tokens and not args.documents:
+        raise ValueError("--seq-tokens cuts documents into sequences: it needs --documents")
+    if args.documents:
+        for e in examples if args.seq_tokens else ():
+            e.doc_id = e.id if e.doc_id is None else e.doc_id  # one line = one document unless doc_id says otherwise
+        check_documents(examples, args.data)  # before the model is loaded
     model = load(args.model, dtype=args.dtype, mesh=mesh, fsdp=None if mesh is None else not args.no_fsdp)
     max_length = args.max_length if args.max_length is not None else model.max_length
     if max_length > model.max_length:
         raise ValueError(f"--max-length {max_length} exceeds the model context ({model.max_length})")
+    if args.seq_tokens and args.seq_tokens > model.max_length:
+        raise ValueError(f"--seq-tokens {args.seq_tokens} exceeds the model context ({model.max_length})")
     data_notes: list[str] = []
-    tokenize_examples(examples, model.tokenizer, max_length, args.skip_invalid, model.vocab_size, notes=data_notes)
+    whole = [e for e in examples if e.partition in scored] if args.seq_tokens else []
+    tokenize_examples(whole, model.tokenizer, None, args.skip_invalid, model.vocab_size, notes=data_notes)
+    whole_ids = {id(e) for e in whole}
+    tokenize_examples([e for e in examples if id(e) not in whole_ids], model.tokenizer, max_length,
+                      args.skip_invalid, model.vocab_size, notes=data_notes)
+    if args.seq_tokens:
+        from .documents import chunk_examples
+
+        examples = chunk_examples(examples, args.seq_tokens, scored)
 
     partitions: dict = {}
     for e in examples:
-        if e.partition != "eval":
+        if e.partition not in scored:
             partitions.setdefault(e.partition, []).append(e)
     for name, path in (("prefix", args.prefix_data), ("member_prefix", args.member_prefix_data),
                        ("calib", args.calib_data), ("train", args.train_data)):
@@ -94,9 +125,11 @@ def cmd_score(args) -> int:
             _, extra = read_examples(path, what=f"--{name}-data")
             tokenize_examples(extra, model.tokenizer, max_length, True, model.vocab_size, notes=data_notes)
             partitions.setdefault(name, []).extend(e for e in extra if e.invalid is None)
-    evaluated = [e for e in examples if e.partition == "eval" and e.invalid is None]
+    evaluated = [e for e in examples if e.partition in scored and e.invalid is None]
     if not evaluated:
         raise ValueError(f"{args.data}: no valid examples in the evaluation partition")
+    if args.documents:
+        check_documents(evaluated, args.data)  # again, without the lines --skip-invalid set aside
     check_attack_inputs(attacks, args, partitions)  # before the first attack runs, not after the others
     for name, part in partitions.items():
         assert_disjoint(evaluated, part, f"partition {name!r}")
@@ -119,7 +152,9 @@ def cmd_score(args) -> int:
         scores[label] = s
         timings[label] = time.perf_counter() - t0
 
-    if distributed.is_main():  # every process holds every score; process 0 alone writes and prints
+    if distributed.is_main() and args.documents:
+        report_documents(args, evaluated, scores, data_notes + ctx.notes)
+    elif distributed.is_main():  # every process holds every score; process 0 alone writes and prints
         write_scores(args.out, examples, evaluated, scores)
         for note in data_notes + ctx.notes:
             print(f"note: {note}", file=sys.stderr)
@@ -131,19 +166,65 @@ def cmd_score(args) -> int:
     return 0
 
 
+def check_documents(examples, data_path) -> None:
+    """--documents: every scored line has a doc_id, a document's lines agree on label and partition, and the train
+    documents are labelled with both classes (``mia.documents``), before anything is loaded or scored."""
+    from .documents import check_document_records, check_train_documents
+
+    check_document_records(examples)
+    if not any(e.partition == "eval" for e in examples):
+        raise ValueError(f"{data_path}: --documents found no document in the 'eval' partition to score")
+    check_train_documents({e.doc_id: e.label for e in examples if e.partition == "train"}, str(data_path))
+
+
+def report_documents(args, evaluated, scores: dict, notes: list) -> None:
+    """Document scores per attack (``mia.documents.fit_and_score_documents``): the metrics table over the evaluation
+    documents on stdout, one JSONL line per evaluation document in ``args.out``."""
+    from .atomic import atomic_write
+    from .documents import fit_and_score_documents, group_by_document, values_per_document
+
+    doc_ids, groups = group_by_document([e.doc_id for e in evaluated])
+    first = [evaluated[ix[0]] for ix in groups]
+    is_train = np.array([e.partition == "train" for e in first], bool)
+    labels = np.array([-1 if e.label is None else e.label for e in first])
+    doc_scores = {}
+    for label, s in scores.items():
+        values = values_per_document(s, groups)
+        doc_scores[label] = fit_and_score_documents(
+            [v for v, t in zip(values, is_train) if t], labels[is_train],
+            [v for v, t in zip(values, is_train) if not t], features=args.doc_features, n_bins=args.doc_bins,
+            classifier=args.doc_classifier, seed=args.seed)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(out) as f:
+        for r, i in enumerate(np.flatnonzero(~is_train)):
+            f.write(json.dumps({"doc_id": doc_ids[i], "label": first[i].label, "n_sequences": len(groups[i]),
+                                "scores": {k: _finite_or_none(v[r]) for k, v in doc_scores.items()}}) + "\n")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    eval_labels = labels[~is_train]
+    print(f"document level: {int(is_train.sum())} train document(s), {int((~is_train).sum())} evaluation document(s); "
+          f"features {args.doc_features}" + (f" ({args.doc_bins} bins)" if args.doc_features != "agg" else "")
+          + f", classifier {args.doc_classifier}")
+    if (eval_labels >= 0).all() and len(set(eval_labels.tolist())) == 2:
+        print(metrics_table(doc_scores, eval_labels, n_resamples=args.bootstrap, seed=args.seed))
+    print(f"wrote {int((~is_train).sum())} scored document(s) to {args.out}", file=sys.stderr)
+
+
 def check_score_paths(args) -> None:
     """Every path option of ``mia score`` checked before anything is loaded or scored (``mia.validate``)."""
     from . import validate as V
 
     V.input_dir(args.model, "--model", noun="model directory")
     V.input_file(args.data, "--data")
-    for flag in ("prefix_data", "calib_data", "train_data"):
+    for flag in ("prefix_data", "member_prefix_data", "calib_data", "train_data", "freq_corpus"):
         if getattr(args, flag):
             V.input_file(getattr(args, flag), "--" + flag.replace("_", "-"))
     for flag in ("ref_model", "mlm"):
         if getattr(args, flag):
             V.input_dir(getattr(args, flag), "--" + flag.replace("_", "-"), noun="model directory")
-    V.output_file(args.out, "--out", inputs=(args.data, args.prefix_data, args.calib_data, args.train_data))
+    V.output_file(args.out, "--out", inputs=(args.data, args.prefix_data, args.member_prefix_data, args.calib_data,
+                                             args.train_data, args.freq_corpus))
     if not args.no_cache and args.cache_dir:
         V.output_dir(args.cache_dir, "--cache-dir")
     elif not args.no_cache:
@@ -152,8 +233,10 @@ def check_score_paths(args) -> None:
 
 def check_attack_inputs(attacks, args, partitions: dict | None = None) -> None:
     """What the chosen attacks need from the command line: --ref-model / --mlm (always), and, once the data are read
-    (``partitions`` given), a non-empty learned-from partition for each ``prefix``/``calib``/``train`` need; the
-    attacks check their own minimum sizes."""
+    (``partitions`` given), a non-empty learned-from partition for each ``prefix``/``calib``/``train`` need, member
+    prefix shots for ``member_prefix`` (conrecall: the member_prefix partition, else the train partition's members)
+    and a frequency corpus for ``freq`` (dcpdd: --freq-corpus, else the calib partition); the attacks check their
+    own minimum sizes."""
     from .attacks.registry import AttackError, get
 
     flags = {"prefix": "--prefix-data", "calib": "--calib-data", "train": "--train-data"}
@@ -168,6 +251,22 @@ def check_attack_inputs(attacks, args, partitions: dict | None = None) -> None:
             if not partitions.get(need):
                 raise AttackError(f"attack {label} needs '{need}' examples, got none (give {flags[need]} FILE or a "
                                   f"split with a '{need}' partition)")
+        if partitions is not None:
+            check_member_prefix_and_freq(label, needs, params, args, partitions)
+
+
+def check_member_prefix_and_freq(label: str, needs: set, params: dict, args, partitions: dict) -> None:
+    """The ``member_prefix`` need (the attack's ``n`` shots, from the member_prefix partition, else the train
+    partition's members) and the ``freq`` need, from the partitions read (see ``check_attack_inputs``)."""
+    from .attacks.registry import AttackError
+
+    members = partitions.get("member_prefix") or [e for e in partitions.get("train") or [] if e.label == 1]
+    if "member_prefix" in needs and len(members) < max(1, int(params.get("n", 1))):
+        raise AttackError(f"attack {label} needs at least {max(1, int(params.get('n', 1)))} member prefix example(s), "
+                          f"got {len(members)} (give --member-prefix-data FILE, or --train-data with label-1 rows)")
+    if "freq" in needs and not getattr(args, "freq_corpus", None) and not partitions.get("calib"):
+        raise AttackError(f"attack {label} needs a token-frequency corpus, got none (give --freq-corpus FILE, or "
+                          "--calib-data / a split with a 'calib' partition)")
 
 
 def engine_mesh(text):

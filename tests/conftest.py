@@ -15,6 +15,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MIA_COMPILE_CACHE", "0")
 
 
+def pytest_configure(config):
+    """Every mia cache (scores, conditional LLs, file hashes, compiled programs: ``mia.file_hash.default_cache_dir``)
+    goes to a fresh directory for the session, never to the user's ``~/.cache/mia``. Set in ``os.environ`` so that
+    subprocesses started by tests inherit it; removed at the end of the session."""
+    import tempfile
+
+    config._mia_cache_dir = tempfile.mkdtemp(prefix="mia-test-cache-")
+    os.environ["MIA_CACHE_DIR"] = config._mia_cache_dir
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    path = getattr(config, "_mia_cache_dir", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
     """A byte-level BPE trained on a few stdlib sources (no download), saved as tokenizer.json."""
     import textwrap
@@ -48,6 +66,15 @@ def tiny_neox_dir(tmp_path_factory) -> Path:
                         intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False)
     save_tiny(cfg, path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_neox_torch(tiny_neox_dir):
+    """The same checkpoint loaded by transformers' PyTorch GPT-NeoX (float32, eval): the independent reference that
+    tests compare mia's Flax model and attacks against."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_neox_dir), local_files_only=True).float().eval()
 
 
 @pytest.fixture(scope="session")

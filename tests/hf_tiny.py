@@ -26,6 +26,15 @@ def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out.logits.float().numpy()
 
 
+def torch_sequence_logits(model, seq) -> np.ndarray:
+    """[T, V] float64 logits of one unpadded token sequence from a transformers (PyTorch) model."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(np.asarray(seq, np.int64))[None])
+    return out.logits[0].double().numpy()
+
+
 def padded_batch(vocab: int, lengths, seed: int = 0):
     """Right-padded random batch: tokens [B, T], mask [B, T] (1 = real token)."""
     rng = np.random.default_rng(seed)

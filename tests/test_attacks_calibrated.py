@@ -199,8 +199,11 @@ def test_pac_matches_numpy(tiny_model, cased, ref_logits, augment):  # noqa: F81
 
 
 def test_pac_refuses_unknown_augmentation(tiny_model, cased):
-    with pytest.raises(AttackError) as e:
-        get("pac").fn(_ctx(tiny_model, cased), **parse_attack("pac:augment=synonyms")[1])
+    with pytest.raises(AttackError) as e:  # when --attacks is parsed (limits=), before any model is loaded
+        parse_attack("pac:augment=synonyms")
+    assert str(e.value) == "attack pac, parameter augment: must be one of words, tokens; got 'synonyms'"
+    with pytest.raises(AttackError) as e:  # and by the attack itself, called directly
+        get("pac").fn(_ctx(tiny_model, cased), **dict(parse_attack("pac")[1], augment="synonyms"))
     assert str(e.value) == "attack pac: unknown augmentation 'synonyms'; valid: words, tokens"
 
 

@@ -98,19 +98,21 @@ def test_prefix_attacks_fit_the_smoke_testbeds_trained_context(smoke_testbed, lo
     """Rows of seq_len + 1 = 65 tokens on a model trained at 64: before, ReCaLL ran a 12-shot prefix at positions up to
     ~840 (the testbed declared 2048) and EM-MIA stopped with "no room"; now every attack feeds <= 64 positions, prefix
     and target get 32 tokens each, and each score equals its NumPy statement on the cut targets."""
-    import jax
-
     from sklearn.metrics import roc_auc_score
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_tiny import torch_sequence_logits
 
     model = smoke_testbed.load_model()
     ctxlen = model.max_length
     assert ctxlen == 64
-    fn = jax.jit(model.logits)
+    # the reference: transformers' PyTorch implementation of the same trained checkpoint
+    torch_model = AutoModelForCausalLM.from_pretrained(str(smoke_testbed.checkpoint_dir()), local_files_only=True)
+    torch_model = torch_model.float().eval()
 
-    def ref(seq, params=None):
-        tok, val = np.zeros((1, ctxlen), np.int32), np.zeros((1, ctxlen), bool)
-        tok[0, :len(seq)], val[0, :len(seq)] = seq, True
-        return np.asarray(fn(model.params, tok, val), np.float64)[0, :len(seq)]
+    def ref(seq):
+        return torch_sequence_logits(torch_model, seq)
 
     rows = smoke_testbed.dataset().get_rows(np.arange(18)).astype(np.int32)
     data = [Example(f"r{i}", tokens=rows[i], label=i % 2) for i in range(4)]

@@ -3,7 +3,6 @@ each against an independent NumPy/Python reference on small inputs (issue 11, it
 import json
 from itertools import combinations
 
-import jax
 import numpy as np
 import pytest
 
@@ -31,16 +30,12 @@ def log_softmax(x):
 
 
 @pytest.fixture(scope="module")
-def ref_lp(tiny_model):
-    """seq -> [T, V] float64 log-softmax of the model's logits over the whole sequence (one plain causal pass)."""
-    fn = jax.jit(tiny_model.logits)
+def ref_lp(tiny_neox_torch):
+    """seq -> [T, V] float64 log-softmax over the whole sequence (one plain causal pass) of transformers' PyTorch
+    model of the same checkpoint: independent of mia's Flax model."""
+    from hf_tiny import torch_sequence_logits
 
-    def lp(seq):
-        tok, val = np.zeros((1, 256), np.int32), np.zeros((1, 256), bool)
-        tok[0, :len(seq)], val[0, :len(seq)] = seq, True
-        return log_softmax(np.asarray(fn(tiny_model.params, tok, val), np.float64)[0, :len(seq)])
-
-    return lp
+    return lambda seq: log_softmax(torch_sequence_logits(tiny_neox_torch, seq))
 
 
 def np_ll(ref_lp, seq, start=1):
@@ -114,6 +109,12 @@ def test_conrecall_cli_and_listing(tiny_neox_dir, tmp_path, capsys):
     assert main(base) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs at least 2 member prefix example(s), got 0" in err[0]
+    # the same member shots as a member_prefix partition of the data file give the same scores
+    inline = write(tmp_path / "d2.jsonl", [json.loads(line) for line in open(data)] +
+                   [dict(json.loads(line), partition="member_prefix") for line in open(mem)])
+    assert main([a if a != data else inline for a in base] + ["--out", str(tmp_path / "o2.jsonl")]) == 0
+    rows2 = [json.loads(line) for line in open(tmp_path / "o2.jsonl")]
+    assert [r["scores"] for r in rows2] == [r["scores"] for r in rows]
 
 
 def test_attacks_listing_names_the_new_parameters(capsys):

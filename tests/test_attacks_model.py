@@ -35,20 +35,30 @@ def log_softmax(x):
 
 
 @pytest.fixture(scope="module")
-def ref_logits(tiny_model):
+def ref_logits(tiny_neox_torch):
+    """seq -> [T, V] float64 logits of transformers' PyTorch model of the same checkpoint: the reference for every
+    attack that reads the unperturbed model (nothing in it comes from mia's Flax model)."""
+    from hf_tiny import torch_sequence_logits
+
+    return lambda seq: torch_sequence_logits(tiny_neox_torch, seq)
+
+
+@pytest.fixture(scope="module")
+def flax_logits(tiny_model):
+    """(seq, params) -> [T, V] float64 logits of mia's model under other parameters (MoPe's perturbed copies)."""
     fn = jax.jit(tiny_model.logits)
 
-    def logits(seq, params=None):  # one compiled shape (right padding is invisible to a causal model)
+    def logits(seq, params):  # one compiled shape (right padding is invisible to a causal model)
         tok, val = np.zeros((1, 256), np.int32), np.zeros((1, 256), bool)
         tok[0, :len(seq)], val[0, :len(seq)] = seq, True
-        return np.asarray(fn(tiny_model.params if params is None else params, tok, val), np.float64)[0, :len(seq)]
+        return np.asarray(fn(params, tok, val), np.float64)[0, :len(seq)]
 
     return logits
 
 
-def np_ll(ref_logits, seq, start=1, params=None):
-    """mean over i >= start of log p(seq[i] | seq[:i])."""
-    lp = log_softmax(ref_logits(np.asarray(seq), params))
+def np_ll(logits_of, seq, start=1):
+    """mean over i >= start of log p(seq[i] | seq[:i]), ``logits_of(seq)`` -> [T, V]."""
+    lp = log_softmax(logits_of(np.asarray(seq)))
     return np.mean([lp[i - 1, seq[i]] for i in range(start, len(seq))])
 
 
@@ -126,6 +136,15 @@ def test_em_matrix_and_recall_avg_match_numpy(tiny_model, data, ref_logits, tmp_
                       for j, x in enumerate(data)] for p in data])
     np.testing.assert_allclose(R, want, rtol=1e-4)
     np.testing.assert_allclose(get("recall_avg").fn(ctx), want.mean(0), rtol=1e-4)
+    # EM-MIA from the LOSS init (f0 = LL(x)), step by step on the torch matrix and LLs. The prefix AUCs and median
+    # splits are rank statistics: they agree when no two reference values of a row (or of f0) are closer than twice
+    # mia's largest difference from torch, so the orders are the same
+    diff = max(np.abs(R - want).max(), np.abs(np.asarray(get("loss").fn(ctx)) - ll).max())
+    gap = min(np.diff(np.sort(v)).min() for v in (*want, ll))
+    assert gap > 2 * diff, f"reference values {gap:.1e} apart, mia within {diff:.1e} of torch: change the data"
+    for iters in (1, 10):
+        np.testing.assert_allclose(get("em_mia").fn(ctx, init="loss", iters=iters, prefix_score="auc"),
+                                   numpy_em(want, ll, iters), atol=1e-12)
     # every available init runs off the same matrix (no further model call) and is used as f0
     for init in ("loss", "zlib", "mink", "minkpp"):
         try:
@@ -196,7 +215,8 @@ def padded(seqs, t=64):
     return tok, val
 
 
-def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, ref_logits):
+@pytest.mark.slow  # ~40 s on 2 idle cores (two MoPe steps + a jitted reference draw); default-run budget
+def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, flax_logits):
     model = tiny_model
     toks = [e.tokens for e in data[:4]]
     tok, val = padded(toks)
@@ -245,8 +265,8 @@ def test_mope_chunked_vmap_equals_loop_and_batching(tiny_model, data, ref_logits
     losses = []
     for k in jax.random.split(key, n):
         p = noisy(k)
-        losses.append([-np_ll(ref_logits, x, params=p) for x in toks])
-    l0 = np.array([-np_ll(ref_logits, x) for x in toks])
+        losses.append([-np_ll(lambda q: flax_logits(q, p), x) for x in toks])
+    l0 = np.array([-np_ll(lambda q: flax_logits(q, model.params), x) for x in toks])
     want = np.mean(losses, axis=0) - l0
     for c, s in scores.items():
         np.testing.assert_allclose(s, want, atol=2e-4, err_msg=f"chunk={c}")

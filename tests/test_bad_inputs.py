@@ -179,6 +179,61 @@ SCORE_CASES = [
     score_case("recall-without-prefix", GOOD, ("--prefix-data",), ["--attacks", "loss,recall"]),
     score_case("camia-without-calib", GOOD, ("--calib-data",), ["--attacks", "camia"]),
     score_case("camia-lr-without-train", GOOD, ("--train-data",), ["--attacks", "camia_lr"]),
+    score_case("surp-k-zero", GOOD, ("surp", "parameter k"), ["--attacks", "surp:k=0"]),
+    score_case("surp-max-entropy-zero", GOOD, ("surp", "max_entropy"), ["--attacks", "surp:max_entropy=0"]),
+    score_case("dcpdd-a-zero", GOOD, ("dcpdd", "parameter a"), ["--attacks", "dcpdd:a=0"]),
+    score_case("pac-augment-unknown", GOOD, ("pac", "augment", "swap"), ["--attacks", "pac:augment=swap"]),
+    score_case("pac-alpha-above-one", GOOD, ("pac", "alpha"), ["--attacks", "pac:alpha=1.5"]),
+    score_case("pac-k-min-zero", GOOD, ("pac", "k_min"), ["--attacks", "pac:k_min=0"]),
+    score_case("conrecall-gamma-negative", GOOD, ("conrecall", "gamma"), ["--attacks", "conrecall:gamma=-1"]),
+    score_case("conrecall-n-zero", GOOD, ("conrecall", "parameter n"), ["--attacks", "conrecall:n=0"]),
+    score_case("conrecall-without-member-prefix", GOOD, ("conrecall", "--member-prefix-data"),
+               ["--attacks", "loss,conrecall:n=1", "--prefix-data", "{tmp}/p.jsonl"],
+               files={"p.jsonl": _jsonl({"id": "p", "text": "x = 1", "label": 0})}),
+    score_case("dcpdd-without-freq-corpus", GOOD, ("dcpdd", "--freq-corpus"), ["--attacks", "loss,dcpdd"]),
+    score_case("member-prefix-data-missing", GOOD, ("--member-prefix-data", "not found"),
+               ["--member-prefix-data", "{tmp}/m.jsonl"]),
+    score_case("freq-corpus-directory", GOOD, ("--freq-corpus", "is a directory"), ["--freq-corpus", "{tmp}"]),
+    # --documents (mia.documents)
+    score_case("doc-id-missing", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1, "partition": "train"},
+                                        {"id": 2, "text": "c d", "label": 0}),
+               ("d.jsonl:2", "document id missing"), ["--documents"]),
+    score_case("doc-id-object", _jsonl({"id": 1, "doc_id": [1], "text": "a b"}), ("d.jsonl:1", "'doc_id'"),
+               ["--documents"]),
+    score_case("doc-label-disagrees", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1},
+                                             {"id": 2, "doc_id": "a", "text": "c d", "label": 0}),
+               ("d.jsonl:2", "'a'", "label", "d.jsonl:1"), ["--documents"]),
+    score_case("doc-partition-disagrees", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1},
+                                                 {"id": 2, "doc_id": "a", "text": "c d", "label": 1,
+                                                  "partition": "train"}),
+               ("d.jsonl:2", "'a'", "partition"), ["--documents"]),
+    score_case("doc-train-unlabelled", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "partition": "train"}),
+               ("d.jsonl:1", "'a'", "without a label"), ["--documents"]),
+    score_case("doc-no-train", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1},
+                                      {"id": 2, "doc_id": "b", "text": "c d", "label": 0}),
+               ("d.jsonl", "'train'", "got none"), ["--documents"]),
+    score_case("doc-train-one-class", _jsonl(*({"id": i, "doc_id": f"d{i}", "text": "a b", "label": 1,
+                                                "partition": "train"} for i in range(3)),
+                                             {"id": 9, "doc_id": "e", "text": "c d"}),
+               ("d.jsonl", "train document", "members"), ["--documents"]),
+    score_case("doc-no-eval", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1, "partition": "train"},
+                                     {"id": 2, "doc_id": "b", "text": "c d", "label": 0, "partition": "train"}),
+               ("d.jsonl", "'eval'"), ["--documents"]),
+    score_case("doc-train-one-class-after-skip", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1,
+                                                        "partition": "train"},
+                                                       {"id": 2, "doc_id": "b", "text": "", "label": 0,
+                                                        "partition": "train"},
+                                                       {"id": 3, "doc_id": "c", "text": "c d"}),
+               ("d.jsonl", "train document", "members"), ["--documents", "--skip-invalid"]),
+    score_case("doc-features-unknown", GOOD, ("--doc-features",), ["--documents", "--doc-features", "quantiles"]),
+    score_case("doc-bins-zero", GOOD, ("--doc-bins",), ["--documents", "--doc-bins", "0"]),
+    score_case("doc-classifier-unknown", GOOD, ("--doc-classifier",), ["--documents", "--doc-classifier", "svm"]),
+    score_case("seq-tokens-without-documents", GOOD, ("--seq-tokens", "--documents"), ["--seq-tokens", "8"]),
+    score_case("seq-tokens-one", GOOD, ("--seq-tokens",), ["--documents", "--seq-tokens", "1"]),
+    score_case("seq-tokens-beyond-context", _jsonl({"id": 1, "text": "a b", "label": 1, "partition": "train"},
+                                                   {"id": 2, "text": "c d", "label": 0, "partition": "train"},
+                                                   {"id": 3, "text": "e f"}),
+               ("--seq-tokens", "context"), ["--documents", "--seq-tokens", "100000"]),
     # paths, checked before any work
     score_case("out-is-directory", GOOD, ("--out", "is a directory"), ["--out", "{tmp}"]),
     score_case("out-under-file", GOOD, ("--out", "is a file"), ["--out", "{tmp}/d.jsonl/o.jsonl"]),
@@ -516,6 +571,21 @@ def test_experiment_cli_bad_input(case, tiny_neox_dir, tmp_path, capsys, monkeyp
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("case_id", ["conrecall-without-member-prefix", "dcpdd-without-freq-corpus"])
+def test_missing_attack_data_stops_before_any_scoring(case_id, tiny_neox_dir, tmp_path, capsys, monkeypatch):
+    """conrecall's member prefix and dcpdd's frequency corpus are checked before the first attack (loss) scores."""
+    import mia.attacks.context
+    from mia.cli import main
+
+    def scored(*a, **k):
+        raise AssertionError("an attack was scored before the missing input was reported")
+
+    monkeypatch.setattr(mia.attacks.context, "compute_token_stats", scored)
+    case = next(c for c in SCORE_CASES if c.id == case_id)
+    code, lines, _ = run_main(main, _materialise(case, tmp_path, tiny_neox_dir), capsys)
+    assert_one_error(code, lines, *case.names)
+
+
 def test_table_size():
     """The issue asks for at least 80 cases across the entry points."""
     assert len(SCORE_CASES) + len(BLIND_CASES) + len(TESTBED_CASES) + len(CHECKMIA_CASES) >= 80
@@ -754,6 +824,104 @@ def test_fuzz_jsonl_reader_long(tmp_path, data):
 @given(data=_safetensors_bytes())
 def test_fuzz_safetensors_header_long(data):
     _check_safetensors(data)
+
+
+# ---------------------------------------------------------------------------------------------- config.json
+def _family_configs() -> list[dict]:
+    """A valid, complete config.json object of every decoder family (as transformers writes it) and of BERT."""
+    import transformers as tf
+
+    kw = dict(vocab_size=97, num_hidden_layers=2, num_attention_heads=4, intermediate_size=52)
+    cfgs = [tf.GPTNeoXConfig(hidden_size=40, rotary_pct=0.5, **kw), tf.LlamaConfig(hidden_size=40, num_key_value_heads=2, **kw),
+            tf.GPT2Config(vocab_size=97, n_embd=40, n_layer=2, n_head=4),
+            tf.GPTNeoConfig(vocab_size=97, hidden_size=40, num_layers=2, num_heads=4, window_size=4,
+                            attention_types=[[["global", "local"], 1]]),
+            tf.OlmoConfig(hidden_size=40, clip_qkv=0.5, **kw), tf.Olmo2Config(hidden_size=40, **kw),
+            tf.BertConfig(hidden_size=40, **kw)]
+    return [json.loads(c.to_json_string()) for c in cfgs]
+
+
+_CONFIGS = _family_configs()
+_CONFIG_FIELDS = sorted({k for c in _CONFIGS for k in c} | {"rope_parameters", "rope_scaling", "partial_rotary_factor"})
+_out_of_range = st.one_of(st.integers(-3, 1), st.integers(2 ** 31 - 2, 2 ** 64), st.floats(-2, 3),
+                          st.sampled_from([float("inf"), float("nan"), 1.7, -0.5, 0.0, 1e308, True, "96", "1e-5"]))
+
+
+@st.composite
+def _config_bytes(draw):
+    """config.json bytes: a family's valid config with fields set to values of the wrong type or out of range,
+    dropped or added (one to four edits, also inside rope_parameters), or any other JSON value, or any bytes."""
+    kind = draw(st.sampled_from(["edit", "edit", "edit", "json", "bytes"]))
+    if kind == "bytes":  # invalid UTF-8, truncated JSON, a lone surrogate escaped in JSON ...
+        return draw(st.one_of(st.binary(max_size=120), st.sampled_from(
+            [b'{"model_type": "gpt_neox", "hidden_size": 4\xff}', b'{"model_type": "\ud800"}', b'{"model_type": ',
+             b"\xef\xbb\xbf{}", b"[" * 5000, b'{"hidden_size": 1' + b"0" * 5000 + b"}"])))
+    if kind == "json":
+        return json.dumps(draw(_json_value)).encode()
+    hf = json.loads(json.dumps(draw(st.sampled_from(_CONFIGS))))
+    for _ in range(draw(st.integers(1, 4))):
+        key = draw(st.sampled_from(_CONFIG_FIELDS + ["extra_field"]))
+        how = draw(st.sampled_from(["type", "range", "drop", "rope"]))
+        if how == "drop":
+            hf.pop(key, None)
+        elif how == "rope":
+            rope = hf.setdefault("rope_parameters", {}) if isinstance(hf.get("rope_parameters"), dict) else {}
+            rope[draw(st.sampled_from(["rope_theta", "partial_rotary_factor", "rope_type", "factor"]))] = \
+                draw(st.one_of(_out_of_range, _json_value))
+            hf["rope_parameters"] = rope
+        else:
+            hf[key] = draw(_out_of_range if how == "range" else _json_value)
+    return json.dumps(hf).encode()
+
+
+def _check_config(tmp_dir: Path, data: bytes):
+    """load_config (decoders) and the encoder loader: a config of the family's class, every field checked, or one
+    ValueError line naming config.json."""
+    from mia.models.bert import load_encoder
+    from mia.models.hub import CheckpointError, load_config
+
+    d = tmp_dir / "cfg"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_bytes(data)
+    try:
+        fam, cfg, hf = load_config(d)
+    except ValueError as e:
+        one_line = str(e).strip()
+        assert "\n" not in one_line and "config.json" in one_line, (type(e).__name__, one_line)
+    else:
+        assert isinstance(hf, dict) and isinstance(cfg, fam.config_cls)
+        V.check_config(cfg, "config.json")  # every field of its declared type and range
+    try:  # a BERT directory with this config.json and no weights: the config is read (and refused) first
+        load_encoder(d, tokenizer=False)
+    except CheckpointError as e:
+        if "model.safetensors is missing" in str(e):
+            return  # the config was accepted
+        assert "\n" not in str(e).strip() and "config.json" in str(e), str(e)
+    except ValueError as e:
+        assert "\n" not in str(e).strip() and "config.json" in str(e), (type(e).__name__, str(e))
+
+
+@FUZZ
+@given(data=_config_bytes())
+def test_fuzz_config_json(tmp_path, data):
+    _check_config(tmp_path, data)
+
+
+@pytest.mark.slow
+@FUZZ_SLOW
+@given(data=_config_bytes())
+def test_fuzz_config_json_long(tmp_path, data):
+    _check_config(tmp_path, data)
+
+
+def test_family_configs_are_accepted(tmp_path):
+    """The fuzz's templates are valid: each loads (so the mutations start from a config that passes)."""
+    from mia.models.hub import load_config
+
+    for hf in _CONFIGS[:-1]:
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+        fam, _, _ = load_config(tmp_path)
+        assert fam.model_type == hf["model_type"]
 
 
 def test_safetensors_header_from_a_file_matches_bytes(tmp_path):

@@ -111,3 +111,17 @@ def test_minilm_parity():
     sent = enc.embed(texts)
     np.testing.assert_allclose(sent, want_sent, atol=1e-4, rtol=0)
     np.testing.assert_allclose(np.linalg.norm(sent, axis=1), 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"type": "x"}', "expected a JSON list of objects, got dict"),
+    (b'[1, 2]', "expected a JSON list of objects, got list"),
+    (b'\xff\xfe[', "invalid JSON"),
+    (b'[{"type": ', "invalid JSON"),
+])
+def test_bad_modules_json_is_one_named_error(tmp_path, content, message):
+    """A sentence-transformers modules.json that is not a JSON list of objects stops naming the file."""
+    (tmp_path / "modules.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match=message) as e:
+        B.load_encoder(tmp_path, tokenizer=False)
+    assert "modules.json" in str(e.value) and "\n" not in str(e.value)

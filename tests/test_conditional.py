@@ -1,4 +1,9 @@
-"""Cached-prefix conditional log-likelihood (mia.conditional) against the plain concatenated computation."""
+"""Cached-prefix conditional log-likelihood (mia.conditional) against transformers' PyTorch implementation.
+
+The checkpoint is a tiny random GPT-NeoX built, initialised and saved by transformers (torch, float32, seeded) and
+loaded by mia; the reference is the obviously-correct loop: torch logits of the concatenation [p ; x] in one pass,
+float64 log-softmax, the log-probs of x's tokens. Nothing in the reference comes from mia's Flax model.
+"""
 import chex
 import jax
 import numpy as np
@@ -6,32 +11,30 @@ import pytest
 
 import mia.conditional as C
 import mia.models as mm
-from mia.models.gpt_neox import GPTNeoXConfig
 from mia.scoring import ScoringSettings
 
 VOCAB = 97
+RTOL = 1e-4  # float32 model, float64 reference: relative error of a (mean) token log-prob
+ATOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def model():
-    cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=40, num_hidden_layers=2, num_attention_heads=5,
-                        intermediate_size=56, rotary_pct=0.4, max_position_embeddings=128)
-    m = mm.from_config(cfg, key=jax.random.PRNGKey(3))
-    # larger-than-init weights so that the prefix visibly changes the target's log-probs
-    params = jax.tree_util.tree_map(lambda a: a * 1.5, m.params)
-    return mm.from_config(cfg, params=params)
+def checkpoint(tmp_path_factory):
+    """(mia model, transformers model) of one tiny GPT-NeoX checkpoint (partial rotary with an odd rotary width)."""
+    from transformers import GPTNeoXConfig
+
+    from hf_tiny import save_tiny
+
+    path = tmp_path_factory.mktemp("cond_neox")
+    ref = save_tiny(GPTNeoXConfig(vocab_size=VOCAB, hidden_size=40, num_hidden_layers=2, num_attention_heads=5,
+                                  intermediate_size=56, rotary_pct=0.4, max_position_embeddings=128,
+                                  tie_word_embeddings=False), path, seed=3)
+    return mm.load(path), ref
 
 
 @pytest.fixture(scope="module")
-def ref_logits(model):
-    fn = jax.jit(model.logits)
-
-    def logits(seq):  # one compiled shape: right-pad to 64 (causal, so pads after the sequence change nothing)
-        tok, val = np.zeros((1, 64), np.int32), np.zeros((1, 64), bool)
-        tok[0, :len(seq)], val[0, :len(seq)] = seq, True
-        return np.asarray(fn(model.params, tok, val), np.float64)[0, :len(seq)]
-
-    return logits
+def model(checkpoint):
+    return checkpoint[0]
 
 
 def seqs(lengths, seed):
@@ -39,33 +42,46 @@ def seqs(lengths, seed):
     return [rng.integers(0, VOCAB, n).astype(np.int32) for n in lengths]
 
 
-def numpy_cond_ll(ref_logits, prefix, target, include_first):
-    """Reference: logits of [p ; x] in one pass, float64 log-softmax, mean over x's counted tokens."""
-    seq = np.concatenate([prefix, target])
-    logits = ref_logits(seq)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
-    start = len(prefix) + (0 if include_first else 1)
-    return np.mean([logp[i - 1, seq[i]] for i in range(start, len(seq))])
+def torch_target_logprobs(ref, prefix, target) -> np.ndarray:
+    """[len(target)] log p(x_j | p, x_<j) from one torch pass over [p ; x]: position i - 1 predicts token i."""
+    import torch
+
+    seq = np.concatenate([prefix, target]).astype(np.int64)
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor(seq)[None]).logits[0].double()
+    lp = torch.log_softmax(logits, dim=-1).numpy()
+    return np.array([lp[i - 1, seq[i]] for i in range(len(prefix), len(seq))])
+
+
+def torch_cond_ll(ref, prefix, target, include_first):
+    """LL(x | p): mean over x's counted tokens (all of them, or all but the first)."""
+    lp = torch_target_logprobs(ref, prefix, target)
+    return lp.mean() if include_first else lp[1:].mean()
 
 
 SETTINGS = ScoringSettings(progress=False, min_bucket=32)  # few shapes: compiling dominates on a small CPU
 
 
 @pytest.mark.parametrize("include_first", [True, False])
-def test_matrix_matches_concatenation(model, ref_logits, include_first):
+def test_matrix_matches_torch_concatenation(checkpoint, include_first):
+    """Prefixes of 1..31 tokens, targets of 2..30 (padded to one bucket), batched: LL[p, x] = the torch loop."""
+    model, ref = checkpoint
     prefixes = seqs([5, 17, 1, 9, 31], 0)
     targets = seqs([2, 7, 30, 12, 3, 16, 17], 1)
     got = C.loglik_matrix(model, prefixes, targets, include_first=include_first, settings=SETTINGS)
-    want = np.array([[numpy_cond_ll(ref_logits, p, x, include_first) for x in targets] for p in prefixes])
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    want = np.array([[torch_cond_ll(ref, p, x, include_first) for x in targets] for p in prefixes])
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     plain = C.plain_loglik_matrix(model, prefixes, targets, include_first=include_first, settings=SETTINGS)
-    np.testing.assert_allclose(plain, want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(plain, want, rtol=RTOL, atol=ATOL)
     # the prefix matters (otherwise this test would not test the cache)
     assert np.ptp(got, axis=0).max() > 1e-2
 
 
 @pytest.mark.parametrize("include_first", [True, False])
-def test_pure_left_padded_prefix_batch(model, ref_logits, include_first):
+def test_pure_left_padded_prefix_batch(checkpoint, include_first):
+    """The pure functions on a left-padded prefix batch and right-padded targets: every counted per-token log-prob
+    equals torch's, and padding is never counted (``conditional_loglik``, their mean, runs in the matrix tests)."""
+    model, ref = checkpoint
     prefixes, targets = seqs([3, 11, 6], 2), seqs([9, 4, 12], 3)
     s, t = 32, 32
     ptok, pval = np.zeros((3, s), np.int32), np.zeros((3, s), bool)
@@ -74,15 +90,20 @@ def test_pure_left_padded_prefix_batch(model, ref_logits, include_first):
         ptok[r, s - len(p):], pval[r, s - len(p):] = p, True
         ttok[r, :len(x)], tval[r, :len(x)] = x, True
     prefix = jax.jit(lambda p, t, v: C.prefix_cache(model, p, t, v))
-    cond = jax.jit(lambda p, c, t, v: C.conditional_loglik(model, p, c, t, v, include_first=include_first))
-    cache = prefix(model.params, ptok, pval)
-    got = np.asarray(cond(model.params, cache, ttok, tval))
-    want = [numpy_cond_ll(ref_logits, p, x, include_first) for p, x in zip(prefixes, targets)]
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    per_token = jax.jit(lambda p, c, t, v: C.conditional_logprobs(model, p, c, t, v, include_first=include_first))
+
+    def check(cache, prefix_of_row):
+        lp, mask = (np.asarray(a) for a in per_token(model.params, cache, ttok, tval))
+        for r, x in enumerate(targets):
+            counted = np.zeros(t, bool)
+            counted[0 if include_first else 1:len(x)] = True
+            np.testing.assert_array_equal(mask[r], counted)
+            want = torch_target_logprobs(ref, prefix_of_row[r], x)[counted[:len(x)]]
+            np.testing.assert_allclose(lp[r, counted], want, rtol=RTOL, atol=ATOL)
+
+    check(prefix(model.params, ptok, pval), prefixes)
     # a batch-1 cache broadcasts over the targets
-    one = prefix(model.params, prefixes[1][None], np.ones((1, len(prefixes[1])), bool))
-    got1 = np.asarray(cond(model.params, one, ttok, tval))
-    np.testing.assert_allclose(got1, [numpy_cond_ll(ref_logits, prefixes[1], x, include_first) for x in targets], atol=1e-4)
+    check(prefix(model.params, prefixes[1][None], np.ones((1, len(prefixes[1])), bool)), [prefixes[1]] * 3)
 
 
 def test_batching_does_not_change_values(model):

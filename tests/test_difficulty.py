@@ -1,7 +1,6 @@
 """Graded-difficulty splits: the spec's rules, and easy > hard blind AUC on a synthetic embedding set."""
 import argparse
 import json
-import random
 
 import numpy as np
 import pytest
@@ -53,21 +52,98 @@ def test_distance_filter_is_greedy_in_index_order():
         assert any(1 - x[a] @ x[b] < 0.6 for a in kept if a < b)
 
 
+def _reference_clusters(x, k, niter, seed, half, threshold=0.6):
+    """{cluster: kept pool indices} of the valid clusters, from the k-means assignment and the 0.6 filter written
+    out: within a cluster, in index order, a point still kept drops every later point closer than ``threshold``."""
+    _, assign = D.spherical_kmeans(x, k, niter=niter, seed=seed)  # the clustering itself: test_spherical_kmeans_*
+    out = {}
+    for c in range(k):
+        kept = []
+        for b in np.flatnonzero(assign == c):
+            if all(1 - x[a] @ x[b] >= threshold for a in kept):
+                kept.append(int(b))
+        if len(kept) >= half:
+            out[c] = kept
+    return out
+
+
+def _mean_dist(x, i, y, js):
+    """mean over j in js of 1 - cos(x[i], y[j]) (rows are unit vectors)."""
+    return np.mean([1 - x[i] @ y[j] for j in js])
+
+
+def _is_extreme_half(chosen, kept, dist, largest):
+    """``chosen`` is the half of ``kept`` with the largest (smallest) ``dist``: every chosen point beats every other."""
+    rest = sorted(set(kept) - set(chosen))
+    if not rest:
+        return True
+    a, b = [dist[i] for i in chosen], [dist[i] for i in rest]
+    return min(a) > max(b) if largest else max(a) < min(b)
+
+
 def test_split_rules(splits):
+    """The rules of ALGORITHMS.md 1.3 as properties, each cluster pair and distance recomputed here from the
+    cluster assignment with plain loops (not by replaying the code's random calls)."""
     xm, xn, s = splits
+    xm, xn = D.l2_normalize(xm), D.l2_normalize(xn)
+    half = 20
     for name in D.DIFFICULTIES:
-        assert len(s[name]["members"]) == 20 and len(s[name]["nonmembers"]) == 20, name
-        assert len(set(s[name]["members"])) == 20
+        for key, pool in (("members", xm), ("nonmembers", xn)):
+            sel = s[name][key]
+            assert len(sel) == len(set(sel)) == half and sel == sorted(sel), (name, key)
+            assert all(0 <= i < len(pool) for i in sel), (name, key)
+    # mix splits combine as defined
     assert s["mix-1"] == {"members": s["random"]["members"], "nonmembers": s["hard"]["nonmembers"]}
     assert s["mix-2"] == {"members": s["hard"]["members"], "nonmembers": s["random"]["nonmembers"]}
-    assert s["random"]["members"] == sorted(random.Random(42).sample(range(len(xm)), 20))
+
+    cm = _reference_clusters(xm, 4, 20, 42, half)
+    cn = _reference_clusters(xn, 4, 20, 42, half)
+    assert cm and cn
+    # pairs (valid member cluster i, valid non-member cluster j) by mean cross distance over every point pair
+    cross = {(i, j): np.mean([_mean_dist(xm, a, xn, cn[j]) for a in cm[i]]) for i in cm for j in cn}
+    order = sorted(cross, key=lambda ij: cross[ij])
+    assert len(set(np.round(list(cross.values()), 9))) == len(cross)  # no tie: the sorted order is unique
+    pair = {"easy": order[-1], "medium": order[len(order) // 2], "hard": order[0]}
     info = s["_info"]
-    assert info["pairs"]["easy"][2] > info["pairs"]["medium"][2] >= info["pairs"]["hard"][2]
-    for name in ("easy", "hard"):  # chosen points are far apart from each other (0.6 filter)
+    assert info["n_pairs"] == len(order)
+    for name, (i, j) in pair.items():
+        assert info["pairs"][name][:2] == [i, j], name
+        assert info["pairs"][name][2] == pytest.approx(cross[i, j], abs=1e-9), name
+        # each side is drawn from its cluster's points that survive the 0.6 filter
+        assert set(s[name]["members"]) <= set(cm[i]) and set(s[name]["nonmembers"]) <= set(cn[j]), name
+    # easy: the points farthest (mean distance) from the other cluster; hard: the closest
+    for name, largest in (("easy", True), ("hard", False)):
+        i, j = pair[name]
+        dm = {a: _mean_dist(xm, a, xn, cn[j]) for a in cm[i]}
+        dn = {b: _mean_dist(xn, b, xm, cm[i]) for b in cn[j]}
+        assert _is_extreme_half(s[name]["members"], cm[i], dm, largest), name
+        assert _is_extreme_half(s[name]["nonmembers"], cn[j], dn, largest), name
+    # the synthetic pools make the three pairs distinct and easy's pair far from hard's
+    assert cross[pair["easy"]] > cross[pair["medium"]] > cross[pair["hard"]]
+    # chosen points are far apart from each other (the 0.6 filter)
+    for name in ("easy", "medium", "hard"):
         for key, x in (("members", xm), ("nonmembers", xn)):
             e = x[s[name][key]]
-            assert (1 - e @ e.T)[np.triu_indices(20, 1)].min() >= 0.6
-    assert s == D.graded_splits(xm, xn, size=40, k=4, niter=20, seed=42)  # deterministic
+            assert (1 - e @ e.T)[np.triu_indices(half, 1)].min() >= 0.6, (name, key)
+
+
+def test_random_split_is_a_seeded_uniform_draw():
+    """random: size/2 members (non-members) from the WHOLE member (non-member) pool, uniformly (a chi-square test over 40 seeds), the same
+    draw for the same seed and another one for another seed; every split is the same for the same seed."""
+    xm, xn = _pools(per_topic=40)
+    a = D.graded_splits(xm, xn, size=40, k=4, niter=10, seed=42)
+    assert a == D.graded_splits(xm, xn, size=40, k=4, niter=10, seed=42)  # deterministic, every split
+    counts = np.zeros((2, len(xm)))
+    for seed in range(40):
+        r = D.graded_splits(xm, xn, size=40, k=4, niter=10, seed=seed)["random"]
+        counts[0, r["members"]] += 1
+        counts[1, r["nonmembers"]] += 1
+        if seed != 42:
+            assert r != a["random"]
+    # 40 draws of 20 out of 160: each index expected 5 times; a chi-square test of uniformity at the 0.1% level
+    from scipy.stats import chisquare
+
+    assert (chisquare(counts, axis=1).pvalue > 1e-3).all()  # (a draw from the filtered clusters only would miss many indices)
 
 
 def _blind_auc(xm, xn, sel, seed=0):

@@ -27,6 +27,7 @@ import numpy as np
 
 from .fit import add_note
 from .recall import conditional_ll, fitted_prefix, fitted_targets
+from ..validate import Range
 from .registry import AttackError, register
 
 
@@ -63,7 +64,8 @@ def member_shots(ctx, n: int) -> list:
     return shots[:n]
 
 
-@register("conrecall", needs=("model", "stats", "prefix", "member_prefix"), n=12, gamma=1.0)
+@register("conrecall", needs=("model", "stats", "prefix", "member_prefix"), n=12, gamma=1.0,
+          limits={"n": Range(1), "gamma": Range(0)})
 def _conrecall(ctx, *, n: int = 12, gamma: float = 1.0) -> np.ndarray:
     """Con-ReCaLL: (LL(x|non-member prefix) - gamma LL(x|member prefix)) / LL(x) (higher = member). Wang et al. 2024."""
     if n < 1:

@@ -29,6 +29,7 @@ import numpy as np
 
 from .mink import pad_batch
 from .recall import memo
+from ..validate import Range
 from .registry import AttackError, register
 
 FREQ_MAX_TOKENS = 1024
@@ -82,7 +83,7 @@ def reference_counts(ctx) -> np.ndarray:
     return m["dcpdd_counts"]
 
 
-@register("dcpdd", needs=("stats", "freq"), a=0.01)
+@register("dcpdd", needs=("stats", "freq"), a=0.01, limits={"a": Range(0, lo_open=True)})
 def _dcpdd(ctx, *, a: float) -> np.ndarray:
     """Mean over first occurrences of min(p(t) * -log f(t), a), f = corpus token frequency (higher = member).
     Zhang et al. 2024."""

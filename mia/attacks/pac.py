@@ -30,6 +30,7 @@ import numpy as np
 from ..scoring import pad_stats
 from ._texts import stats_or_none, target_ids
 from .mink import bottom_k_mean, check_k, pad_batch
+from ..validate import Range
 from .registry import AttackError, register
 
 AUGMENTATIONS = ("words", "tokens")
@@ -96,7 +97,9 @@ def augmented_sequences(ctx, *, n: int, alpha: float, augment: str) -> list:
     return [flat[i * n:(i + 1) * n] for i in range(len(texts))]
 
 
-@register("pac", needs=("stats", "model", "text"), n=10, alpha=0.3, k_max=0.05, k_min=0.3, augment="words")
+@register("pac", needs=("stats", "model", "text"), n=10, alpha=0.3, k_max=0.05, k_min=0.3, augment="words",
+          limits={"n": Range(1), "alpha": Range(0, 1, lo_open=True), "k_max": Range(0, 1, lo_open=True),
+                  "k_min": Range(0, 1, lo_open=True), "augment": AUGMENTATIONS})
 def _pac(ctx, *, n: int, alpha: float, k_max: float, k_min: float, augment: str) -> np.ndarray:
     """mean PD(swapped copies) - PD(x), PD = mean top-k_max minus mean bottom-k_min log-probs (higher = member).
     Ye et al. 2024."""

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .mink import check_k, k_count_table, pad_batch
+from ..validate import Range
 from .registry import AttackError, register
 
 EMPTY_SCORE = 0.0
@@ -51,7 +52,8 @@ def _surp(logprob_bl: jax.Array, entropy_bl: jax.Array, mask_bl: jax.Array, *, k
 surp_scores = jax.jit(_surp, static_argnames=("k", "max_entropy"))
 
 
-@register("surp", needs=("stats",), k=0.4, max_entropy=2.0)
+@register("surp", needs=("stats",), k=0.4, max_entropy=2.0,
+          limits={"k": Range(0, 1, lo_open=True), "max_entropy": Range(0, lo_open=True)})
 def _surp_attack(ctx, *, k: float, max_entropy: float) -> np.ndarray:
     """Mean log-prob of the bottom-k tokens with entropy < max_entropy (higher = member). Zhang & Wu 2024."""
     k = check_k("surp", k)

@@ -1,6 +1,7 @@
 """Examples to score: reading the JSONL input of ``mia score`` and tokenizing it.
 
-Input line: ``{"id", "text" | "tokens", "label" (optional, 1 = member), "partition" (optional)}``.
+Input line: ``{"id", "text" | "tokens", "label" (optional, 1 = member), "partition" (optional), "doc_id" (optional:
+the document the line belongs to, for ``mia score --documents``)}``.
 Split files (with a header line) are read the same way.
 """
 from __future__ import annotations
@@ -29,13 +30,14 @@ class Example:
     truncated: bool = False
     invalid: Optional[str] = None  # reason, when --skip-invalid kept an unusable line
     source: str = ""  # "file:line" for error messages
+    doc_id: Optional[str] = None  # the document this sequence belongs to (``mia.documents``)
 
     @property
     def n_tokens(self) -> int:
         return 0 if self.tokens is None else int(len(self.tokens))
 
 
-SCORE_PARTITIONS = ("eval", "prefix", "calib", "train")  # what ``mia score`` reads; README "Bad input"
+SCORE_PARTITIONS = ("eval", "prefix", "member_prefix", "calib", "train")  # what ``mia score`` reads; README "Bad input"
 
 
 def read_examples(path, partitions: Optional[tuple] = SCORE_PARTITIONS,
@@ -78,10 +80,7 @@ def _example(obj: dict, where: str, seen: dict, partitions: Optional[tuple]) -> 
     """One checked example from one JSON object (``seen``: id -> where, updated)."""
     if "id" not in obj:
         raise DataError(f"{where}: field 'id' is missing")
-    raw_id = obj["id"]
-    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
-        raise DataError(f"{where}: field 'id' must be a string or an integer, got {type(raw_id).__name__}")
-    ex_id = V.text(str(raw_id), f"{where}: field 'id'", error=DataError)
+    ex_id = _identifier(obj["id"], f"{where}: field 'id'")
     if ex_id in seen:
         raise DataError(f"{where}: duplicate id {ex_id[:80]!r} (first at {seen[ex_id]})")
     seen[ex_id] = where
@@ -97,7 +96,15 @@ def _example(obj: dict, where: str, seen: dict, partitions: Optional[tuple]) -> 
     text = V.text(obj["text"], f"{where}: field 'text'", error=DataError) if has_text else None
     partition = V.text(obj.get("partition", "eval"), f"{where}: field 'partition'", choices=partitions,
                        error=DataError)
-    return Example(ex_id, tokens, text, label, partition, source=where)
+    doc_id = _identifier(obj["doc_id"], f"{where}: field 'doc_id'") if obj.get("doc_id") is not None else None
+    return Example(ex_id, tokens, text, label, partition, source=where, doc_id=doc_id)
+
+
+def _identifier(raw, where: str) -> str:
+    """An ``id``/``doc_id`` value: a string or an integer, as a string."""
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+        raise DataError(f"{where} must be a string or an integer, got {type(raw).__name__}")
+    return V.text(str(raw), where, error=DataError)
 
 
 def out_of_vocab(tokens, vocab_size: int) -> Optional[tuple]:

