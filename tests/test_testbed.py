@@ -24,7 +24,7 @@ def test_stdlib_corpus_is_deterministic_and_library_only():
     assert m["n_documents"] == len(a) and len(m["documents"][0]["sha256"]) == 64
 
 
-def test_directory_and_jsonl_corpora(tmp_path):
+def test_directory_and_jsonl_corpora(tmp_path, monkeypatch):
     d = tmp_path / "docs"
     (d / "sub").mkdir(parents=True)
     (d / "b.md").write_text("# title\nbody\n")
@@ -34,8 +34,13 @@ def test_directory_and_jsonl_corpora(tmp_path):
     assert [x.path for x in c.documents] == ["b.md", "sub/a.txt"]
     f = tmp_path / "c.jsonl"
     f.write_text("".join(json.dumps({"body": f"doc {i}"}) + "\n" for i in range(3)))
+    import datasets
+
+    hf_cache = tmp_path / "hf-datasets-cache"  # datasets' default cache: the corpus reader must not write there
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", hf_cache)
     c2 = load_corpus(f, text_column="body")
     assert c2.texts == ["doc 0", "doc 1", "doc 2"]
+    assert not hf_cache.exists() or not any(hf_cache.iterdir())
     with pytest.raises(CorpusError, match="no column 'text'.*body"):
         load_corpus(f)
 

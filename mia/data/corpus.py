@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -198,16 +199,21 @@ def table_corpus(path, text_column: str = "text", max_bytes: Optional[int] = Non
     force_offline()
     import datasets
 
-    try:
-        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
-    except Exception as e:  # datasets raises many types; keep the first line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CorpusError(f"{path}: cannot read as {builder} ({msg})") from None
-    if text_column not in ds.column_names:
-        raise CorpusError(f"{path}: no column {text_column!r}; columns: {', '.join(ds.column_names)} "
-                          f"(choose one with --text-column)")
+    # datasets' Arrow copy of the file goes to a temporary directory, removed once the texts are read, not to the
+    # user's ~/.cache/huggingface/datasets (a second copy of every corpus ever read)
+    with tempfile.TemporaryDirectory(prefix="mia-corpus-") as cache:
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache)
+        except Exception as e:  # datasets raises many types; keep the first line
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CorpusError(f"{path}: cannot read as {builder} ({msg})") from None
+        if text_column not in ds.column_names:
+            raise CorpusError(f"{path}: no column {text_column!r}; columns: {', '.join(ds.column_names)} "
+                              f"(choose one with --text-column)")
+        texts = ds[text_column]
+        del ds
     docs = []
-    for i, text in enumerate(ds[text_column]):
+    for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise CorpusError(f"{path}: record {i}: column {text_column!r} is {type(text).__name__}, not text")
         if text.strip():
