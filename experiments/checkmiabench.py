@@ -230,15 +230,19 @@ def _pick_steps(spec, available: Sequence[int], where: str) -> list:
 def pythia_setup(root, data: Sequence, idx, *, sizes: Sequence[str], steps: Sequence[int], split_sizes: SplitSizes,
                  seed: int, gap: int, end_step: int, batch_size: int, allow_fewer: bool) -> Setup:
     """Real Pythia: ``root/pythia-SIZE-deduped/stepN`` and the deduplicated Pile order (``--data``/``--idx``)."""
+    from mia.models import load_config
+
     require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
     chosen = select_pythia(root, sizes or None, steps)
     targets = [Target(size, count_params(path), c, path, None) for c in steps for size, by_step in chosen.items()
                   for s, path in by_step.items() if s == c]
     tokenizer_dir = str(targets[0].path.resolve())
+    vocab_size = min(int(load_config(t.path)[1].vocab_size) for t in targets)  # ids checked as they are drawn
 
     def draw(c):
         header, examples, note = draw_pythia_split(data, idx, c, split_sizes, seed, gap=gap, end_step=end_step,
-                                                   batch_size=batch_size, allow_fewer=allow_fewer)
+                                                   batch_size=batch_size, allow_fewer=allow_fewer,
+                                                   vocab_size=vocab_size)
         header["source"]["tokenizer"] = tokenizer_dir  # blind W2V/BERT decode the token ids with it
         return header, examples, note
 

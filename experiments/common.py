@@ -511,9 +511,11 @@ PYTHIA_ORDER_HINT = "--data the .bin shard(s) of the deduplicated Pile in order,
 
 
 def draw_pythia_split(data: Sequence, idx, step: int, sizes: SplitSizes, seed: int, *, gap: int = 0,
-                      end_step: int = 98_500, batch_size: int = 1024, allow_fewer: bool = False):
+                      end_step: int = 98_500, batch_size: int = 1024, allow_fewer: bool = False,
+                      vocab_size: Optional[int] = None):
     """(header, examples, note) of a Pythia checkpoint split: ``mia split pythia`` (members from steps
-    [0, step-gap), non-members from [step+gap, end_step)) on the .bin shards ``data`` with the single ``idx``."""
+    [0, step-gap), non-members from [step+gap, end_step)) on the .bin shards ``data`` with the single ``idx``.
+    ``vocab_size`` (the models' config.json): a drawn token id outside it stops, naming shard, row and token."""
     from mia.data.pythia import draw_checkpoint_split, open_dataset
 
     require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
@@ -525,7 +527,7 @@ def draw_pythia_split(data: Sequence, idx, step: int, sizes: SplitSizes, seed: i
     n_non = max(0, min(end_step, len(ds) // batch_size) - (step + gap)) * batch_size
     sizes, note = _fit("pythia split", sizes, allow_fewer, n_mem, n_non)
     header, examples = draw_checkpoint_split(ds, step, sizes.members, sizes.nonmembers, seed, gap=gap,
-                                             end_step=end_step, batch_size=batch_size)
+                                             end_step=end_step, batch_size=batch_size, vocab_size=vocab_size)
     header, examples = _finish_split(header, examples, sizes, seed)
     return header, examples, note
 

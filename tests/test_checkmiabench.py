@@ -263,7 +263,9 @@ def test_pythia_bad_inputs_one_line_each(tiny_neox_dir, tmp_path, capsys):
     e = error(["--data", *shards, "--idx", idx, "--steps", str(STEP), "--sizes", "160m"])
     assert "no checkpoint pythia-160m-deduped/step100" in e and "pythia-70m-deduped: steps 100" in e
     e = error(["--data", *shards, "--idx", idx, "--steps", str(STEP)])
-    assert "token id 4000 >= the vocabulary size" in e and "do not match the model's tokenizer" in e
+    # caught as the split is drawn (naming the shard and row), before any model is loaded
+    assert "is id 4000, outside the model vocabulary" in e and "do not match the model's tokenizer" in e
+    assert ".bin: row " in e
     e = error(["--data", *shards, "--steps", str(STEP)])
     assert "--idx missing" in e
     e = error(["--idx", idx, "--steps", str(STEP)])
