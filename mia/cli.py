@@ -213,8 +213,6 @@ def report_documents(args, evaluated, scores: dict, notes: list) -> None:
 
 def check_score_paths(args) -> None:
     """Every path option of ``mia score`` checked before anything is loaded or scored (``mia.validate``)."""
-    from . import validate as V
-
     V.input_dir(args.model, "--model", noun="model directory")
     V.input_file(args.data, "--data")
     for flag in ("prefix_data", "member_prefix_data", "calib_data", "train_data", "freq_corpus"):
@@ -256,14 +254,13 @@ def check_attack_inputs(attacks, args, partitions: dict | None = None) -> None:
 
 
 def check_member_prefix_and_freq(label: str, needs: set, params: dict, args, partitions: dict) -> None:
-    """The ``member_prefix`` need (the attack's ``n`` shots, from the member_prefix partition, else the train
-    partition's members) and the ``freq`` need, from the partitions read (see ``check_attack_inputs``)."""
+    """The ``member_prefix`` need (conrecall's own shot selection, ``select_member_shots``, for its ``n``) and the
+    ``freq`` need, from the partitions read (see ``check_attack_inputs``)."""
+    from .attacks.conrecall import select_member_shots
     from .attacks.registry import AttackError
 
-    members = partitions.get("member_prefix") or [e for e in partitions.get("train") or [] if e.label == 1]
-    if "member_prefix" in needs and len(members) < max(1, int(params.get("n", 1))):
-        raise AttackError(f"attack {label} needs at least {max(1, int(params.get('n', 1)))} member prefix example(s), "
-                          f"got {len(members)} (give --member-prefix-data FILE, or --train-data with label-1 rows)")
+    if "member_prefix" in needs:
+        select_member_shots(partitions, max(1, int(params.get("n", 1))))
     if "freq" in needs and not getattr(args, "freq_corpus", None) and not partitions.get("calib"):
         raise AttackError(f"attack {label} needs a token-frequency corpus, got none (give --freq-corpus FILE, or "
                           "--calib-data / a split with a 'calib' partition)")

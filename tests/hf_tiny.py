@@ -26,6 +26,13 @@ def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out.logits.float().numpy()
 
 
+def log_softmax(x) -> np.ndarray:
+    """Float64 log-softmax over the last axis (the tests' NumPy reference)."""
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
 def torch_sequence_logits(model, seq) -> np.ndarray:
     """[T, V] float64 logits of one unpadded token sequence from a transformers (PyTorch) model."""
     import torch

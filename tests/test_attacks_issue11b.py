@@ -12,6 +12,8 @@ from mia.attacks import em_mia as E
 from mia.data.examples import Example, tokenize_examples
 from mia.scoring import ScoringSettings
 
+from hf_tiny import log_softmax
+
 WORDS = "the of and to in is that for it as with was on be by this are from not but data model train member".split()
 SETTINGS = ScoringSettings(progress=False, min_bucket=32)
 
@@ -21,12 +23,6 @@ def examples(tok, n, seed, words=(3, 14), partition="eval", prefix="e", label=No
     ex = [Example(f"{prefix}{i}", text=" ".join(rng.choice(WORDS, int(rng.integers(*words)))),
                   label=(i % 2) if label is None else label, partition=partition) for i in range(n)]
     return tokenize_examples(ex, tok, 256)
-
-
-def log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
 @pytest.fixture(scope="module")

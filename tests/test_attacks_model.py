@@ -12,6 +12,8 @@ from mia.attacks.mope import build_mope_step, jitted_mope
 from mia.data.examples import Example, tokenize_examples
 from mia.scoring import ScoringSettings, engine_layout
 
+from hf_tiny import log_softmax
+
 WORDS = ("the of and to in is that for it as with was on be by this are from not but have which "
          "data model train member loss token text line file value").split()
 SETTINGS = ScoringSettings(progress=False, min_bucket=32)
@@ -26,12 +28,6 @@ def make_examples(tok, n, seed, words=(3, 14), partition="eval", prefix="e"):
     ex = [Example(f"{prefix}{i}", text=make_text(rng, int(rng.integers(*words))), label=i % 2, partition=partition)
           for i in range(n)]
     return tokenize_examples(ex, tok, 256)
-
-
-def log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
 @pytest.fixture(scope="module")

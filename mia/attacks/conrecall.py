@@ -46,22 +46,30 @@ def nonmember_shots(ctx, n: int) -> list:
     return shots[:n]
 
 
-def member_shots(ctx, n: int) -> list:
-    """The first n of the 'member_prefix' partition, else the first n members (label 1) of the 'train' partition."""
-    given = ctx.partitions.get("member_prefix") or []
+def select_member_shots(partitions: dict, n: int) -> tuple[str, list]:
+    """(source, the first n member shots): the 'member_prefix' partition, else the members (label 1) of the 'train'
+    partition; ``AttackError`` when a given member prefix holds a non-member or fewer than n shots exist. Pure: the
+    CLI calls it before any attack runs, the attack when it runs."""
+    given = partitions.get("member_prefix") or []
     if given:
-        bad = [e.id for e in given if e.label == 0]
+        bad = [str(e.id) for e in given if e.label == 0]
         if bad:
             raise AttackError(f"attack conrecall: member prefix data hold non-members (label 0): {', '.join(bad[:5])}")
         source, shots = "the member_prefix partition", list(given)
     else:
-        source, shots = "the members of the train partition", [e for e in (ctx.partitions.get("train") or [])
+        source, shots = "the members of the train partition", [e for e in (partitions.get("train") or [])
                                                                if e.label == 1]
     if len(shots) < n:
         raise AttackError(f"attack conrecall needs at least {n} member prefix example(s), got {len(shots)} from "
                           f"{source} (give --member-prefix-data FILE, or --train-data with label-1 rows)")
+    return source, shots[:n]
+
+
+def member_shots(ctx, n: int) -> list:
+    """The first n member shots (``select_member_shots``), with a note saying where they came from."""
+    source, shots = select_member_shots(ctx.partitions, n)
     add_note(ctx, f"conrecall: member prefix shots from {source}")
-    return shots[:n]
+    return shots
 
 
 @register("conrecall", needs=("model", "stats", "prefix", "member_prefix"), n=12, gamma=1.0,
