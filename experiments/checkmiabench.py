@@ -33,9 +33,10 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from mia.atomic import write_text
+from mia.validate import arg_int_list
 
 from experiments import curves
-from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings, arg_int_list,
+from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
                                 draw_olmo_split, draw_pythia_split, draw_testbed_split, experiment_parser, metric_rows,
                                 olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,

@@ -3,8 +3,7 @@
 CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``--bootstrap``, ``--no-progress``,
                  ``--debug``; usage errors are one line), ``run_main`` (a user error is one ``error: ...`` line and
                  exit 2; Ctrl-C 130), ``ExperimentError`` (bad input, one line), ``default_out``,
-                 ``check_paths`` / ``check_model_dir`` (every path option before any work), ``check_suite_steps``,
-                 ``arg_int_list``.
+                 ``check_paths`` / ``check_model_dir`` (every path option before any work), ``check_suite_steps``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
                  ``open_members`` (given testbeds, else the suite, else one testbed), ``pick_members``,
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import platform
@@ -76,22 +74,6 @@ def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_prese
 
     add_compile_cache_flag(p)
     return p
-
-
-def arg_int_list(lo: Optional[int] = None):
-    """argparse ``type=`` for a comma-separated list of integers, each >= ``lo`` (``--steps 100,200``)."""
-    from mia import validate as V
-
-    one = V.arg_int(lo)
-
-    def parse(text: str) -> list:
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
-        return [one(x) for x in items]
-
-    parse.__name__ = "integer list"
-    return parse
 
 
 def check_paths(*, out=None, files: Sequence = (), dirs: Sequence = (), model_dirs: Sequence = (),

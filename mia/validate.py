@@ -145,6 +145,20 @@ def arg_int(lo: Optional[int] = None, hi: Optional[int] = None):
     return parse
 
 
+def arg_int_list(lo: Optional[int] = None, hi: Optional[int] = None):
+    """argparse ``type=`` for a comma-separated list of ints, each in [lo, hi] (``--steps 100,200``)."""
+    one = arg_int(lo, hi)
+
+    def parse(s: str) -> list:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {s!r}")
+        return [one(x) for x in items]
+
+    parse.__name__ = "integer list"
+    return parse
+
+
 def arg_float(lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False, hi_open: bool = False):
     """argparse ``type=`` for a finite float in the interval."""
     r = Range(lo, hi, lo_open, hi_open)

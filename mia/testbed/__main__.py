@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import time
 
-from ..validate import OneLineParser, arg_int, arg_float, input_file, output_dir
+from ..validate import OneLineParser, arg_float, arg_int, arg_int_list, input_file, output_dir
 from .config import FIELD_LIMITS, PRESETS, TestbedConfig, TestbedError
 from .suite import SUITES
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                  else arg_float(limit.lo, limit.hi, lo_open=limit.lo_open, hi_open=limit.hi_open))
         p.add_argument("--" + f.name.replace("_", "-"), type=parse, default=None,
                        help=f"override the preset's {f.name} (mia.testbed.TestbedConfig)")
-    p.add_argument("--checkpoints", default=None, help="extra checkpoint steps, comma-separated (0 and the last are always saved)")
+    p.add_argument("--checkpoints", type=arg_int_list(0), default=None, help="extra checkpoint steps, comma-separated (0 and the last are always saved)")
     p.add_argument("--memorize-epochs", type=arg_int(0), default=0,
                    help="memorization dial: after the last checkpoint, train E more epochs on a fixed member subset "
                         "only, saved as checkpoints/step{N}-mem{E}-{hash}/ (non-members stay unseen)")
@@ -89,13 +89,7 @@ def check_args(args, overrides: dict) -> bool:
     if args.text_column is not None and not args.text_column.strip():
         raise TestbedError("--text-column: empty")
     if args.checkpoints:
-        steps = []
-        for s in filter(None, (s.strip() for s in args.checkpoints.split(","))):
-            try:
-                steps.append(int(s))
-            except ValueError:
-                raise TestbedError(f"--checkpoints: {s!r} is not an integer step") from None
-        overrides["checkpoints"] = tuple(steps)
+        overrides["checkpoints"] = tuple(args.checkpoints)
     return True
 
 
