@@ -3,7 +3,7 @@
     python -m experiments.bench_attacks [--hidden 256 --layers 4 --heads 4 --vocab 8192 --length 128]
 
 1. ReCaLL, a 12-shot prefix (12 x length tokens) over 64 targets: the prefix's KV cache computed once and every
-   target attending to it (``mia.conditional.loglik_matrix``) vs one plain pass over [prefix ; target] per target
+   target attending to it (``mia.engine.conditional.loglik_matrix``) vs one plain pass over [prefix ; target] per target
    (exact, unpadded length: the plain side gets no bucketing waste). Goal >= 4x.
 2. The EM-MIA matrix LL(x | p) for 64 texts (64 x 64 pairs): cached prefixes vs plain concatenation.
 2b. Con-ReCaLL: a 12-shot non-member AND a 12-shot member prefix over the same 64 targets (the registered attack's
@@ -11,7 +11,7 @@
    [prefix ; target] per target and prefix (2 x 64 passes).
 3. MoPe n = 10 (``make_mope``: vmapped chunks of perturbed copies under lax.map) vs 11 plain scoring passes of
    the same batches (the minimum any implementation must run). Goal within 1.15x.
-4. Generation (SaMIA's sampling): ``mia.generate`` (one jitted while-loop over a fixed KV-cache buffer) vs
+4. Generation (SaMIA's sampling): ``mia.engine.generate`` (one jitted while-loop over a fixed KV-cache buffer) vs
    transformers' ``generate(do_sample=True, top_k=50)`` in PyTorch on the SAME weights (saved by transformers and
    loaded by mia), ``--gen-prompts`` prompts x ``--gen-samples`` samples of ``--gen-new`` new tokens after a
    ``--length``/2-token prompt, no EOS stop; tokens/s, one timed run each after a warm-up.
@@ -77,9 +77,9 @@ def main(argv=None):
 
     import mia.models as mm
     from mia.attacks.mope import jitted_mope
-    from mia.conditional import _jit_cond, _jit_plain, _jit_prefix, loglik_matrix
+    from mia.engine.conditional import _jit_cond, _jit_plain, _jit_prefix, loglik_matrix
     from mia.models.gpt_neox import GPTNeoXConfig
-    from mia.scoring import ScoringSettings
+    from mia.engine.batching import ScoringSettings
 
     cfg = GPTNeoXConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                         num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
@@ -214,7 +214,7 @@ def main(argv=None):
     # ---------------------------------------------------------------- 5. lowercase and PAC text variants
     if "variants" not in skip:
         from mia.attacks.pac import augment_tokens
-        from mia.scoring import compute_token_stats
+        from mia.engine.loop import compute_token_stats
 
         # texts of 8 lengths just under --length (variants differ in length from their originals)
         lens = args.length - rng.integers(0, 8, args.targets)
@@ -263,7 +263,7 @@ def bench_generate(cfg, args) -> tuple:
     import transformers
 
     import mia.models as mm
-    from mia.generate import generate
+    from mia.engine.generate import generate
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)

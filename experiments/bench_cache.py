@@ -5,7 +5,7 @@ writes them) is read back by a run that needs ``--need`` of them, two ways side 
 
   baseline  the reader of mia 38bd59c (``StatsCache.__init__`` before issue 12): every .npz part of the namespace
             read whole, every example kept as a view into its part's arrays
-  mia       ``mia.scoring.StatsCache.lookup``: every part's index, then one contiguous read per needed example,
+  mia       ``mia.engine.StatsCache.lookup``: every part's index, then one contiguous read per needed example,
             copied into arrays of exactly its length
 
     python -m experiments.bench_cache [--cached 5000] [--need 50 500 5000]
@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from mia.atomic import save_npz
-from mia.scoring import STAT_NAMES, StatsCache
+from mia.engine.cache import StatsCache
+from mia.engine.stats import STAT_NAMES
 
 
 def synthetic(n: int, seed: int = 0) -> dict:

@@ -6,7 +6,7 @@ For a tiny-width random GPT-NeoX of each depth, lowers and compiles ``scoring.to
 jitted program) and prints the number of instructions in XLA's optimised HLO and the lower+compile seconds. With
 stacked (scanned) layers the program does not grow with depth; a Python list of layers grows linearly.
 
-Then (when ``mia.compile_cache`` exists) it compiles the same program in two fresh processes sharing one new cache
+Then (when ``mia.engine.compile_cache`` exists) it compiles the same program in two fresh processes sharing one new cache
 directory: the first writes the cache (cold), the second reads it (warm). Timings are single runs; say whether the
 machine was shared when you quote them.
 """
@@ -43,7 +43,7 @@ def compile_token_stats(layers: int, hidden: int, vocab: int, batch: int, length
     import jax
     import numpy as np
 
-    from mia.scoring import jitted_token_stats
+    from mia.engine.loop import jitted_token_stats
 
     model = tiny_neox(layers, hidden, vocab)
     tokens = np.zeros((batch, length), np.int32)
@@ -56,7 +56,7 @@ def compile_token_stats(layers: int, hidden: int, vocab: int, batch: int, length
 
 def _child(args) -> None:
     """One fresh process: enable the persistent cache, compile once, print a JSON line."""
-    from mia.compile_cache import enable_compile_cache
+    from mia.engine.compile_cache import enable_compile_cache
 
     enable_compile_cache(args.cache_dir)
     out = compile_token_stats(args.child_layers, args.hidden, args.vocab, args.batch, args.length)
@@ -97,9 +97,9 @@ def main(argv=None):
         r = compile_token_stats(n, args.hidden, args.vocab, args.batch, args.length)
         print(f"| {n} | {r['hlo_instructions']} | {r['compile_s']:.2f} |", flush=True)
     try:
-        import mia.compile_cache  # noqa: F401
+        import mia.engine.compile_cache  # noqa: F401
     except ImportError:
-        print("\n(mia.compile_cache not available: no cold/warm comparison)")
+        print("\n(mia.engine.compile_cache not available: no cold/warm comparison)")
         return
     layers = max(depths)
     rows = cold_warm(args, layers)

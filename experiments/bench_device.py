@@ -62,7 +62,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, GPTNeoXConfig
 
     import mia.models as mm
-    from mia.scoring import jitted_token_stats
+    from mia.engine.loop import jitted_token_stats
 
     from .bench_scoring import best_of, torch_stats
 

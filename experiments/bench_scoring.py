@@ -53,7 +53,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, GPTNeoXConfig
 
     import mia.models as mm
-    from mia.scoring import jitted_token_stats
+    from mia.engine.loop import jitted_token_stats
 
     torch.manual_seed(0)
     cfg = GPTNeoXConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,

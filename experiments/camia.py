@@ -553,7 +553,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
         table2_domains=None, max_per_class: Optional[int] = None, blind: bool = True, seed: int = 0,
         bootstrap: int = 200, progress: bool = True, argv=None) -> dict:
     """Run the experiment; returns the summary (also written to ``out/summary.json``)."""
-    from mia.scoring import ScoringSettings
+    from mia.engine.batching import ScoringSettings
 
     if preset not in PRESETS:
         raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
@@ -638,7 +638,7 @@ def _finish(p: Preset, out: Path, results: dict, counts: dict, t2: dict, *, sett
 def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step, domains, memorize_epochs, mlm,
                  blind, seed, bootstrap, progress, timings) -> dict:
     from mia.models import load
-    from mia.scoring import ScoringSettings
+    from mia.engine.batching import ScoringSettings
 
     say = say_fn(progress)
     with timings("testbed"):
@@ -725,7 +725,7 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
 def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split, domains, table2_domains,
                max_per_class, blind, seed, bootstrap, progress, timings) -> dict:
     from mia.models import load
-    from mia.scoring import ScoringSettings
+    from mia.engine.batching import ScoringSettings
 
     if model_dir is None:
         raise ExperimentError("--mimir needs --model DIR (a local model directory)")

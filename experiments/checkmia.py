@@ -147,7 +147,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     """Run the whole job; returns the summary dict (also written to ``out/summary.json``)."""
     from mia.data.splits import write_split
     from mia.models import load
-    from mia.scoring import ScoringSettings
+    from mia.engine.batching import ScoringSettings
     from mia.testbed import build_testbed
 
     say = say_fn(progress)

@@ -308,7 +308,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
     from mia.cli import default_cache_dir
     from mia.data.splits import write_split
     from mia.models import load
-    from mia.scoring import ScoringSettings
+    from mia.engine.batching import ScoringSettings
 
     if preset not in PRESETS:
         raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")

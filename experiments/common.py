@@ -135,7 +135,7 @@ def check_model_dir(path, flag: str) -> Path:
 def run_main(fn: Callable[[], object], *, debug: bool = False, compile_cache: bool = True,
              on_interrupt: str = "interrupted; rerun the same command: finished work is cached and reused"):
     """``(status, result)`` of ``fn()`` through ``mia.cli.run_for_user``: one ``error: ...`` line and status 2 for
-    bad input, 130 on Ctrl-C. It also turns on JAX's persistent compilation cache (``mia.compile_cache``: every
+    bad input, 130 on Ctrl-C. It also turns on JAX's persistent compilation cache (``mia.engine.compile_cache``: every
     checkpoint of one model size and every rerun reuse compiled code; ``--no-compile-cache`` or
     ``MIA_COMPILE_CACHE=0`` turn it off)."""
     from mia.cli import run_for_user

@@ -308,7 +308,7 @@ def evaluate(targets: Sequence[Target], split_paths: dict, prefix: list, shots: 
     """({model: {split: {label: metric row}}}, skipped, notes): every attack on every split for every model."""
     from mia.data.splits import read_split
     from mia.models import load
-    from mia.scoring import ScoringSettings
+    from mia.engine.batching import ScoringSettings
 
     results, skipped, notes, refs = {}, {}, [], {}
     for t in targets:

@@ -77,12 +77,12 @@ def default_cache_dir() -> str:
 
 
 def cmd_score(args) -> int:
-    from . import distributed
+    from .engine import distributed
     from .attacks import AttackContext, assert_disjoint, parse_attacks
     from .attacks.registry import get
     from .data.examples import read_examples, tokenize_examples
     from .models import load
-    from .scoring import ScoringSettings
+    from .engine.batching import ScoringSettings
 
     attacks = parse_attacks(args.attacks)  # fail on a bad name before loading anything
     check_attack_inputs(attacks, args)
@@ -272,7 +272,7 @@ def engine_mesh(text):
         return None
     import jax
 
-    from .sharding import make_mesh, parse_mesh
+    from .engine.sharding import make_mesh, parse_mesh
 
     return make_mesh(parse_mesh(text, len(jax.devices())))
 
@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("attacks", help="list registered attacks and their parameters")
     a.set_defaults(func=cmd_attacks)
     for module, fn in (("mia.data.cli", "add_split_parser"), ("mia.blind.cli", "add_blind_parser"),
-                       ("mia.plan", "add_plan_parser")):
+                       ("mia.engine.plan", "add_plan_parser")):
         try:
             mod = __import__(module, fromlist=[fn])
         except ImportError:
@@ -363,9 +363,9 @@ def run_for_user(fn, *, debug: bool = False, on_interrupt: str = "interrupted", 
     (``debug`` re-raises it with its traceback); Ctrl-C prints ``on_interrupt`` and gives 130.
 
     Every entry point runs through here, so this also turns on the persistent compilation cache
-    (``mia.compile_cache``; off with ``compile_cache=False`` or ``MIA_COMPILE_CACHE=0``).
+    (``mia.engine.compile_cache``; off with ``compile_cache=False`` or ``MIA_COMPILE_CACHE=0``).
     """
-    from .compile_cache import enable_compile_cache
+    from .engine.compile_cache import enable_compile_cache
 
     enable_compile_cache(enabled=compile_cache)
     try:

@@ -16,10 +16,11 @@ import numpy as np
 
 import mia.models as mm
 from mia.attacks import AttackContext, get
-from mia.conditional import loglik_matrix
+from mia.engine.conditional import loglik_matrix
 from mia.data.examples import Example
-from mia.scoring import ScoringSettings, bucket_length, compute_token_stats, jitted_token_stats
-from mia.sharding import make_mesh
+from mia.engine.batching import bucket_length, ScoringSettings
+from mia.engine.loop import compute_token_stats, jitted_token_stats
+from mia.engine.sharding import make_mesh
 
 V = 128
 LENGTHS = [5, 40, 17, 3, 64, 33, 8, 21, 9, 11, 100, 2]

@@ -6,7 +6,7 @@ the tiny random GPT-NeoX (context 256) with targets as long as the context.
 import numpy as np
 import pytest
 
-import mia.conditional as C
+import mia.engine.conditional as C
 from mia.attacks import AttackError, get
 from mia.attacks import em_mia as E
 from mia.attacks.fit import prefix_room

@@ -10,7 +10,7 @@ from mia.attacks import AttackContext, AttackError, get, parse_attack
 from mia.attacks import camia
 from mia.attacks import em_mia as E
 from mia.data.examples import Example, tokenize_examples
-from mia.scoring import ScoringSettings
+from mia.engine.batching import ScoringSettings
 
 from hf_tiny import log_softmax
 

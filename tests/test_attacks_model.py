@@ -10,7 +10,8 @@ from mia.attacks import AttackContext, AttackError, get
 from mia.attacks import em_mia as E
 from mia.attacks.mope import build_mope_step, jitted_mope
 from mia.data.examples import Example, tokenize_examples
-from mia.scoring import ScoringSettings, engine_layout
+from mia.engine.batching import ScoringSettings
+from mia.engine.loop import engine_layout
 
 from hf_tiny import log_softmax
 
@@ -121,7 +122,7 @@ def test_cli_refuses_missing_prefix_and_ref_dir(tiny_neox_dir, tmp_path, capsys)
 
 # ------------------------------------------------------------------------------------------------ EM-MIA
 def test_em_matrix_and_recall_avg_match_numpy(tiny_model, data, ref_logits, tmp_path, monkeypatch):
-    import mia.conditional as C
+    import mia.engine.conditional as C
 
     cached = ScoringSettings(progress=False, min_bucket=32, cache_dir=str(tmp_path))
     ctx = ctx_for(tiny_model, data)

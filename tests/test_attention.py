@@ -16,7 +16,8 @@ import pytest
 import mia.models as mm
 from mia.models import attention as A
 from mia.models.hub import family
-from mia.scoring import cache_namespace, token_stats
+from mia.engine.cache import cache_namespace
+from mia.engine.stats import token_stats
 
 SCALE = 0.3
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import mia.scoring as sc
+import mia.engine.loop as sc
 from mia.atomic import atomic_write
 from mia.file_hash import file_sha256
 from mia.models.hub import fingerprint
@@ -160,7 +160,7 @@ def test_lookup_reads_and_keeps_only_the_requested_examples(tmp_path):
 
 
 def test_pair_cache_keeps_only_the_run_pairs(tmp_path):
-    from mia.conditional import PairCache
+    from mia.engine.conditional import PairCache
 
     writer = PairCache(str(tmp_path), "ns")
     for p in range(30):

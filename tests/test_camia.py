@@ -15,7 +15,8 @@ from mia.attacks import AttackContext, AttackError, get, parse_attack
 from mia.attacks import camia
 from mia.attacks import camia_signals as cs
 from mia.data.examples import Example
-from mia.scoring import ScoringSettings, compute_token_stats
+from mia.engine.batching import ScoringSettings
+from mia.engine.loop import compute_token_stats
 
 RNG = np.random.default_rng(0)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import mia.cli
-import mia.compile_cache as cc
+import mia.engine.compile_cache as cc
 
 # Compiles one small jitted function with the cache on and prints JAX's cache events as JSON.
 CHILD = r"""
@@ -16,7 +16,7 @@ import json, sys
 from jax import monitoring
 events = []
 monitoring.register_event_listener(lambda name, **kw: events.append(name))
-from mia.compile_cache import enable_compile_cache
+from mia.engine.compile_cache import enable_compile_cache
 where = enable_compile_cache(sys.argv[1], min_compile_seconds=0)
 import jax, jax.numpy as jnp
 jax.jit(lambda x: jnp.tanh(x @ x.T).sum(0))(jnp.arange(64.0).reshape(8, 8)).block_until_ready()

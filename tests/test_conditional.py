@@ -1,4 +1,4 @@
-"""Cached-prefix conditional log-likelihood (mia.conditional) against transformers' PyTorch implementation.
+"""Cached-prefix conditional log-likelihood (mia.engine.conditional) against transformers' PyTorch implementation.
 
 The checkpoint is a tiny random GPT-NeoX built, initialised and saved by transformers (torch, float32, seeded) and
 loaded by mia; the reference is the obviously-correct loop: torch logits of the concatenation [p ; x] in one pass,
@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-import mia.conditional as C
+import mia.engine.conditional as C
 import mia.models as mm
-from mia.scoring import ScoringSettings
+from mia.engine.batching import ScoringSettings
 
 VOCAB = 97
 RTOL = 1e-4  # float32 model, float64 reference: relative error of a (mean) token log-prob

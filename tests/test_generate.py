@@ -1,4 +1,4 @@
-"""mia.generate against transformers on a tiny GPT-NeoX, and the SaMIA attack's scoring against pure Python."""
+"""mia.engine.generate against transformers on a tiny GPT-NeoX, and the SaMIA attack's scoring against pure Python."""
 from __future__ import annotations
 
 import zlib
@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from mia.generate import GenerationError, generate
+from mia.engine.generate import GenerationError, generate
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_kth_largest_is_exact_with_ties_and_infinities():
     import jax
     import jax.numpy as jnp
 
-    from mia.generate import kth_largest
+    from mia.engine.generate import kth_largest
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(6, 300)).astype(np.float32) * np.float32(10.0) ** rng.uniform(-3, 3, (6, 1)).astype(np.float32)
@@ -161,7 +161,7 @@ def test_samia_attack_end_to_end_seeded_and_order_free(tiny_model):
     from mia.attacks import AttackContext, AttackError, get
     from mia.attacks.samia import sampled_candidates, samia_scores
     from mia.data.examples import Example, tokenize_examples
-    from mia.scoring import ScoringSettings
+    from mia.engine.batching import ScoringSettings
 
     texts = ["the model reads the data and the data is long", "a line of text with several words in it now",
              "value token file member loss train"]

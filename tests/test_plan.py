@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from mia.plan import NAMED_SHAPES, PlanError, parse_bytes, plan_scoring
+from mia.engine.plan import NAMED_SHAPES, PlanError, parse_bytes, plan_scoring
 
 TINY = {"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "intermediate_size": 256, "vocab_size": 512, "rotary_pct": 0.25, "max_position_embeddings": 4096}
@@ -43,7 +43,7 @@ def test_parse_bytes():
 def test_named_shapes_have_the_published_parameter_counts():
     import jax
 
-    from mia.plan import abstract_model
+    from mia.engine.plan import abstract_model
 
     published = {"pythia-70m": 70_426_624, "pythia-12b": 11_846_072_320}
     for name, count in published.items():
@@ -56,7 +56,7 @@ def test_plan_float32_params_exact_and_activation_peak_linear_in_length():
     2.5x the one at T=2048 (a materialised [T, T] score block would make it ~4x)."""
     import jax
 
-    from mia.plan import abstract_model
+    from mia.engine.plan import abstract_model
 
     _, shapes = abstract_model(TINY, "float32")
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
@@ -109,7 +109,7 @@ def test_topology_compiles_for_tpu_and_refuses_unknown_names(run_plan):
 
 
 def test_mope_plan_reports_its_perturbed_group():
-    from mia.plan import parse_attack
+    from mia.engine.plan import parse_attack
 
     assert parse_attack("mope:n=4,chunk=2") == ("mope", {"mope_n": 4, "mope_chunk": 2})
     with pytest.raises(PlanError):

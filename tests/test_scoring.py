@@ -8,7 +8,9 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from hf_tiny import padded_batch, torch_logits
-from mia.scoring import ScoringSettings, compute_token_stats, plan_batches, token_stats
+from mia.engine.batching import plan_batches, ScoringSettings
+from mia.engine.loop import compute_token_stats
+from mia.engine.stats import token_stats
 
 
 def numpy_stats(logits_tv: np.ndarray, tokens_t: np.ndarray) -> dict:
@@ -73,7 +75,7 @@ def test_disk_cache_is_reused_and_resumes(tiny_model, tmp_path, monkeypatch):
     s = ScoringSettings(progress=False, cache_dir=str(tmp_path), token_budget=32)
     first = compute_token_stats(tiny_model, seqs[:2], s)  # an "interrupted" run that finished two examples
     calls = []
-    import mia.scoring as sc
+    import mia.engine.loop as sc
 
     real = sc.jitted_token_stats
 
@@ -96,7 +98,8 @@ SHARDED = r"""
 import os, sys, numpy as np, jax
 sys.path.insert(0, sys.argv[2])
 import mia.models as mm
-from mia.scoring import ScoringSettings, compute_token_stats
+from mia.engine.batching import ScoringSettings
+from mia.engine.loop import compute_token_stats
 assert len(jax.devices()) == 8, jax.devices()
 m = mm.load(sys.argv[1])
 rng = np.random.default_rng(0)
@@ -123,7 +126,7 @@ def test_interrupt_keeps_every_fetched_batch_on_disk(tiny_model, tmp_path, monke
     """Interrupted mid-run (Ctrl-C, or any error): the batches already fetched are on disk (the cache writer is
     drained on the way out), and a rerun computes only the rest. Batches: [6, 9], [12] (bucket 16, 2 rows), [30],
     [40], [50]. (pytest lets a real KeyboardInterrupt through, so a stand-in exception interrupts here.)"""
-    import mia.scoring as sc
+    import mia.engine.loop as sc
 
     seqs = _random_lists(tiny_model.vocab_size, [6, 9, 30, 12, 40, 50], seed=4)
     s = ScoringSettings(progress=False, cache_dir=str(tmp_path), token_budget=32)

@@ -179,7 +179,9 @@ def test_memorization_dial_gives_real_signal(smoke_testbed, tmp_path):
     from mia.attacks.loss import mean_loglik
     from mia.metrics import auc
     from mia.models import load
-    from mia.scoring import compute_token_stats, pad_stats, ScoringSettings
+    from mia.engine.batching import ScoringSettings
+    from mia.engine.loop import compute_token_stats
+    from mia.engine.stats import pad_stats
 
     tb = smoke_testbed
     c = tb.train_steps

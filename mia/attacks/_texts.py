@@ -1,7 +1,7 @@
 """Scoring texts that are not the evaluated examples (lowercased copies, augmentations) with the target model.
 
 One helper shared by the attacks that re-tokenize a text variant and run it through the shared scoring engine
-(``mia.scoring.compute_token_stats``: the same batched, bucketed, cached forward pass as the evaluated examples;
+(``mia.engine.compute_token_stats``: the same batched, bucketed, cached forward pass as the evaluated examples;
 never a second copy of it).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..scoring import compute_token_stats
+from ..engine.loop import compute_token_stats
 from .registry import AttackError
 
 

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..scoring import compute_token_stats, example_key
+from ..engine.cache import example_key
+from ..engine.loop import compute_token_stats
 from . import camia_signals as cs
 from .fit import add_note
 from .registry import AttackError, register

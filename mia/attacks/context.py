@@ -7,7 +7,9 @@ from typing import Any, Optional
 import numpy as np
 
 from ..data.examples import Example
-from ..scoring import ScoringSettings, compute_token_stats, pad_stats
+from ..engine.batching import ScoringSettings
+from ..engine.loop import compute_token_stats
+from ..engine.stats import pad_stats
 from .registry import AttackError
 
 

@@ -4,7 +4,7 @@ the ReCaLL-Avg baseline from the same code. ALGORITHMS.md 1.2.
 Pairwise ReCaLL matrix over the evaluated set D (N texts), every text once as a 1-shot prefix (p = x included):
   R[p, x] = LL(x | p) / LL(x)
 LL(x | p) averages over x's tokens 2..L (em-mia: x's first token, predicted from p, is dropped), p's tokens alone
-concatenated before x's ids with no separator (prefixes left-padded; ``mia.conditional`` caches each prefix once).
+concatenated before x's ids with no separator (prefixes left-padded; ``mia.engine.conditional`` caches each prefix once).
 Context (``mia.attacks.fit``, C = the model's trained context, L = the longest text): every prefix keeps at most its
 LAST R = min(L, max(C - L, C // 2)) tokens, and texts longer than C - R are cut, as targets, to their FIRST C - R
 tokens, with LL(x) over the same tokens; so on full-context rows (Pythia/OLMo 2048-token rows) prefix and target get
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..conditional import loglik_matrix
+from ..engine.conditional import loglik_matrix
 from .fit import add_note, context_length, prefix_room
 from .recall import fitted_targets, memo
 from .registry import AttackError, get, register

@@ -55,9 +55,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..conditional import token_logprobs
-from ..scoring import chunk_size, engine_layout, pipelined, placed_params, plan_batches, put_padded, rows_per_device
-from ..sharding import compose
+from ..engine.conditional import token_logprobs
+from ..engine.batching import plan_batches, put_padded
+from ..engine.loop import engine_layout, pipelined, placed_params, rows_per_device
+from ..engine.stats import chunk_size
+from ..engine.sharding import compose
 from .registry import AttackError, register
 from ..validate import Range
 
@@ -208,7 +210,7 @@ def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int, bl
     """jit of MoPe with explicit shardings: (key [replicated], params [``shardings``], tokens [B, T] and mask
     [B, T] rows over ``data``) -> [B] scores, replicated. Lowers on ``jax.ShapeDtypeStruct`` arguments for abstract
     devices (compile-only planning), like ``scoring.build_token_stats_step``."""
-    from ..sharding import batch_sharding, gather_outside_layers, layer_gather, replicated
+    from ..engine.sharding import batch_sharding, gather_outside_layers, layer_gather, replicated
 
     layers = model.module.LAYERS
 
@@ -238,8 +240,8 @@ def _mope(ctx, *, n: int, sigma: float, chunk: int) -> np.ndarray:
         raise AttackError(f"attack mope: need n >= 1, chunk >= 1, sigma > 0; got n={n}, chunk={chunk}, sigma={sigma}")
     from tqdm.auto import tqdm
 
-    from ..scoring import show_progress
-    from ..sharding import batch_sharding, data_size, replicated
+    from ..engine.loop import show_progress
+    from ..engine.sharding import batch_sharding, data_size, replicated
 
     model = ctx.model
     mesh, _ = engine_layout(model)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from ..atomic import write_json
-from ..scoring import compute_token_stats
+from ..engine.loop import compute_token_stats
 from .recall import memo, unconditional_ll
 from .registry import AttackError, register
 from ..validate import Range

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..scoring import pad_stats
+from ..engine.stats import pad_stats
 from ._texts import stats_or_none, target_ids
 from .mink import bottom_k_mean, check_k, pad_batch
 from ..validate import Range

@@ -5,7 +5,7 @@
 P is an n-shot prefix of known NON-members (partition "prefix" or ``--prefix-data``, checked disjoint from the
 evaluated examples by id and token content). LL(x) is the unconditional mean token log-likelihood (T-1 terms,
 ALGORITHMS.md 0). LL(x | P) averages over x's tokens only, x's tokens attending to P's cached keys/values
-(``mia.conditional``); by default it includes x's first token predicted from P (L terms), as the ReCaLL and mimir
+(``mia.engine.conditional``); by default it includes x's first token predicted from P (L terms), as the ReCaLL and mimir
 code do (``include_first=False`` gives em-mia's L-1 terms). Both LLs are negative, so the ratio is positive.
 HIGHER = MEMBER, as the official code (ROC with member = 1 on the raw ratio); mimir returns -ratio.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..conditional import loglik_matrix
+from ..engine.conditional import loglik_matrix
 from ..data.examples import Example
 from .context import assert_disjoint
 from .fit import add_note, context_length, cut_note, cut_targets, prefix_room, truncated_ll
@@ -108,7 +108,7 @@ def fitted_prefix(ctx, shots: list, n: int, what: str) -> np.ndarray:
 
 
 def conditional_ll(ctx, prefix: np.ndarray, targets: list, include_first: bool, desc: str) -> np.ndarray:
-    """[N] LL(x | prefix) over ``targets`` (``mia.conditional``, the prefix's KV cache computed once), memoized per
+    """[N] LL(x | prefix) over ``targets`` (``mia.engine.conditional``, the prefix's KV cache computed once), memoized per
     run by (prefix tokens, include_first, target length) so attacks sharing a prefix share the pass."""
     key = ("recall", prefix.tobytes(), bool(include_first), max(len(t) for t in targets))
     m = memo(ctx)

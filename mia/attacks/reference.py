@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..models import load
-from ..scoring import compute_token_stats
+from ..engine.loop import compute_token_stats
 from .recall import memo, unconditional_ll
 from .registry import AttackError, register
 

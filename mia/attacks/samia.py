@@ -5,7 +5,7 @@ A black-box attack: it only samples text from the model. For an example x with w
   prompt      the first k = int(W * prefix_ratio) words joined by " " (prefix_ratio 0.5), tokenized with the target
               tokenizer
   reference   the remaining words w_{k+1}..w_W
-  candidates  n continuations of the prompt sampled from the model (``mia.generate``: top-k 50, temperature 1.0,
+  candidates  n continuations of the prompt sampled from the model (``mia.engine.generate``: top-k 50, temperature 1.0,
               until EOS or ``max_length`` tokens in all, prompt included: 1024 as the official sampling script, cut
               to the context the model was trained at, with a note), decoded without special tokens, split into words;
               each call holds at most ``--token-budget`` key slots (rows x (prompt + continuation) tokens)
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..scoring import pow2_ceil
-from ..generate import GenerationError, default_eos_ids, generate
+from ..engine.batching import pow2_ceil
+from ..engine.generate import GenerationError, default_eos_ids, generate
 from .fit import add_note, context_length
 from .recall import memo
 from .registry import AttackError, register

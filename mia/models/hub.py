@@ -70,7 +70,7 @@ def family(model_type: str) -> Family:
 class Model:
     """A Flax module, its params pytree, its tokenizer and config. ``params`` is passed explicitly everywhere.
 
-    ``mesh``/``fsdp``: the layout the params were placed with (``mia.sharding``); None: the scoring engine's
+    ``mesh``/``fsdp``: the layout the params were placed with (``mia.engine.sharding``); None: the scoring engine's
     default (every device on ``data``, params replicated).
     """
 
@@ -221,7 +221,7 @@ def fingerprint(root: Path) -> str:
     """Content address of a checkpoint directory: SHA-256 over every byte of every weight file (memoised per file
     by path, size, mtime and ctime: ``mia.file_hash``) and of each of ``FINGERPRINT_FILES`` present. Any edit of a
     weight, the config or the tokenizer gives another fingerprint. The dtypes a model is loaded in are not part of
-    it (``mia.scoring.cache_namespace`` adds them)."""
+    it (``mia.engine.cache.cache_namespace`` adds them)."""
     from ..file_hash import file_sha256
 
     root = Path(root)
@@ -449,14 +449,14 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
          fsdp: Optional[bool] = None) -> Model:
     """Load a local HF-layout checkpoint directory. ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
 
-    Parameters are placed once, with their shardings over ``mesh`` (``mia.sharding``: FSDP over ``data`` when
+    Parameters are placed once, with their shardings over ``mesh`` (``mia.engine.sharding``: FSDP over ``data`` when
     ``fsdp``, the default with an explicit mesh; tensor parallel over ``model``); without a mesh, replicated on
     every device. Each device's shard is read from the memory-mapped safetensors and converted on its own, so a
     checkpoint never exists whole in host memory as a second copy. Logits are float32 and log-probabilities are
     computed from them in float32 whatever ``dtype`` is; in ``"bfloat16"`` the weights, hidden states and matmul
     operands feeding them are bf16 (README: Precision policy).
     """
-    from ..sharding import make_mesh, param_shardings, put_params
+    from ..engine.sharding import make_mesh, param_shardings, put_params
 
     root = Path(path)
     fam, cfg, _ = load_config(root)
@@ -477,7 +477,7 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
 
 def place(model: Model, mesh=None, fsdp: Optional[bool] = None) -> Model:
     """The same model with its params placed on ``mesh`` (as ``load(..., mesh=)`` does); e.g. for ``from_config``."""
-    from ..sharding import make_mesh, param_shardings, put_params
+    from ..engine.sharding import make_mesh, param_shardings, put_params
 
     fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
     mesh = make_mesh() if mesh is None else mesh

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from ..file_hash import default_cache_dir
+
 ENV_SWITCH = "MIA_COMPILE_CACHE"
 # JAX's default (1 s) skips most scoring programs of small models on CPU; below ~0.2 s reading an entry back
 # costs about what compiling does.
@@ -26,8 +28,6 @@ def compile_cache_wanted(flag: bool = True) -> bool:
 
 
 def default_compile_cache_dir() -> Path:
-    from .cli import default_cache_dir
-
     return Path(default_cache_dir()) / "xla"
 
 
@@ -41,7 +41,7 @@ def enable_compile_cache(cache_dir=None, *, enabled: bool = True,
     """
     if not compile_cache_wanted(enabled):
         return None
-    import jax
+    import jax  # here, not at the top: the CLI imports this module before it needs jax (fast --help)
 
     path = Path(cache_dir) if cache_dir is not None else default_compile_cache_dir()
     path.mkdir(parents=True, exist_ok=True)

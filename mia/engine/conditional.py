@@ -4,7 +4,7 @@ Used by ReCaLL (one long prefix, many targets) and EM-MIA (every text as a prefi
 keys/values are computed ONCE (``prefix_cache``) and reused for every target batch, so each target costs only its
 own tokens' forward pass (attending to the cached prefix), instead of a pass over [prefix ; target].
 
-Convention (ALGORITHMS.md 0, 1.1, 1.2). For a prefix p and target tokens x_1..x_L,
+Convention (docs/algorithms.md: Conventions, ReCaLL, EM-MIA). For a prefix p and target tokens x_1..x_L,
   ``include_first=True``  (ReCaLL, mimir): mean over j = 1..L   of log p(x_j | p, x_<j)   (L terms; x_1 from p)
   ``include_first=False`` (em-mia):       mean over j = 2..L   of log p(x_j | p, x_<j)   (L-1 terms, the same
                                            positions as the unconditional LL(x))
@@ -34,11 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
 
-from .models.common import KVCache
-from .atomic import save_npz
-from .scoring import (ScoringSettings, bucket_length, bucket_rows, cache_namespace, cacheable, chunk_size,
-                      example_key, pow2_ceil, pow2_floor)
+from ..atomic import save_npz
+from ..models.common import KVCache
+from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows, plan_batches, pow2_ceil, pow2_floor,
+                       put_padded)
+from .cache import BackgroundWriter, cache_namespace, cacheable, example_key
+from .distributed import any_process
+from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_device, show_progress
+from .sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
+from .stats import chunk_size, logprob_from_hidden
 
 CONDLL_VERSION = "2"  # bump when the meaning or numerics of cached conditional LLs change (2: precision policy)
 
@@ -51,7 +57,6 @@ _TRACE_WRAP = lambda f: f  # noqa: E731
 class PrefixCache:
     """A processed prefix batch. ``kv``: its KVCache (keys/values [L, B, S, K, E], positions/valid [B, S]).
     ``last_h``: [B, D] final hidden state at the last prefix token, which predicts the first target token."""
-
     kv: KVCache
     last_h: jax.Array
 
@@ -78,23 +83,6 @@ def prefix_cache(model, params, prefix_tokens, valid=None, layer_transform=None)
     valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.atleast_2d(jnp.asarray(valid, bool))
     h, kv = model.hidden(params, tokens, valid, layer_transform=layer_transform)
     return PrefixCache(kv, h[:, -1])
-
-
-def logprob_from_hidden(unembed, params, h_bnd: jax.Array, next_bn: jax.Array, chunk: int) -> jax.Array:
-    """float32 log p(next | h) [B, N] with the LM head applied ``chunk`` positions at a time (memory stays flat)."""
-    b, n, d = h_bnd.shape
-    n_pad = -n % chunk
-    h = jnp.pad(h_bnd, ((0, 0), (0, n_pad), (0, 0)))
-    nxt = jnp.pad(next_bn, ((0, 0), (0, n_pad)))
-    k = (n + n_pad) // chunk
-
-    def one(a):
-        logits = unembed(params, a[0]).astype(jnp.float32)
-        tok = jnp.take_along_axis(logits, a[1][..., None].astype(jnp.int32), axis=-1)[..., 0]
-        return tok - jax.nn.logsumexp(logits, axis=-1)
-
-    out = jax.lax.map(one, (h.reshape(b, k, chunk, d).swapaxes(0, 1), nxt.reshape(b, k, chunk).swapaxes(0, 1)))
-    return out.swapaxes(0, 1).reshape(b, n + n_pad)[:, :n]
 
 
 def conditional_logprobs(model, params, cache: PrefixCache, targets, valid, *, include_first: bool = True,
@@ -141,8 +129,6 @@ def token_logprobs(model, params, tokens, valid, *, chunk: Optional[int] = None,
 def prefix_shardings(model, mesh):
     """Shardings of a PrefixCache on ``mesh``: keys/values [L, G, S, K, E] split over ``model`` by kv heads when K
     divides, everything else replicated (every device holds every prefix of a group; targets are split by rows)."""
-    from .sharding import replicated
-
     model_size = dict(mesh.shape).get("model", 1)
     shapes = jax.eval_shape(lambda: prefix_cache(model, model.params, jnp.zeros((1, 2), jnp.int32)))
     heads = jax.tree_util.tree_leaves(shapes.kv.keys)[0].shape[-2]
@@ -155,11 +141,6 @@ def prefix_shardings(model, mesh):
 @functools.lru_cache(maxsize=32)
 def _jit_prefix(model):
     """The prefix pass on the engine's layout: every device computes the whole (small) prefix group."""
-    from .scoring import engine_layout
-    from .sharding import replicated
-
-    from .sharding import gather_outside_layers, layer_gather
-
     mesh, shardings = engine_layout(model)
     layers = model.module.LAYERS
     gather = layer_gather(shardings, layers)
@@ -173,9 +154,6 @@ def _jit_prefix(model):
 def _jit_cond(model, include_first: bool):
     """(params, prefix group, p_idx, targets [B, T], valid [B, T]) -> [B] LL(target | prefix p_idx), target rows
     over ``data``, the result replicated."""
-    from .scoring import engine_layout, rows_per_device
-    from .sharding import batch_sharding, gather_outside_layers, layer_gather, replicated
-
     mesh, shardings = engine_layout(model)
     rows = batch_sharding(mesh)
     layers = model.module.LAYERS
@@ -207,7 +185,6 @@ class PairCache:
     the parts are read, so memory is bounded by the run, not by the cache. A damaged part (unreadable zip, a CRC
     error, indices out of range) is reported by one ``warning:`` line and its pairs are recomputed.
     """
-
     def __init__(self, root: Optional[str], namespace: str, writer=None, prefixes=None, targets=None):
         self.dir = Path(root) / f"condll-{namespace}" if root else None
         self.writer = writer  # a scoring.BackgroundWriter: parts are written off the scoring loop
@@ -285,7 +262,6 @@ def _buckets(lengths: dict, min_bucket: int) -> dict[int, list]:
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """One conditional-LL call: prefix row ``p_row`` of the current group against one target batch."""
-
     pk: str
     p_row: int
     target_keys: tuple
@@ -306,11 +282,6 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
     (such results are never cached). With several processes every process calls this with the same arguments and
     gets the matrix.
     """
-    from tqdm.auto import tqdm
-
-    from .distributed import any_process
-    from .scoring import DRAIN, BackgroundWriter, engine_layout, pipelined, placed_params, put_padded, show_progress
-    from .sharding import batch_sharding, data_size, replicated
 
     prefixes = [np.asarray(p, np.int32) for p in prefixes]
     targets = [np.asarray(t, np.int32) for t in targets]
@@ -384,8 +355,6 @@ def plain_loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence
     Same bucketing and token budget as the scoring engine. ``pairs`` (list of (p, x)) restricts the work; other
     entries are NaN.
     """
-    from .scoring import padded_rows, plan_batches
-
     params = model.params if params is None else params
     prefixes = [np.asarray(p, np.int32) for p in prefixes]
     targets = [np.asarray(t, np.int32) for t in targets]

@@ -21,7 +21,9 @@ import socket
 import time
 from typing import Optional
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 HELLO = b"mia-hello "
 ACK = b"mia-ok\n"
@@ -145,8 +147,6 @@ def initialize(group: Optional[ProcessGroup], timeout: float = 60.0) -> None:
     """
     if group is None:
         return
-    import jax
-
     if group.process_id == 0:
         _rendezvous_coordinator(group, timeout)
     else:
@@ -158,14 +158,10 @@ def initialize(group: Optional[ProcessGroup], timeout: float = 60.0) -> None:
 
 # ------------------------------------------------------------------------------------------------ agreement
 def process_count() -> int:
-    import jax
-
     return jax.process_count()
 
 
 def is_main() -> bool:
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -178,8 +174,6 @@ def any_process(mask: np.ndarray) -> np.ndarray:
     mask = np.asarray(mask, bool)
     if process_count() == 1:
         return mask
-    from jax.experimental import multihost_utils
-
     digest = np.frombuffer(hashlib.sha256(np.packbits(mask).tobytes()).digest()[:8], np.int64)
     digests = np.asarray(multihost_utils.process_allgather(digest))
     if (digests == digests[0]).all():
@@ -191,6 +185,4 @@ def any_process(mask: np.ndarray) -> np.ndarray:
 def barrier(name: str) -> None:
     """Wait until every process reaches this point (no-op with one process)."""
     if process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
+            multihost_utils.sync_global_devices(name)

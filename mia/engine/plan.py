@@ -4,7 +4,7 @@
         [--mesh data=1,model=8] [--topology v5e:2x4] [--attack stats|mope|condll] [--device-memory 80GiB]
 
 Nothing is allocated: parameters are ``jax.ShapeDtypeStruct``s (from ``jax.eval_shape`` of the module's init)
-carrying the shardings ``mia.sharding`` would give them on the mesh, the step is ``jit(...).lower(...).compile()``d,
+carrying the shardings ``mia.engine.sharding`` would give them on the mesh, the step is ``jit(...).lower(...).compile()``d,
 and ``compiled.memory_analysis()`` gives the per-device figures XLA's buffer assignment computed:
 
   params_bytes  bytes of this device's parameter shards (exact, from the shardings)
@@ -33,6 +33,16 @@ import os
 import re
 from pathlib import Path
 from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..attacks.mope import build_mope_step
+from ..models.common import ConfigError
+from ..models.hub import Model, _dtypes, abstract_params, family
+from .loop import build_token_stats_step
+from .sharding import batch_sharding, make_mesh, param_shardings, parse_mesh, replicated, sharded_bytes
 
 GiB = 1 << 30
 
@@ -165,9 +175,6 @@ def device_memory(device, override: Optional[int]) -> Optional[int]:
 # ----------------------------------------------------------------------------------------------- the plan
 def shard_bytes(abstract_tree) -> int:
     """Bytes of ONE device's shards of a pytree of ShapeDtypeStructs with shardings (max over devices)."""
-    import jax
-    import numpy as np
-
     total = 0
     for leaf in jax.tree_util.tree_leaves(abstract_tree):
         shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
@@ -194,8 +201,6 @@ def memory_figures(compiled) -> tuple[int, int, int, int, str]:
 def mope_group_bytes(model, shapes, shardings) -> int:
     """Per-device bytes of the largest group MoPe perturbs at once: the non-layer leaves (embeddings, head, final
     norm) together, or one layer's slice of the stacked leaves."""
-    from .sharding import sharded_bytes
-
     layers = model.module.LAYERS
     top = {k: v for k, v in shapes.items() if k != layers}
     top_bytes = sharded_bytes(top, {k: v for k, v in shardings.items() if k != layers})
@@ -206,9 +211,6 @@ def mope_group_bytes(model, shapes, shardings) -> int:
 
 def abstract_model(hf: dict, dtype: str):
     """(Model with no params, abstract params pytree) of an HF config dict; nothing is allocated."""
-    from .models.hub import Model, _dtypes, abstract_params, family
-    from .models.common import ConfigError
-
     fam = family(hf["model_type"])
     try:
         cfg = fam.config_cls.from_hf(hf)
@@ -234,12 +236,6 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     ``mesh_axes``: {"data": n, "model": m} (default: all devices on data). ``fsdp`` defaults to True when a mesh is
     given and False without one, as ``mia score`` does.
     """
-    import jax
-    import jax.numpy as jnp
-
-    from .scoring import build_token_stats_step
-    from .sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
-
     devices = list(jax.devices() if devices is None else devices)
     mesh = make_mesh(mesh_axes, devices)
     fsdp = (mesh_axes is not None) if fsdp is None else fsdp
@@ -255,8 +251,6 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     if attack == "stats":
         lowered = build_token_stats_step(model, mesh, shardings).lower(params, tokens, valid)
     elif attack == "mope":
-        from .attacks.mope import build_mope_step
-
         key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))
         lowered = build_mope_step(model, mesh, shardings, mope_n, 0.005, mope_chunk).lower(key, params, tokens, valid)
     else:
@@ -312,15 +306,9 @@ def _fmt(n: Optional[int]) -> str:
 def cmd_plan(args) -> int:
     if args.batch < 1 or args.length < 2:
         raise PlanError(f"--batch must be >= 1 and --length >= 2, got {args.batch} and {args.length}")
-    if args.topology and "jax" not in __import__("sys").modules:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the topology; do not look for a local TPU
     hf = read_hf_config(args.model)
     device_bytes = parse_bytes(args.device_memory) if args.device_memory else None
     devices = topology_devices(args.topology) if args.topology else None
-    from .sharding import parse_mesh
-
-    import jax
-
     n_devices = len(devices) if devices is not None else len(jax.devices())
     axes = parse_mesh(args.mesh, n_devices) if args.mesh else None
     attack, opts = parse_attack(args.attack)

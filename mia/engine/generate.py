@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .models.common import KVCache
-from .scoring import bucket_length, padded_rows, pow2_ceil, pow2_floor
+from ..models.common import KVCache
+from .batching import bucket_length, padded_rows, pow2_ceil, pow2_floor
 
 
 class GenerationError(ValueError):

@@ -1,0 +1,97 @@
+"""Batching: length buckets, one row count per bucket, padded rows placed on the mesh.
+
+Every number here changes speed and memory, never a score (tests check it): rows are padded to a power-of-two
+length bucket and every batch of a bucket has the same row count, so a dataset compiles at most one program per
+bucket. ``token_budget`` and ``max_batch`` count per data-parallel device.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .sharding import put_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringSettings:
+    """How the host loop batches. None of these change any score (tests check it); they change speed and memory.
+
+    ``token_budget`` and ``max_batch`` are per data-parallel device: 8 devices on ``data`` score 8x the rows.
+    """
+
+    token_budget: int = 16384  # padded tokens per batch per data-parallel device
+    min_bucket: int = 16  # lengths are padded up to a power of two >= this
+    max_batch: int = 256  # rows per batch per data-parallel device
+    cache_dir: Optional[str] = None  # None: no on-disk cache
+    progress: bool = True
+
+
+def pow2_ceil(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, 1), and at least ``minimum``."""
+    return max(minimum, 1 << (max(1, n) - 1).bit_length())
+
+
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= max(n, 1)."""
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def bucket_length(n: int, min_bucket: int = 16) -> int:
+    """The padded length of an n-token row: a power of two >= ``min_bucket``."""
+    return pow2_ceil(n, min_bucket)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One call of a jitted step: ``rows`` x ``length`` padded tokens holding the examples ``members`` (row order)."""
+
+    length: int
+    rows: int
+    members: tuple
+
+
+def bucket_rows(n_examples: int, cap_per_device: int, n_data: int) -> int:
+    """Rows of every batch of one length bucket: ``n_data`` x min(cap, the power of two holding the bucket)."""
+    per_device = min(pow2_floor(cap_per_device), pow2_ceil(-(-n_examples // n_data)))
+    return per_device * n_data
+
+
+def plan_batches(lengths: Sequence[int], settings: ScoringSettings, n_data: int = 1) -> list[Batch]:
+    """Group example indices into batches: sorted by length, power-of-two length buckets, and ONE row count per
+    bucket (a multiple of the ``data`` size), so a dataset compiles at most one program per length bucket.
+
+    Rows per bucket: min(token_budget // length, max_batch) per device (rounded down to a power of two), or fewer
+    when the whole bucket fits (the power of two holding it), times the ``data`` size.
+    """
+    buckets: dict[int, list[int]] = {}
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        buckets.setdefault(bucket_length(lengths[i], settings.min_bucket), []).append(i)
+    batches = []
+    for blen, members in sorted(buckets.items()):
+        cap = max(1, min(settings.max_batch, settings.token_budget // blen))
+        rows = bucket_rows(len(members), cap, n_data)
+        batches.extend(Batch(blen, rows, tuple(members[k:k + rows])) for k in range(0, len(members), rows))
+    return batches
+
+
+def padded_rows(seqs: Sequence[np.ndarray], length: int, row_ids: np.ndarray, left: bool = False):
+    """tokens [R, length] int32 and valid [R, length] bool for ``row_ids`` into ``seqs`` (ids past the end: padding).
+
+    Right padded, or ``left`` padded (prefixes: the last column is the last token)."""
+    tokens = np.zeros((len(row_ids), length), np.int32)
+    valid = np.zeros((len(row_ids), length), bool)
+    for r, i in enumerate(row_ids):
+        if i < len(seqs):
+            t = np.asarray(seqs[i])
+            sl = slice(length - len(t), length) if left else slice(0, len(t))
+            tokens[r, sl] = t
+            valid[r, sl] = True
+    return tokens, valid
+
+
+def put_padded(seqs: Sequence[np.ndarray], rows: int, length: int, sharding, left: bool = False):
+    """(tokens, valid) global [rows, length] arrays placed with ``sharding``; each process pads only its own rows."""
+    return (put_rows((rows, length), sharding, lambda r: padded_rows(seqs, length, r, left)[0]),
+            put_rows((rows, length), sharding, lambda r: padded_rows(seqs, length, r, left)[1]))

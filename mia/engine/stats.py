@@ -1,0 +1,124 @@
+"""Token statistics of a causal LM: the log-prob primitive every attack builds on.
+
+Convention (docs/algorithms.md, "Conventions"): for tokens t_1..t_T, position i (0-based, i = 0..T-2) of every
+output holds the statistics of predicting t_{i+2} from t_{<=i+1}, i.e.
+``logprob[:, i] = log_softmax(logits[:, i])[t_{i+1}]`` (0-based tokens). So every per-token array has T-1 columns,
+and ``mask[:, i] = valid[:, i+1]``.
+
+Per target token, all float32:
+  logprob   log p(x_t | x_<t)
+  mean_logp mu_t  = sum_v p_v log p_v      (probability-weighted mean of log p; Min-K%++)
+  std_logp  sigma_t = sqrt(sum_v p_v (log p_v - mu_t)^2)
+  entropy   H_t = -mu_t
+
+Vocabulary x sequence memory is bounded: ``head_chunks`` applies the LM head to ``chunk`` positions at a time
+(``lax.map``), never to the whole [B, T, V] block. Scoring (``token_stats``) and conditional likelihoods
+(``mia.engine.conditional``) share it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STAT_NAMES = ("logprob", "mean_logp", "std_logp", "entropy")
+_LANES = 128  # vocabulary block of the fused reduction in ``stats_from_logits``
+
+
+def stats_from_logits(logits_bcv: jax.Array, next_bc: jax.Array) -> dict:
+    """Float32 statistics of one chunk of logits [B, C, V] with next tokens [B, C].
+
+    One max pass, then one fused pass of three sums over the vocabulary: with z' = z - max z and e = exp(z'),
+    S = sum e, A = sum e z', Q = sum e z'^2, we get log p(tok) = z'_tok - log S, mu = A/S - log S and, since
+    log p and z' differ by a constant, sigma^2 = Q/S - (A/S)^2 (the variance of z' under p).
+    The three sums are one variadic reduction over blocks of 128 entries (so exp is evaluated once per entry,
+    not once per sum) followed by ordinary sums over the blocks (so float32 accuracy stays that of a tree sum).
+    """
+    z = logits_bcv.astype(jnp.float32)
+    zs = z - jnp.max(z, axis=-1, keepdims=True)
+    *lead, v = zs.shape
+    pad = -v % _LANES
+    # padded entries: e = exp(-1e4) = 0 exactly, so they add nothing to S, A or Q
+    blocks = jnp.pad(zs, [(0, 0)] * len(lead) + [(0, pad)], constant_values=-1e4).reshape(*lead, -1, _LANES)
+    e = jnp.exp(blocks)
+    ez = e * blocks
+    s, a, q = jax.lax.reduce((e, ez, ez * blocks), (0.0, 0.0, 0.0),
+                             lambda x, y: (x[0] + y[0], x[1] + y[1], x[2] + y[2]), (blocks.ndim - 1,))
+    s, a, q = s.sum(-1), a.sum(-1), q.sum(-1)
+    log_s = jnp.log(s)
+    tok = jnp.take_along_axis(zs, next_bc[..., None].astype(jnp.int32), axis=-1)[..., 0] - log_s
+    mean_z = a / s
+    mu = mean_z - log_s
+    var = jnp.maximum(q / s - jnp.square(mean_z), 0.0)
+    return {"logprob": tok, "mean_logp": mu, "std_logp": jnp.sqrt(var), "entropy": -mu}
+
+
+def logprob_from_logits(logits_bcv: jax.Array, next_bc: jax.Array) -> jax.Array:
+    """Float32 log p(next) [B, C] of one chunk of logits [B, C, V] (logit minus logsumexp; no other statistic)."""
+    logits = logits_bcv.astype(jnp.float32)
+    tok = jnp.take_along_axis(logits, next_bc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return tok - jax.nn.logsumexp(logits, axis=-1)
+
+
+def chunk_size(batch: int, length: int, vocab: int, budget_floats: int = 1 << 25) -> int:
+    """Positions per logits chunk so that B * C * V float32 stays under ``budget_floats`` (128 MiB by default)."""
+    c = max(1, budget_floats // max(1, batch * vocab))
+    return int(min(length, 1 << int(math.floor(math.log2(c)))))
+
+
+def head_chunks(unembed: Callable, params, h_bnd: jax.Array, next_bn: jax.Array, chunk: int,
+                reduce_logits: Callable):
+    """Apply the LM head ``chunk`` positions at a time and reduce each chunk's logits right away.
+
+    h [B, N, D], next tokens [B, N] -> ``reduce_logits(logits [B, C, V], next [B, C])`` evaluated on every chunk and
+    put back in sequence order: a pytree of [B, N] arrays. Only one chunk's logits exist at a time.
+    """
+    b, n, d = h_bnd.shape
+    n_pad = -n % chunk
+    h = jnp.pad(h_bnd, ((0, 0), (0, n_pad), (0, 0)))
+    nxt = jnp.pad(next_bn, ((0, 0), (0, n_pad)))
+    k = (n + n_pad) // chunk
+    h_kbcd = h.reshape(b, k, chunk, d).swapaxes(0, 1)
+    nxt_kbc = nxt.reshape(b, k, chunk).swapaxes(0, 1)
+    out = jax.lax.map(lambda a: reduce_logits(unembed(params, a[0]), a[1]), (h_kbcd, nxt_kbc))
+    return jax.tree_util.tree_map(lambda v: v.swapaxes(0, 1).reshape(b, n + n_pad)[:, :n], out)
+
+
+def stats_from_hidden(unembed: Callable, params, h_btd: jax.Array, next_bt: jax.Array, chunk: int) -> dict:
+    """``stats_from_logits`` of every position: h [B, N, D], next tokens [B, N] -> {stat: [B, N]}."""
+    return head_chunks(unembed, params, h_btd, next_bt, chunk, stats_from_logits)
+
+
+def logprob_from_hidden(unembed: Callable, params, h_bnd: jax.Array, next_bn: jax.Array, chunk: int) -> jax.Array:
+    """float32 log p(next | h) [B, N] of every position (``logprob_from_logits``), chunked like the stats."""
+    return head_chunks(unembed, params, h_bnd, next_bn, chunk, logprob_from_logits)
+
+
+def token_stats(model, params, tokens_bt: jax.Array, valid_bt: jax.Array, *, chunk: Optional[int] = None,
+                layer_transform: Optional[Callable] = None) -> dict:
+    """Pure: (params, tokens [B, T], valid [B, T]) -> {stat: [B, T-1] float32, "mask": [B, T-1] bool}.
+    ``layer_transform``: see ``Model.hidden`` (the engine gathers FSDP shards one layer at a time with it)."""
+    b, t = tokens_bt.shape
+    chunk = chunk or chunk_size(b, t - 1, model.vocab_size)
+    h, _ = model.hidden(params, tokens_bt, valid_bt, layer_transform=layer_transform)
+    out = stats_from_hidden(model.unembed, params, h[:, :-1], tokens_bt[:, 1:], chunk)
+    out["mask"] = valid_bt[:, 1:] & valid_bt[:, :-1]
+    return out
+
+
+def pad_stats(stats: Sequence[dict], names: Sequence[str] = STAT_NAMES) -> dict:
+    """Stack variable-length per-example stats into [N, L] arrays (zero padded) plus a bool ``mask``."""
+    n = len(stats)
+    width = max((len(s["logprob"]) for s in stats), default=1)
+    out = {k: np.zeros((n, width), np.float32) for k in names}
+    mask = np.zeros((n, width), bool)
+    for i, s in enumerate(stats):
+        m = len(s["logprob"])
+        for k in names:
+            out[k][i, :m] = s[k]
+        mask[i, :m] = True
+    out["mask"] = mask
+    return out
