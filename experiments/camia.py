@@ -40,7 +40,6 @@ summary, byte for byte.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import sys
 import time
@@ -49,13 +48,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+import mia
 from mia.atomic import save_npz, write_text
+from mia.attacks import camia
 from mia.report import csv_text
 
 from experiments.common import (ExperimentError, Timings, check_model_dir, check_paths, check_suite_steps,
                                 check_token_ids, experiment_parser, open_members, pick_members, run_blind_baselines,
-                                run_main, say_fn, score_attacks, select_attacks, sha_file, write_json, write_manifest,
-                                write_scores, write_tables)
+                                run_main, say_fn, score_split, select_attacks, sha_file, write_json, write_manifest,
+                                write_tables)
 
 BASELINES = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "ref", "neighbor")  # the paper's K = 20 for Min-K%
 COMBINERS = ("edgington", "fisher", "pearson", "george")
@@ -359,7 +360,6 @@ def draw_results(scores: dict, signals: Optional[np.ndarray], labels: np.ndarray
     """({method: {"auc": [draws], "tpr": [draws]}}, {method: reason skipped}) over ``draws`` calibration draws on
     the examples ``subset`` (default: all). ``scores``: baseline scores [N] (higher = member); ``signals``: the 75
     raw CAMIA signals [N, 75] (None: no CAMIA rows); ``lr``: also ``camia_lr`` (trained on calib + remove)."""
-    from mia.attacks import camia
 
     idx = np.arange(len(labels)) if subset is None else np.asarray(subset)
     y_all = np.asarray(labels)
@@ -507,23 +507,20 @@ def report_markdown(s: dict) -> str:
 
 # ============================================================================================ the run
 def _baseline_attacks(have_ref: bool, have_mlm: bool):
-    unavailable = {}
-    if not have_ref:
-        unavailable["ref"] = "needs a reference model (--ref-model, or a smaller member of the testbed suite)"
-    if not have_mlm:
-        unavailable["mlm"] = "needs a masked language model (--mlm DIR); the paper drops it after Table 1"
-    return select_attacks(",".join(BASELINES), unavailable=unavailable)
+    reasons = {"ref": "needs a reference model (--ref-model, or a smaller member of the testbed suite)",
+               "mlm": "needs a masked language model (--mlm DIR); the paper drops it after Table 1"}
+    unavailable = [need for need, have in (("ref", have_ref), ("mlm", have_mlm)) if not have]
+    return select_attacks(",".join(BASELINES), unavailable=unavailable, reasons=reasons)
 
 
-def evaluate_dataset(name: str, model, examples: list, attacks, settings, *, preset: Preset, seed: int,
+def evaluate_dataset(name: str, model, examples: list, attacks, cache_dir, *, preset: Preset, seed: int,
                      bootstrap: int, options: dict, max_length: int, out: Path, source: dict, blind: bool,
                      progress: bool, timings: Timings) -> dict:
     """Score one dataset (baselines + 75 signals once), run the draws, the blind baseline; write its files."""
-    from mia.attacks import camia
-
     with timings(f"score:{name}"):
-        run = score_attacks(model, examples, attacks, settings, seed, progress, max_length, options)
-        signals = camia.features(run.context, run.evaluated, run.context.stats(), "evaluated")
+        run = score_split(model, examples, attacks, seed=seed, progress=progress, cache_dir=cache_dir,
+                          max_length=max_length, ref_model=options.get("ref_model"), mlm=options.get("mlm"))
+        signals = camia.features(run.context, run.examples, run.context.stats(), "evaluated")
     labels = run.labels
     with timings(f"draws:{name}"):
         res, skipped = draw_results(run.scores, signals, labels, draws=preset.draws, alpha=preset.alpha, seed=seed,
@@ -535,10 +532,10 @@ def evaluate_dataset(name: str, model, examples: list, attacks, settings, *, pre
         if b is not None:
             results = {"blind": b, **results}
     meta = {e["id"]: {k: e[k] for k in ("index", "step", "document", "share") if k in e} for e in examples}
-    write_scores(out / "scores" / f"{_file(name)}.jsonl", run, meta)
+    run.write(out / "scores" / f"{_file(name)}.jsonl", meta)
     save_npz(out / "signals" / f"{_file(name)}.npz", signals=signals.astype(np.float64), labels=labels,
              ids=np.array(run.ids), names=np.array(camia.FEATURE_NAMES))
-    return {"results": results, "per_draw": res, "skipped": {**run.failed, **skipped}, "notes": run.context.notes,
+    return {"results": results, "per_draw": res, "skipped": {**run.skipped, **skipped}, "notes": run.context.notes,
             "run": run, "signals": signals}
 
 
@@ -553,8 +550,6 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
         table2_domains=None, max_per_class: Optional[int] = None, blind: bool = True, seed: int = 0,
         bootstrap: int = 200, progress: bool = True, argv=None) -> dict:
     """Run the experiment; returns the summary (also written to ``out/summary.json``)."""
-    from mia.engine.batching import ScoringSettings
-
     if preset not in PRESETS:
         raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     p = dataclasses.replace(PRESETS[preset], **{k: v for k, v in (
@@ -637,9 +632,6 @@ def _finish(p: Preset, out: Path, results: dict, counts: dict, t2: dict, *, sett
 
 def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step, domains, memorize_epochs, mlm,
                  blind, seed, bootstrap, progress, timings) -> dict:
-    from mia.models import load
-    from mia.engine.batching import ScoringSettings
-
     say = say_fn(progress)
     with timings("testbed"):
         members, desc, notes = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
@@ -658,14 +650,14 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
         with timings("memorize"):
             model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
         dial = {"epochs": int(memorize_epochs), "n_rows": len(rows), "path": str(model_dir)}
-    model = load(model_dir)
+    model = mia.load(model_dir)
     context = min(int(model.max_length), tb.row_len)
     ref = next((m for m in members if m.n_params < target.n_params), None)
-    options = {"ref_model": load(ref.testbed.checkpoint_dir(c))} if ref is not None else {}  # loaded once
+    options = {"ref_model": mia.load(ref.testbed.checkpoint_dir(c))} if ref is not None else {}  # loaded once
     if mlm:
         options["mlm"] = str(mlm)
     attacks, skipped = _baseline_attacks(ref is not None, bool(mlm))
-    settings = ScoringSettings(cache_dir=str(tb.root / "cache"), progress=progress)
+    cache_dir = str(tb.root / "cache")
     notes = list(notes) + [f"rows are scored at the model's trained context ({context} tokens)"]
     if ref is not None:
         notes.append(f"Reference = LL(target) - LL(suite member {ref.name} at step {c}), the smallest member as the "
@@ -676,7 +668,7 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
     train_rows = None
     for d, examples in datasets:
         say(f"domain {d}: {len(examples)} rows")
-        ev = evaluate_dataset(d, model, examples, attacks, settings, preset=p, seed=seed, bootstrap=bootstrap,
+        ev = evaluate_dataset(d, model, examples, attacks, cache_dir, preset=p, seed=seed, bootstrap=bootstrap,
                               options=options, max_length=context, out=out, source=source, blind=blind,
                               progress=progress, timings=timings)
         results[d] = ev["results"]
@@ -690,7 +682,7 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
                 train_rows = tb.dataset().get_rows(np.arange(c * tb.batch_size))
             y = ev["run"].labels
             non = np.flatnonzero(y == 0)
-            masks = ngram_masks(train_rows, [ev["run"].evaluated[i].tokens for i in non])
+            masks = ngram_masks(train_rows, [ev["run"].examples[i].tokens for i in non])
             scores = {m: v for m, v in ev["run"].scores.items() if m in TABLE2_METHODS}
             t2[(d, "all (Table 1)")] = ({m: v for m, v in ev["results"].items() if m in TABLE2_METHODS}, len(non))
             for name, keep in masks.items():
@@ -724,23 +716,20 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
 
 def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split, domains, table2_domains,
                max_per_class, blind, seed, bootstrap, progress, timings) -> dict:
-    from mia.models import load
-    from mia.engine.batching import ScoringSettings
-
     if model_dir is None:
         raise ExperimentError("--mimir needs --model DIR (a local model directory)")
     index, keys, t2_domains = mimir_request(mimir, domains, split, table2_domains)
     model_dir = check_model_dir(model_dir, "--model")
     if ref_model is not None:
         check_model_dir(ref_model, "--ref-model")
-    model = load(model_dir)
+    model = mia.load(model_dir)
     if model.tokenizer is None:
         raise ExperimentError(f"--model {model_dir}: no tokenizer files; MIMIR texts must be tokenized")
     options = {"mlm": str(mlm)} if mlm else {}
     if ref_model is not None:
-        options["ref_model"] = load(ref_model)  # loaded once, shared by every domain
+        options["ref_model"] = mia.load(ref_model)  # loaded once, shared by every domain
     attacks, skipped = _baseline_attacks(ref_model is not None, bool(mlm))
-    settings = ScoringSettings(progress=progress)
+    cache_dir = None  # MIMIR texts: no on-disk cache
     source = {"kind": "text", "format": "mimir", "root": str(Path(mimir).resolve())}
     results, counts, t2, notes, files = {}, {}, {}, [], {}
     extra = sorted(k for k in index if k[0] in t2_domains and k[1] != split and k[1] != "none")
@@ -755,7 +744,7 @@ def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split,
                         f"--model {model_dir}")
         notes += n
         say_fn(progress)(f"{name}: {len(examples)} texts")
-        ev = evaluate_dataset(name, model, examples, attacks, settings, preset=p, seed=seed, bootstrap=bootstrap,
+        ev = evaluate_dataset(name, model, examples, attacks, cache_dir, preset=p, seed=seed, bootstrap=bootstrap,
                               options=options, max_length=int(model.max_length), out=out, source=source, blind=blind,
                               progress=progress, timings=timings)
         y = ev["run"].labels

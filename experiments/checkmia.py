@@ -31,13 +31,15 @@ from typing import Optional
 
 import numpy as np
 
+import mia
 from mia.atomic import write_text
+from mia.data.splits import write_split
+from mia.metrics import metric_rows, summary_row
+from mia.testbed import build_testbed
 
 from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, check_paths, draw_testbed_split,
-                                fmt,
-                                metric_rows, plot_roc, run_blind_baselines, run_main, say_fn, score_attacks,
-                                select_attacks as _select, sha_file, versions, write_json,
-                                write_scores)
+                                fmt, plot_roc, run_blind_baselines, run_main, say_fn, score_split,
+                                select_attacks as _select, sha_file, versions, write_json)
 
 # Examples per class in each partition, per preset (non-members only in calib / prefix).
 SIZES = {
@@ -45,14 +47,9 @@ SIZES = {
     "default": {"eval": 500, "train": 500, "calib": 100, "prefix": 12},  # sized for < 15 min on 2 CPU cores
     "large": {"eval": 1000, "train": 1000, "calib": 200, "prefix": 12},
 }
-# Attacks too slow for a preset's time budget on 2 CPU cores (measured on the default split: CAMIA's signals take
-# ~0.2 s per example, so camia + camia_lr alone would take ~7 minutes): run only when named or with --attacks all.
-COSTLY = {"default": {"camia": "~0.2 s per example on 2 CPU cores (75 signals incl. repeated-text passes)",
-                      "camia_lr": "CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores",
-                      "samia": "10 sampled continuations per example (~0.14 s per example at context 64 on 2 CPU "
-                               "cores, several times more at the default context 128)",
-                      "samia_zlib": "the same 10 samples per example as samia",
-                      "pac": "10 augmented copies of every example, 10 extra scoring passes"}}
+# The costliest attacks a preset runs unless named (``mia.attacks.COSTS``): on 2 CPU cores the default split's
+# CAMIA signals take ~0.2 s per example, so camia + camia_lr alone would take ~7 minutes.
+MAX_COST = {"smoke": "heavy", "default": "model", "large": "heavy"}
 RECENCY_GROUPS = (("last 5% of steps", 0.0, 0.05), ("5-25% of steps", 0.05, 0.25), ("older (>25%)", 0.25, 1.0))
 
 JobError = ExperimentError  # a bad request for the main job (one line)
@@ -72,15 +69,11 @@ def draw_split(tb, step: int, n_eval_members: int, n_eval_nonmembers: int, n_tra
 # ---------------------------------------------------------------------------------------------- attacks
 def select_attacks(spec: Optional[str], preset: str = "default"):
     """[(label, name, params)] to run and {name: reason} skipped."""
-    skip = {name: f"not in the {preset} preset's time budget: {why}; run with --attacks all or name it in --attacks"
-            for name, why in COSTLY.get(preset, {}).items()}
-    return _select(spec, skip=skip)
+    return _select(spec, max_cost=MAX_COST.get(preset, "heavy"), preset=preset)
 
 
 def recency_rows(loss: np.ndarray, evaluated: list, steps: dict, c: int, n_resamples: int, seed: int) -> list:
     """LOSS AUC of members grouped by how long before checkpoint c they were trained on, vs all non-members."""
-    from mia.metrics import summary_row
-
     y = np.array([e.label for e in evaluated])
     age = np.array([(c - steps[e.id]) / c if e.label == 1 else np.nan for e in evaluated])
     rows = []
@@ -145,11 +138,6 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         bootstrap: int = 1000,
         progress: bool = True, testbed_overrides: Optional[dict] = None, argv=None) -> dict:
     """Run the whole job; returns the summary dict (also written to ``out/summary.json``)."""
-    from mia.data.splits import write_split
-    from mia.models import load
-    from mia.engine.batching import ScoringSettings
-    from mia.testbed import build_testbed
-
     say = say_fn(progress)
     timings = Timings()
     t_start = time.perf_counter()
@@ -188,20 +176,20 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
             model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
         mem_info = json.loads((model_dir / "memorize.json").read_text())
         mem_info = {k: v for k, v in mem_info.items() if k != "rows"} | {"path": str(model_dir)}
-    model = load(model_dir)
-    settings = ScoringSettings(cache_dir=str(tb.root / "cache"), progress=progress)
+    model = mia.load(model_dir)
+    cache_dir = str(tb.root / "cache")
 
     # 4. attacks
     with timings("attacks"):
         to_run, skipped = select_attacks(attacks, preset)
-        res = score_attacks(model, examples, to_run, settings, seed, progress)
-    skipped.update(res.failed)
-    timings.update({f"attack:{k}": v for k, v in res.seconds.items()})
-    evaluated, scores, notes, labels, ids = res.evaluated, res.scores, res.notes, res.labels, res.ids
+        res = score_split(model, examples, to_run, seed=seed, progress=progress, cache_dir=cache_dir)
+    skipped.update(res.skipped)
+    timings.update({f"attack:{k}": round(v, 2) for k, v in res.seconds.items()})
+    evaluated, scores, notes, labels, ids = res.examples, res.scores, res.notes, res.labels, res.ids
     rows = metric_rows(scores, labels, ids, bootstrap, seed)
     scores_ref = None
     if mem_info is not None:  # the same split on the clean checkpoint, as a reference
-        clean = score_attacks(load(clean_dir), examples, [("loss", "loss", {})], settings, seed, False)
+        clean = score_split(mia.load(clean_dir), examples, "loss", seed=seed, progress=False, cache_dir=cache_dir)
         scores_ref = clean.scores["loss"]
         rows += metric_rows({f"loss (clean step{c}, no dial)": scores_ref}, labels, ids, bootstrap, seed, "reference")
     meta = {e["id"]: {"index": e["index"], "step": e["step"], "batch_pos": e["batch_pos"]} for e in examples}
@@ -209,7 +197,8 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     # 5. recency
     loss_for_recency = scores.get("loss")
     if loss_for_recency is None:
-        loss_for_recency = score_attacks(model, examples, [("loss", "loss", {})], settings, seed, False).scores["loss"]
+        loss_for_recency = score_split(model, examples, "loss", seed=seed, progress=False,
+                                       cache_dir=cache_dir).scores["loss"]
     recency = recency_rows(loss_for_recency, evaluated, {k: v["step"] for k, v in meta.items()}, c, bootstrap, seed)
 
     # 6. blind baselines
@@ -222,7 +211,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     best_blind = [dict(r, kind="blind") for r in (blind_rows or []) if r.get("kind") == "chosen"]
 
     # 7. outputs (timings go to timings.json only, so report.md and summary.json are deterministic)
-    write_scores(out / "scores.jsonl", res, meta, {f"loss@step{c}": scores_ref} if scores_ref is not None else None)
+    res.write(out / "scores.jsonl", meta, {f"loss@step{c}": scores_ref} if scores_ref is not None else None)
     plot_roc(scores, labels, out / "roc.png",
              f"testbed {preset}, step{c}" + (f" + dial E={memorize_epochs}" if mem_info else ""))
     keep = ("method", "kind", "auc", "auc_se", "tpr_at_1pct_fpr", "auc_ci_low", "auc_ci_high", "tpr_at_0.1pct_fpr",
@@ -301,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=V.arg_int(0), default=1000, help="bootstrap resamples for the AUC SE")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    from mia.cli import add_compile_cache_flag
+    from mia.commands import add_compile_cache_flag
 
     add_compile_cache_flag(p)
     return p

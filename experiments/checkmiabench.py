@@ -32,16 +32,20 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+import mia
 from mia.atomic import write_text
+from mia.data.splits import write_split
+from mia.file_hash import default_cache_dir
+from mia.metrics import metric_rows
 from mia.validate import arg_int_list
 
 from experiments import curves
 from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
-                                draw_olmo_split, draw_pythia_split, draw_testbed_split, experiment_parser, metric_rows,
+                                draw_olmo_split, draw_pythia_split, draw_testbed_split, experiment_parser, 
                                 olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,
-                                score_attacks, select_attacks, select_pythia, sha_file, size_name, write_json,
-                                write_manifest, write_scores, write_tables)
+                                score_split, select_attacks, select_pythia, sha_file, size_name, write_json,
+                                write_manifest, write_tables)
 
 MODULE = "experiments.checkmiabench"
 
@@ -305,11 +309,6 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         seq_len: int = 2048, bins: Optional[int] = None, memorize_epochs: int = 0, seed: int = 0,
         bootstrap: Optional[int] = None, progress: bool = True, argv=None) -> dict:
     """Run CheckMIABench; returns the summary dict (also ``out/summary.json``)."""
-    from mia.cli import default_cache_dir
-    from mia.data.splits import write_split
-    from mia.models import load
-    from mia.engine.batching import ScoringSettings
-
     if preset not in PRESETS:
         raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -395,14 +394,14 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
                 with timings("memorize"):
                     rows_ = [e["index"] for e in examples if e["label"] == 1]
                     model_dir = t.testbed.memorize(rows_, memorize_epochs, step=c, seed=seed, progress=progress)
-            model = load(model_dir)
+            model = mia.load(model_dir)
             check_token_ids(examples, model.vocab_size, setup.data_desc, f"{t.model} step{c} ({t.path.name})")
-            settings = ScoringSettings(cache_dir=t.cache_dir or default_cache_dir(), progress=progress)
+            cache_dir = t.cache_dir or default_cache_dir()
             here = [a for a in to_run if c == setup.steps[-1] or a[0] not in last_only]
             say(f"{t.model} step{c}: {', '.join(label for label, _, _ in here)}")
             with timings("attacks"):
-                res = score_attacks(model, examples, here, settings, seed, progress)
-            for k, v in res.failed.items():
+                res = score_split(model, examples, here, seed=seed, progress=progress, cache_dir=cache_dir)
+            for k, v in res.skipped.items():
                 skipped[f"{k} ({t.model} step{c})"] = v
             notes += [n for n in res.notes if n not in notes]
             extra = {"model": t.model, "params": t.params, "step": c}
@@ -412,7 +411,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
                     r.update(zip(PAPER_COLUMNS, ref))
                 attack_rows.append(r)
             if memorize_epochs:  # the clean checkpoint's LOSS on the same split, as a reference
-                clean = score_attacks(load(t.path), examples, [("loss", "loss", {})], settings, seed, False)
+                clean = score_split(mia.load(t.path), examples, "loss", seed=seed, progress=False,
+                                    cache_dir=cache_dir)
                 reference = clean.scores["loss"]
                 attack_rows += metric_rows({f"loss (clean step{c}, no dial)": reference}, res.labels, res.ids,
                                            bootstrap, seed, kind="reference", **extra)
@@ -420,7 +420,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
                 recency += curves.recency_rows(res.scores, res.labels, np.array([meta[i]["step"] for i in res.ids]),
                                                c, bins, bootstrap, seed, model=t.model, step=c)
             rel = f"scores/{t.model}-step{c}.jsonl"
-            write_scores(out / rel, res, meta, {"loss (clean)": reference} if reference is not None else None)
+            res.write(out / rel, meta, {"loss (clean)": reference} if reference is not None else None)
             targets_out.append({"model": t.model, "params": t.params, "step": c, "scores": rel,
                                 "checkpoint": t.path.name if setup.kind != "testbed" else f"step{c}",
                                 "memorize_epochs": memorize_epochs})

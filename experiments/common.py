@@ -5,18 +5,17 @@ CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``-
                  exit 2; Ctrl-C 130), ``ExperimentError`` (bad input, one line), ``default_out``,
                  ``check_paths`` / ``check_model_dir`` (every path option before any work), ``check_suite_steps``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
-                 ``open_members`` (given testbeds, else the suite, else one testbed), ``pick_members``,
+                 ``open_members`` (given testbeds, else the suite), ``pick_members``,
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
                  ``count_params`` (from the safetensors headers, nothing loaded).
 Splits           ``SplitSizes`` (examples per partition and class), ``draw_testbed_split``, ``draw_pythia_split``,
                  ``draw_olmo_split``: the ``mia split`` samplers (``mia.data.pythia`` / ``mia.data.olmo``) followed by
                  one seeded partition plan; ``check_token_ids`` (data vs the model's vocabulary).
-Attacks          ``select_attacks`` (registry names and ``NAME:k=v`` specs, with reasons for what is skipped),
-                 ``score_attacks`` (one ``AttackContext`` per model), ``metric_rows`` (``mia.metrics``: AUC,
-                 bootstrap SE, TPR@1%FPR).
+Attacks          ``select_attacks`` (registry names and ``NAME:k=v`` specs, by cost, with reasons for what is
+                 skipped), ``score_split`` (``mia.score`` of a split's eval partition; metrics, scores files and
+                 JSON come from ``ScoreRun``, ``mia.metrics`` and ``mia.report``).
 Blind baselines  ``run_blind_baselines`` (``mia.blind`` per feature, and the shift verdict).
-Outputs          ``write_json``, ``write_tables`` (md / CSV / LaTeX / JSON via ``mia.report``), ``write_scores``,
-                 ``plot_roc``, ``plot_lines`` (curves with bands), ``write_manifest`` (config, seeds, hashes,
+Outputs          ``write_tables`` (md / CSV / LaTeX / JSON via ``mia.report``), ``plot_roc``, ``plot_lines`` (curves with bands), ``write_manifest`` (config, seeds, hashes,
                  versions), ``Timings`` (written to ``timings.json``).
 
 Determinism: with the same inputs and seed, every table (md, csv, tex, json) and report an experiment writes is the
@@ -26,6 +25,7 @@ same byte for byte. Tables hold no timings, dates or output paths; those go to `
 from __future__ import annotations
 
 import argparse
+import warnings
 import dataclasses
 import json
 import math
@@ -39,7 +39,28 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from mia.atomic import atomic_write, save_figure, write_text
+import flax
+import jax
+import optax
+from matplotlib.ticker import NullFormatter
+from tqdm.auto import tqdm
+
+import mia
+from mia import report
+from mia import validate as V
+from mia.atomic import save_figure
+from mia.attacks import COSTS, AttackError, AttackInputs, available, check_attack_inputs, get, parse_attacks
+from mia.attacks.registry import NEED_DESCRIPTIONS
+from mia.blind import run_blind, shift_verdict
+from mia.commands import add_compile_cache_flag, run_for_user
+from mia.data import olmo, pythia
+from mia.data.splits import assign_partitions, partition_counts, read_split
+from mia.file_hash import sha256_of_file
+from mia.report import json_safe, write_json
+from mia.testbed import build_testbed
+from mia.testbed.build import open_testbed as open_built_testbed
+from mia.testbed.suite import SUITES, build_suite, size_name as suite_size_name
+from mia.testbed.suite import open_suite as open_built_suite
 
 
 class ExperimentError(ValueError):
@@ -55,8 +76,6 @@ def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_prese
     ``--bootstrap`` (resamples for AUC SEs; ``default_bootstrap=None`` leaves it to the preset), ``--no-progress``,
     ``--debug`` (tracebacks instead of one line).
     """
-    from mia import validate as V
-
     p = V.OneLineParser(prog=prog, description=doc.strip().split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     presets = list(presets)
@@ -70,8 +89,6 @@ def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_prese
                         + (f"{default_bootstrap})" if default_bootstrap is not None else "the preset's)"))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    from mia.cli import add_compile_cache_flag
-
     add_compile_cache_flag(p)
     return p
 
@@ -87,8 +104,6 @@ def check_paths(*, out=None, files: Sequence = (), dirs: Sequence = (), model_di
     ``model_dirs``   ``(flag, path)`` that must be model directories (a ``config.json`` in them);
     ``output_dirs``  ``(flag, path)`` directories that exist or can be created (``--suite-dir``).
     A path of ``None`` (an option not given) is skipped."""
-    from mia import validate as V
-
     def each(pairs):
         for flag, value in pairs:
             for v in ([] if value is None else value if isinstance(value, (list, tuple)) else [value]):
@@ -109,10 +124,6 @@ def check_paths(*, out=None, files: Sequence = (), dirs: Sequence = (), model_di
 def check_suite_steps(suite: str, steps, flag: str = "--step") -> None:
     """Checkpoint steps the testbed suite ``suite`` cannot have, refused from its configs before it is built or
     opened: every step must be in (0, train_steps] (a step between saved checkpoints is trained to on demand)."""
-    try:
-        from mia.testbed.suite import SUITES
-    except ImportError:
-        return
     if suite not in SUITES or steps is None:
         return
     cfg = SUITES[suite][0]  # every member trains the same steps on the same order
@@ -124,8 +135,6 @@ def check_suite_steps(suite: str, steps, flag: str = "--step") -> None:
 
 def check_model_dir(path, flag: str) -> Path:
     """An existing model directory (HF layout: ``config.json`` in it), or one line naming ``flag``."""
-    from mia import validate as V
-
     p = V.input_dir(path, flag, noun="model directory", error=ExperimentError)
     if not (p / "config.json").is_file():
         raise ExperimentError(f"{flag} {p}: not a model directory (no config.json)")
@@ -134,12 +143,10 @@ def check_model_dir(path, flag: str) -> Path:
 
 def run_main(fn: Callable[[], object], *, debug: bool = False, compile_cache: bool = True,
              on_interrupt: str = "interrupted; rerun the same command: finished work is cached and reused"):
-    """``(status, result)`` of ``fn()`` through ``mia.cli.run_for_user``: one ``error: ...`` line and status 2 for
+    """``(status, result)`` of ``fn()`` through ``mia.commands.run_for_user``: one ``error: ...`` line and status 2 for
     bad input, 130 on Ctrl-C. It also turns on JAX's persistent compilation cache (``mia.engine.compile_cache``: every
     checkpoint of one model size and every rerun reuse compiled code; ``--no-compile-cache`` or
     ``MIA_COMPILE_CACHE=0`` turn it off)."""
-    from mia.cli import run_for_user
-
     return run_for_user(fn, debug=debug, on_interrupt=on_interrupt, compile_cache=compile_cache)
 
 
@@ -152,16 +159,12 @@ def say_fn(progress: bool) -> Callable[[str], None]:
     """A print that keeps progress bars intact (``tqdm.write``), or nothing."""
     if not progress:
         return lambda msg: None
-    from tqdm.auto import tqdm
-
     return lambda msg: tqdm.write(msg)
 
 
 # ============================================================================================ models
 def open_testbed(preset: str, path=None, *, progress: bool = True, overrides: Optional[dict] = None):
     """Build (or reuse, or resume) the testbed of ``preset`` in ``path`` (``mia.testbed.build_testbed``)."""
-    from mia.testbed import build_testbed
-
     return build_testbed(preset, path, progress=progress, **(overrides or {}))
 
 
@@ -178,14 +181,9 @@ def open_suite(name: str, path=None, *, progress: bool = True) -> tuple[list, st
     """``(members ordered by parameter count, description)`` of the testbed suite ``name`` (``mia.testbed.suite``):
     opened when ``path`` holds a complete suite, else built, resumed or reused there (default
     ``testbeds/suite-<name>``)."""
-    try:
-        from mia.testbed.suite import build_suite, open_suite as _open
-    except ImportError as e:  # a checkout without the suite
-        raise ExperimentError(f"the testbed suite is not available in this checkout ({e}); use --testbed DIR for "
-                              "one testbed") from None
     if path is not None and (Path(path) / "suite.json").exists() and \
             json.loads((Path(path) / "suite.json").read_text()).get("complete"):
-        suite = _open(path)
+        suite = open_built_suite(path)
     else:
         suite = build_suite(name, path, progress=progress)
     names = getattr(suite, "names", None) or [None] * len(suite.members)
@@ -196,24 +194,15 @@ def open_suite(name: str, path=None, *, progress: bool = True) -> tuple[list, st
 def open_members(preset: str, *, testbeds: Sequence = (), suite_dir=None, progress: bool = True) -> tuple:
     """``(members by size, description, notes)`` for an experiment on testbeds: the given testbed directories (each
     one member; they must share one data order, so that one split serves them all), else the testbed suite
-    ``preset`` (built or reused in ``suite_dir``), else, in a checkout without ``mia.testbed.suite``, the single
-    testbed of ``preset`` as a suite of one (with a note saying so)."""
-    import importlib.util
-
+    ``preset`` (built or reused in ``suite_dir``)."""
     if testbeds:
-        from mia.testbed.build import open_testbed as _open_tb
-
-        members = sorted((member_of(_open_tb(p)) for p in testbeds), key=lambda m: m.n_params)
+        members = sorted((member_of(open_built_testbed(p)) for p in testbeds), key=lambda m: m.n_params)
         if len({m.testbed.manifest["data"]["bin"]["sha256"] for m in members}) > 1:
             raise ExperimentError("--testbed: the testbeds do not share one data order (their data/order.bin "
                                   "differ), so one split cannot serve them all")
         return members, f"{len(members)} testbed(s) sharing one data order", []
-    if importlib.util.find_spec("mia.testbed.suite") is not None:
-        members, desc = open_suite(preset, suite_dir, progress=progress)
-        return members, desc, []
-    tb = open_testbed(preset, suite_dir, progress=progress)
-    return [member_of(tb)], f"testbed {preset!r}", [
-        f"this checkout has no testbed suite (mia.testbed.suite); ran on the single {preset!r} testbed"]
+    members, desc = open_suite(preset, suite_dir, progress=progress)
+    return members, desc, []
 
 
 def pick_members(members: Sequence, which: str) -> list:
@@ -245,9 +234,7 @@ def member_of(tb, name: Optional[str] = None) -> SuiteMember:
 
 def size_name(n_params: int) -> str:
     """Pythia-style size label (``mia.testbed.suite.size_name``; billions as ``"6.9b"``)."""
-    from mia.testbed.suite import size_name as _name
-
-    return f"{n_params / 1e9:.1f}b".replace(".0b", "b") if n_params >= 1e9 else _name(int(n_params))
+    return f"{n_params / 1e9:.1f}b".replace(".0b", "b") if n_params >= 1e9 else suite_size_name(int(n_params))
 
 
 def count_params(model_dir) -> int:
@@ -392,28 +379,13 @@ class SplitSizes:
         return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
+PARTITION_STREAM = 0x5B1  # the experiments' partition stream (``mia.data.splits.assign_partitions``)
 PARTITION_SAMPLER = ("numpy.random.default_rng([seed, 0x5B1]) permutation per class: members -> train, eval; "
                      "non-members -> prefix, calib, train, eval")
 
 
-def assign_partition_plan(examples: list, sizes: SplitSizes, seed: int) -> list:
-    """Assign ``partition`` in place: per class a seeded permutation, then consecutive blocks in plan order."""
-    rng = np.random.default_rng([int(seed), 0x5B1])
-    for label, parts in sizes.plan().items():
-        idx = [i for i, e in enumerate(examples) if e["label"] == label]
-        order = rng.permutation(len(idx))
-        pos = 0
-        for name, k in parts:
-            for j in order[pos:pos + k]:
-                examples[idx[j]]["partition"] = name
-            pos += k
-    return examples
-
-
 def _finish_split(header: dict, examples: list, sizes: SplitSizes, seed: int) -> tuple:
-    from mia.data.splits import partition_counts
-
-    assign_partition_plan(examples, sizes, seed)
+    assign_partitions(examples, sizes.plan(), seed, stream=PARTITION_STREAM)
     header["params"]["sampler_partitions"] = PARTITION_SAMPLER
     header.update(partition_counts(examples))
     return header, examples
@@ -425,11 +397,9 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
 
     Members: rows [0, step*B); non-members: rows [step*B, end_step*B), end_step = the first epoch's end by default.
     Drawn without replacement by ``mia.data.pythia.draw_checkpoint_split`` with the model's vocabulary
-    (``testbed_vocab_size``: an id outside it stops, naming the row); partitions by ``assign_partition_plan``.
+    (``testbed_vocab_size``: an id outside it stops, naming the row); partitions by ``mia.data.splits.assign_partitions``.
     ``allow_fewer`` shrinks the partitions to what the ranges hold (with a note) instead of stopping.
     """
-    from mia.data.pythia import draw_checkpoint_split
-
     B, epoch_end = tb.batch_size, tb.epoch_steps
     end_step = epoch_end if end_step is None else int(end_step)
     if step <= 0:
@@ -448,7 +418,7 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
                               f"train {sizes.train} + calib {sizes.calib} + prefix {sizes.prefix}) but steps [{step}, "
                               f"{end_step}) of the first epoch hold only {max(0, (end_step - step) * B)} rows; lower "
                               "the counts or use an earlier --step")
-    header, examples = draw_checkpoint_split(tb.dataset(), step, sizes.members, sizes.nonmembers, seed, gap=0,
+    header, examples = pythia.draw_checkpoint_split(tb.dataset(), step, sizes.members, sizes.nonmembers, seed, gap=0,
                                              end_step=end_step, batch_size=B, vocab_size=testbed_vocab_size(tb))
     for e in examples:  # ids of the testbed's rows; kind "testbed" in the header
         e["id"] = f"row{e['index']}"
@@ -498,17 +468,15 @@ def draw_pythia_split(data: Sequence, idx, step: int, sizes: SplitSizes, seed: i
     """(header, examples, note) of a Pythia checkpoint split: ``mia split pythia`` (members from steps
     [0, step-gap), non-members from [step+gap, end_step)) on the .bin shards ``data`` with the single ``idx``.
     ``vocab_size`` (the models' config.json): a drawn token id outside it stops, naming shard, row and token."""
-    from mia.data.pythia import draw_checkpoint_split, open_dataset
-
     require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
     for p in list(data) + [idx]:
         if not Path(p).exists():
             raise ExperimentError(f"{p}: data file not found")
-    ds = open_dataset([str(p) for p in data], str(idx))
+    ds = pythia.open_dataset([str(p) for p in data], str(idx))
     n_mem = max(0, step - gap) * batch_size
     n_non = max(0, min(end_step, len(ds) // batch_size) - (step + gap)) * batch_size
     sizes, note = _fit("pythia split", sizes, allow_fewer, n_mem, n_non)
-    header, examples = draw_checkpoint_split(ds, step, sizes.members, sizes.nonmembers, seed, gap=gap,
+    header, examples = pythia.draw_checkpoint_split(ds, step, sizes.members, sizes.nonmembers, seed, gap=gap,
                                              end_step=end_step, batch_size=batch_size, vocab_size=vocab_size)
     header, examples = _finish_split(header, examples, sizes, seed)
     return header, examples, note
@@ -519,14 +487,12 @@ def draw_olmo_split(global_indices, data_paths, step: int, sizes: SplitSizes, se
                     seq_len: int = 2048, allow_fewer: bool = False):
     """(header, examples, note) of an OLMo checkpoint split: ``mia split olmo`` (members from positions of steps
     [0, step), non-members from [nonmember_start, end_step)) on ``global_indices`` + the ``data_paths`` list."""
-    from mia.data.olmo import OlmoOrder, draw_checkpoint_split
-
     require_order("--olmo", {"--global-indices": global_indices, "--data-paths": data_paths})
-    order = OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
+    order = olmo.OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
     s2 = step if nonmember_start is None else int(nonmember_start)
     e = order.steps if end_step is None else int(end_step)
     sizes, note = _fit("olmo split", sizes, allow_fewer, step * batch_size, max(0, e - s2) * batch_size)
-    header, examples = draw_checkpoint_split(order, step, sizes.members, sizes.nonmembers, seed,
+    header, examples = olmo.draw_checkpoint_split(order, step, sizes.members, sizes.nonmembers, seed,
                                              nonmember_start=s2, end_step=e, batch_size=batch_size)
     header, examples = _finish_split(header, examples, sizes, seed)
     return header, examples, note
@@ -547,40 +513,41 @@ def check_token_ids(examples: Sequence[dict], vocab_size: int, data_desc: str, m
 
 
 # ============================================================================================ attacks
-QUADRATIC = ("em_mia", "recall_avg")  # N x N conditional likelihoods
-UNAVAILABLE_NEEDS = {"ref": "needs a reference model (--ref-model), which this experiment does not have",
-                     "mlm": "needs a masked language model (--mlm), which this experiment does not have"}
+def unavailable_reason(need: str) -> str:
+    """Why an attack with ``need`` is skipped by an experiment that cannot provide it."""
+    return f"needs {NEED_DESCRIPTIONS[need]}, which this experiment does not have"
 
 
-def select_attacks(spec=None, *, skip: Optional[Mapping[str, str]] = None,
-                   unavailable: Mapping[str, str] = UNAVAILABLE_NEEDS, tolerant: bool = False):
-    """``([(label, name, params)] to run, {label: reason} skipped)``.
+def select_attacks(spec=None, *, max_cost: str = "heavy", unavailable: Sequence[str] = ("ref", "mlm"),
+                   reasons: Optional[Mapping[str, str]] = None, tolerant: bool = False, preset: str = ""):
+    """([(label, name, params)] to run, {label: reason} skipped).
 
-    ``spec``: None / ``"default"`` (every registered attack except those in ``skip`` and the quadratic ones),
-    ``"all"`` (every registered attack), a comma list ``"loss,mink:k=0.1"``, or a list of such spec strings.
-    Attacks whose needs are ``unavailable`` are skipped with the reason. ``tolerant``: an unknown attack or
-    parameter is skipped with the registry's message instead of stopping (for preset lists that name attacks a
-    checkout may not have yet).
-    """
-    from mia.attacks import available, get, parse_attacks
-    from mia.attacks.registry import AttackError
-
-    skip = dict(skip or {})
+    ``spec``: None or ``"default"`` (every registered attack whose ``cost`` is at most ``max_cost``), ``"all"``
+    (every one), a comma list ``"loss,mink:k=0.1"``, or a list of such spec strings (named attacks run whatever
+    their cost). Attacks needing one of ``unavailable`` are skipped with the reason (``reasons`` overrides
+    ``unavailable_reason`` per need). ``tolerant``: an unknown attack or parameter is skipped with the registry's
+    message instead of stopping (for preset lists that name attacks a checkout may not have yet)."""
+    reasons = {need: (reasons or {}).get(need) or unavailable_reason(need) for need in unavailable}
     skipped: dict = {}
     chosen: list = []
     if spec is None or (isinstance(spec, str) and spec.strip() in ("all", "default")):
         every = isinstance(spec, str) and spec.strip() == "all"
+        budget = COSTS.index(max_cost)
         for name in available():
-            if not every and name in QUADRATIC:
-                skipped[name] = ("pairwise N x N conditional likelihoods (O(N^2) model calls); run with --attacks all "
-                                 "or name it in --attacks")
-            elif not every and name in skip:
-                skipped[name] = skip[name]
+            a = get(name)
+            if any(n in reasons for n in a.needs):
+                chosen.append((name, name, dict(a.defaults)))  # skipped below, with the missing input as reason
+            elif not every and COSTS.index(a.cost) > budget:
+                again = "; run with --attacks all or name it in --attacks"
+                if a.cost == "quadratic":  # never in a default selection, whatever the budget
+                    skipped[name] = f"{a.cost_note or a.cost}{again}"
+                else:
+                    within = f"the {preset} preset's time budget" if preset else f"the default cost ({max_cost})"
+                    skipped[name] = f"not in {within}: {a.cost_note or a.cost}{again}"
             else:
-                chosen.append((name, name, dict(get(name).defaults)))
+                chosen.append((name, name, dict(a.defaults)))
     else:
-        items = [spec] if isinstance(spec, str) else list(spec)
-        for item in items:
+        for item in [spec] if isinstance(spec, str) else list(spec):
             try:
                 chosen += parse_attacks(item)
             except AttackError as e:
@@ -588,8 +555,14 @@ def select_attacks(spec=None, *, skip: Optional[Mapping[str, str]] = None,
                     raise
                 skipped[item] = f"not available in this checkout: {str(e).splitlines()[0]}"
     run = []
+    inputs = AttackInputs(None, ref_model="ref" not in reasons, mlm="mlm" not in reasons)
     for label, name, params in chosen:
-        why = next((unavailable[n] for n in get(name).needs if n in unavailable), None)
+        why = next((reasons[n] for n in get(name).needs if n in reasons), None)
+        if why is None:
+            try:
+                check_attack_inputs(label, name, params, inputs)  # an attack's own rule, e.g. em_mia:init=ref
+            except AttackError as e:
+                why = str(e).splitlines()[0]
         if why:
             skipped[label] = why
         else:
@@ -597,106 +570,12 @@ def select_attacks(spec=None, *, skip: Optional[Mapping[str, str]] = None,
     return run, skipped
 
 
-def to_examples(examples: Sequence[dict], max_length: Optional[int] = None) -> tuple[list, Optional[str]]:
-    """Split dicts -> ``mia.data.examples.Example`` (token ids as they are, and the ``text`` when given), truncated
-    to ``max_length`` tokens; returns (examples, a note when any was truncated)."""
-    from mia.data.examples import Example
-
-    out, cut = [], 0
-    for e in examples:
-        t = np.asarray(e["tokens"], np.int32)
-        trunc = max_length is not None and len(t) > max_length
-        if trunc:
-            t, cut = t[:max_length], cut + 1
-        text = e.get("text") if isinstance(e.get("text"), str) else None  # kept for text-based attacks (zlib, camia)
-        out.append(Example(str(e["id"]), t, text, int(e["label"]), e.get("partition", "eval"), truncated=trunc))
-    note = (f"{cut} example(s) longer than the model context were truncated to its first {max_length} tokens"
-            if cut else None)
-    return out, note
-
-
-@dataclasses.dataclass
-class ScoreRun:
-    """Scores of one model on a split's eval partition."""
-
-    evaluated: list  # list[Example]
-    scores: dict  # label -> [N] float64 (NaN = no score)
-    seconds: dict  # label -> seconds
-    failed: dict  # label -> reason
-    notes: list
-    context: object = None  # the AttackContext (its stats and memo serve further attack steps on the same examples)
-
-    @property
-    def labels(self) -> np.ndarray:
-        return np.array([e.label for e in self.evaluated])
-
-    @property
-    def ids(self) -> list:
-        return [e.id for e in self.evaluated]
-
-
-def score_attacks(model, examples: Sequence[dict], attacks, settings, seed: int, progress: bool = True,
-                  max_length: Optional[int] = None, options: Optional[Mapping] = None) -> ScoreRun:
-    """Run ``attacks`` ([(label, name, params)]) on the ``eval`` partition of ``examples`` through one
-    ``AttackContext``; the other partitions are what attacks learn from (checked disjoint). An attack that
-    raises ``AttackError`` is recorded in ``failed`` with its one-line reason. ``options``: more
-    ``AttackContext.options`` (``ref_model``: a reference model directory for ``ref``; ``mlm`` for ``neighbor``)."""
-    from tqdm.auto import tqdm
-
-    from mia.attacks import AttackContext, assert_disjoint, get
-    from mia.attacks.registry import AttackError
-
-    max_length = model.max_length if max_length is None else int(max_length)
-    exs, note = to_examples(examples, max_length)
-    evaluated = [e for e in exs if e.partition == "eval"]
-    partitions: dict = {}
-    for e in exs:
-        if e.partition != "eval":
-            partitions.setdefault(e.partition, []).append(e)
-    for name, part in partitions.items():
-        assert_disjoint(evaluated, part, f"partition {name!r}")
-    ctx = AttackContext(model, evaluated, settings, partitions,
-                        {**(options or {}), "seed": seed, "max_length": max_length})
-    if note:
-        ctx.notes.append(note)
-    scores, seconds, failed = {}, {}, {}
-    bar = tqdm(attacks, desc="attacks", unit="attack", disable=not progress, leave=False)
-    for label, name, params in bar:
-        bar.set_postfix(attack=label)
-        t0 = time.perf_counter()
-        try:
-            s = np.asarray(get(name).fn(ctx, **params), dtype=np.float64)
-        except AttackError as e:
-            failed[label] = str(e).splitlines()[0]
-            continue
-        if s.shape != (len(evaluated),):
-            raise AssertionError(f"attack {name} returned shape {s.shape}, expected ({len(evaluated)},)")
-        scores[label] = s
-        seconds[label] = round(time.perf_counter() - t0, 2)
-    return ScoreRun(evaluated, scores, seconds, failed, list(ctx.notes), ctx)
-
-
-def metric_rows(scores: Mapping[str, np.ndarray], labels: np.ndarray, ids, n_resamples: int, seed: int,
-                kind: str = "attack", **extra) -> list:
-    """One ``mia.metrics.summary_row`` per method (AUC, pooled-bootstrap AUC SE, TPR@1%FPR, CIs, p vs chance),
-    on the finite scores; ``n_nonfinite`` counts the rest. ``extra`` fields are added to every row."""
-    from mia.metrics import summary_row
-
-    rows = []
-    for name, s in scores.items():
-        s = np.asarray(s, np.float64)
-        ok = np.isfinite(s)
-        if len(set(np.asarray(labels)[ok].tolist())) < 2:
-            rows.append({"method": name, "kind": kind, **extra, "n_nonfinite": int((~ok).sum())})
-            continue
-        r = summary_row(name, s[ok], labels[ok], n_resamples=n_resamples, seed=seed,
-                        ids=[i for i, k in zip(ids, ok) if k])
-        r["kind"] = kind
-        r.update(extra)
-        if (~ok).any():
-            r["n_nonfinite"] = int((~ok).sum())
-        rows.append(r)
-    return rows
+def score_split(model, examples: Sequence[dict], attacks, *, seed: int, progress: bool, cache_dir=None,
+                max_length: Optional[int] = None, ref_model=None, mlm=None):
+    """``mia.score`` of a split's examples as the experiments run it: the ``eval`` partition scored, the others
+    learned from; an attack that cannot run is recorded in ``skipped`` with its reason, not fatal."""
+    return mia.score(model, examples, attacks, seed=seed, progress=progress, cache=cache_dir is not None,
+                     cache_dir=cache_dir, max_length=max_length, ref_model=ref_model, mlm=mlm, on_error="skip")
 
 
 # ============================================================================================ blind baselines
@@ -709,14 +588,6 @@ def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Seque
     missing optional dependency (an encoder) skips that feature only. Rows: every feature x classifier run
     (``kind`` "run"), the classifier chosen per feature by cross-validation on the training partition (``kind``
     "chosen") and, for comparison with the paper's Table 1 rule, the best on evaluation data (``kind`` "best_eval")."""
-    try:
-        from mia.blind import run_blind, shift_verdict
-    except ImportError as e:
-        return None, None, {"blind": f"mia.blind is not available ({e})"}
-    import warnings
-
-    from mia.data.splits import read_split
-
     split = read_split(split_path)
     rows, skipped = [], {}
     kw = {} if classifiers is None else {"classifiers": tuple(classifiers)}
@@ -735,93 +606,33 @@ def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Seque
 # ============================================================================================ outputs
 def sha_file(path) -> str:
     """Hex SHA-256 of the whole file (``mia.file_hash``)."""
-    from mia.file_hash import sha256_of_file
-
     return sha256_of_file(path)
-
-
-def _json_default(o):
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
-
-
-def write_json(path, obj) -> Path:
-    """Atomic, deterministic JSON (keys in insertion order, 2-space indent, NaN as null)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text(path, json.dumps(_nan_to_none(obj), indent=2, default=_json_default) + "\n")
-    return path
-
-
-def _nan_to_none(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if isinstance(o, np.floating) and not np.isfinite(o):
-        return None
-    if isinstance(o, dict):
-        return {k: _nan_to_none(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_nan_to_none(v) for v in o]
-    return o
 
 
 def write_tables(rows: Sequence[Mapping], out_dir, stem: str, columns: Sequence[str], title: str,
                  extra_markdown: str = "") -> dict:
     """``stem``.md / .csv / .tex / .json in ``out_dir`` (``mia.report.write_tables``); rows only hold the
     ``columns`` plus what the CSV/JSON should keep (no timings, no paths)."""
-    from mia.report import write_tables as _write
-
-    rows = [_nan_to_none(dict(r)) for r in rows]
-    return _write(rows, out_dir, stem=stem, columns=list(columns), title=title, extra_markdown=extra_markdown)
-
-
-def write_scores(path, run: ScoreRun, meta: Mapping[str, dict], extra_scores: Optional[dict] = None) -> Path:
-    """One JSON line per evaluated example: ``{"id", "label", "n_tokens", "truncated", **meta[id], "scores"}``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scores = {**run.scores, **(extra_scores or {})}
-    with atomic_write(path) as f:
-        for i, e in enumerate(run.evaluated):
-            line = {"id": e.id, "label": e.label, "n_tokens": e.n_tokens, "truncated": e.truncated,
-                    **meta.get(e.id, {}),
-                    "scores": {k: (float(v[i]) if np.isfinite(v[i]) else None) for k, v in scores.items()}}
-            f.write(json.dumps(line) + "\n")
-    return path
-
-
-def read_scores(path) -> tuple[list, dict]:
-    """(lines, {method: [N] float64 with NaN for null}) of a ``write_scores`` file."""
-    lines = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
-    methods = list(dict.fromkeys(k for l in lines for k in l["scores"]))
-    scores = {m: np.array([np.nan if l["scores"].get(m) is None else l["scores"][m] for l in lines], np.float64)
-              for m in methods}
-    return lines, scores
+    rows = [json_safe(dict(r)) for r in rows]
+    return report.write_tables(rows, out_dir, stem=stem, columns=list(columns), title=title,
+                               extra_markdown=extra_markdown)
 
 
 def plot_roc(scores: Mapping[str, np.ndarray], labels: np.ndarray, path, title: str) -> None:
     """Log-log ROC of every method with both classes among its finite scores (``mia.report.plot_roc``)."""
-    from mia.report import plot_roc as _plot
-
     curves = {}
     for k, s in scores.items():
         ok = np.isfinite(s)
         if len(set(labels[ok].tolist())) == 2:
             curves[k] = (s[ok], labels[ok])
-    _plot(curves, path=path, title=title)
+    report.plot_roc(curves, path=path, title=title)
 
 
 def plot_lines(series: Mapping[str, tuple], path, *, xlabel: str, ylabel: str, title: str, xscale: str = "linear",
                hline: Optional[float] = 0.5, ncols: int = 1, panels: Optional[Mapping[str, Mapping]] = None):
     """Line plot with shaded bands. ``series``: {label: (x, y, lo, hi)} (lo/hi may be None); or ``panels``:
     {panel title: series} for one subplot per panel. Saved as PNG (Agg backend)."""
-    from mia.report import _plt
-
-    plt = _plt()
+    plt = report._plt()
     panels = dict(panels) if panels is not None else {title: series}
     n = len(panels)
     cols = min(ncols, n) if n > 1 else 1
@@ -838,8 +649,6 @@ def plot_lines(series: Mapping[str, tuple], path, *, xlabel: str, ylabel: str, t
             ax.axhline(hline, color="k", ls="--", lw=0.8)
         ax.set_xscale(xscale)
         if xscale == "log":  # decade labels only (minor labels overlap)
-            from matplotlib.ticker import NullFormatter
-
             ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -858,10 +667,6 @@ def plot_lines(series: Mapping[str, tuple], path, *, xlabel: str, ylabel: str, t
 
 
 def versions() -> dict:
-    import flax
-    import jax
-    import optax
-
     return {"python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__,
             "optax": optax.__version__, "numpy": np.__version__, "platform": platform.platform(),
             "devices": [str(d) for d in jax.devices()]}

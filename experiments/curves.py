@@ -25,7 +25,9 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from experiments.common import ExperimentError, plot_lines, read_scores, write_tables
+from mia.results import read_scores
+
+from experiments.common import ExperimentError, plot_lines, write_tables
 
 RECENCY_COLUMNS = ("model", "step", "method", "bin", "age_lo", "age_hi", "n_members", "auc", "auc_se", "auc_ci_low",
                    "auc_ci_high")

@@ -43,12 +43,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+import mia
 from mia.atomic import write_text
+from mia.data.splits import read_split
+from mia.metrics import metric_rows
 
 from experiments.common import (ExperimentError, SplitSizes, Timings, check_paths, check_suite_steps, check_token_ids,
-                                draw_testbed_split, experiment_parser, metric_rows, olmo_checkpoint, open_members,
-                                pick_members, run_blind_baselines, run_main, say_fn, score_attacks, select_attacks,
-                                sha_file, write_json, write_manifest, write_scores, write_tables)
+                                draw_testbed_split, experiment_parser, olmo_checkpoint, open_members,
+                                pick_members, run_blind_baselines, run_main, say_fn, score_split, select_attacks,
+                                sha_file, write_json, write_manifest, write_tables)
 
 SPLITS = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
 INITS = ("loss", "ref", "zlib", "mink", "minkpp")
@@ -186,14 +189,9 @@ def attack_list(have_ref: bool, shots: int) -> tuple:
     """([(label, name, params)], {label: reason skipped}) in the paper's row order."""
     specs = ["loss", "ref", "zlib", "mink:k=0.2", "minkpp:k=0.2", f"recall:n={shots}", "recall_avg"] + \
         [f"em_mia:init={i}" for i in INITS]
-    unavailable = {"mlm": "not used"}
-    if not have_ref:
-        unavailable["ref"] = "needs a reference model (--ref-model, or a smaller member of the testbed suite)"
-    run, skipped = select_attacks(",".join(specs), unavailable=unavailable)
-    if not have_ref:  # EM-MIA from Ref needs the reference model too
-        run = [a for a in run if a[0] != "em_mia:init=ref"]
-        skipped["em_mia:init=ref"] = skipped.get("ref", "needs a reference model")
-    return run, skipped
+    reasons = {"mlm": "not used",
+               "ref": "needs a reference model (--ref-model, or a smaller member of the testbed suite)"}
+    return select_attacks(",".join(specs), unavailable=["mlm"] + ([] if have_ref else ["ref"]), reasons=reasons)
 
 
 def display(label: str) -> str:
@@ -306,27 +304,23 @@ class Target:
 def evaluate(targets: Sequence[Target], split_paths: dict, prefix: list, shots: int, *, seed: int, bootstrap: int,
              out: Path, progress: bool, timings: Timings) -> tuple:
     """({model: {split: {label: metric row}}}, skipped, notes): every attack on every split for every model."""
-    from mia.data.splits import read_split
-    from mia.models import load
-    from mia.engine.batching import ScoringSettings
-
     results, skipped, notes, refs = {}, {}, [], {}
     for t in targets:
-        model = load(t.model_dir)
+        model = mia.load(t.model_dir)
         attacks, sk = attack_list(t.ref_dir is not None, shots)
         skipped.update({f"{t.name}: {k}": v for k, v in sk.items()})
         options = {}
         if t.ref_dir is not None:  # loaded once: every split shares the model and its compiled code
             if str(t.ref_dir) not in refs:
-                refs[str(t.ref_dir)] = load(t.ref_dir)
+                refs[str(t.ref_dir)] = mia.load(t.ref_dir)
             options["ref_model"] = refs[str(t.ref_dir)]
-        settings = ScoringSettings(cache_dir=t.cache_dir, progress=progress)
         results[t.name] = {}
         for s in SPLITS:
             examples = [dict(e) for e in read_split(split_paths[s]).examples] + [dict(e) for e in prefix]
             with timings(f"{t.name}:{s}"):
-                run = score_attacks(model, examples, attacks, settings, seed, progress, t.context, options)
-            skipped.update({f"{t.name} {s}: {k}": v for k, v in run.failed.items()})
+                run = score_split(model, examples, attacks, seed=seed, progress=progress, cache_dir=t.cache_dir,
+                                  max_length=t.context, ref_model=options.get("ref_model"))
+            skipped.update({f"{t.name} {s}: {k}": v for k, v in run.skipped.items()})
             for n in run.notes:
                 if n not in notes:
                     notes.append(n)
@@ -334,7 +328,7 @@ def evaluate(targets: Sequence[Target], split_paths: dict, prefix: list, shots: 
             results[t.name][s] = {r["method"]: {k: r.get(k) for k in ("auc", "auc_se", "tpr_at_1pct_fpr", "n",
                                                                       "n_nonfinite") if k in r} for r in rows}
             meta = {e["id"]: {k: e[k] for k in ("index", "step", "segment") if k in e} for e in examples}
-            write_scores(out / "scores" / t.name / f"{s}.jsonl", run, meta)
+            run.write(out / "scores" / t.name / f"{s}.jsonl", meta)
     return results, skipped, notes
 
 
@@ -496,7 +490,7 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
 
 def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonmember_steps, ref_model, step, eos,
                 batch_size, seq_len, seed, notes) -> tuple:
-    from mia.cli import default_cache_dir
+    from mia.file_hash import default_cache_dir
     from mia.models.hub import load_config
 
     ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)

@@ -1,5 +1,10 @@
 """mia: membership inference attacks on language models, in JAX/Flax.
 
+    import mia
+    model = mia.load("path/to/model")
+    run = mia.score(model, "data.jsonl", attacks="loss,mink:k=0.2,zlib")
+    print(run.metrics())
+
 Score convention everywhere: higher = more likely member. Labels: 1 = member, 0 = non-member.
 """
 import os as _os
@@ -10,3 +15,14 @@ _force_offline()  # local files only, whatever HF_*_OFFLINE say (mia.offline)
 _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 __version__ = "0.1.0"
+__all__ = ["load", "score", "ScoreRun"]
+
+
+def __getattr__(name):
+    # ``mia.load`` / ``mia.score`` import jax and the engine on first use, not on ``import mia``: the CLI's --help
+    # and ``mia plan --topology`` (which must set JAX_PLATFORMS before jax is imported) start without them.
+    if name in __all__:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'mia' has no attribute {name!r}")

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import time
-from pathlib import Path
-
-import numpy as np
 
 from . import validate as V
+from .blind.cli import add_blind_parser
+from .commands import add_compile_cache_flag, run_for_user
+from .data.cli import add_split_parser
+from .file_hash import default_cache_dir
 
 
 def _add_score_parser(sub) -> None:
@@ -70,98 +71,43 @@ def _add_score_parser(sub) -> None:
     p.set_defaults(func=cmd_score)
 
 
-def default_cache_dir() -> str:
-    from .file_hash import default_cache_dir as cache_root
-
-    return cache_root()
-
-
 def cmd_score(args) -> int:
+    """``mia score``: the flags checked, then ``mia.score``; process 0 writes ``--out`` and prints the metrics."""
+    # here, not at the top: the CLI's --help (and ``mia plan --topology``) start without jax and the engine
+    from . import api
     from .engine import distributed
-    from .attacks import AttackContext, assert_disjoint, parse_attacks
-    from .attacks.registry import get
-    from .data.examples import read_examples, tokenize_examples
-    from .models import load
-    from .engine.batching import ScoringSettings
 
-    attacks = parse_attacks(args.attacks)  # fail on a bad name before loading anything
-    check_attack_inputs(attacks, args)
+    if args.seq_tokens and not args.documents:
+        raise ValueError("--seq-tokens cuts documents into sequences: it needs --documents")
+    api.check_request(args.attacks, ref_model=args.ref_model, mlm=args.mlm)  # a bad name stops before any loading
     check_score_paths(args)  # every path before any work: a bad --out is not found after all the scoring
     group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
     distributed.initialize(group, timeout=args.init_timeout)  # before any other jax call
-    mesh = engine_mesh(args.mesh)
-    _, examples = read_examples(args.data, what="--data")
     scored = ("eval", "train") if args.documents else ("eval",)  # --documents: train documents are scored too
-    if args.seq_tokens and not args.documents:
-        raise ValueError("--seq-tokens cuts documents into sequences: it needs --documents")
+    examples = api.read_data(args.data, "--data", scored + api.LEARNED_PARTITIONS)
     if args.documents:
         for e in examples if args.seq_tokens else ():
             e.doc_id = e.id if e.doc_id is None else e.doc_id  # one line = one document unless doc_id says otherwise
         check_documents(examples, args.data)  # before the model is loaded
-    model = load(args.model, dtype=args.dtype, mesh=mesh, fsdp=None if mesh is None else not args.no_fsdp)
-    max_length = args.max_length if args.max_length is not None else model.max_length
-    if max_length > model.max_length:
-        raise ValueError(f"--max-length {max_length} exceeds the model context ({model.max_length})")
-    if args.seq_tokens and args.seq_tokens > model.max_length:
-        raise ValueError(f"--seq-tokens {args.seq_tokens} exceeds the model context ({model.max_length})")
-    data_notes: list[str] = []
-    whole = [e for e in examples if e.partition in scored] if args.seq_tokens else []
-    tokenize_examples(whole, model.tokenizer, None, args.skip_invalid, model.vocab_size, notes=data_notes)
-    whole_ids = {id(e) for e in whole}
-    tokenize_examples([e for e in examples if id(e) not in whole_ids], model.tokenizer, max_length,
-                      args.skip_invalid, model.vocab_size, notes=data_notes)
-    if args.seq_tokens:
-        from .documents import chunk_examples
-
-        examples = chunk_examples(examples, args.seq_tokens, scored)
-
-    partitions: dict = {}
-    for e in examples:
-        if e.partition not in scored:
-            partitions.setdefault(e.partition, []).append(e)
-    for name, path in (("prefix", args.prefix_data), ("member_prefix", args.member_prefix_data),
-                       ("calib", args.calib_data), ("train", args.train_data)):
-        if path:
-            _, extra = read_examples(path, what=f"--{name}-data")
-            tokenize_examples(extra, model.tokenizer, max_length, True, model.vocab_size, notes=data_notes)
-            partitions.setdefault(name, []).extend(e for e in extra if e.invalid is None)
-    evaluated = [e for e in examples if e.partition in scored and e.invalid is None]
-    if not evaluated:
-        raise ValueError(f"{args.data}: no valid examples in the evaluation partition")
+    model = api.load(args.model, dtype=args.dtype, mesh=args.mesh, fsdp=None if args.mesh is None else not args.no_fsdp)
+    run = api.score(model, examples, args.attacks, prefix=args.prefix_data, member_prefix=args.member_prefix_data,
+                    calib=args.calib_data, train=args.train_data, max_length=args.max_length,
+                    skip_invalid=args.skip_invalid, seq_tokens=args.seq_tokens, scored=scored, seed=args.seed,
+                    batch_tokens=args.batch_tokens, cache=not args.no_cache, cache_dir=args.cache_dir,
+                    progress=not args.no_progress, ref_model=args.ref_model, mlm=args.mlm,
+                    freq_corpus=args.freq_corpus)
     if args.documents:
-        check_documents(evaluated, args.data)  # again, without the lines --skip-invalid set aside
-    check_attack_inputs(attacks, args, partitions)  # before the first attack runs, not after the others
-    for name, part in partitions.items():
-        assert_disjoint(evaluated, part, f"partition {name!r}")
-
-    settings = ScoringSettings(token_budget=args.batch_tokens, progress=not args.no_progress,
-                               cache_dir=None if args.no_cache else (args.cache_dir or default_cache_dir()))
-    options = {"seed": args.seed, "ref_model": args.ref_model, "mlm": args.mlm, "max_length": max_length}
-    if args.freq_corpus:
-        from .data.freq_corpus import read_corpus
-
-        options["freq_corpus"] = read_corpus(args.freq_corpus, model.tokenizer, model.vocab_size)
-    ctx = AttackContext(model, evaluated, settings, partitions, options)
-    scores: dict[str, np.ndarray] = {}
-    timings = {}
-    for label, name, params in attacks:
-        t0 = time.perf_counter()
-        s = np.asarray(get(name).fn(ctx, **params), dtype=np.float64)
-        if s.shape != (len(evaluated),):
-            raise AssertionError(f"attack {name} returned shape {s.shape}, expected ({len(evaluated)},)")
-        scores[label] = s
-        timings[label] = time.perf_counter() - t0
-
-    if distributed.is_main() and args.documents:
-        report_documents(args, evaluated, scores, data_notes + ctx.notes)
-    elif distributed.is_main():  # every process holds every score; process 0 alone writes and prints
-        write_scores(args.out, examples, evaluated, scores)
-        for note in data_notes + ctx.notes:
-            print(f"note: {note}", file=sys.stderr)
-        labels = np.array([e.label if e.label is not None else -1 for e in evaluated])
-        if (labels >= 0).all() and len(set(labels.tolist())) == 2:
-            print(metrics_table(scores, labels, n_resamples=args.bootstrap, seed=args.seed))
-        print(f"wrote {len(evaluated)} scored example(s) to {args.out}", file=sys.stderr)
+        check_documents(run.examples, args.data)  # again, without the lines --skip-invalid set aside
+    if distributed.is_main():  # every process holds every score; process 0 alone writes and prints
+        if args.documents:
+            report_documents(args, run)
+        else:
+            run.write(args.out)
+            for note in run.notes:
+                print(f"note: {note}", file=sys.stderr)
+            if run.labelled:
+                print(run.metrics(n_resamples=args.bootstrap, seed=args.seed))
+            print(f"wrote {len(run.examples)} scored example(s) to {args.out}", file=sys.stderr)
     distributed.barrier("mia score: done")
     return 0
 
@@ -177,38 +123,24 @@ def check_documents(examples, data_path) -> None:
     check_train_documents({e.doc_id: e.label for e in examples if e.partition == "train"}, str(data_path))
 
 
-def report_documents(args, evaluated, scores: dict, notes: list) -> None:
-    """Document scores per attack (``mia.documents.fit_and_score_documents``): the metrics table over the evaluation
+def report_documents(args, run) -> None:
+    """Document scores per attack (``mia.documents.score_documents``): the metrics table over the evaluation
     documents on stdout, one JSONL line per evaluation document in ``args.out``."""
-    from .atomic import atomic_write
-    from .documents import fit_and_score_documents, group_by_document, values_per_document
+    from .documents import score_documents, write_document_scores
+    from .metrics import metric_rows
+    from .report import metrics_table
 
-    doc_ids, groups = group_by_document([e.doc_id for e in evaluated])
-    first = [evaluated[ix[0]] for ix in groups]
-    is_train = np.array([e.partition == "train" for e in first], bool)
-    labels = np.array([-1 if e.label is None else e.label for e in first])
-    doc_scores = {}
-    for label, s in scores.items():
-        values = values_per_document(s, groups)
-        doc_scores[label] = fit_and_score_documents(
-            [v for v, t in zip(values, is_train) if t], labels[is_train],
-            [v for v, t in zip(values, is_train) if not t], features=args.doc_features, n_bins=args.doc_bins,
-            classifier=args.doc_classifier, seed=args.seed)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(out) as f:
-        for r, i in enumerate(np.flatnonzero(~is_train)):
-            f.write(json.dumps({"doc_id": doc_ids[i], "label": first[i].label, "n_sequences": len(groups[i]),
-                                "scores": {k: _finite_or_none(v[r]) for k, v in doc_scores.items()}}) + "\n")
-    for note in notes:
+    docs = score_documents(run.examples, run.scores, features=args.doc_features, n_bins=args.doc_bins,
+                           classifier=args.doc_classifier, seed=args.seed)
+    write_document_scores(args.out, docs)
+    for note in run.notes:
         print(f"note: {note}", file=sys.stderr)
-    eval_labels = labels[~is_train]
-    print(f"document level: {int(is_train.sum())} train document(s), {int((~is_train).sum())} evaluation document(s); "
+    print(f"document level: {docs.n_train} train document(s), {len(docs.ids)} evaluation document(s); "
           f"features {args.doc_features}" + (f" ({args.doc_bins} bins)" if args.doc_features != "agg" else "")
           + f", classifier {args.doc_classifier}")
-    if (eval_labels >= 0).all() and len(set(eval_labels.tolist())) == 2:
-        print(metrics_table(doc_scores, eval_labels, n_resamples=args.bootstrap, seed=args.seed))
-    print(f"wrote {int((~is_train).sum())} scored document(s) to {args.out}", file=sys.stderr)
+    if (docs.labels >= 0).all() and len(set(docs.labels.tolist())) == 2:
+        print(metrics_table(metric_rows(docs.scores, docs.labels, docs.ids, args.bootstrap, args.seed)))
+    print(f"wrote {len(docs.ids)} scored document(s) to {args.out}", file=sys.stderr)
 
 
 def check_score_paths(args) -> None:
@@ -229,98 +161,61 @@ def check_score_paths(args) -> None:
         V.output_dir(default_cache_dir(), "the cache directory (MIA_CACHE_DIR or ~/.cache/mia)")
 
 
-def check_attack_inputs(attacks, args, partitions: dict | None = None) -> None:
-    """What the chosen attacks need from the command line: --ref-model / --mlm (always), and, once the data are read
-    (``partitions`` given), a non-empty learned-from partition for each ``prefix``/``calib``/``train`` need, member
-    prefix shots for ``member_prefix`` (conrecall: the member_prefix partition, else the train partition's members)
-    and a frequency corpus for ``freq`` (dcpdd: --freq-corpus, else the calib partition); the attacks check their
-    own minimum sizes."""
-    from .attacks.registry import AttackError, get
-
-    flags = {"prefix": "--prefix-data", "calib": "--calib-data", "train": "--train-data"}
-    for label, name, params in attacks:
-        needs = set(get(name).needs) | ({"ref"} if params.get("init") == "ref" else set())
-        if "ref" in needs and not args.ref_model:
-            raise AttackError(f"attack {label} needs a reference model: give --ref-model DIR (a local model directory)")
-        if "mlm" in needs and not args.mlm:
-            raise AttackError(f"attack {label} needs a masked language model: give --mlm DIR (a local BERT MLM "
-                              "directory)")
-        for need in needs & set(flags) if partitions is not None else ():
-            if not partitions.get(need):
-                raise AttackError(f"attack {label} needs '{need}' examples, got none (give {flags[need]} FILE or a "
-                                  f"split with a '{need}' partition)")
-        if partitions is not None:
-            check_member_prefix_and_freq(label, needs, params, args, partitions)
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="compile the scoring step ahead of time and say whether it fits in memory",
+                       description="Compile the scoring step on abstract parameters (nothing allocated) for the local "
+                                   "devices or a TPU topology and print per-device memory. The last line is JSON.")
+    p.add_argument("--model", required=True,
+                   help="model directory, config.json, or a named shape such as pythia-12b (the list: an unknown name "
+                        "prints it)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch", type=int, default=8, help="rows per step (global, over the mesh's data axis)")
+    p.add_argument("--length", type=int, default=2048, help="tokens per row")
+    p.add_argument("--mesh", default=None, help="e.g. data=1,model=8 (default: every device on data, params replicated)")
+    p.add_argument("--topology", default=None, help="TPU topology to compile for without a TPU, e.g. v5e:2x4 "
+                                                    "(needs the libtpu wheel)")
+    p.add_argument("--attack", default="stats", help="the step to plan: stats (the pass every attack shares) or "
+                                                      "mope[:n=10,chunk=2]")
+    p.add_argument("--device-memory", default=None, help="memory of one device, e.g. 80GiB (default: the TPU "
+                                                         "chip's HBM, or what the local device reports)")
+    p.set_defaults(func=cmd_plan)
 
 
-def check_member_prefix_and_freq(label: str, needs: set, params: dict, args, partitions: dict) -> None:
-    """The ``member_prefix`` need (conrecall's own shot selection, ``select_member_shots``, for its ``n``) and the
-    ``freq`` need, from the partitions read (see ``check_attack_inputs``)."""
-    from .attacks.conrecall import select_member_shots
-    from .attacks.registry import AttackError
-
-    if "member_prefix" in needs:
-        select_member_shots(partitions, max(1, int(params.get("n", 1))))
-    if "freq" in needs and not getattr(args, "freq_corpus", None) and not partitions.get("calib"):
-        raise AttackError(f"attack {label} needs a token-frequency corpus, got none (give --freq-corpus FILE, or "
-                          "--calib-data / a split with a 'calib' partition)")
+def _fmt(n) -> str:
+    return "unknown" if n is None else f"{n / 2 ** 30:8.2f} GiB"
 
 
-def engine_mesh(text):
-    """The Mesh asked for by ``--mesh`` (checked against the visible devices of every process), or None."""
-    if not text:
-        return None
-    import jax
+def cmd_plan(args) -> int:
+    """``mia plan``: ``mia.engine.plan.plan_scoring`` and its figures, one per line, then one JSON line."""
+    from .engine import plan, sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
 
-    from .engine.sharding import make_mesh, parse_mesh
-
-    return make_mesh(parse_mesh(text, len(jax.devices())))
-
-
-def write_scores(path, examples, evaluated, scores: dict) -> None:
-    """One line per example of the evaluation partition, input order; invalid ones keep their reason."""
-    row_of = {id(e): i for i, e in enumerate(evaluated)}
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from .atomic import atomic_write
-
-    with atomic_write(out) as f:
-        for e in examples:
-            if e.partition != "eval":
-                continue
-            line = {"id": e.id, "label": e.label, "n_tokens": e.n_tokens, "truncated": e.truncated}
-            if e.invalid is not None:
-                line["invalid"] = e.invalid
-                line["scores"] = None
-            else:
-                r = row_of[id(e)]
-                line["scores"] = {k: _finite_or_none(v[r]) for k, v in scores.items()}
-            f.write(json.dumps(line) + "\n")
-
-
-def _finite_or_none(x):
-    x = float(x)
-    return x if np.isfinite(x) else None
-
-
-def metrics_table(scores: dict, labels: np.ndarray, n_resamples: int = 1000, seed: int = 0) -> str:
-    from .metrics import summary_row
-
-    lines = [f"{'attack':<28} {'AUC':>7} {'AUC SE':>7} {'TPR@1%FPR':>10}", "-" * 55]
-    for name, s in scores.items():
-        ok = np.isfinite(s)
-        if not ok.any():
-            lines.append(f"{name:<28} no metrics: all {len(s)} scores are non-finite (NaN/inf)")
-            continue
-        if ok.sum() < len(s):
-            lines.append(f"{name:<28} {int((~ok).sum())} non-finite score(s); metrics on the rest")
-        if len(set(labels[ok].tolist())) < 2:
-            lines.append(f"{name:<28} no metrics: the finite scores are all of "
-                         f"{'members' if labels[ok][0] == 1 else 'non-members'}")
-            continue
-        r = summary_row(name, s[ok], labels[ok], n_resamples=n_resamples, seed=seed)
-        lines.append(f"{name:<28} {r['auc']:7.4f} {r['auc_se']:7.4f} {r['tpr_at_1pct_fpr']:10.4f}")
-    return "\n".join(lines)
+    if args.batch < 1 or args.length < 2:
+        raise plan.PlanError(f"--batch must be >= 1 and --length >= 2, got {args.batch} and {args.length}")
+    hf = plan.read_hf_config(args.model)
+    device_bytes = plan.parse_bytes(args.device_memory) if args.device_memory else None
+    devices = plan.topology_devices(args.topology) if args.topology else None
+    n_devices = len(devices) if devices is not None else plan.local_device_count()
+    axes = sharding.parse_mesh(args.mesh, n_devices) if args.mesh else None
+    attack, opts = plan.parse_plan_attack(args.attack)
+    r = plan.plan_scoring(hf, dtype=args.dtype, batch=args.batch, length=args.length, mesh_axes=axes, devices=devices,
+                     device_bytes=device_bytes, attack=attack, **opts)
+    where = f"TPU topology {args.topology}" if args.topology else "local devices"
+    step = "token stats" if attack == "stats" else f"MoPe (n={opts['mope_n']}, chunk={opts['mope_chunk']})"
+    print(f"mia plan: {args.model} {args.dtype}, {step} of {args.batch} x {args.length}, {r.devices} x "
+          f"{r.device_kind} ({where}), mesh {','.join(f'{k}={v}' for k, v in r.mesh.items())}")
+    print(f"  parameters per device     {_fmt(r.params_bytes)}")
+    print(f"  XLA arguments / temps     {_fmt(r.argument_bytes)} / {_fmt(r.temp_bytes).strip()}")
+    print(f"  peak per device           {_fmt(r.peak_bytes)}   ({r.peak_source})")
+    if r.group_bytes is not None:
+        print(f"  largest perturbed group   {_fmt(r.group_bytes)}   (MoPe holds at most chunk copies at once)")
+    print(f"  device memory             {_fmt(r.device_bytes)}")
+    verdict = {True: "fits", False: "does NOT fit", None: "unknown (give --device-memory)"}[r.fits]
+    print(f"  verdict                   {verdict}")
+    if not args.topology and r.device_kind.lower() == "cpu" and args.dtype != "float32":
+        print("  note: XLA:CPU's memory analysis is not representative of bf16/fp16 on accelerators; "
+              "use --topology for TPUs, or read this as an estimate")
+    print(json.dumps(r.to_json(), sort_keys=True))
+    return 0 if r.fits is not False else 1
 
 
 def cmd_attacks(args) -> int:
@@ -340,49 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_score_parser(sub)
     a = sub.add_parser("attacks", help="list registered attacks and their parameters")
     a.set_defaults(func=cmd_attacks)
-    for module, fn in (("mia.data.cli", "add_split_parser"), ("mia.blind.cli", "add_blind_parser"),
-                       ("mia.engine.plan", "add_plan_parser")):
-        try:
-            mod = __import__(module, fromlist=[fn])
-        except ImportError:
-            continue
-        getattr(mod, fn)(sub)
+    add_split_parser(sub)
+    add_blind_parser(sub)
+    _add_plan_parser(sub)
     return parser
-
-
-USER_ERRORS = (ValueError, FileNotFoundError, KeyError)  # raised with a one-line message about the user's input
-
-
-def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-compile-cache", action="store_true",
-                        help="do not use the persistent XLA compilation cache (<cache dir>/xla; also MIA_COMPILE_CACHE=0)")
-
-
-def run_for_user(fn, *, debug: bool = False, on_interrupt: str = "interrupted", compile_cache: bool = True):
-    """(exit status, result) of ``fn()``: a user-input error prints one ``error: ...`` line and gives status 2
-    (``debug`` re-raises it with its traceback); Ctrl-C prints ``on_interrupt`` and gives 130.
-
-    Every entry point runs through here, so this also turns on the persistent compilation cache
-    (``mia.engine.compile_cache``; off with ``compile_cache=False`` or ``MIA_COMPILE_CACHE=0``).
-    """
-    from .engine.compile_cache import enable_compile_cache
-
-    enable_compile_cache(enabled=compile_cache)
-    try:
-        return 0, fn()
-    except USER_ERRORS as e:
-        if debug:
-            raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr)
-        return 2, None
-    except KeyboardInterrupt:
-        print(on_interrupt, file=sys.stderr)
-        return 130, None
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "topology", None) and "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the topology; do not look for a local TPU
     status, result = run_for_user(lambda: args.func(args), debug=args.debug, compile_cache=not args.no_compile_cache,
                                   on_interrupt="interrupted; finished batches are cached and will be reused")
     return status or int(result or 0)

@@ -28,9 +28,14 @@ classifier is trained once on the ``train`` documents and scored on the held-out
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import json
+from pathlib import Path
+from typing import Mapping, Sequence
 
 import numpy as np
+
+from .atomic import atomic_write
 
 FEATURES = ("hist", "agg", "both")
 CLASSIFIERS = ("rf", "lr")
@@ -165,8 +170,6 @@ def chunk_tokens(tokens: np.ndarray, seq_tokens: int) -> list[np.ndarray]:
 def chunk_examples(examples: Sequence, seq_tokens: int, partitions: Sequence[str] = ("eval", "train")) -> list:
     """Each valid example of ``partitions`` replaced by its ``chunk_tokens`` pieces, in order: ids ``<id>#<k>``
     (k from 0), the same doc_id, label, partition and source; other examples as they are."""
-    import dataclasses
-
     out = []
     for e in examples:
         if e.partition not in partitions or e.invalid is not None:
@@ -206,3 +209,51 @@ def check_train_documents(labels_by_doc: dict, where: str) -> None:
         kind = "members (label 1)" if classes == {1} else "non-members (label 0)"
         raise DocumentError(f"{where}: the {len(labels_by_doc)} train document(s) are all {kind}; the classifier needs "
                             "both members and non-members")
+
+
+@dataclasses.dataclass
+class DocumentScores:
+    """Document-level scores of the evaluation documents: ``ids`` [D], ``labels`` [D] (-1 unlabelled),
+    ``n_sequences`` [D], ``scores`` {attack label: [D] P(member)}; ``n_train`` documents trained the classifier."""
+
+    ids: list
+    labels: np.ndarray
+    n_sequences: list
+    scores: dict
+    n_train: int
+
+
+def score_documents(examples: Sequence, scores: Mapping[str, np.ndarray], *, features: str = "hist",
+                    n_bins: int = DEFAULT_BINS, classifier: str = "rf", seed: int = 0) -> DocumentScores:
+    """Sequence scores of ``examples`` (records with ``doc_id``, ``partition`` "train"/"eval", ``label``) grouped by
+    document; per attack, a classifier trained on the train documents scores the eval ones
+    (``fit_and_score_documents``). Documents in order of first appearance."""
+    doc_ids, groups = group_by_document([e.doc_id for e in examples])
+    first = [examples[ix[0]] for ix in groups]
+    is_train = np.array([e.partition == "train" for e in first], bool)
+    labels = np.array([-1 if e.label is None else e.label for e in first])
+    doc_scores = {}
+    for label, s in scores.items():
+        values = values_per_document(np.asarray(s), groups)
+        doc_scores[label] = fit_and_score_documents(
+            [v for v, t in zip(values, is_train) if t], labels[is_train],
+            [v for v, t in zip(values, is_train) if not t], features=features, n_bins=n_bins,
+            classifier=classifier, seed=seed)
+    keep = np.flatnonzero(~is_train)
+    return DocumentScores([doc_ids[i] for i in keep], labels[keep], [len(groups[i]) for i in keep], doc_scores,
+                          int(is_train.sum()))
+
+
+def write_document_scores(path, docs: DocumentScores) -> Path:
+    """One JSONL line per evaluation document: ``{"doc_id", "label", "n_sequences", "scores"}`` (null for a
+    non-finite score)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as f:
+        for r, doc in enumerate(docs.ids):
+            label = None if docs.labels[r] < 0 else int(docs.labels[r])
+            scores = {k: (float(v[r]) if np.isfinite(v[r]) else None) for k, v in docs.scores.items()}
+            f.write(json.dumps({"doc_id": doc, "label": label, "n_sequences": docs.n_sequences[r],
+                                "scores": scores}) + "\n")
+    return path
+

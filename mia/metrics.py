@@ -228,6 +228,34 @@ def summary_row(method: str, scores, labels, n_resamples: int = 1000, seed: int 
     return row
 
 
+def metric_rows(scores, labels, ids=None, n_resamples: int = 1000, seed: int = 0, kind: str = "attack",
+                **extra) -> list[dict]:
+    """One ``summary_row`` per method of ``scores`` ({method: [N]}), on its finite scores; ``n_nonfinite`` counts
+    the NaN/inf ones dropped (present only when some were). A method whose finite scores lack members or
+    non-members gets a row with ``note`` saying why and no metrics. ``kind`` and ``extra`` go into every row."""
+    labels = np.asarray(labels)
+    rows = []
+    for name, s in scores.items():
+        s = np.asarray(s, np.float64)
+        ok = np.isfinite(s)
+        base = {"method": name, "kind": kind, **extra}
+        if not ok.any():
+            rows.append({**base, "n_nonfinite": int(len(s)), "note": f"all {len(s)} scores are non-finite (NaN/inf)"})
+            continue
+        present = set(labels[ok].tolist())
+        if len(present) < 2:
+            which = "members" if present == {1} else "non-members"
+            rows.append({**base, "n_nonfinite": int((~ok).sum()), "note": f"the finite scores are all of {which}"})
+            continue
+        r = summary_row(name, s[ok], labels[ok], n_resamples=n_resamples, seed=seed,
+                        ids=None if ids is None else [i for i, k in zip(ids, ok) if k])
+        r.update({"kind": kind, **extra})
+        if (~ok).any():
+            r["n_nonfinite"] = int((~ok).sum())
+        rows.append(r)
+    return rows
+
+
 def bonferroni_significant(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
     """Which of m tests are significant at family-wise level ``alpha`` (p < alpha / m)."""
     m = max(len(p_values), 1)

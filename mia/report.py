@@ -103,14 +103,44 @@ def latex(rows: Sequence[Mapping], columns: Optional[Sequence[str]] = None, capt
     return "\n".join(out) + "\n"
 
 
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
+def json_safe(obj):
+    """``obj`` with NumPy scalars/arrays as Python values and NaN/inf as None (JSON has no NaN), recursively."""
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return json_safe(obj.tolist())
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    return obj
+
+
+def write_json(path, obj) -> Path:
+    """Atomic, deterministic JSON (keys in insertion order, 2-space indent, NaN as null, other objects as str)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(json_safe(obj), indent=2, default=str) + "\n")
+    return path
+
+
+def metrics_table(rows: Sequence[Mapping]) -> str:
+    """``mia.metrics.metric_rows`` as a plain-text table: AUC, its bootstrap SE, TPR at 1% and 0.1% FPR; a method
+    without metrics gets its reason, and dropped non-finite scores are counted on their own line."""
+    head = f"{'attack':<28} {'AUC':>7} {'AUC SE':>7} {'TPR@1%FPR':>10} {'TPR@0.1%FPR':>12}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        name = str(r["method"])
+        if "auc" not in r:
+            lines.append(f"{name:<28} no metrics: {r.get('note', 'no scores')}")
+            continue
+        if r.get("n_nonfinite"):
+            lines.append(f"{name:<28} {r['n_nonfinite']} non-finite score(s); metrics on the rest")
+        se = "" if r.get("auc_se") is None else f"{r['auc_se']:7.4f}"
+        lines.append(f"{name:<28} {r['auc']:7.4f} {se:>7} {r['tpr_at_1pct_fpr']:10.4f} {r['tpr_at_0.1pct_fpr']:12.4f}")
+    return "\n".join(lines)
 
 
 def write_tables(rows: Sequence[Mapping], out_dir, stem: str = "results", columns: Optional[Sequence[str]] = None,
@@ -122,7 +152,7 @@ def write_tables(rows: Sequence[Mapping], out_dir, stem: str = "results", column
     write_text(paths["md"], markdown(rows, columns, title) + (("\n" + extra_markdown) if extra_markdown else ""))
     write_text(paths["csv"], csv_text(rows))
     write_text(paths["tex"], latex(rows, columns, caption=title))
-    write_text(paths["json"], json.dumps({"rows": list(rows), **(extra_json or {})}, indent=2, default=_json_default))
+    write_text(paths["json"], json.dumps(json_safe({"rows": list(rows), **(extra_json or {})}), indent=2, default=str))
     return paths
 
 

@@ -2,7 +2,7 @@
 
 Every reader takes the value, ``where`` (the file:line, field or option it came from, named in the message) and
 ``error`` (the one-line user error type of the caller: ``DataError``, ``ConfigError``, ``CheckpointError``,
-``AttackError`` ..., all ``ValueError`` subclasses that ``mia.cli.run_for_user`` prints as ``error: ...`` with exit
+``AttackError`` ..., all ``ValueError`` subclasses that ``mia.commands.run_for_user`` prints as ``error: ...`` with exit
 status 2). A reader returns the value in its canonical type or raises; nothing past the edge sees a bad value.
 
 Groups:
@@ -82,8 +82,13 @@ def text(value, where: str, *, choices: Optional[Iterable[str]] = None, error=In
 
 
 def token_ids(value, where: str, *, error=InputError) -> np.ndarray:
-    """A JSON list of token ids -> int32 array; every id an integer in [0, 2**31 - 1] (the vocabulary bound is
+    """A JSON list (or a 1-D integer array) of token ids -> int32 array; every id an integer in [0, 2**31 - 1] (the vocabulary bound is
     checked once the model is known: ``mia.data.examples.out_of_vocab``)."""
+    if isinstance(value, np.ndarray) and value.ndim == 1 and (value.dtype.kind in "iu" or value.size == 0):
+        if value.size and (int(value.min()) < 0 or int(value.max()) > INT32_MAX):
+            i = int(np.argmax((value < 0) | (value > INT32_MAX)))
+            raise error(f"{where}[{i}] = {int(value[i])} is not a token id (0 <= id <= {INT32_MAX})")
+        return value.astype(np.int32)
     if not isinstance(value, list):
         raise error(f"{where} must be a list of token ids, got {_kind(value)}")
     for i, t in enumerate(value):

@@ -136,13 +136,17 @@ def test_batching_invariance(name, params):
         np.testing.assert_allclose(alone, batch[i:i + 1], rtol=1e-6, atol=1e-7)
 
 
-def test_mink_second_batch_of_another_length_does_not_recompile(monkeypatch):
-    counted = jax.jit(chex.assert_max_traces(mink_mod._min_k, n=1), static_argnames=("k",))
-    monkeypatch.setattr(mink_mod, "min_k", counted)
+def test_mink_second_batch_of_another_length_does_not_recompile():
+    pure = get("mink").pure
+    assert pure is mink_mod.min_k  # the registered object is the pure jitted function
     a, sa = make_examples(seed=4, lengths=(20, 25, 19))
     b, sb = make_examples(seed=5, lengths=(30, 17, 9, 12))  # other size and max length, same power-of-two buckets
     get("mink").fn(ctx_with(a, sa), k=0.3)
+    compiled = pure._cache_size()
     get("mink").fn(ctx_with(b, sb), k=0.3)
+    assert pure._cache_size() == compiled
+    get("mink").fn(ctx_with(b[:1], sb[:1]), k=0.3)  # another row bucket: one more program
+    assert pure._cache_size() == compiled + 1
 
 
 def test_bad_parameters_list_the_valid_ones():

@@ -655,11 +655,13 @@ def test_long_line_is_cut_before_tokenizing(tiny_neox_dir, tmp_path, capsys):
 
 
 def test_all_nan_score_column_is_named_not_misreported():
-    from mia.cli import metrics_table
+    from mia.metrics import metric_rows
+    from mia.report import metrics_table
 
     labels = np.array([1, 0, 1, 0, 1, 0])
-    table = metrics_table({"good": np.array([3., 1., 4., 1., 5., 0.]), "broken": np.full(6, np.nan),
-                           "half": np.array([np.nan, 1., np.nan, 2., np.nan, 3.])}, labels, n_resamples=20)
+    table = metrics_table(metric_rows({"good": np.array([3., 1., 4., 1., 5., 0.]), "broken": np.full(6, np.nan),
+                                       "half": np.array([np.nan, 1., np.nan, 2., np.nan, 3.])}, labels,
+                                      n_resamples=20))
     rows = {l.split()[0]: l for l in table.splitlines()[2:]}
     assert "all 6 scores are non-finite" in rows["broken"]
     assert "need both" not in table

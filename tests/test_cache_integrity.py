@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mia.engine.cache as cache_mod
 import mia.engine.loop as sc
 from mia.atomic import atomic_write
 from mia.file_hash import file_sha256
@@ -117,7 +118,7 @@ def test_edited_checkpoint_or_other_dtype_is_never_served_from_the_cache(ckpt, t
     keys.add(sc.cache_namespace(m2))
     monkeypatch.delenv("MIA_ATTENTION")
     keys.add(sc.cache_namespace(m2, "other attack parameters"))
-    monkeypatch.setattr(sc, "STATS_VERSION", "999")
+    monkeypatch.setattr(cache_mod, "STATS_VERSION", "999")
     keys.add(sc.cache_namespace(m2))
     assert len(keys) == 7
 

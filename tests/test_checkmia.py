@@ -114,7 +114,7 @@ def test_main_job_default_attacks_skip_what_the_testbed_lacks():
         "neighbor": "needs a masked language model (--mlm), which this experiment does not have",
         "em_mia": pairwise, "recall_avg": pairwise,
         "camia": budget + "~0.2 s per example", "camia_lr": budget + "CAMIA signals of the train partition",
-        "samia": budget + "10 sampled continuations per example", "samia_zlib": budget + "the same 10 samples",
+        "samia": budget + "10 sampled continuations per example", "samia_zlib": budget + "10 sampled continuations per example",
         "pac": budget + "10 augmented copies of every example"}
     assert set(skipped) == set(expected)
     for name, reason in expected.items():

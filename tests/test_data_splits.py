@@ -10,7 +10,7 @@ import pytest
 from mia.data import pythia
 from mia.data.cli import add_split_parser
 from mia.data.indexed import IndexedDataset, write_indexed
-from mia.data.splits import (SplitError, assert_disjoint, assign_partitions, check_split, parse_partitions,
+from mia.data.splits import (SplitError, assign_partitions, check_split, parse_partitions,
                              read_split, write_split)
 
 B, L, STEPS = 4, 6, 12  # 48 rows
@@ -143,15 +143,19 @@ def test_partitions_disjoint_seeded_and_checked():
         assign_partitions(ex, "train=9", seed=0)
 
 
-def test_assert_disjoint_by_id_and_content():
+def test_assert_disjoint_by_id_tokens_and_text():
+    from mia.attacks import AttackError, assert_disjoint
+
     ev = [{"id": "a", "tokens": [1, 2]}, {"id": "b", "tokens": [3, 4]}, {"id": "c", "text": "hello"}]
-    assert_disjoint(ev, [{"id": "x", "tokens": [9]}, {"id": "y", "text": "other"}])
-    with pytest.raises(SplitError, match=r"also used as ReCaLL prefix: b \(same id\)"):
-        assert_disjoint(ev, [{"id": "b", "tokens": [7]}])
-    with pytest.raises(SplitError, match=r"a \(same tokens as CAMIA calibration example z\)"):
-        assert_disjoint(ev, [{"id": "z", "tokens": [1, 2]}], what="CAMIA calibration")
-    with pytest.raises(SplitError, match=r"c \(same text as"):
-        assert_disjoint(ev, [{"id": "t", "text": "hello"}])
+    assert_disjoint(ev, [{"id": "x", "tokens": [9]}, {"id": "y", "text": "other"}], "prefix")
+    with pytest.raises(AttackError, match=r"ReCaLL prefix overlaps the evaluated examples \(1\): b$"):
+        assert_disjoint(ev, [{"id": "b", "tokens": [7]}], "ReCaLL prefix")
+    with pytest.raises(AttackError, match=r"\(1\): a$"):
+        assert_disjoint(ev, [{"id": "z", "tokens": [1, 2]}], "CAMIA calibration")
+    with pytest.raises(AttackError, match=r"\(1\): c$"):
+        assert_disjoint(ev, [{"id": "t", "text": "hello"}], "prefix")
+    with pytest.raises(AttackError, match=r"\(2\): a, c$"):  # tokens and text under other ids at once
+        assert_disjoint(ev, [{"id": "t", "text": "hello"}, {"id": "u", "tokens": [1, 2], "text": "x"}], "prefix")
 
 
 # ------------------------------------------------------------------------------------------------ check

@@ -109,7 +109,7 @@ def test_topology_compiles_for_tpu_and_refuses_unknown_names(run_plan):
 
 
 def test_mope_plan_reports_its_perturbed_group():
-    from mia.engine.plan import parse_attack
+    from mia.engine.plan import parse_plan_attack as parse_attack
 
     assert parse_attack("mope:n=4,chunk=2") == ("mope", {"mope_n": 4, "mope_chunk": 2})
     with pytest.raises(PlanError):

@@ -298,7 +298,9 @@ def group_pca_lr_scores(f_train: np.ndarray, y_train: np.ndarray, f_eval: np.nda
     return score
 
 
-@register("camia", needs=("stats", "model", "text", "calib"), method="edgington", min_calib=MIN_CALIB_FLOOR,
+@register("camia", needs=("stats", "model", "text", "calib"), cost="heavy",
+          cost_note="~0.2 s per example on 2 CPU cores (75 context-aware signals incl. repeated-text passes)",
+          method="edgington", min_calib=MIN_CALIB_FLOOR,
           diversity="low", orient="label_free",
           limits={"method": METHODS, "min_calib": Range(MIN_CALIB_FLOOR), "diversity": ("low", "high"),
                   "orient": ORIENTS})
@@ -322,7 +324,8 @@ def _camia(ctx, *, method: str, min_calib: int, diversity: str, orient: str = "l
     return pvalue_scores(f_eval, f_cal, method)
 
 
-@register("camia_lr", needs=("stats", "model", "text", "train"), components=2, diversity="low", orient="label_free",
+@register("camia_lr", needs=("stats", "model", "text", "train"), cost="heavy",
+          cost_note="CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores", components=2, diversity="low", orient="label_free",
           limits={"components": Range(1, 3), "diversity": ("low", "high"), "orient": ORIENTS})
 def _camia_lr(ctx, *, components: int, diversity: str, orient: str = "label_free") -> np.ndarray:
     """CAMIA signals -> per-group PCA -> logistic regression trained on labelled --train-data (higher = member)."""

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..engine.batching import pow2_ceil
+
 Cut = Union[int, str, None]
 T_STAR = "T*"
 
@@ -193,12 +195,11 @@ original_keys = jax.jit(_original_keys)
 # ------------------------------------------------------------------------------------------------ host helpers
 def pad_rows(rows: Sequence[np.ndarray], dtype=np.float32, min_len: int = 16,
              n_rows: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
-    """Variable-length rows -> ([n_rows or pow2(N), pow2(max len)] zero-padded array, lengths; padded rows have 0)."""
-    from .mink import pow2
-
+    """Variable-length rows -> ([n_rows or pow2_ceil(N), pow2_ceil(max len)] zero-padded array, lengths; padded rows
+    have 0)."""
     n = len(rows)
-    width = pow2(max((len(r) for r in rows), default=1), min_len)
-    n_rows = n_rows or pow2(n)
+    width = pow2_ceil(max((len(r) for r in rows), default=1), min_len)
+    n_rows = n_rows or pow2_ceil(n)
     out = np.zeros((n_rows, width), dtype)
     lens = np.zeros(n_rows, np.int32)
     for i, r in enumerate(rows):

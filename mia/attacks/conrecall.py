@@ -65,6 +65,12 @@ def select_member_shots(partitions: dict, n: int) -> tuple[str, list]:
     return source, shots[:n]
 
 
+def _check_member_shots(params: dict, inputs) -> None:
+    """Enough member shots for ``n`` (``select_member_shots``), once the partitions are known."""
+    if inputs.partitions is not None:
+        select_member_shots(inputs.partitions, max(1, int(params.get("n", 1))))
+
+
 def member_shots(ctx, n: int) -> list:
     """The first n member shots (``select_member_shots``), with a note saying where they came from."""
     source, shots = select_member_shots(ctx.partitions, n)
@@ -72,7 +78,8 @@ def member_shots(ctx, n: int) -> list:
     return shots
 
 
-@register("conrecall", needs=("model", "stats", "prefix", "member_prefix"), n=12, gamma=1.0,
+@register("conrecall", needs=("model", "stats", "prefix", "member_prefix"), check_inputs=_check_member_shots, n=12,
+          gamma=1.0,
           limits={"n": Range(1), "gamma": Range(0)})
 def _conrecall(ctx, *, n: int = 12, gamma: float = 1.0) -> np.ndarray:
     """Con-ReCaLL: (LL(x|non-member prefix) - gamma LL(x|member prefix)) / LL(x) (higher = member). Wang et al. 2024."""

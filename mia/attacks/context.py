@@ -6,7 +6,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..data.examples import Example
 from ..engine.batching import ScoringSettings
 from ..engine.loop import compute_token_stats
 from ..engine.stats import pad_stats
@@ -80,12 +79,28 @@ class AttackContext:
         return np.array([-1 if e.label is None else e.label for e in self.examples])
 
 
+def _field(e, name: str):
+    return e.get(name) if isinstance(e, dict) else getattr(e, name, None)
+
+
+def disjointness_keys(e) -> list:
+    """What makes two examples the same for disjointness: the id, the token ids, the text (those present)."""
+    keys = [("id", str(_field(e, "id")))]
+    tokens = _field(e, "tokens")
+    if tokens is not None:
+        keys.append(("tokens", np.asarray(tokens, np.int64).tobytes()))
+    text = _field(e, "text")
+    if text is not None:
+        keys.append(("text", text))
+    return keys
+
+
 def assert_disjoint(evaluated: list, learned: list, what: str) -> None:
-    """Refuse to evaluate examples that an attack learns from (same id or same token sequence)."""
-    ids = {e.id for e in evaluated}
-    toks = {e.tokens.tobytes(): e.id for e in evaluated if e.tokens is not None}
-    clash = sorted({e.id for e in learned if e.id in ids} |
-                   {toks[e.tokens.tobytes()] for e in learned if e.tokens is not None and e.tokens.tobytes() in toks})
+    """Refuse to evaluate examples that an attack learns from: the same id, the same token ids or the same text.
+    The one disjointness rule of mia (``mia.score`` applies it to every learned-from partition, attacks to the
+    prefixes they build). ``AttackError`` names the evaluated examples that clash."""
+    learned_keys = {k for e in learned for k in disjointness_keys(e)}
+    clash = sorted({str(_field(e, "id")) for e in evaluated if any(k in learned_keys for k in disjointness_keys(e))})
     if clash:
         shown = ", ".join(clash[:10]) + (" ..." if len(clash) > 10 else "")
         raise AttackError(f"{what} overlaps the evaluated examples ({len(clash)}): {shown}")

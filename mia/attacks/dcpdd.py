@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .mink import pad_batch
 from .recall import memo
 from ..validate import Range
+from ..engine.batching import pad_pow2
 from .registry import AttackError, register
 
 FREQ_MAX_TOKENS = 1024
@@ -102,6 +102,6 @@ def _dcpdd(ctx, *, a: float) -> np.ndarray:
     for i, t in enumerate(targets):
         neg_log_f[i, :len(t)] = -np.log(freq[t])
         first[i, :len(t)] = first_occurrences(t)
-    padded, n = pad_batch({"logprob": p["logprob"], "neg_log_freq": neg_log_f, "first": first, "mask": p["mask"]})
+    padded, n = pad_pow2({"logprob": p["logprob"], "neg_log_freq": neg_log_f, "first": first, "mask": p["mask"]})
     return np.asarray(dcpdd_scores(padded["logprob"], padded["neg_log_freq"], padded["first"], np.float32(a)),
                       np.float64)[:n]

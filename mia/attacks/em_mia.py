@@ -30,7 +30,7 @@ import numpy as np
 from ..engine.conditional import loglik_matrix
 from .fit import add_note, context_length, prefix_room
 from .recall import fitted_targets, memo
-from .registry import AttackError, get, register
+from .registry import AttackError, check_attack_inputs, get, register
 from ..validate import Range
 
 INITS = ("loss", "zlib", "mink", "minkpp", "ref")
@@ -124,6 +124,15 @@ def recall_matrix(ctx) -> np.ndarray:
     return m["em_R"]
 
 
+_QUADRATIC = "pairwise N x N conditional likelihoods (O(N^2) model calls)"
+
+
+def _check_init(params: dict, inputs) -> None:
+    """The inputs of the attack that gives EM-MIA's initial scores (``init=ref`` needs a reference model)."""
+    init = params.get("init", "loss")
+    check_attack_inputs(f"em_mia (init={init})", init, dict(get(init).defaults), inputs)
+
+
 def initial_score(ctx, init: str) -> np.ndarray:
     if init not in INITS:
         raise AttackError(f"attack em_mia: init must be one of {', '.join(INITS)}; got {init!r}")
@@ -131,7 +140,8 @@ def initial_score(ctx, init: str) -> np.ndarray:
     return np.asarray(spec.fn(ctx, **spec.defaults), np.float64)
 
 
-@register("em_mia", needs=("model", "stats"), init="loss", iters=10, prefix_score="auc",
+@register("em_mia", needs=("model", "stats"), cost="quadratic", cost_note=_QUADRATIC, check_inputs=_check_init,
+          init="loss", iters=10, prefix_score="auc",
           limits={"init": INITS, "iters": Range(1), "prefix_score": PREFIX_SCORES})
 def _em_mia(ctx, *, init: str, iters: int, prefix_score: str) -> np.ndarray:
     """EM-MIA: prefix scores (AUC of R[p,:] vs median pseudo-labels; or kendall, rankdist) and membership f = -r,
@@ -142,7 +152,7 @@ def _em_mia(ctx, *, init: str, iters: int, prefix_score: str) -> np.ndarray:
     return em_mia_scores(recall_matrix(ctx), f0, iters=iters, prefix_score=prefix_score)
 
 
-@register("recall_avg", needs=("model", "stats"))
+@register("recall_avg", needs=("model", "stats"), cost="quadratic", cost_note=_QUADRATIC)
 def _recall_avg(ctx) -> np.ndarray:
     """ReCaLL-Avg: mean over every evaluated text p of LL(x|p)/LL(x) (higher = member). em-mia baseline."""
     return recall_matrix(ctx).mean(axis=0)

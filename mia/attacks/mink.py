@@ -4,8 +4,7 @@ For the T-1 token log-probs l_i of an example, take the k_n = max(1, floor(k * (
 Higher = member (the official Min-K%++ / ReCaLL / em-mia code; mimir and pandora return -mean, lower = member).
 ``max(1, .)`` is ours: with k * (T-1) < 1 the source takes an empty mean (NaN, or a division by zero in pandora).
 
-ALGORITHMS.md section 4. Shared here: the masked bottom-k mean (also used by Min-K%++) and the host-side padding of
-the batch to power-of-two shapes so that batches of other sizes reuse the compiled function.
+Definition: docs/algorithms.md, "Min-K%". Shared here: the masked bottom-k mean (also used by Min-K%++).
 """
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .registry import AttackError, register
 from ..validate import Range
+from .registry import AttackError, register_stats
 
 
 def k_count_table(k: float, length: int) -> np.ndarray:
@@ -40,39 +39,14 @@ def bottom_k_mean(values_bl: jax.Array, mask_bl: jax.Array, *, k: float) -> jax.
     return jnp.sum(jnp.where(take_bl, sorted_bl, 0.0), axis=1) / kn_b.astype(jnp.float32)
 
 
-def _min_k(logprob_bl: jax.Array, mask_bl: jax.Array, *, k: float = 0.2) -> jax.Array:
-    """Min-K%: [B, L] token log-probs, [B, L] bool mask -> [B] mean of the k_n lowest log-probs (higher = member)."""
+@register_stats("mink", stats=("logprob",), k=0.2, limits={"k": Range(0, 1, lo_open=True)})
+def min_k(logprob_bl: jax.Array, mask_bl: jax.Array, *, k: float = 0.2) -> jax.Array:
+    """Min-K%: [B, L] token log-probs, [B, L] bool mask -> [B] mean of the max(1, floor(k (T-1))) lowest log-probs
+    (higher = member). Shi et al. 2024."""
     return bottom_k_mean(logprob_bl.astype(jnp.float32), mask_bl, k=k)
-
-
-min_k = jax.jit(_min_k, static_argnames=("k",))
 
 
 def check_k(name: str, k: float) -> float:
     if not 0.0 < k <= 1.0:
         raise AttackError(f"attack {name}: k must be in (0, 1], got {k}")
     return float(k)
-
-
-def pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << (max(1, n) - 1).bit_length())
-
-
-def pad_batch(arrays: dict, min_len: int = 16) -> tuple[dict, int]:
-    """Pad every [N, L] array (and ``mask`` with False) to [pow2(N), pow2(L)]; returns (padded, N)."""
-    n, l = arrays["mask"].shape
-    rows, cols = pow2(n), pow2(l, min_len)
-    out = {}
-    for key, a in arrays.items():
-        out[key] = np.zeros((rows, cols), a.dtype)
-        out[key][:n, :l] = a
-    return out, n
-
-
-@register("mink", needs=("stats",), k=0.2, limits={"k": Range(0, 1, lo_open=True)})
-def _mink(ctx, *, k: float) -> np.ndarray:
-    """Min-K%: mean of the max(1, floor(k(T-1))) lowest token log-probs (higher = member). Shi et al. 2024."""
-    k = check_k("mink", k)
-    p = ctx.padded()
-    padded, n = pad_batch({"logprob": p["logprob"], "mask": p["mask"]})
-    return np.asarray(min_k(padded["logprob"], padded["mask"], k=k))[:n]

@@ -6,17 +6,16 @@ official code). The score is the mean of the k_n = max(1, floor(k (T-1))) smalle
 
 mu and sigma come from the shared scoring pass (``mean_logp``, ``std_logp``), so this attack costs no extra model call.
 pandora's variant (unweighted vocabulary mean and unbiased std of log p, +1e-8, negated) is NOT offered: it needs
-unweighted vocabulary moments, which the shared token stats do not hold. ALGORITHMS.md section 4.
+unweighted vocabulary moments, which the shared token stats do not hold. docs/algorithms.md, "Min-K%++".
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .mink import bottom_k_mean, check_k, pad_batch
-from .registry import register
 from ..validate import Range
+from .mink import bottom_k_mean
+from .registry import register_stats
 
 
 def z_scores(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Array) -> jax.Array:
@@ -24,21 +23,10 @@ def z_scores(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Ar
     return (logprob_bl - mean_logp_bl) / std_logp_bl
 
 
-def _min_k_plus_plus(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Array, mask_bl: jax.Array,
+@register_stats("minkpp", stats=("logprob", "mean_logp", "std_logp"), k=0.2, limits={"k": Range(0, 1, lo_open=True)})
+def min_k_plus_plus(logprob_bl: jax.Array, mean_logp_bl: jax.Array, std_logp_bl: jax.Array, mask_bl: jax.Array,
                     *, k: float = 0.2) -> jax.Array:
-    """Min-K%++: [B, L] log-probs, mu, sigma and mask -> [B] mean of the k_n lowest z-scores (higher = member)."""
+    """Min-K%++: [B, L] log-probs, mu, sigma and mask -> [B] mean of the max(1, floor(k (T-1))) lowest
+    z = (logp - mu) / sigma (higher = member). Zhang et al. 2024."""
     z = z_scores(logprob_bl.astype(jnp.float32), mean_logp_bl.astype(jnp.float32), std_logp_bl.astype(jnp.float32))
     return bottom_k_mean(z, mask_bl, k=k)
-
-
-min_k_plus_plus = jax.jit(_min_k_plus_plus, static_argnames=("k",))
-
-
-@register("minkpp", needs=("stats",), k=0.2, limits={"k": Range(0, 1, lo_open=True)})
-def _minkpp(ctx, *, k: float) -> np.ndarray:
-    """Min-K%++: mean of the max(1, floor(k(T-1))) lowest z = (logp - mu)/sigma (higher = member). Zhang et al. 2024."""
-    k = check_k("minkpp", k)
-    p = ctx.padded()
-    padded, n = pad_batch({s: p[s] for s in ("logprob", "mean_logp", "std_logp", "mask")})
-    return np.asarray(min_k_plus_plus(padded["logprob"], padded["mean_logp"], padded["std_logp"], padded["mask"],
-                                      k=k))[:n]

@@ -29,8 +29,9 @@ import numpy as np
 
 from ..engine.stats import pad_stats
 from ._texts import stats_or_none, target_ids
-from .mink import bottom_k_mean, check_k, pad_batch
+from .mink import bottom_k_mean, check_k
 from ..validate import Range
+from ..engine.batching import pad_pow2
 from .registry import AttackError, register
 
 AUGMENTATIONS = ("words", "tokens")
@@ -79,7 +80,7 @@ def pd_of_stats(stats: list, *, k_max: float, k_min: float) -> np.ndarray:
     if not stats:
         return np.zeros(0)
     p = pad_stats(stats, names=("logprob",))
-    padded, n = pad_batch({"logprob": p["logprob"], "mask": p["mask"]})
+    padded, n = pad_pow2({"logprob": p["logprob"], "mask": p["mask"]})
     return np.asarray(polarized_distance(padded["logprob"], padded["mask"], k_max=k_max, k_min=k_min), np.float64)[:n]
 
 
@@ -97,7 +98,8 @@ def augmented_sequences(ctx, *, n: int, alpha: float, augment: str) -> list:
     return [flat[i * n:(i + 1) * n] for i in range(len(texts))]
 
 
-@register("pac", needs=("stats", "model", "text"), n=10, alpha=0.3, k_max=0.05, k_min=0.3, augment="words",
+@register("pac", needs=("stats", "model", "text"), cost="heavy",
+          cost_note="10 augmented copies of every example at the default n=10, 10 extra scoring passes", n=10, alpha=0.3, k_max=0.05, k_min=0.3, augment="words",
           limits={"n": Range(1), "alpha": Range(0, 1, lo_open=True), "k_max": Range(0, 1, lo_open=True),
                   "k_min": Range(0, 1, lo_open=True), "augment": AUGMENTATIONS})
 def _pac(ctx, *, n: int, alpha: float, k_max: float, k_min: float, augment: str) -> np.ndarray:

@@ -1,14 +1,27 @@
-"""Attack registry: name -> (host function, what it needs, default hyperparameters).
+"""Attack registry: name -> the attack and every fact about it that the rest of mia needs.
 
-An attack is registered with::
+A stats attack is one pure function of the shared token statistics, registered with ``register_stats``::
 
-    @register("mink", needs=("stats",), k=0.2)
-    def _mink(ctx: AttackContext, *, k: float) -> np.ndarray:   # one score per evaluated example
+    @register_stats("mink", stats=("logprob",), k=0.2, limits={"k": Range(0, 1, lo_open=True)})
+    def min_k(logprob_bl, mask_bl, *, k):          # [B, L] arrays -> [B] scores, HIGHER = MORE LIKELY MEMBER
         ...
 
-and used as ``mia score --attacks mink:k=0.1``. Every attack returns float scores, HIGHER = MORE LIKELY MEMBER.
-The host function does I/O-free orchestration (it may ask ``ctx`` for token stats, the model, partitions);
-the math lives in pure JAX functions next to it.
+The decorator returns the jitted function itself (hyperparameters static), so ``min_k`` is what the design card
+promises: a pure, jit-compiled function of arrays. Any other attack is a host function of an ``AttackContext``::
+
+    @register("recall", needs=("model", "stats", "prefix"), cost="model", n=12)
+    def _recall(ctx: AttackContext, *, n: int) -> np.ndarray:    # one score per evaluated example
+        ...
+
+Either way the registration carries what the runner, the CLI, the experiments and the docs read:
+  ``needs``         the inputs (vocabulary below); a missing one stops the run before any model is loaded
+  ``cost``          ``COSTS``: "stats" (no model call beyond the shared pass), "model" (a few more passes),
+                    "heavy" (many passes per example), "quadratic" (N x N model calls); experiment presets skip the
+                    costly ones by this field, with ``cost_note`` as the reason
+  ``check_inputs``  ``fn(params, inputs: AttackInputs)`` raising ``AttackError``: the attack's own input rule beyond
+                    ``needs`` (e.g. Con-ReCaLL's member shots), checked before any model is loaded
+  ``limits``        param -> ``mia.validate.Range`` or a tuple of choices, checked when the attack is parsed
+and is used as ``mia score --attacks mink:k=0.1`` or ``mia.score(model, data, attacks="mink:k=0.1")``.
 
 ``needs`` vocabulary:
   stats    per-token statistics of the evaluated examples (one shared scoring pass; no extra model call)
@@ -27,11 +40,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import jax
 import numpy as np
 
+from ..engine.batching import pad_pow2
+
 NEEDS = ("stats", "model", "text", "prefix", "member_prefix", "calib", "train", "ref", "mlm", "freq")
+COSTS = ("stats", "model", "heavy", "quadratic")  # in increasing order
+NEED_DESCRIPTIONS = {  # what a missing need is called in messages: "needs <description>"
+    "ref": "a reference model (--ref-model)", "mlm": "a masked language model (--mlm)",
+    "prefix": "non-member prefix examples (--prefix-data or a 'prefix' partition)",
+    "member_prefix": "member prefix examples (--member-prefix-data or members of a 'train' partition)",
+    "calib": "calibration non-members (--calib-data or a 'calib' partition)",
+    "train": "labelled training examples (--train-data or a 'train' partition)",
+    "freq": "a token-frequency corpus (--freq-corpus or a 'calib' partition)"}
+_PARTITION_FLAGS = {"prefix": "--prefix-data", "calib": "--calib-data", "train": "--train-data"}
 
 
 class AttackError(ValueError):
@@ -39,56 +64,128 @@ class AttackError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class AttackInputs:
+    """What a run offers the attacks: the learned-from partitions (None before the data are read) and the options
+    (``ref_model``, ``mlm``, ``freq_corpus``: given or not)."""
+
+    partitions: Optional[dict] = None
+    ref_model: Any = None
+    mlm: Any = None
+    freq_corpus: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class AttackSpec:
     name: str
-    fn: Callable[..., np.ndarray]
+    fn: Callable[..., np.ndarray]  # host function: (ctx, **params) -> [N]
     needs: tuple
     defaults: dict
     doc: str
     limits: dict = dataclasses.field(default_factory=dict)  # param -> mia.validate.Range or a tuple of choices
+    cost: str = "stats"
+    cost_note: str = ""
+    check_inputs: Optional[Callable] = None  # (params, AttackInputs) -> None, raising AttackError
+    pure: Optional[Callable] = None  # register_stats: the jitted pure function of stats arrays
+    stats: tuple = ()  # register_stats: the stats it reads, in argument order (then the mask)
 
     def describe(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.defaults.items()) or "no parameters"
-        return f"{self.name} ({params}; needs {', '.join(self.needs)})"
+        return f"{self.name} ({params}; needs {', '.join(self.needs)}; cost {self.cost})"
 
 
 REGISTRY: dict[str, AttackSpec] = {}
 
 
-def register(name: str, *, needs: tuple = ("stats",), limits: dict | None = None, **defaults) -> Callable:
-    """Decorator registering ``fn(ctx, **params) -> np.ndarray [N]`` under ``name``.
+def _default_cost(needs) -> str:
+    return "model" if set(needs) & {"model", "ref", "mlm"} else "stats"
 
-    ``limits``: param -> ``mia.validate.Range`` (numeric interval) or a tuple of allowed strings, checked when the
-    ``--attacks`` text is parsed, before any model is loaded."""
+
+def register(name: str, *, needs: tuple = ("stats",), cost: Optional[str] = None, cost_note: str = "",
+             check_inputs: Optional[Callable] = None, limits: Optional[dict] = None, **defaults) -> Callable:
+    """Decorator registering ``fn(ctx, **params) -> np.ndarray [N]`` under ``name`` (see the module docstring)."""
     bad = [n for n in needs if n not in NEEDS]
     if bad:
         raise ValueError(f"unknown needs {bad}; valid: {NEEDS}")
+    cost = cost or _default_cost(needs)
+    if cost not in COSTS:
+        raise ValueError(f"unknown cost {cost!r}; valid: {COSTS}")
     unknown = [k for k in (limits or {}) if k not in defaults]
     if unknown:
         raise ValueError(f"limits for unknown parameters {unknown}")
 
     def wrap(fn):
         REGISTRY[name] = AttackSpec(name, fn, tuple(needs), dict(defaults), (fn.__doc__ or "").strip(),
-                                    dict(limits or {}))
+                                    dict(limits or {}), cost, cost_note, check_inputs)
         return fn
 
     return wrap
 
 
-def _load_builtin() -> None:
-    from . import _builtin  # noqa: F401  (imports every attack module, which registers itself)
+def register_stats(name: str, *, stats: tuple = ("logprob",), limits: Optional[dict] = None, **defaults) -> Callable:
+    """Decorator registering a pure function ``f(*[B, L] stats arrays, mask_bl, **params) -> [B]`` of the shared
+    token statistics (``stats`` names them, in argument order: ``mia.engine.stats.STAT_NAMES``). Returns
+    ``jax.jit(f)`` with the hyperparameters static; the registered host function pads the run's stats to
+    power-of-two shapes (so other batch sizes reuse the compiled function) and calls it."""
+    def wrap(fn):
+        jitted = jax.jit(fn, static_argnames=tuple(defaults))
+
+        def host(ctx, **params) -> np.ndarray:
+            params = check_params(name, params)
+            p = ctx.padded()
+            padded, n = pad_pow2({s: p[s] for s in (*stats, "mask")})
+            return np.asarray(jitted(*(padded[s] for s in stats), padded["mask"], **params), np.float64)[:n]
+
+        host.__doc__ = fn.__doc__
+        register(name, needs=("stats",), cost="stats", limits=limits, **defaults)(host)
+        REGISTRY[name] = dataclasses.replace(REGISTRY[name], pure=jitted, stats=tuple(stats))
+        return jitted
+
+    return wrap
 
 
 def available() -> list[str]:
-    _load_builtin()
     return sorted(REGISTRY)
 
 
 def get(name: str) -> AttackSpec:
-    _load_builtin()
     if name not in REGISTRY:
         raise AttackError(f"unknown attack {name!r}; available: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
+
+
+def missing_need(spec: AttackSpec, inputs: AttackInputs) -> Optional[str]:
+    """The first of ``spec.needs`` that ``inputs`` cannot provide (partition needs only once the partitions are
+    known), or None."""
+    given = {"ref": inputs.ref_model, "mlm": inputs.mlm}
+    for need in spec.needs:
+        if need in given and not given[need]:
+            return need
+        if inputs.partitions is None:
+            continue
+        if need in _PARTITION_FLAGS and not inputs.partitions.get(need):
+            return need
+        if need == "freq" and not inputs.freq_corpus and not inputs.partitions.get("calib"):
+            return need
+    return None
+
+
+def check_attack_inputs(label: str, name: str, params: dict, inputs: AttackInputs) -> None:
+    """Every input the attack needs is there (``needs``, then the attack's own ``check_inputs``), or one
+    ``AttackError`` naming the attack and what to give."""
+    spec = get(name)
+    need = missing_need(spec, inputs)
+    if need in ("ref", "mlm"):
+        what = "a reference model: give --ref-model DIR (a local model directory)" if need == "ref" else \
+            "a masked language model: give --mlm DIR (a local BERT MLM directory)"
+        raise AttackError(f"attack {label} needs {what}")
+    if need in _PARTITION_FLAGS:
+        raise AttackError(f"attack {label} needs '{need}' examples, got none (give {_PARTITION_FLAGS[need]} FILE or "
+                          f"a split with a '{need}' partition)")
+    if need == "freq":
+        raise AttackError(f"attack {label} needs a token-frequency corpus, got none (give --freq-corpus FILE, or "
+                          "--calib-data / a split with a 'calib' partition)")
+    if spec.check_inputs is not None:
+        spec.check_inputs(params, inputs)
 
 
 def _coerce(value: str, default: Any, where: str):
@@ -120,6 +217,41 @@ def _check_limit(value, limit, where: str):
             raise AttackError(f"{where}: must be one of {', '.join(map(str, limit))}; got {value!r}")
     else:
         limit.check(value, where, AttackError)
+
+
+def check_params(name: str, params: dict) -> dict:
+    """``params`` of attack ``name`` given as Python values: unknown names refused, defaults filled in, types and
+    ``limits`` checked (as ``parse_attack`` does for text)."""
+    spec = get(name)
+    unknown = [k for k in params if k not in spec.defaults]
+    if unknown:
+        raise AttackError(f"attack {name}: unknown parameter {unknown[0]!r}; valid parameters: "
+                          f"{', '.join(spec.defaults) or 'none'}")
+    out = dict(spec.defaults)
+    for key, value in params.items():
+        where = f"attack {name}, parameter {key}"
+        default = spec.defaults[key]
+        out[key] = _coerce(str(value), default, where) if isinstance(value, str) and not isinstance(default, str) \
+            else _typed(value, default, where)
+        if key in spec.limits:
+            _check_limit(out[key], spec.limits[key], where)
+    return out
+
+
+def _typed(value, default, where: str):
+    """A Python value of the default's type (an int where a float is expected is taken as a float)."""
+    if isinstance(default, bool):
+        ok = isinstance(value, (bool, np.bool_))
+    elif isinstance(default, int):
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
+            and math.isfinite(value)
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise AttackError(f"{where}: expected {type(default).__name__}, got {value!r}")
+    return type(default)(value)
 
 
 def parse_attack(text: str) -> tuple[str, dict]:

@@ -152,16 +152,18 @@ def sampled_candidates(ctx, *, n: int, top_k: int, temperature: float, prefix_ra
 _DEFAULTS = dict(n=10, top_k=50, temperature=1.0, prefix_ratio=0.5, max_length=PAPER_MAX_LENGTH)
 _LIMITS = dict(n=Range(1), top_k=Range(0), temperature=Range(0, lo_open=True),
                prefix_ratio=Range(0, 1, lo_open=True, hi_open=True), max_length=Range(2))  # checked at --attacks
+_COST = ("10 sampled continuations per example at the default n=10 (~0.14 s per example at context 64 on 2 CPU "
+         "cores, several times more at context 128)")
 
 
-@register("samia", needs=("model", "text"), limits=_LIMITS, **_DEFAULTS)
+@register("samia", needs=("model", "text"), cost="heavy", cost_note=_COST, limits=_LIMITS, **_DEFAULTS)
 def _samia(ctx, **params) -> np.ndarray:
     """SaMIA (Kaneko et al. 2024): mean ROUGE-1 recall of x's second half by n samples continuing its first half.
     Higher = member, as the source."""
     return samia_scores(*sampled_candidates(ctx, **params))
 
 
-@register("samia_zlib", needs=("model", "text"), limits=_LIMITS, **_DEFAULTS)
+@register("samia_zlib", needs=("model", "text"), cost="heavy", cost_note=_COST, limits=_LIMITS, **_DEFAULTS)
 def _samia_zlib(ctx, **params) -> np.ndarray:
     """SaMIA*zlib (Kaneko et al. 2024): mean over the n samples of ROUGE-1 x the sample's zlib-compressed bytes.
     Higher = member, as the source."""

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .mink import check_k, k_count_table, pad_batch
+from .mink import check_k, k_count_table
 from ..validate import Range
+from ..engine.batching import pad_pow2
 from .registry import AttackError, register
 
 EMPTY_SCORE = 0.0
@@ -60,7 +61,7 @@ def _surp_attack(ctx, *, k: float, max_entropy: float) -> np.ndarray:
     if not max_entropy > 0:
         raise AttackError(f"attack surp: max_entropy must be > 0 (nats), got {max_entropy}")
     p = ctx.padded()
-    padded, n = pad_batch({s: p[s] for s in ("logprob", "entropy", "mask")})
+    padded, n = pad_pow2({s: p[s] for s in ("logprob", "entropy", "mask")})
     score, count = surp_scores(padded["logprob"], padded["entropy"], padded["mask"], k=k, max_entropy=float(max_entropy))
     empty = int((np.asarray(count)[:n] == 0).sum())
     if empty:

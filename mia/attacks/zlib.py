@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .loss import loglik_mask, mean_loglik
-from .mink import pad_batch
+from ..engine.batching import pad_pow2
 from .registry import register
 
 
@@ -42,7 +42,7 @@ def _zlib_attack(ctx, *, skip_eos: bool = False) -> np.ndarray:
     end-of-document targets (``mia.attacks.loss``)."""
     p = ctx.padded()
     mask = loglik_mask(ctx, skip_eos)
-    padded, n = pad_batch({"logprob": p["logprob"], "mask": mask})
+    padded, n = pad_pow2({"logprob": p["logprob"], "mask": mask})
     z = np.ones(padded["mask"].shape[0], np.float32)
     z[:n] = [zlib_length(t) for t in ctx.texts()]
     out = np.asarray(zlib_ratio(mean_loglik(padded["logprob"], padded["mask"]), z))[:n]

@@ -24,7 +24,6 @@ mix-2 from a pool of members and non-members.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from pathlib import Path

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -74,6 +73,27 @@ def read_examples(path, partitions: Optional[tuple] = SCORE_PARTITIONS,
     if not out:
         raise DataError(f"{path}: no examples")
     return header, out
+
+
+def examples_from_records(records: list, what: str = "data", partitions: Optional[tuple] = None) -> list[Example]:
+    """``Example``s (or dicts with the fields of an input line) -> checked ``Example`` copies, each field through the
+    same checks as a file's line (errors name ``what[i]``)."""
+    if not records:
+        raise DataError(f"{what}: no examples")
+    seen: dict = {}
+    out = []
+    for i, r in enumerate(records):
+        where = f"{what}[{i}]"
+        if isinstance(r, Example):
+            where = r.source or where
+            r = {"id": r.id, "tokens": r.tokens, "text": r.text, "label": r.label, "partition": r.partition,
+                 "doc_id": r.doc_id, "truncated": r.truncated}
+        if not isinstance(r, dict):
+            raise DataError(f"{where}: expected an example (a dict or mia Example), got {type(r).__name__}")
+        e = _example(r, where, seen, partitions)
+        e.truncated = bool(r.get("truncated", False))
+        out.append(e)
+    return out
 
 
 def _example(obj: dict, where: str, seen: dict, partitions: Optional[tuple]) -> Example:
@@ -149,7 +169,7 @@ def tokenize_examples(examples: list[Example], tokenizer, max_length: Optional[i
     Token ids given in the file are used as they are (never decoded and re-encoded). Long texts are cut before
     tokenizing (``bounded_token_ids``); ``notes`` (a list) receives one line saying how many were.
     """
-    n_cut = 0
+    n_cut = n_truncated = 0
     for ex in examples:
         if ex.tokens is None:
             if tokenizer is None:
@@ -166,11 +186,15 @@ def tokenize_examples(examples: list[Example], tokenizer, max_length: Optional[i
         if max_length is not None and len(ex.tokens) > max_length:
             ex.tokens = ex.tokens[:max_length]
             ex.truncated = True
+            n_truncated += 1
         if len(ex.tokens) < 2:
             reason = "empty text" if ex.text == "" else f"only {len(ex.tokens)} token(s); at least 2 are needed"
             if not skip_invalid:
                 raise DataError(f"{ex.source}: {reason} (use --skip-invalid to record and continue)")
             ex.invalid = reason
+    if n_truncated and notes is not None:
+        notes.append(f"{n_truncated} example(s) longer than {max_length} tokens were truncated to their first "
+                     f"{max_length} tokens")
     if n_cut and notes is not None:
         notes.append(f"{n_cut} text(s) longer than {max_length * CUT_CHARS_PER_TOKEN} characters were cut before "
                      f"tokenizing (at least {max_length + CUT_MARGIN_TOKENS} tokens kept, then truncated to "

@@ -247,29 +247,38 @@ def partition_total(partitions: dict) -> Optional[int]:
     return sum(partitions.values())
 
 
-def assign_partitions(examples: list, partitions, seed: int) -> list:
-    """Assign each example a partition, in place: per class (label), a seeded shuffle, then consecutive blocks
-    of the requested sizes in the order the partitions are named. Counts must add up to each class's size
-    unless one partition is ``rest``."""
-    import numpy as np
+PARTITION_STREAM = 0x9A27  # the partition draw's own seed tag: independent of the row draw's stream
 
-    partitions = parse_partitions(partitions)
-    if not partitions:
-        return examples
+
+def assign_partitions(examples: list, partitions, seed: int, *, stream: int = PARTITION_STREAM) -> list:
+    """Assign each example a partition, in place: per class (label), a seeded permutation, then consecutive
+    blocks of the requested sizes in the order the partitions are named.
+
+    ``partitions``: one spec for every class (``"train=4,eval=rest"`` or its dict), classes taken in label order
+    (0, 1, then unlabelled); or a per-class plan ``{label: ((name, count), ...)}``, classes taken in the plan's
+    order. One ``numpy.random.default_rng([seed, stream])`` serves the classes in that order. Counts must add up to
+    each class's size unless a partition is ``rest``."""
     by_label: dict = {}
     for i, e in enumerate(examples):
         by_label.setdefault(e.get("label"), []).append(i)
-    rng = np.random.default_rng([int(seed), 0x9A27])  # independent of the draw's stream
-    for label in sorted(by_label, key=lambda x: (x is None, x)):
-        idx = by_label[label]
-        fixed = sum(v for v in partitions.values() if v != "rest")
-        has_rest = any(v == "rest" for v in partitions.values())
+    if isinstance(partitions, dict) and partitions and all(isinstance(v, (tuple, list)) for v in partitions.values()):
+        plan = {label: dict(parts) for label, parts in partitions.items()}
+    else:
+        spec = parse_partitions(partitions)
+        if not spec:
+            return examples
+        plan = {label: spec for label in sorted(by_label, key=lambda x: (x is None, x))}
+    rng = np.random.default_rng([int(seed), int(stream)])
+    for label, parts in plan.items():
+        idx = by_label.get(label, [])
+        fixed = sum(v for v in parts.values() if v != "rest")
+        has_rest = any(v == "rest" for v in parts.values())
         what = {1: "members", 0: "non-members"}.get(label, f"label {label}")
         if fixed > len(idx) or (not has_rest and fixed != len(idx)):
-            raise SplitError(f"partitions {_fmt_parts(partitions)} need {fixed} per class but {len(idx)} {what} were drawn")
+            raise SplitError(f"partitions {_fmt_parts(parts)} need {fixed} per class but {len(idx)} {what} were drawn")
         order = rng.permutation(len(idx))
         pos = 0
-        for name, count in partitions.items():
+        for name, count in parts.items():
             k = len(idx) - fixed if count == "rest" else count
             for j in order[pos: pos + k]:
                 examples[idx[j]]["partition"] = name
@@ -327,30 +336,6 @@ def rows_to_lists(rows) -> list:
         table = _INTERNED
         return [table[r.astype(np.int64) + 32768].tolist() for r in rows]
     return [r.tolist() for r in rows]
-
-
-def assert_disjoint(eval_examples: Iterable[dict], learned_examples: Iterable[dict], what: str = "ReCaLL prefix") -> None:
-    """Raise ``SplitError`` if an example that an attack learns from (``what``) is also scored: same id, or the
-    same token sequence / text under another id."""
-    learned = list(learned_examples)
-    ids = {str(e.get("id")): e for e in learned if e.get("id") is not None}
-    contents = {}
-    for e in learned:
-        k = _content_key(e)
-        if k is not None:
-            contents.setdefault(k, str(e.get("id")))
-    hits = []
-    for e in eval_examples:
-        eid = str(e.get("id"))
-        if e.get("id") is not None and eid in ids:
-            hits.append(f"{eid} (same id)")
-            continue
-        k = _content_key(e)
-        if k is not None and k in contents:
-            hits.append(f"{eid} (same {k[0]} as {what} example {contents[k]})")
-    if hits:
-        more = f" and {len(hits) - 5} more" if len(hits) > 5 else ""
-        raise SplitError(f"{len(hits)} scored example(s) also used as {what}: {', '.join(hits[:5])}{more}")
 
 
 # ---------------------------------------------------------------------------------------------- checking

@@ -95,3 +95,15 @@ def put_padded(seqs: Sequence[np.ndarray], rows: int, length: int, sharding, lef
     """(tokens, valid) global [rows, length] arrays placed with ``sharding``; each process pads only its own rows."""
     return (put_rows((rows, length), sharding, lambda r: padded_rows(seqs, length, r, left)[0]),
             put_rows((rows, length), sharding, lambda r: padded_rows(seqs, length, r, left)[1]))
+
+
+def pad_pow2(arrays: dict, min_len: int = 16) -> tuple[dict, int]:
+    """Pad every [N, L] array (and ``mask`` with False) to [pow2_ceil(N), pow2_ceil(L, min_len)] with zeros, so that
+    batches of other sizes reuse a compiled function; returns (padded, N)."""
+    n, l = arrays["mask"].shape
+    rows, cols = pow2_ceil(n), pow2_ceil(l, min_len)
+    out = {}
+    for key, a in arrays.items():
+        out[key] = np.zeros((rows, cols), a.dtype)
+        out[key][:n, :l] = a
+    return out, n

@@ -42,7 +42,7 @@ from ..attacks.mope import build_mope_step
 from ..models.common import ConfigError
 from ..models.hub import Model, _dtypes, abstract_params, family
 from .loop import build_token_stats_step
-from .sharding import batch_sharding, make_mesh, param_shardings, parse_mesh, replicated, sharded_bytes
+from .sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
 
 GiB = 1 << 30
 
@@ -264,26 +264,7 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
 
 
 # ----------------------------------------------------------------------------------------------- command line
-def add_plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="compile the scoring step ahead of time and say whether it fits in memory",
-                       description="Compile the scoring step on abstract parameters (nothing allocated) for the local "
-                                   "devices or a TPU topology and print per-device memory. The last line is JSON.")
-    p.add_argument("--model", required=True,
-                   help=f"model directory, config.json, or a named shape ({', '.join(NAMED_SHAPES)})")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--batch", type=int, default=8, help="rows per step (global, over the mesh's data axis)")
-    p.add_argument("--length", type=int, default=2048, help="tokens per row")
-    p.add_argument("--mesh", default=None, help="e.g. data=1,model=8 (default: every device on data, params replicated)")
-    p.add_argument("--topology", default=None, help="TPU topology to compile for without a TPU, e.g. v5e:2x4 "
-                                                    "(needs the libtpu wheel)")
-    p.add_argument("--attack", default="stats", help="the step to plan: stats (the pass every attack shares) or "
-                                                      "mope[:n=10,chunk=2]")
-    p.add_argument("--device-memory", default=None, help="memory of one device, e.g. 80GiB (default: the TPU "
-                                                         "chip's HBM, or what the local device reports)")
-    p.set_defaults(func=cmd_plan)
-
-
-def parse_attack(text: str) -> tuple[str, dict]:
+def parse_plan_attack(text: str) -> tuple[str, dict]:
     """'stats' | 'mope' | 'mope:n=10,chunk=2' -> (name, plan_scoring keyword arguments)."""
     name, _, rest = text.partition(":")
     if name == "stats" and not rest:
@@ -299,35 +280,5 @@ def parse_attack(text: str) -> tuple[str, dict]:
     return "mope", opts
 
 
-def _fmt(n: Optional[int]) -> str:
-    return "unknown" if n is None else f"{n / GiB:8.2f} GiB"
-
-
-def cmd_plan(args) -> int:
-    if args.batch < 1 or args.length < 2:
-        raise PlanError(f"--batch must be >= 1 and --length >= 2, got {args.batch} and {args.length}")
-    hf = read_hf_config(args.model)
-    device_bytes = parse_bytes(args.device_memory) if args.device_memory else None
-    devices = topology_devices(args.topology) if args.topology else None
-    n_devices = len(devices) if devices is not None else len(jax.devices())
-    axes = parse_mesh(args.mesh, n_devices) if args.mesh else None
-    attack, opts = parse_attack(args.attack)
-    r = plan_scoring(hf, dtype=args.dtype, batch=args.batch, length=args.length, mesh_axes=axes, devices=devices,
-                     device_bytes=device_bytes, attack=attack, **opts)
-    where = f"TPU topology {args.topology}" if args.topology else "local devices"
-    step = "token stats" if attack == "stats" else f"MoPe (n={opts['mope_n']}, chunk={opts['mope_chunk']})"
-    print(f"mia plan: {args.model} {args.dtype}, {step} of {args.batch} x {args.length}, {r.devices} x "
-          f"{r.device_kind} ({where}), mesh {','.join(f'{k}={v}' for k, v in r.mesh.items())}")
-    print(f"  parameters per device     {_fmt(r.params_bytes)}")
-    print(f"  XLA arguments / temps     {_fmt(r.argument_bytes)} / {_fmt(r.temp_bytes).strip()}")
-    print(f"  peak per device           {_fmt(r.peak_bytes)}   ({r.peak_source})")
-    if r.group_bytes is not None:
-        print(f"  largest perturbed group   {_fmt(r.group_bytes)}   (MoPe holds at most chunk copies at once)")
-    print(f"  device memory             {_fmt(r.device_bytes)}")
-    verdict = {True: "fits", False: "does NOT fit", None: "unknown (give --device-memory)"}[r.fits]
-    print(f"  verdict                   {verdict}")
-    if not args.topology and r.device_kind.lower() == "cpu" and args.dtype != "float32":
-        print("  note: XLA:CPU's memory analysis is not representative of bf16/fp16 on accelerators; "
-              "use --topology for TPUs, or read this as an estimate")
-    print(json.dumps(r.to_json(), sort_keys=True))
-    return 0 if r.fits is not False else 1
+def local_device_count() -> int:
+    return len(jax.devices())

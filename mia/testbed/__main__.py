@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=arg_int(1), default=50, help="steps between resume states (default 50)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    from ..cli import add_compile_cache_flag
+    from ..commands import add_compile_cache_flag
 
     add_compile_cache_flag(p)
     return p
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from . import build_testbed
-    from ..cli import run_for_user
+    from ..commands import run_for_user
 
     if args.suite:
         return _main_suite(args)
@@ -94,7 +94,7 @@ def check_args(args, overrides: dict) -> bool:
 
 
 def _main_suite(args) -> int:
-    from ..cli import run_for_user
+    from ..commands import run_for_user
     from .suite import build_suite
 
     extra = [f.name for f in dataclasses.fields(TestbedConfig)

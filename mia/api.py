@@ -1,0 +1,216 @@
+"""mia's Python API: load a model, score examples with attacks, read the result.
+
+    import mia
+    model = mia.load("path/to/model")                        # a local Hugging Face-layout directory
+    run = mia.score(model, "data.jsonl", attacks="loss,mink:k=0.2,zlib")
+    print(run.metrics())                                      # AUC ± SE, TPR@1%/0.1%FPR per attack
+    run.write("scores.jsonl")                                 # one line per example (docs/formats.md)
+
+``mia score`` (the CLI), the experiments and the notebooks all go through ``score``. Every score: higher = more
+likely member; labels: 1 member, 0 non-member.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from .attacks.context import AttackContext, assert_disjoint
+from .attacks.registry import AttackError, AttackInputs, check_attack_inputs, check_params, get, parse_attacks
+from .data.examples import DataError, Example, examples_from_records, read_examples, tokenize_examples
+from .data.freq_corpus import read_corpus
+from .documents import chunk_examples
+from .engine.batching import ScoringSettings
+from .engine.sharding import make_mesh, parse_mesh
+from .file_hash import default_cache_dir
+from .models.hub import Model
+from .models.hub import load as load_checkpoint
+from .results import ScoreRun
+
+LEARNED_PARTITIONS = ("prefix", "member_prefix", "calib", "train")  # what attacks learn from; never scored
+
+
+def load(path, *, dtype: str = "float32", param_dtype: Optional[str] = None, mesh=None, fsdp: Optional[bool] = None,
+         tokenizer: bool = True) -> Model:
+    """A local checkpoint directory (config.json, safetensors, tokenizer.json) as a ``Model``.
+
+    ``dtype``: the activations' dtype ("float32", "bfloat16", "float16"; log-probs are float32 whatever it is);
+    ``mesh``: None (every device on ``data``, parameters replicated), a ``jax.sharding.Mesh``, or a string such as
+    ``"data=2,model=4"``; ``fsdp``: shard parameters over ``data`` too (default: with an explicit mesh).
+    """
+    if isinstance(mesh, str):
+        mesh = make_mesh(parse_mesh(mesh, len(jax.devices())))
+    return load_checkpoint(path, dtype=dtype, param_dtype=param_dtype, tokenizer=tokenizer, mesh=mesh, fsdp=fsdp)
+
+
+def resolve_attacks(attacks) -> list[tuple[str, str, dict]]:
+    """``"loss,mink:k=0.2"``, a list of such strings, or ``[(label, name, params)]`` -> checked (label, name,
+    params) triples with defaults filled in (``AttackError`` on an unknown name, parameter or value)."""
+    if isinstance(attacks, str):
+        return parse_attacks(attacks)
+    out: list = []
+    for item in attacks:
+        if isinstance(item, str):
+            out += parse_attacks(item)
+        else:
+            label, name, params = item
+            out.append((label, name, check_params(name, params)))
+    labels = [label for label, _, _ in out]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise AttackError(f"attacks: {', '.join(twice)} given twice")
+    if not out:
+        raise AttackError("attacks: no attack named; `mia attacks` lists them")
+    return out
+
+
+def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = None) -> list[Example]:
+    """A JSONL example or split file (path), or a list of ``Example``s or dicts ``{id, text|tokens, label?,
+    partition?, doc_id?}`` -> checked ``Example``s (copies: the caller's objects are never modified).
+    ``partitions``: the partition names allowed (None: any), so a misspelt one is an error, not a line left out."""
+    if isinstance(data, (str, Path)):
+        return read_examples(data, partitions=None if partitions is None else tuple(partitions), what=what)[1]
+    return examples_from_records(list(data), what, partitions)
+
+
+def check_request(attacks, *, ref_model=None, mlm=None, freq_corpus=None, on_error: str = "raise") -> tuple:
+    """(attacks to run, {label: reason} skipped) from what is known before any data are read or any model is
+    loaded: names, parameters, and the model inputs (``ref_model``, ``mlm``) each attack needs."""
+    chosen = resolve_attacks(attacks)
+    return _check_inputs(chosen, AttackInputs(None, ref_model, mlm, freq_corpus), on_error)
+
+
+def _check_inputs(chosen, inputs: AttackInputs, on_error: str) -> tuple:
+    run, skipped = [], {}
+    for label, name, params in chosen:
+        try:
+            check_attack_inputs(label, name, params, inputs)
+        except AttackError as e:
+            if on_error != "skip":
+                raise
+            skipped[label] = str(e).splitlines()[0]
+            continue
+        run.append((label, name, params))
+    return run, skipped
+
+
+def _learned(partitions: dict, given: dict, model: Model, max_length: int, notes: list) -> dict:
+    """The learned-from partitions: those in the data, plus the ones given separately (paths or lists), tokenized;
+    lines unusable for scoring (fewer than 2 tokens) are left out of a partition given separately."""
+    out = {k: list(v) for k, v in partitions.items()}
+    for name, source in given.items():
+        if source is None:
+            continue
+        extra = read_data(source, what=f"--{name.replace('_', '-')}-data")
+        tokenize_examples(extra, model.tokenizer, max_length, True, model.vocab_size, notes=notes)
+        out.setdefault(name, []).extend(e for e in extra if e.invalid is None)
+    return out
+
+
+def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib=None, train=None,
+          max_length: Optional[int] = None, skip_invalid: bool = False, seq_tokens: Optional[int] = None,
+          scored: Sequence[str] = ("eval",), seed: int = 0, batch_tokens: int = 16384, cache: bool = True,
+          cache_dir: Optional[str] = None, progress: bool = True, ref_model=None, mlm=None, freq_corpus=None,
+          on_error: str = "raise", options: Optional[dict] = None) -> ScoreRun:
+    """Score the examples of ``data`` with ``attacks``; higher = more likely member.
+
+    ``model``      a ``Model`` (``mia.load``) or a checkpoint directory
+    ``data``       a JSONL example/split file or a list of examples/dicts; examples of the ``scored`` partitions
+                   (default ``eval``; a line without ``partition`` is ``eval``) are scored, the others
+                   (``prefix``, ``member_prefix``, ``calib``, ``train``) are what attacks learn from
+    ``attacks``    ``"loss,mink:k=0.2,zlib"``, a list of such strings, or ``[(label, name, params)]``
+    ``prefix`` ``member_prefix`` ``calib`` ``train``   more learned-from examples (a path or a list)
+    ``max_length`` tokens kept per example (default and maximum: the model's context)
+    ``skip_invalid``  set aside (and record) lines with fewer than 2 tokens instead of stopping
+    ``seq_tokens`` cut each scored line into sequences of this many tokens (document-level inference)
+    ``batch_tokens``  padded tokens per batch per data-parallel device (speed and memory only)
+    ``cache`` / ``cache_dir``  the on-disk score cache (default ``$MIA_CACHE_DIR`` or ``~/.cache/mia``)
+    ``ref_model`` / ``mlm`` / ``freq_corpus``  the extra inputs of ``ref``, ``neighbor``, ``dcpdd``
+    ``on_error``   "raise" (default): a missing input or failing attack stops the run; "skip": it is recorded
+                   in ``ScoreRun.skipped`` with its reason and the others go on
+
+    Every learned-from example is checked disjoint from the scored ones (same id, tokens or text) before any
+    attack runs. With several processes (``jax.distributed``), every process calls this with the same arguments.
+    """
+    chosen, skipped = check_request(attacks, ref_model=ref_model, mlm=mlm, freq_corpus=freq_corpus,
+                                    on_error=on_error)
+    if not isinstance(model, Model):
+        model = load(model)
+    max_length = model.max_length if max_length is None else int(max_length)
+    if not 2 <= max_length <= model.max_length:
+        raise ValueError(f"--max-length {max_length}: must be in [2, {model.max_length}] (the model context)")
+    if seq_tokens is not None and not 2 <= seq_tokens <= model.max_length:
+        raise ValueError(f"--seq-tokens {seq_tokens}: must be in [2, {model.max_length}] (the model context)")
+    scored = tuple(scored)
+    examples = read_data(data, partitions=scored + LEARNED_PARTITIONS)
+    notes: list = []
+    if seq_tokens:  # whole lines first, then the pieces
+        whole = [e for e in examples if e.partition in scored]
+        for e in whole:
+            e.doc_id = e.id if e.doc_id is None else e.doc_id
+        tokenize_examples(whole, model.tokenizer, None, skip_invalid, model.vocab_size, notes=notes)
+        rest = [e for e in examples if e.partition not in scored]
+        tokenize_examples(rest, model.tokenizer, max_length, skip_invalid, model.vocab_size, notes=notes)
+        examples = chunk_examples(examples, seq_tokens, scored)
+    else:
+        tokenize_examples(examples, model.tokenizer, max_length, skip_invalid, model.vocab_size, notes=notes)
+    rows = [e for e in examples if e.partition in scored]
+    evaluated = [e for e in rows if e.invalid is None]
+    if not evaluated:
+        raise DataError(f"{_describe(data)}: no valid examples in the scored partition(s) {', '.join(scored)}")
+    in_data: dict = {}
+    for e in examples:
+        if e.partition not in scored and e.invalid is None:
+            in_data.setdefault(e.partition, []).append(e)
+    partitions = _learned(in_data, {"prefix": prefix, "member_prefix": member_prefix, "calib": calib,
+                                    "train": train}, model, max_length, notes)
+    chosen, late = _check_inputs(chosen, AttackInputs(partitions, ref_model, mlm, freq_corpus), on_error)
+    skipped.update(late)
+    for name, part in partitions.items():
+        assert_disjoint(evaluated, part, f"partition {name!r}")
+    settings = ScoringSettings(token_budget=batch_tokens, progress=progress,
+                               cache_dir=(cache_dir or default_cache_dir()) if cache else None)
+    opts = {"seed": seed, "ref_model": ref_model, "mlm": mlm, "max_length": max_length, **(options or {})}
+    if isinstance(freq_corpus, (str, Path)):
+        opts["freq_corpus"] = read_corpus(freq_corpus, model.tokenizer, model.vocab_size)
+    elif freq_corpus is not None:
+        opts["freq_corpus"] = freq_corpus
+    ctx = AttackContext(model, evaluated, settings, partitions, opts)
+    scores, seconds = run_attacks(ctx, chosen, skipped, on_error, progress)
+    return ScoreRun(evaluated, scores, seconds, skipped, notes + ctx.notes, rows, ctx)
+
+
+def run_attacks(ctx: AttackContext, chosen, skipped: dict, on_error: str = "raise",
+                progress: bool = True) -> tuple[dict, dict]:
+    """({label: [N] float64 scores}, {label: seconds}) of each attack on ``ctx``; with ``on_error="skip"`` an
+    attack that raises ``AttackError`` is recorded in ``skipped`` instead."""
+    scores, seconds = {}, {}
+    bar = tqdm(chosen, desc="attacks", unit="attack", leave=False,
+               disable=not progress or len(chosen) < 2 or jax.process_index() != 0)
+    for label, name, params in bar:
+        bar.set_postfix(attack=label)
+        t0 = time.perf_counter()
+        try:
+            s = np.asarray(get(name).fn(ctx, **params), dtype=np.float64)
+        except AttackError as e:
+            if on_error != "skip":
+                raise
+            skipped[label] = str(e).splitlines()[0]
+            continue
+        if s.shape != (len(ctx.examples),):
+            raise AssertionError(f"attack {name} returned shape {s.shape}, expected ({len(ctx.examples)},)")
+        scores[label] = s
+        seconds[label] = round(time.perf_counter() - t0, 3)
+    return scores, seconds
+
+
+def _describe(data) -> str:
+    return str(data) if isinstance(data, (str, Path)) else "data"
+
+
+__all__ = ["load", "score", "resolve_attacks", "read_data", "check_request", "run_attacks", "ScoreRun", "Model",
+           "LEARNED_PARTITIONS"]
