@@ -78,7 +78,8 @@ def broken_links(page: Path, root: Path = ROOT) -> list[str]:
 def test_slug_follows_github():
     assert slug("The scoring engine (`mia/engine/`)") == "the-scoring-engine-miaengine"
     assert slug("Will it fit? (`mia plan`)") == "will-it-fit-mia-plan"
-    assert slug("`camia`: CAMIA Table 1 (and Table 13's AUC), Table 2") == "camia-camia-table-1-and-table-13s-auc-table-2"
+    assert (slug("`camia`: CAMIA Table 1 (and Table 13's AUC), Table 2")
+            == "camia-camia-table-1-and-table-13s-auc-table-2")
     assert anchors("# A\n## A\n<a id=\"x_y\"></a>\n```\n# not a heading\n```\n") == {"a", "a-1", "x_y"}
 
 
@@ -149,7 +150,7 @@ _PRIVATE = ("ALGORITHMS" + ".md", "../" + "shared/")  # spelt in pieces so that 
 
 
 def test_no_file_cites_documents_users_do_not_have():
-    """Definitions live in docs/algorithms.md; nothing may point users at a private spec or at ../shared/."""
+    """Definitions live in docs/algorithms.md; nothing may point users at a private spec or a private folder."""
     files = [README, *(p for d in ("mia", "experiments", "tests", "notebooks", "docs") for p in (ROOT / d).rglob("*")
                        if p.suffix in (".py", ".md", ".ipynb"))]
     offenders = []

@@ -2,7 +2,7 @@
 
   lowercase(x) = -LL(x) / LL(lower(x))
 
-LL is the target's mean token log-likelihood (ALGORITHMS.md section 0); lower(x) is Python's ``str.lower`` of the
+LL is the target's mean token log-likelihood (docs/algorithms.md#conventions); lower(x) is Python's ``str.lower`` of the
 example's text, tokenized with the target tokenizer and cut to the run's max length, scored by the shared engine
 (one extra pass; identical token sequences are served from the stats cache). Both LLs are negative, so the ratio
 LL(x)/LL(lower(x)) = Loss(x)/Loss(lower(x)) is positive and SMALL for a memorized x (its cased form is much more
