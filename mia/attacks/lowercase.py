@@ -12,6 +12,8 @@ Sign: Carlini rank by the perplexity ratio, low = memorized; the DC-PDD repo sto
 ("larger for non-member"); the SoK benchmark (computationalprivacy/mia_llms_benchmark ``attacks/lowercase.py``)
 returns -nlloss/lowercase_nlloss, higher = member. Ours is that one: -Loss/Loss_lower = -LL/LL_lower, HIGHER = MEMBER.
 A text whose lowercased form has < 2 tokens scores NaN (noted). Needs the text (token-only examples are decoded).
+
+Definition and differences from the public code: docs/algorithms.md#lowercase.
 """
 from __future__ import annotations
 

@@ -18,6 +18,8 @@ by the shared engine (n extra passes).
 Seeded: example x's copies use ``numpy.random.default_rng([seed, h(x)])`` with h a hash of its text (or tokens), so a
 score does not depend on the example's position or the batch. Copies with < 2 tokens are dropped; an example with
 no usable copy scores NaN (noted).
+
+Definition and differences from the public code: docs/algorithms.md#pac.
 """
 from __future__ import annotations
 

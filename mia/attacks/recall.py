@@ -31,6 +31,8 @@ pandora's statistic is NLL([P; x]) - NLL(x) and the paper's tables predict membe
 ``plot_ROC`` assumes members have the lower statistic), which is exactly this score: HIGHER = MEMBER, and its AUC is
 the paper's. (This is the opposite of ReCaLL's own hypothesis, under which a non-member prefix lowers a member's LL
 more; the docs say so.) ``n`` and ``include_first`` do not apply. The same context rule fits P and x.
+
+Definition and differences from the public code: docs/algorithms.md#recall, #recall-checkmia.
 """
 from __future__ import annotations
 
