@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mia.attacks import available
-from mia.attacks import catalog
+from mia.attacks import AttackSpec, available, catalog, get
+from mia.validate import Range
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -119,6 +119,17 @@ def test_every_attack_has_a_row_and_a_definition():
         assert name in definitions, f"docs/algorithms.md has no section <a id=\"{name}\"> for attack {name}"
 
 
+def test_a_new_attack_makes_the_docs_table_stale():
+    spec = AttackSpec("zz_new", fn=lambda ctx, *, k: None, needs=("stats", "calib"), defaults={"k": 0.5, "on": True},
+                      doc="New | attack (higher = member).\n    Second line.\n\nDetails.", limits={"k": Range(0, 1)})
+    table = catalog.markdown_table([*(get(name) for name in available()), spec])
+    row = ("| [`zz_new`](algorithms.md#zz_new) | `k=0.5` in [0, 1]<br>`on=true` | stats, calib | "
+           "New \\| attack (higher = member). Second line. |")
+    assert row in table.splitlines()
+    text = (ROOT / "docs" / "attacks.md").read_text(encoding="utf-8")
+    assert catalog.embedded_table(text) != table
+
+
 def test_catalog_table_is_one_row_per_attack_with_escaped_cells():
     rows = catalog.attacks_table().splitlines()
     assert len(rows) == 2 + len(available())
@@ -129,7 +140,7 @@ def test_catalog_table_is_one_row_per_attack_with_escaped_cells():
 
 def test_catalog_rewrites_only_the_marked_block(tmp_path):
     page = tmp_path / "attacks.md"
-    page.write_text(f"before\n{catalog.BEGIN_MARKER}\nold table\n{catalog.END_MARKER}\nafter\n", encoding="utf-8")
+    page.write_text(f"before\n{catalog.BEGIN_MARKER}\nold table\n\n{catalog.END_MARKER}\nafter\n", encoding="utf-8")
     assert catalog.main(["--write", str(page)]) == 0
     text = page.read_text(encoding="utf-8")
     assert text.startswith("before\n") and text.endswith(f"{catalog.END_MARKER}\nafter\n")

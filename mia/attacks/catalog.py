@@ -79,7 +79,8 @@ def attacks_table() -> str:
     return markdown_table(get(name) for name in available())
 
 
-_BLOCK = re.compile(re.escape(BEGIN_MARKER) + r"\n(.*?)" + re.escape(END_MARKER), re.S)
+# the table, then a blank line (so that markdown ends the table before the end marker)
+_BLOCK = re.compile(re.escape(BEGIN_MARKER) + r"\n(.*?)\n" + re.escape(END_MARKER), re.S)
 
 
 def embedded_table(text: str, where: str = "the document") -> str:
@@ -94,7 +95,7 @@ def embedded_table(text: str, where: str = "the document") -> str:
 def with_table(text: str, table: str, where: str = "the document") -> str:
     """``text`` with the block between its markers replaced by ``table``."""
     embedded_table(text, where)
-    return _BLOCK.sub(lambda _: f"{BEGIN_MARKER}\n{table}{END_MARKER}", text)
+    return _BLOCK.sub(lambda _: f"{BEGIN_MARKER}\n{table}\n{END_MARKER}", text)
 
 
 def main(argv: list[str] | None = None) -> int:
