@@ -8,7 +8,7 @@ Polarized distance of the T-1 token log-probs l of a text, with far/local counts
 Augmentation (EDA random swap, ``src/eda.py``): split the text on ' ', make n_swaps = max(1, floor(alpha * #words))
 swaps, each of two distinct random positions (up to 3 draws of the second position; no swap if all 3 hit the
 first), join with ' '. ``augment=tokens`` swaps the example's token ids the same way instead (no text or tokenizer
-needed; our option). n augmented copies per example, alpha = 0.3, n = 10 (the issue's / SoK ``pac_10`` setting; the
+needed; our option). n augmented copies per example, alpha = 0.3, n = 10 (the SoK benchmark's ``pac_10`` setting; the
 official script's N is 5). Each copy is tokenized with the target tokenizer, cut to the run's max length and scored
 by the shared engine (n extra passes).
 
