@@ -4,9 +4,9 @@ and of CAMIA with each combiner, calibrated on non-members only, averaged over 1
     python -m experiments.camia [--preset default|smoke] [--out DIR]             # a member of the testbed suite
     python -m experiments.camia --mimir DIR --model DIR [--ref-model DIR] [--mlm DIR] [--domains arxiv,github]
 
-Protocol (ALGORITHMS.md 2; the official ``run_ours_*.py``). For each domain the 75 CAMIA signals and every baseline
-score are computed ONCE for all of the domain's members and non-members; then for draw i = 0..draws-1 (seeded
-``numpy.random.default_rng([seed, i])``; the official code seeds ``np.random.seed(i)``):
+Protocol (docs/algorithms.md#camia; the official ``run_ours_*.py``). For each domain the 75 CAMIA signals and
+every baseline score are computed ONCE for all of the domain's members and non-members; then for draw
+i = 0..draws-1 (seeded ``numpy.random.default_rng([seed, i])``; the official code seeds ``np.random.seed(i)``):
 
     calib  = alpha = 30% of the non-members: CAMIA's empirical p-values (the only data CAMIA learns from);
     remove = 30% of the members: only ``camia_lr`` trains on calib + remove (with their labels);

@@ -55,7 +55,7 @@ MODULE = "experiments.checkmiabench"
 PAPER_ZLIB = "zlib_entropy"
 PAPER_ATTACKS = {"LOSS": "loss", "Min-K": "mink:k=0.1", "Min-K++": "minkpp:k=0.1", "Zlib": PAPER_ZLIB,
                  "MoPe": "mope:n=10,sigma=0.005", "ReCaLL": "recall:variant=checkmia"}
-# Published numbers, read from ../shared/papers/checkmiabench.txt: (AUC, AUC SE, TPR@1%FPR).
+# Published numbers, read from the CheckMIABench paper's Tables 1-4: (AUC, AUC SE, TPR@1%FPR).
 PAPER_TABLE2 = {  # Table 2: Pythia (deduped) at step 97,000; rows "<model>  <MIA>"
     "70m": {"LOSS": (0.513, 0.0130, 0.006), "Min-K": (0.500, 0.0130, 0.012), "Min-K++": (0.496, 0.0128, 0.011),
             "Zlib": (0.499, 0.0129, 0.016), "MoPe": (0.487, 0.0126, 0.025), "ReCaLL": (0.490, 0.0130, 0.010)},

@@ -8,13 +8,14 @@ AUC of each split.
 1. A pool of members and non-members. Testbed: a checkpoint split of the suite's shared order at checkpoint c
    (members: rows [0, c*B); non-members: rows [c*B, E*B) of the first epoch), each row cut to its first L tokens
    with L = half the trained context, so that every text fits beside another text as EM-MIA's 1-shot prefix (the
-   model never sees a position it was not trained at). OLMo (``--olmo``): the OLMoMIA recipe (ALGORITHMS.md 1.3):
-   instances from steps [0, 100k) (members) and [400k, 450k) (non-members) of ``global_indices``, each reduced to
-   its first document strictly between two EOS with L/2 < length <= L (L = 128), ``mia.data.olmo``; the model is
-   the checkpoint at ``--step`` (400k), which has seen the members and not the non-members. Texts that occur twice
-   in the pool are dropped (a text both trained on and held out has no label).
+   model never sees a position it was not trained at). OLMo (``--olmo``): the OLMoMIA recipe
+   (docs/algorithms.md#difficulty): instances from steps [0, 100k) (members) and [400k, 450k) (non-members) of
+   ``global_indices``, each reduced to its first document strictly between two EOS with L/2 < length <= L
+   (L = 128), ``mia.data.olmo``; the model is the checkpoint at ``--step`` (400k), which has seen the members and
+   not the non-members. Texts that occur twice in the pool are dropped (a text both trained on and held out has no
+   label).
 2. The six splits: ``mia.data.difficulty`` (MiniLM embeddings, spherical k-means per class, the distance filter,
-   cluster pairs by mean cross distance; ALGORITHMS.md 1.3).
+   cluster pairs by mean cross distance; docs/algorithms.md#difficulty).
 3. Every attack on every split for the evaluated model(s): the suite's middle member by default (``--member``:
    largest, smallest, all, size names). ``ref`` on the testbed is the suite's smallest member (the paper uses
    StableLM-3B for OLMo-7B). ReCaLL's prefix: the largest n <= 12 shots of held-out
@@ -24,7 +25,7 @@ AUC of each split.
    seeded half of the split and evaluated on the other half (no classifier is chosen on evaluation data).
 
 Preset parameters. The paper's K = 50 and 0.6 filter leave no cluster of size/2 points on testbed pools (a few
-thousand 64-token code texts; the README measured it), so the testbed presets use a smaller K, filter and split
+thousand 64-token code texts; measured in docs/splits.md), so the testbed presets use a smaller K, filter and split
 size, chosen so that all six splits exist and the blind AUC falls from easy to hard (see ``PRESETS``).
 
 Outputs (``--out``, default ``results/em_mia-<preset>``): ``report.md``; ``table_auc.{md,csv,tex,json}`` and

@@ -212,9 +212,9 @@ def test_pac_refuses_unknown_augmentation(tiny_model, cased):
 def test_calibrated_attacks_detect_the_memorization_dial(smoke_testbed, tmp_path):
     """On the smoke dial split (test_checkmia's: same members, seed and partitions, so the dial checkpoint and the
     token-stats cache are shared), each of the four attacks sees the memorized members. surp's default entropy
-    threshold (2 nats, tuned on LLMs) leaves most smoke texts without a surprising token (README): its default gets a
-    weaker bar, and the threshold at the smoke model's entropy scale (4 nats) the full one. Slow: pac's 10 extra
-    passes over 200 texts (~1-3 min on 2 busy cores)."""
+    threshold (2 nats, tuned on LLMs) leaves most smoke texts without a surprising token (docs/attacks.md): its
+    default gets a weaker bar, and the threshold at the smoke model's entropy scale (4 nats) the full one. Slow:
+    pac's 10 extra passes over 200 texts (~1-3 min on 2 busy cores)."""
     from experiments.checkmia import run
 
     attacks = "lowercase,surp,surp:max_entropy=4.0,dcpdd,pac"

@@ -166,7 +166,7 @@ def test_em_matrix_and_recall_avg_match_numpy(tiny_model, data, ref_logits, tmp_
 
 
 def numpy_em(R, f0, iters):
-    """ALGORITHMS.md 1.2, step by step with sklearn's AUC."""
+    """docs/algorithms.md#em_mia, step by step with sklearn's AUC."""
     from sklearn.metrics import roc_auc_score
 
     f = np.where(np.isnan(f0), 0.0, f0)
@@ -414,7 +414,7 @@ def test_neighbor_score_matches_numpy_and_is_cached(tiny_model, tiny_mlm_dir, da
 
 def test_mope_noise_is_drawn_in_the_parameter_dtype():
     """bf16/fp16 leaves: noise drawn and added in the leaf's dtype (the memory budget), equal to the documented
-    draw; float32 leaves unchanged from ALGORITHMS.md 3; integer leaves untouched."""
+    draw; float32 leaves unchanged from docs/algorithms.md#mope; integer leaves untouched."""
     from mia.attacks.mope import perturb_leaf
 
     key = jax.random.PRNGKey(3)

@@ -1,4 +1,4 @@
-"""Min-K%, Min-K%++, zlib: each registered attack against a plain NumPy/Python version of ALGORITHMS.md §4-5."""
+"""Min-K%, Min-K%++, zlib: each registered attack against a plain NumPy/Python version of docs/algorithms.md."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Attention kernels against the exact reference, the dispatch, and the precision policy (README "Precision policy").
+"""Attention kernels against the exact reference, the dispatch, and the precision policy (docs/models.md#precision).
 
 Masking is by position id (mia.models.attention): right-padded targets, left-padded prefixes, a prefix cache
 (keys = [cache ; current]) and GPT-Neo's local window are all checked on small shapes with blocks that do not
@@ -221,7 +221,8 @@ def _temp_bytes(kernel, t):
 @pytest.mark.parametrize("kernel, low, high", [("blocked", 1.0, 2.5),
                                                pytest.param("exact", 3.5, 4.5, marks=pytest.mark.slow)])
 def test_attention_memory_growth_from_2048_to_4096(kernel, low, high):
-    """Temp bytes at T = 4096 over T = 2048 (README numbers): blocked linear (measured 1.65x), exact quadratic (4x)."""
+    """Temp bytes at T = 4096 over T = 2048 (docs/benchmarks.md#attention): blocked linear (measured 1.65x), exact
+    quadratic (4x)."""
     ratio = _temp_bytes(kernel, 4096) / _temp_bytes(kernel, 2048)
     assert low <= ratio <= high, ratio
 

@@ -1,5 +1,5 @@
-"""CAMIA: every signal family against plain NumPy/Python loops (ALGORITHMS.md §2), p-values and combinations against
-scipy and explicit formulas, compile/batching invariance, and end-to-end runs on the tiny model."""
+"""CAMIA: every signal family against plain NumPy/Python loops (docs/algorithms.md#camia), p-values and combinations
+against scipy and explicit formulas, compile/batching invariance, and end-to-end runs on the tiny model."""
 from __future__ import annotations
 
 import json

@@ -82,7 +82,7 @@ def _is_extreme_half(chosen, kept, dist, largest):
 
 
 def test_split_rules(splits):
-    """The rules of ALGORITHMS.md 1.3 as properties, each cluster pair and distance recomputed here from the
+    """The rules of docs/algorithms.md#difficulty as properties, each cluster pair and distance recomputed here from the
     cluster assignment with plain loops (not by replaying the code's random calls)."""
     xm, xn, s = splits
     xm, xn = D.l2_normalize(xm), D.l2_normalize(xn)

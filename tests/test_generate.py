@@ -189,7 +189,7 @@ def test_samia_attack_end_to_end_seeded_and_order_free(tiny_model):
 
 @pytest.mark.slow
 def test_samia_sees_the_memorization_dial(smoke_testbed, tmp_path):
-    """The issue's dial check: on the smoke dial split (the README's command) both variants find the members."""
+    """The dial check: on the smoke dial split (docs/attacks.md's command) both variants find the members."""
     from experiments.checkmia import run
 
     s = run("smoke", tmp_path / "dial", testbed_dir=smoke_testbed.root, attacks="samia,samia_zlib", blind=False,

@@ -170,7 +170,8 @@ def _score_args(model_dir, data, out, cache, attacks, extra):
 def test_two_processes_write_the_scores_of_one_process_byte_for_byte(tiny_neox_dir, tmp_path, attacks, extra):
     """2 processes x 4 CPU devices under jax.distributed (gloo) vs 1 process x 8 devices: identical scores file;
     every process writes the same cache parts (same names, same arrays). Default layout, and (slow) FSDP with the
-    model-calling attacks. (With a `model` axis the files agree within 1e-6 but not bit for bit: see README.)"""
+    model-calling attacks. (With a `model` axis the files agree within 1e-6 but not bit for bit:
+    docs/engine.md#hosts.)"""
     rng = np.random.default_rng(5)
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"id": i, "tokens": rng.integers(0, 300, int(rng.integers(3, 60))).tolist(),

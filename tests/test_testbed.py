@@ -241,7 +241,7 @@ def test_presets_are_consistent():
     from mia.models.gpt_neox import GPTNeoXForCausalLM
     from mia.testbed import PRESETS, TestbedError, model_config, preset
 
-    # the sizes the preset comments and the README promise, as ranges that round to them (smoke "0.17M", default
+    # the sizes the preset comments and docs/testbed.md promise, as ranges that round to them (smoke "0.17M", default
     # "0.9M", large "27.3M")
     promised = {"smoke": (0.165e6, 0.175e6), "default": (0.85e6, 0.95e6), "large": (27.25e6, 27.35e6)}
     assert set(PRESETS) == set(promised)

@@ -1,4 +1,5 @@
-"""CAMIA (Chang et al., "Context-Aware Membership Inference Attacks against Pre-trained LLMs"), ALGORITHMS.md section 2.
+"""CAMIA (Chang et al., "Context-Aware Membership Inference Attacks against Pre-trained LLMs").
+docs/algorithms.md#camia.
 
 75 signals in 11 groups per example (``FEATURE_NAMES``, ``FEATURE_GROUPS``; definitions in ``camia_signals``):
   7 keys {loss, ppl, count_above, lz, count_mean, cal_loss, cal_ppl} x 3 variants x {base, Rep1, Rep2}  = 63

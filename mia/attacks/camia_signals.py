@@ -1,7 +1,7 @@
 """Per-example signals of CAMIA (Chang et al., "Context-Aware Membership Inference Attacks against Pre-trained LLMs").
 
 Definitions follow the released code (changhongyan123/context_aware_mia ``util_features.py``), as written out in
-ALGORITHMS.md section 2. All values here are in the code's units (x = token log-probs, <= 0); orientation and
+docs/algorithms.md#camia. All values here are in the code's units (x = token log-probs, <= 0); orientation and
 p-values live in ``camia.py``.
 
 Window convention ("cut"): a signal on x[0:T'] uses w = min(T', n) values of a series of n values;

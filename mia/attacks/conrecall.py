@@ -20,6 +20,8 @@ to tune on). gamma = 0 is ReCaLL.
 Shots: non-members = the first n examples of the "prefix" partition (``--prefix-data``) not labelled member;
 members = the first n of the "member_prefix" partition (``--member-prefix-data``), or, when there is none, the first
 n examples labelled 1 of the "train" partition (``--train-data``), in file order. A note says which was used.
+
+Definition and differences from the public code: docs/algorithms.md#conrecall.
 """
 from __future__ import annotations
 

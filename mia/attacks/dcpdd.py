@@ -18,6 +18,8 @@ The corpus: ``--freq-corpus FILE`` (``AttackContext.options["freq_corpus"]``, to
 else the ``calib`` partition of non-members (disjoint from the evaluated examples). A corpus with no token, or whose
 ids fall outside the vocabulary, or that shares no token with the evaluated examples, is refused (one line).
 The log-probs come from the shared stats pass: no extra model call.
+
+Definition and differences from the public code: docs/algorithms.md#dcpdd.
 """
 from __future__ import annotations
 

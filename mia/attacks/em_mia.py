@@ -1,5 +1,5 @@
 """EM-MIA (Kim et al. 2024, "Detecting Training Data of Large Language Models via Expectation Maximization") and
-the ReCaLL-Avg baseline from the same code. ALGORITHMS.md 1.2.
+the ReCaLL-Avg baseline from the same code. docs/algorithms.md#em_mia, #recall_avg.
 
 Pairwise ReCaLL matrix over the evaluated set D (N texts), every text once as a 1-shot prefix (p = x included):
   R[p, x] = LL(x | p) / LL(x)

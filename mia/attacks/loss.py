@@ -7,7 +7,7 @@ end-of-document token (``config.eos_token_id``; every id when it is a list), as 
 (id 0: ``attention_mask = input_ids > 0``, ``mean = sum(lp * mask[:, 1:]) / mask[:, 1:].sum()``). pandora also drops
 EOD from the attention, which changes the other tokens' log-probs; we do not (the shared stats pass is one ordinary
 causal pass, as every other attack sees it), so on texts with an inner EOD our values differ from pandora's in that
-way only. A text whose every target is EOD gets NaN (pandora divides by zero). Off by default (ALGORITHMS.md 0).
+way only. A text whose every target is EOD gets NaN (pandora divides by zero). Off by default (docs/algorithms.md#loss).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
   lowercase(x) = -LL(x) / LL(lower(x))
 
-LL is the target's mean token log-likelihood (ALGORITHMS.md section 0); lower(x) is Python's ``str.lower`` of the
+LL is the target's mean token log-likelihood (docs/algorithms.md#conventions); lower(x) is Python's ``str.lower`` of the
 example's text, tokenized with the target tokenizer and cut to the run's max length, scored by the shared engine
 (one extra pass; identical token sequences are served from the stats cache). Both LLs are negative, so the ratio
 LL(x)/LL(lower(x)) = Loss(x)/Loss(lower(x)) is positive and SMALL for a memorized x (its cased form is much more
@@ -12,6 +12,8 @@ Sign: Carlini rank by the perplexity ratio, low = memorized; the DC-PDD repo sto
 ("larger for non-member"); the SoK benchmark (computationalprivacy/mia_llms_benchmark ``attacks/lowercase.py``)
 returns -nlloss/lowercase_nlloss, higher = member. Ours is that one: -Loss/Loss_lower = -LL/LL_lower, HIGHER = MEMBER.
 A text whose lowercased form has < 2 tokens scores NaN (noted). Needs the text (token-only examples are decoded).
+
+Definition and differences from the public code: docs/algorithms.md#lowercase.
 """
 from __future__ import annotations
 

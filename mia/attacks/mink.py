@@ -4,7 +4,7 @@ For the T-1 token log-probs l_i of an example, take the k_n = max(1, floor(k * (
 Higher = member (the official Min-K%++ / ReCaLL / em-mia code; mimir and pandora return -mean, lower = member).
 ``max(1, .)`` is ours: with k * (T-1) < 1 the source takes an empty mean (NaN, or a division by zero in pandora).
 
-Definition: docs/algorithms.md, "Min-K%". Shared here: the masked bottom-k mean (also used by Min-K%++).
+docs/algorithms.md#mink. Shared here: the masked bottom-k mean (also used by Min-K%++).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def k_count_table(k: float, length: int) -> np.ndarray:
     """[length + 1] int32: k_n for n = 0..length valid values, max(1, int(k * n)) in Python float64 arithmetic.
 
     Computed on the host at trace time so that floor(k * n) is exactly the reference's ``int(n * k)`` (float32 on
-    the device could round e.g. 0.7 * 10 to 6.99999).
+    the device gives e.g. int(0.29 * 100) = 29 where Python's float64 gives 28).
     """
     return np.array([max(1, int(n * k)) for n in range(length + 1)], np.int32)
 

@@ -6,7 +6,7 @@ official code). The score is the mean of the k_n = max(1, floor(k (T-1))) smalle
 
 mu and sigma come from the shared scoring pass (``mean_logp``, ``std_logp``), so this attack costs no extra model call.
 pandora's variant (unweighted vocabulary mean and unbiased std of log p, +1e-8, negated) is NOT offered: it needs
-unweighted vocabulary moments, which the shared token stats do not hold. docs/algorithms.md, "Min-K%++".
+unweighted vocabulary moments, which the shared token stats do not hold. docs/algorithms.md#minkpp.
 """
 from __future__ import annotations
 

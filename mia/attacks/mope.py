@@ -1,8 +1,8 @@
-"""MoPe (Li et al. 2023, "MoPe: Model Perturbation-based Privacy Attacks on Language Models"). ALGORITHMS.md 3.
+"""MoPe (Li et al. 2023, "MoPe: Model Perturbation-based Privacy Attacks on Language Models"). docs/algorithms.md#mope.
 
   L_i(x) = mean token NLL under theta_i;  theta_0 = the model, theta_i = theta_0 + eps_i (i = 1..n)
   eps_i ~ N(0, sigma^2) i.i.d. on EVERY float parameter (embeddings, unembedding, norms, attention, MLP)
-  score(x) = mean_i L_i(x) - L_0(x)
+  score(x) = mean_i L_i(x) - L_0(x)                                         [N] float64, one per example
 
 HIGHER = MEMBER (training points sit in sharper minima, so noise raises their loss more). pandora's statistic is
 L_0 - mean_i L_i (lower = member): ours is its negative. Defaults n = 10, sigma = 0.005 (CheckMIABench App. A).
@@ -18,31 +18,21 @@ array the size of a big leaf ever exists:
       block b = jax.random.normal(fold_in(k_ij, b), [rows, *rest], leaf.dtype)    b = 0 .. ceil(R / rows) - 1
       eps = sigma * concatenate(blocks, axis 0)[:R]                 the last block is drawn whole and cut
       theta_i leaf = leaf + eps                                     in the PARAMETER dtype
-A leaf of at most 2^22 elements is one block: eps = sigma * normal(fold_in(k_ij, 0), shape). The blocks only bound
-memory: XLA builds threefry's uint32 counters at the shape of one ``normal`` call, and at the size of a 50432 x 4096
-embedding those were 2 x 788 MiB of temporaries (see Memory). Blocks depend on the leaf's shape alone, never on
-the mesh, the chunk or the batch.
-For float32 models this is exactly ALGORITHMS.md 3. For bfloat16/float16 models noise and perturbed copy are in
-the parameter dtype (a float32 draw would double the bytes of every perturbed leaf: measured on Pythia-6.9B bf16,
-MoPe n=10 chunk=2, the step's temporaries fell from 3.12 to 2.35 GiB); sigma = 0.005 is far above bf16's spacing
-near typical weights (~4e-4 at 0.1), so the rounding does not change what the attack measures.
-Note: ``jax.random.normal`` in bfloat16 takes only 128 distinct values (mean -0.011, std 0.997, measured on 2^22
-draws); now that blocks bound the temporaries, a float32 draw per block rounded to the parameter dtype would cost
-16 MiB, not a float32 copy of the leaf (not done: it changes the numbers).
+A leaf of at most 2^22 elements is one block: eps = sigma * normal(fold_in(k_ij, 0), shape). Blocks bound the
+memory of threefry's counters and depend on the leaf's shape alone, never on the mesh, the chunk or the batch. For
+float32 models this is pandora's distribution; bfloat16/float16 models get noise and perturbed copy in the parameter
+dtype (why, and what it changes: docs/algorithms.md#mope).
 
 Memory: the layer groups are perturbed inside the model's layer scan (``Model.hidden(layer_transform=...)``), so
 only one layer's perturbed copy exists at a time. Group 0 is drawn twice with the same keys: for the embeddings
 before the scan and for the LM head after it (``token_logprobs(head_params=...)``, behind
 ``lax.optimization_barrier`` on the final hidden states, so XLA cannot compute the head's copy early and keep it
 through the scan). Each perturbed leaf keeps the sharding of the parameter it perturbs (``jax.random`` is
-partitionable, and blocks depend on shapes only: the same numbers on any mesh). ``chunk`` copies are vmapped and
-``lax.map`` runs the ceil(n / chunk) chunks one after another, so the peak is about the params + chunk x the largest
-group + chunk x activations. Measured (``mia plan --model pythia-6.9b --dtype bfloat16 --batch 1 --length 2048
---topology v5p:1x1x1 --attack mope:n=2,chunk=2``; n only sets the loop count): temporaries 2.35 GiB with one
-``normal`` per leaf (its uint32 counters at the size of the 50432 x 4096 embedding and head, 2 x 788 MiB each),
-2.29 GiB with blocks, 1.64 GiB with blocks and the head drawn after the scan (2 copies of group 0 are 1.54 GiB);
-at chunk=1 3.53 GiB before, 0.63 GiB now. The same key gives the same n models in every batch,
-on every mesh and for every ``chunk``, so a score depends on none of them. Nothing goes to disk.
+partitionable). ``chunk`` copies are vmapped and ``lax.map`` runs the ceil(n / chunk) chunks one after another, so
+the peak is about the params + chunk x the largest group + chunk x activations
+(measured: docs/benchmarks.md#mope-memory).
+The same key gives the same n models in every batch, on every mesh and for every ``chunk``, so a score depends on
+none of them. Nothing goes to disk.
 """
 from __future__ import annotations
 

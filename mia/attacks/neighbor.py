@@ -12,6 +12,8 @@ Defaults: n = 10 neighbours, k = 5 candidates per position, dropout p = 0.7 on t
 (the reference code's k and p; its n is 50, the paper sweeps n; 10 keeps the cost at 10 extra scoring passes).
 Examples given as token ids are decoded once with the target tokenizer (noted). Neighbours depend on the MLM, the
 text, n, k, p and the seed; they are cached on disk (``<cache_dir>/neighbors-<key>/``) and reused.
+
+Definition and differences from the public code: docs/algorithms.md#neighbor.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Polarized distance of the T-1 token log-probs l of a text, with far/local counts
 Augmentation (EDA random swap, ``src/eda.py``): split the text on ' ', make n_swaps = max(1, floor(alpha * #words))
 swaps, each of two distinct random positions (up to 3 draws of the second position; no swap if all 3 hit the
 first), join with ' '. ``augment=tokens`` swaps the example's token ids the same way instead (no text or tokenizer
-needed; our option). n augmented copies per example, alpha = 0.3, n = 10 (the issue's / SoK ``pac_10`` setting; the
+needed; our option). n augmented copies per example, alpha = 0.3, n = 10 (the SoK benchmark's ``pac_10`` setting; the
 official script's N is 5). Each copy is tokenized with the target tokenizer, cut to the run's max length and scored
 by the shared engine (n extra passes).
 
@@ -18,6 +18,8 @@ by the shared engine (n extra passes).
 Seeded: example x's copies use ``numpy.random.default_rng([seed, h(x)])`` with h a hash of its text (or tokens), so a
 score does not depend on the example's position or the batch. Copies with < 2 tokens are dropped; an example with
 no usable copy scores NaN (noted).
+
+Definition and differences from the public code: docs/algorithms.md#pac.
 """
 from __future__ import annotations
 

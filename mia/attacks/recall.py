@@ -4,12 +4,12 @@
 
 P is an n-shot prefix of known NON-members (partition "prefix" or ``--prefix-data``, checked disjoint from the
 evaluated examples by id and token content). LL(x) is the unconditional mean token log-likelihood (T-1 terms,
-ALGORITHMS.md 0). LL(x | P) averages over x's tokens only, x's tokens attending to P's cached keys/values
+docs/algorithms.md#conventions). LL(x | P) averages over x's tokens only, x's tokens attending to P's cached keys/values
 (``mia.engine.conditional``); by default it includes x's first token predicted from P (L terms), as the ReCaLL and mimir
 code do (``include_first=False`` gives em-mia's L-1 terms). Both LLs are negative, so the ratio is positive.
 HIGHER = MEMBER, as the official code (ROC with member = 1 on the raw ratio); mimir returns -ratio.
 
-Prefix (ALGORITHMS.md 1.1):
+Prefix (docs/algorithms.md#recall):
   - the FIRST n examples of the prefix partition, in file order (the official code takes the first n non-members
     after its shuffle); n = 12 by default (ReCaLL options);
   - text shots are joined with "" (no separator, official code) and the joined text is tokenized once with the
@@ -22,7 +22,7 @@ Prefix (ALGORITHMS.md 1.1):
 
   ReCaLL-CheckMIA(x) = LL([P; x]) - LL(x)                               (``variant=checkmia``)
 
-CheckMIABench's own ReCaLL (pandora ``ReCaLL`` feature, ALGORITHMS.md 1.1 "Other implementations"; the paper: "we
+CheckMIABench's own ReCaLL (pandora ``ReCaLL`` feature, docs/algorithms.md#recall-checkmia; the paper: "we
 use 100-token long prefixes"): P = the first ``tokens`` (100) tokens of the prefix partition's token ids
 concatenated in file order (pandora: of the non-member training token stream); LL([P; x]) is the mean log-prob over
 EVERY predicted position of the concatenation, the prefix's own P - 1 tokens included (pandora averages the whole
@@ -30,7 +30,9 @@ prefixed sequence), computed as (sum of P's log-probs alone + L * LL(x | P)) / (
 pandora's statistic is NLL([P; x]) - NLL(x) and the paper's tables predict member with its negative (pandora's
 ``plot_ROC`` assumes members have the lower statistic), which is exactly this score: HIGHER = MEMBER, and its AUC is
 the paper's. (This is the opposite of ReCaLL's own hypothesis, under which a non-member prefix lowers a member's LL
-more; ALGORITHMS.md flags it.) ``n`` and ``include_first`` do not apply. The same context rule fits P and x.
+more; the docs say so.) ``n`` and ``include_first`` do not apply. The same context rule fits P and x.
+
+Definition and differences from the public code: docs/algorithms.md#recall, #recall-checkmia.
 """
 from __future__ import annotations
 

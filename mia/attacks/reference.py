@@ -1,4 +1,4 @@
-"""Reference-model calibration (Carlini et al. 2021 "Ref"; em-mia's Ref init). ALGORITHMS.md 1.2.
+"""Reference-model calibration (Carlini et al. 2021 "Ref"; em-mia's Ref init). docs/algorithms.md#ref.
 
   ref(x) = LL_target(x) - LL_ref(x)
 

@@ -20,6 +20,8 @@ Differences from the official script, none changing the definition: it cuts the 
 prompt + continuation at word round(nominal length / 2), we take the continuation's own words; its reference splits
 on " " only, ours on any whitespace (as its prompt does). Samples are seeded: sample j of an example is drawn with
 fold_in(fold_in(PRNGKey(seed), crc32(example id)), j), so an example's score does not depend on the others.
+
+Definition and differences from the public code: docs/algorithms.md#samia, #samia_zlib.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ Deviations, stated: k_n = max(1, .) as Min-K% (the SoK code takes int(k T) and a
 the k_n boundary keep the earlier position (stable sort; torch.topk picks arbitrarily). An example with NO surprising
 token scores EMPTY_SCORE = 0, the log-prob ceiling: by the paper's hypothesis (members surprise the model less) it is
 the most member-like case. The SoK code maps it to -100 (``nan_to_num``), the least member-like, which inverts the
-attack where confident models leave many texts without surprising tokens: on the smoke memorization dial 129 of 200
-texts (mostly members) had none, and -100 gave AUC 0.39 where 0 gives 0.70 (counted in a note either way).
+attack where confident models leave many texts without surprising tokens (counted in a note either way; measured
+on the smoke memorization dial: docs/attacks.md#rewritten-texts). docs/algorithms.md#surp.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ decoded with the target tokenizer when only token ids, or a truncated text, are 
                 lower statistic), i.e. with the HIGHER z: our score z, higher = member, has the paper's AUC.
                 A sanity baseline, not a membership signal.
 
-ALGORITHMS.md section 5.
+docs/algorithms.md#zlib, #zlib_entropy.
 """
 from __future__ import annotations
 

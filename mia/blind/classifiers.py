@@ -8,7 +8,8 @@
 - ``mlp``: StandardScaler, then in → 250 → 100 → 10 → 1 with ReLU, sigmoid BCE loss, Adam(1e-3), 10 epochs,
   batch 128, shuffled each epoch from ``seed``. Sparse features (BoW, TF-IDF) enter the first layer as an embedding bag, never densified.
 Sparse inputs are scaled without centring (``with_mean=False``), which keeps them sparse.
-The paper's classifier module is not public: C = 1, the scaler and the NN loss are UNCONFIRMED (ALGORITHMS.md §6).
+The paper's classifier module is not public: C = 1, the scaler and the NN loss are UNCONFIRMED
+(docs/algorithms.md#blind).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Blind (model-free) features of examples, CheckMIABench §6 / ALGORITHMS.md §6. Every feature is FIT ON THE TRAINING
-PARTITION ONLY and then applied to the evaluation partition.
+"""Blind (model-free) features of examples, CheckMIABench §4 (docs/algorithms.md#blind). Every feature is FIT ON
+THE TRAINING PARTITION ONLY and then applied to the evaluation partition.
 
 Examples are split-file dicts with ``"tokens"`` (token ids, never decoded for BoW/TF-IDF) or ``"text"``.
 

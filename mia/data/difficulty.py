@@ -1,4 +1,4 @@
-"""Graded-difficulty splits (EM-MIA's OLMoMIA construction, ALGORITHMS.md §1.3): random, easy, medium, hard, mix-1,
+"""Graded-difficulty splits (EM-MIA's OLMoMIA, docs/algorithms.md#difficulty): random, easy, medium, hard, mix-1,
 mix-2 from a pool of members and non-members.
 
 1. Embed every pool example with the encoder and L2-normalise; d(a, b) = 1 − cos(a, b).

@@ -1,6 +1,6 @@
 """Megatron ``MMapIndexedDataset`` (``.bin`` + ``.idx``): the format of Pythia's training order.
 
-``.idx`` layout (little-endian, ALGORITHMS.md §7)::
+``.idx`` layout (little-endian, docs/algorithms.md#pythia-order)::
 
     magic   b"MMIDIDX\\x00\\x00"   9 bytes
     version u64 = 1

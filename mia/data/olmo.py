@@ -1,6 +1,6 @@
 """OLMo training order: ``global_indices`` + token memmaps -> training instances, checkpoint splits, OLMoMIA documents.
 
-Facts (ALGORITHMS.md §7, §1.3):
+Facts (docs/algorithms.md#olmo-order and #difficulty):
 
 * ``global_indices.npy`` (epoch 1) is a **raw uint32 memmap without a .npy header**;
 * instance ``k`` is the ``k``-th ``seq_len``-token chunk of the ordered list of raw uint16 token files

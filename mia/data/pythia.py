@@ -1,6 +1,6 @@
 """Pythia training order: step <-> row arithmetic and checkpoint member/non-member splits.
 
-Facts (ALGORITHMS.md §7): the preshuffled deduped Pile is one ``MMapIndexedDataset`` of 2049-token rows;
+Facts (docs/algorithms.md#pythia-order): the preshuffled deduped Pile is one ``MMapIndexedDataset`` of 2049-token rows;
 step ``s`` trains on rows ``[s*B, (s+1)*B)`` with ``B = 1024``; revision ``stepN`` has trained on rows
 ``[0, N*B)`` (UNCONFIRMED convention, hence the ``gap``); epoch 1 ends near step 98,500 (CheckMIABench's value).
 

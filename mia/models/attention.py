@@ -48,7 +48,7 @@ MASK_VALUE = -1e30
 ENV_VAR = "MIA_ATTENTION"
 KERNEL_NAMES = ("exact", "blocked", "xla")
 
-# auto dispatch thresholds (CPU measurements in README "Attention kernels")
+# auto dispatch thresholds (CPU measurements in docs/benchmarks.md#attention)
 EXACT_MAX_KEYS = 512
 EXACT_MAX_SCORE_BYTES = 1 << 30
 BLOCK_Q = 256
