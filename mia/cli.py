@@ -34,7 +34,7 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
     p.add_argument("--freq-corpus", help="local corpus (.jsonl with text|tokens, or plain text, one document a line) "
                                          "for the `dcpdd` token frequencies (default: the calib partition)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="README: Precision policy")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="precision (docs/models.md#precision)")
     p.add_argument("--batch-tokens", type=V.arg_int(1), default=16384,
                    help="padded tokens per batch per data-parallel device (8 devices on `data`: 8x the rows)")
     p.add_argument("--mesh", default=None, metavar="AXES",
@@ -54,7 +54,7 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
     p.add_argument("--bootstrap", type=V.arg_int(0), default=1000, help="bootstrap resamples for the AUC standard error")
     p.add_argument("--no-progress", action="store_true")
-    d = p.add_argument_group("document-level inference (README: Document-level MIA)")
+    d = p.add_argument_group("document-level inference (docs/attacks.md#documents)")
     d.add_argument("--documents", action="store_true",
                    help="each line is one sequence of the document named by its 'doc_id'; sequence scores of each "
                         "attack are aggregated per document and a classifier trained on the 'train' documents scores "

@@ -62,6 +62,7 @@ COLUMNS: tuple[tuple[str, Callable[[AttackSpec], str]], ...] = (
     ("attack", lambda s: f"[`{s.name}`]({DEFINITIONS}#{s.name})"),
     ("parameters (default, allowed)", parameters),
     ("needs", lambda s: ", ".join(s.needs)),
+    ("cost", lambda s: s.cost),
     ("summary", summary),
 )
 

@@ -459,7 +459,7 @@ def _source_records(kind: str, src: dict) -> list:
 
 def verify_split(path, verify_sources: bool = True, verify_hashes: bool = True,
                  vocab_size: Optional[int] = None) -> SplitCheck:
-    """Re-read a split and verify everything it claims (see the README, "what check verifies").
+    """Re-read a split and verify everything it claims (docs/splits.md#what-mia-split-check-verifies).
 
     * rows: unique ids, labels 0/1, partitions known to the header, field types; each row against the
       ``row_sha256`` written with it (id, label, partition, text or tokens: an edit after the draw);

@@ -366,7 +366,7 @@ def _dtype(x):
 
 
 def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
-    """A dtype mode -> (activation dtype, parameter dtype); README "Precision policy".
+    """A dtype mode -> (activation dtype, parameter dtype); docs/models.md#precision.
 
     float32   float32 parameters and activations (matmuls at "highest" precision, see Model.matmul_precision).
     bfloat16  bfloat16 parameters and activations; norms, softmax, attention sums and the LM head in float32.
@@ -454,7 +454,7 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     every device. Each device's shard is read from the memory-mapped safetensors and converted on its own, so a
     checkpoint never exists whole in host memory as a second copy. Logits are float32 and log-probabilities are
     computed from them in float32 whatever ``dtype`` is; in ``"bfloat16"`` the weights, hidden states and matmul
-    operands feeding them are bf16 (README: Precision policy).
+    operands feeding them are bf16 (docs/models.md#precision).
     """
     from ..engine.sharding import make_mesh, param_shardings, put_params
 
