@@ -240,7 +240,9 @@ def strided_view(flat: np.ndarray, offset: int, shape: tuple, stride: tuple, whe
     """The read-only tensor ``flat[offset + sum(i_k * stride_k)]`` of ``shape`` (torch's storage offset and strides,
     in elements), without a copy; the last element it reaches must lie inside ``flat``."""
     if 0 in shape:
-        return np.zeros(shape, flat.dtype)
+        empty = np.zeros(shape, flat.dtype)
+        empty.flags.writeable = False
+        return empty
     last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
     if last >= flat.size:
         raise error(f"{where}: a tensor view {shape} (offset {offset}, stride {stride}) reaches element {last}, "
