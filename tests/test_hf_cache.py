@@ -126,8 +126,8 @@ def test_cli_score_with_a_cache_reference(in_cache, tmp_path):
     from mia.cli import main
 
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "text": t, "label": i % 2}) + "\n"
-                            for i, t in enumerate(["def f(x):\n    return x\n", "import json\n", "for i in x: pass\n"])))
+    texts = ["def f(x):\n    return x\n", "import json\n", "for i in x: pass\n"]
+    data.write_text("".join(json.dumps({"id": i, "text": t, "label": i % 2}) + "\n" for i, t in enumerate(texts)))
     out = tmp_path / "o.jsonl"
     assert main(["score", "--model", "org/tiny@step100", "--data", str(data), "--attacks", "loss", "--out", str(out),
                  "--no-cache", "--no-progress"]) == 0

@@ -68,7 +68,8 @@ def native_config(model, **over) -> dict:
         "max_sequence_length": c.max_position_embeddings, "mlp_hidden_size": 2 * c.intermediate_size, "mlp_ratio": 4,
         "multi_query_attention": None, "n_heads": c.num_attention_heads, "n_kv_heads": c.num_key_value_heads,
         "n_layers": c.num_hidden_layers, "pad_token_id": c.pad_token_id, "precision": "amp_bf16",
-        "residual_dropout": 0.0, "rope": True, "rope_full_precision": True, "rope_theta": c.rope_parameters["rope_theta"],
+        "residual_dropout": 0.0, "rope": True, "rope_full_precision": True,
+        "rope_theta": c.rope_parameters["rope_theta"],
         "scale_logits": False, "transformers_version": "4.36.2", "use_cache": True, "vocab_size": c.vocab_size - 6,
         "weight_tying": c.tie_word_embeddings,
     }
@@ -213,7 +214,8 @@ def test_mlp_ratio_and_multi_query_defaults_map(untied):
 
 
 @pytest.mark.parametrize("edit, expect", [
-    (lambda sd: sd.pop("model.transformer.blocks.1.ff_out.weight"), "'model.transformer.blocks.1.ff_out.weight' is missing"),
+    (lambda sd: sd.pop("model.transformer.blocks.1.ff_out.weight"),
+     "'model.transformer.blocks.1.ff_out.weight' is missing"),
     (lambda sd: sd.pop("model.transformer.ff_out.weight"), "'model.transformer.ff_out.weight' is missing"),
     (lambda sd: sd.update({"model.transformer.blocks.0.att_proj.weight": torch.zeros(3 * D, D)}),
      r"'model.transformer.blocks.0.att_proj.weight' has shape \(96, 32\), expected \(64, 32\)"),

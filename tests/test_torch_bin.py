@@ -91,7 +91,8 @@ def test_bin_and_safetensors_twins_read_and_load_identically(tiny_neox_dir, tmp_
     """The same weights as model.safetensors and as torch.save'd pytorch_model.bin: identical tensors (bit for bit)
     and identical loaded params."""
     tdtype = getattr(torch, dtype)
-    src = {k: torch.from_numpy(np.array(v)).to(tdtype) for k, v in read_safetensors(tiny_neox_dir / "model.safetensors").items()}
+    weights = read_safetensors(tiny_neox_dir / "model.safetensors")
+    src = {k: torch.from_numpy(np.array(v)).to(tdtype) for k, v in weights.items()}
     st_dir, bin_dir = tmp_path / "st", tmp_path / "bin"
     for d in (st_dir, bin_dir):
         shutil.copytree(tiny_neox_dir, d, ignore=shutil.ignore_patterns("model.safetensors"))
@@ -116,7 +117,8 @@ def jax_leaves(tree):
 
 
 def test_sharded_bin_index_loads_like_the_single_file(tiny_neox_dir, tmp_path):
-    tensors = {k: torch.from_numpy(np.array(v)) for k, v in read_safetensors(tiny_neox_dir / "model.safetensors").items()}
+    weights = read_safetensors(tiny_neox_dir / "model.safetensors")
+    tensors = {k: torch.from_numpy(np.array(v)) for k, v in weights.items()}
     names = sorted(tensors)
     shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
               "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}

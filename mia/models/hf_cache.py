@@ -110,7 +110,8 @@ def resolve(ref: ModelRef, cache: Optional[Path] = None, *, error=CacheError, no
         have = cached_repos(cache)
         listing = _listing(have) if have else "none"
         local = "no local directory of that name, and " if no_local_dir else ""
-        raise error(f"{ref}: {local}not in the Hugging Face cache {cache} (no {repo_dir.name}/; models there: {listing}); "
+        raise error(f"{ref}: {local}not in the Hugging Face cache {cache} (no {repo_dir.name}/; models there: "
+                    f"{listing}); "
                     f"download it with `huggingface-cli download {ref.repo_id}"
                     + (f" --revision {ref.revision}`" if ref.revision else "`") + " or set HF_HUB_CACHE / HF_HOME")
     revision = ref.revision or DEFAULT_REVISION

@@ -84,7 +84,8 @@ def hf_config(native: dict, source: str) -> dict:
     at = lambda k: f"{source}: field {k!r}"
     eps = number(cfg["layer_norm_eps"], at("layer_norm_eps"), lo=0, lo_open=True, error=ConfigError)
     if eps != LN_EPS:
-        raise ConfigError(f"{at('layer_norm_eps')} = {eps} is not supported (the OLMo family's LayerNorm uses {LN_EPS})")
+        raise ConfigError(f"{at('layer_norm_eps')} = {eps} is not supported (the OLMo family's LayerNorm uses "
+                          f"{LN_EPS})")
     d = integer(cfg["d_model"], at("d_model"), lo=1, error=ConfigError)
     heads = integer(cfg["n_heads"], at("n_heads"), lo=1, error=ConfigError)
     if d % heads:

@@ -193,8 +193,9 @@ class _StateDictUnpickler(pickle.Unpickler):
         if module == "torch._utils" and name in REBUILD_FUNCTIONS:
             return getattr(self, name)
         allowed = ", ".join(f"{m}.{n}" for m, n in ALLOWED_GLOBALS[:4]) + ", torch.<Kind>Storage"
-        raise self._error(f"{self._where}: refused: the pickle asks for the global {str(module)[:80]}.{str(name)[:80]}, "
-                          f"which a plain state dict never uses; nothing was run (allowed: {allowed})")
+        raise self._error(f"{self._where}: refused: the pickle asks for the global "
+                          f"{str(module)[:80]}.{str(name)[:80]}, which a plain state dict never uses; nothing was run "
+                          f"(allowed: {allowed})")
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -226,8 +227,8 @@ class _StateDictUnpickler(pickle.Unpickler):
         offset = _non_negative_int(storage_offset)
         shape, steps = _int_tuple(size), _int_tuple(stride)
         if offset is None or shape is None or steps is None or len(shape) != len(steps):
-            raise self._error(f"{self._where}: tensor of storage {storage.key!r} has a malformed offset, size or stride "
-                              f"({str(storage_offset)[:20]}, {str(size)[:60]}, {str(stride)[:60]})")
+            raise self._error(f"{self._where}: tensor of storage {storage.key!r} has a malformed offset, size or "
+                              f"stride ({str(storage_offset)[:20]}, {str(size)[:60]}, {str(stride)[:60]})")
         return strided_view(storage.array, offset, shape, steps, f"{self._where}: storage {storage.key!r}", self._error)
 
     def _rebuild_parameter(self, data, requires_grad=False, backward_hooks=None):
