@@ -279,10 +279,15 @@ def _size_key(size: str) -> float:
 
 def pythia_checkpoints(root) -> dict:
     """``{size: {step: path}}`` of the HF checkpoints under ``root/pythia-SIZE-deduped/stepN/`` (a
-    ``config.json`` in each), sizes ordered by parameter count."""
+    ``config.json`` in each), sizes ordered by parameter count. ``root`` may also be a Hugging Face hub cache
+    (``models--ORG--pythia-SIZE-deduped/``): its revisions ``stepN`` with a config.json, read offline."""
     root = Path(root)
     if not root.is_dir():
         raise ExperimentError(f"--pythia {root}: not a directory")
+    from mia.models import hf_cache
+
+    if hf_cache.cached_repos(root):
+        return _by_size(pythia_in_hub_cache(root))
     found: dict = {}
     for d in root.iterdir():
         m = _PYTHIA_DIR.match(d.name)
@@ -295,6 +300,26 @@ def pythia_checkpoints(root) -> dict:
                 steps[int(ms.group(1))] = s
         if steps:
             found[m.group(1)] = dict(sorted(steps.items()))
+    return _by_size(found)
+
+
+def pythia_in_hub_cache(cache: Path) -> dict:
+    """``{size: {step: snapshot}}`` of the ``stepN`` revisions (with a config.json) of the cached
+    ``ORG/pythia-SIZE-deduped`` repositories."""
+    from mia.models import hf_cache
+
+    found: dict = {}
+    for repo in hf_cache.cached_repos(cache):
+        m = _PYTHIA_DIR.match(repo.split("/")[-1])
+        revisions = hf_cache.revisions(cache / hf_cache.repo_folder(repo)) if m else {}
+        steps = {int(s.group(1)): snap for name, snap in revisions.items()
+                 if (s := _STEP_DIR.match(name)) and (snap / "config.json").exists()}
+        if steps:
+            found[m.group(1)] = dict(sorted(steps.items()))
+    return found
+
+
+def _by_size(found: dict) -> dict:
     return dict(sorted(found.items(), key=lambda kv: _size_key(kv[0])))
 
 

@@ -183,3 +183,49 @@ def test_revisions_listing(hub_cache):
         "main": MAIN, "step100": STEP, "refs/pr/1": STEP}  # "broken" has no snapshot
     assert {MAIN, STEP, TWIN} <= set(revs)
     assert hf_cache.cached_repos(hub_cache) == ["org/tiny", "someone/else"]
+
+
+# ----------------------------------------------------------------------------------------------- --pythia discovery
+@pytest.fixture(scope="module")
+def pythia_cache(tiny_neox_dir, tmp_path_factory):
+    """EleutherAI/pythia-70m-deduped at step100 and step200, pythia-160m-deduped at step100, one more repo."""
+    root = tmp_path_factory.mktemp("pythia_hub")
+    small = root / "models--EleutherAI--pythia-70m-deduped"
+    _add_snapshot(small, MAIN, tiny_neox_dir, refs=["main", "step200"])
+    _add_snapshot(small, STEP, tiny_neox_dir, refs=["step100"])
+    _add_snapshot(root / "models--EleutherAI--pythia-160m-deduped", TWIN, tiny_neox_dir, refs=["step100"])
+    _add_snapshot(root / "models--org--tiny", MAIN, tiny_neox_dir, refs=["step100"])
+    return root
+
+
+def test_pythia_checkpoints_are_discovered_in_the_hub_cache(pythia_cache):
+    from experiments.common import ExperimentError, pythia_checkpoint, pythia_checkpoints, select_pythia
+
+    found = pythia_checkpoints(pythia_cache)
+    assert {size: {s: p.name for s, p in steps.items()} for size, steps in found.items()} == {
+        "70m": {100: STEP, 200: MAIN}, "160m": {100: TWIN}}
+    assert list(select_pythia(pythia_cache, None, [100])) == ["70m", "160m"]
+    assert pythia_checkpoint(pythia_cache, "70m", 200) == pythia_cache / "models--EleutherAI--pythia-70m-deduped" / \
+        "snapshots" / MAIN
+    with pytest.raises(ExperimentError, match="no checkpoint pythia-160m-deduped/step200.*70m-deduped: steps 100, 200"):
+        pythia_checkpoint(pythia_cache, "160m", 200)
+
+
+@pytest.mark.slow
+def test_checkmiabench_pythia_from_the_hub_cache(tiny_neox_dir, tmp_path, no_network):
+    """The CheckMIABench Pythia recipe with ``--pythia`` pointing at a hub cache (as huggingface-cli fills it)."""
+    import transformers
+    from experiments import checkmiabench as cmb
+    from test_checkmiabench import B, END, STEP as STEP_N, _pythia_layout
+
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
+    _, shards, idx, _ = _pythia_layout(tmp_path, tiny_neox_dir, vocab)
+    cache = tmp_path / "hub"
+    _add_snapshot(cache / "models--EleutherAI--pythia-70m-deduped", STEP, tiny_neox_dir, refs=[f"step{STEP_N}"])
+    out = tmp_path / "out"
+    assert cmb.main(["--pythia", str(cache), "--data", *shards, "--idx", idx, "--steps", str(STEP_N),
+                     "--batch-size", str(B), "--end-step", str(END), "--n-members", "10", "--n-train", "10",
+                     "--n-prefix", "0", "--attacks", "loss", "--no-blind", "--bootstrap", "20", "--no-progress",
+                     "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert [t["model"] for t in s["targets"]] == ["70m"]
