@@ -358,15 +358,21 @@ def select_pythia(root, sizes: Optional[Sequence[str]], steps: Sequence[int]) ->
 
 def olmo_checkpoint(root, step: int) -> Path:
     """The OLMo checkpoint of ``step``: ``root`` itself when it is a model directory (``config.json``), else
-    ``root/stepN`` or ``root/stepN-tokens...`` (HF revision names); an error listing what is there."""
+    ``root/stepN`` or ``root/stepN-tokens...`` (HF revision names), or, for a repository folder of the Hugging Face
+    hub cache (``.../models--allenai--OLMo-7B``), the snapshot of its revision ``stepN[-tokens...]``; an error
+    listing what is there."""
+    from mia.models import hf_cache
+
     root = Path(root)
     if not root.is_dir():
         raise ExperimentError(f"--olmo {root}: not a directory")
     if (root / "config.json").exists():
         return root
+    cached = hf_cache.revisions(root) if root.name.startswith("models--") else {}
+    candidates = cached.items() if cached else ((d.name, d) for d in root.iterdir())
     steps = {}
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
+    for name, d in candidates:
+        m = _STEP_DIR.match(name)
         if m and (d / "config.json").exists():
             steps.setdefault(int(m.group(1)), d)
     if int(step) in steps:

@@ -229,3 +229,15 @@ def test_checkmiabench_pythia_from_the_hub_cache(tiny_neox_dir, tmp_path, no_net
                      "--out", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert [t["model"] for t in s["targets"]] == ["70m"]
+
+
+def test_olmo_checkpoint_from_a_cached_repository(tiny_neox_dir, tmp_path):
+    from experiments.common import ExperimentError, olmo_checkpoint
+
+    repo = tmp_path / "models--allenai--OLMo-7B"
+    _add_snapshot(repo, MAIN, tiny_neox_dir, refs=["main", "step1000-tokens4B"])
+    _add_snapshot(repo, STEP, tiny_neox_dir, refs=["step2000-tokens9B"])
+    assert olmo_checkpoint(repo, 2000) == repo / "snapshots" / STEP
+    assert olmo_checkpoint(repo, 1000) == repo / "snapshots" / MAIN
+    with pytest.raises(ExperimentError, match="no checkpoint at step 3000.*step1000, step2000"):
+        olmo_checkpoint(repo, 3000)
