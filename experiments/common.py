@@ -266,10 +266,15 @@ def _size_key(size: str) -> float:
 
 def pythia_checkpoints(root) -> dict:
     """``{size: {step: path}}`` of the HF checkpoints under ``root/pythia-SIZE-deduped/stepN/`` (a
-    ``config.json`` in each), sizes ordered by parameter count."""
+    ``config.json`` in each), sizes ordered by parameter count. ``root`` may also be a Hugging Face hub cache
+    (``models--ORG--pythia-SIZE-deduped/``): its revisions ``stepN`` with a config.json, read offline."""
     root = Path(root)
     if not root.is_dir():
         raise ExperimentError(f"--pythia {root}: not a directory")
+    from mia.models import hf_cache
+
+    if hf_cache.cached_repos(root):
+        return _by_size(pythia_in_hub_cache(root))
     found: dict = {}
     for d in root.iterdir():
         m = _PYTHIA_DIR.match(d.name)
@@ -282,6 +287,26 @@ def pythia_checkpoints(root) -> dict:
                 steps[int(ms.group(1))] = s
         if steps:
             found[m.group(1)] = dict(sorted(steps.items()))
+    return _by_size(found)
+
+
+def pythia_in_hub_cache(cache: Path) -> dict:
+    """``{size: {step: snapshot}}`` of the ``stepN`` revisions (with a config.json) of the cached
+    ``ORG/pythia-SIZE-deduped`` repositories."""
+    from mia.models import hf_cache
+
+    found: dict = {}
+    for repo in hf_cache.cached_repos(cache):
+        m = _PYTHIA_DIR.match(repo.split("/")[-1])
+        revisions = hf_cache.revisions(cache / hf_cache.repo_folder(repo)) if m else {}
+        steps = {int(s.group(1)): snap for name, snap in revisions.items()
+                 if (s := _STEP_DIR.match(name)) and (snap / "config.json").exists()}
+        if steps:
+            found[m.group(1)] = dict(sorted(steps.items()))
+    return found
+
+
+def _by_size(found: dict) -> dict:
     return dict(sorted(found.items(), key=lambda kv: _size_key(kv[0])))
 
 
@@ -320,15 +345,21 @@ def select_pythia(root, sizes: Optional[Sequence[str]], steps: Sequence[int]) ->
 
 def olmo_checkpoint(root, step: int) -> Path:
     """The OLMo checkpoint of ``step``: ``root`` itself when it is a model directory (``config.json``), else
-    ``root/stepN`` or ``root/stepN-tokens...`` (HF revision names); an error listing what is there."""
+    ``root/stepN`` or ``root/stepN-tokens...`` (HF revision names), or, for a repository folder of the Hugging Face
+    hub cache (``.../models--allenai--OLMo-7B``), the snapshot of its revision ``stepN[-tokens...]``; an error
+    listing what is there."""
+    from mia.models import hf_cache
+
     root = Path(root)
     if not root.is_dir():
         raise ExperimentError(f"--olmo {root}: not a directory")
     if (root / "config.json").exists():
         return root
+    cached = hf_cache.revisions(root) if root.name.startswith("models--") else {}
+    candidates = cached.items() if cached else ((d.name, d) for d in root.iterdir())
     steps = {}
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
+    for name, d in candidates:
+        m = _STEP_DIR.match(name)
         if m and (d / "config.json").exists():
             steps.setdefault(int(m.group(1)), d)
     if int(step) in steps:

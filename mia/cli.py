@@ -20,7 +20,8 @@ def _add_score_parser(sub) -> None:
     p = sub.add_parser("score", help="score examples with one or more attacks",
                        description="Score a JSONL file ({id, text|tokens, label?}) with membership inference attacks. "
                                    "Every score: higher = more likely member.")
-    p.add_argument("--model", required=True, help="local Hugging Face-layout model directory")
+    p.add_argument("--model", required=True, help="local Hugging Face-layout model directory, or ORG/NAME[@REVISION] "
+                                                  "from the Hugging Face cache (offline; docs/models.md)")
     p.add_argument("--data", required=True, help="JSONL examples or a split file")
     p.add_argument("--attacks", default="loss", help="comma-separated, each NAME[:key=value,...]; `mia attacks` lists them")
     p.add_argument("--out", required=True, help="output JSONL, one line per evaluated example")
@@ -145,14 +146,18 @@ def report_documents(args, run) -> None:
 
 def check_score_paths(args) -> None:
     """Every path option of ``mia score`` checked before anything is loaded or scored (``mia.validate``)."""
-    V.input_dir(args.model, "--model", noun="model directory")
+    from .models.hf_cache import model_dir  # not at the top: mia.models imports jax and flax (fast --help)
+
+    V.input_dir(model_dir(args.model, error=lambda m: V.InputError(f"--model {m}")), "--model", noun="model directory")
     V.input_file(args.data, "--data")
     for flag in ("prefix_data", "member_prefix_data", "calib_data", "train_data", "freq_corpus"):
         if getattr(args, flag):
             V.input_file(getattr(args, flag), "--" + flag.replace("_", "-"))
-    for flag in ("ref_model", "mlm"):
-        if getattr(args, flag):
-            V.input_dir(getattr(args, flag), "--" + flag.replace("_", "-"), noun="model directory")
+    if args.ref_model:
+        V.input_dir(model_dir(args.ref_model, error=lambda m: V.InputError(f"--ref-model {m}")), "--ref-model",
+                    noun="model directory")
+    if args.mlm:
+        V.input_dir(args.mlm, "--mlm", noun="model directory")
     V.output_file(args.out, "--out", inputs=(args.data, args.prefix_data, args.member_prefix_data, args.calib_data,
                                              args.train_data, args.freq_corpus))
     if not args.no_cache and args.cache_dir:

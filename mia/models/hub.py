@@ -1,7 +1,10 @@
 """Load and save Hugging Face-layout checkpoints from LOCAL directories. Never touches the network.
 
-``load(path)`` reads ``config.json``, ``model.safetensors`` (or a sharded ``model.safetensors.index.json``) and the
-tokenizer, and returns a :class:`Model`. Loading is strict: every parameter of our module must be filled with a
+``load(path)`` reads ``config.json``, ``model.safetensors`` (or a sharded ``model.safetensors.index.json``; without
+safetensors, ``pytorch_model.bin`` or its ``.index.json`` through ``torch_bin``, which runs nothing) and the
+tokenizer, and returns a :class:`Model`. ``path`` may also be ``ORG/NAME[@REVISION]``, a snapshot of the Hugging
+Face cache (``hf_cache``), and config.json may be a native layout read by a mapping (``layouts``: OLMo's
+``hf_olmo``). Loading is strict: every parameter of our module must be filled with a
 tensor of the right shape, and every tensor in the checkpoint must be used (a few known buffers excepted).
 ``save(model, path)`` writes a directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 """
@@ -23,7 +26,10 @@ import ml_dtypes
 import numpy as np
 
 from ..atomic import atomic_write, write_text
+from . import hf_cache
 from .common import ConfigError, ParamMapping
+from .layouts import native_layout
+from .torch_bin import read_torch_bin
 
 from ..offline import force_offline
 
@@ -156,6 +162,14 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             for name, (dtype, shape, (lo, hi)) in header.items()}
 
 
+def read_weights(path: Path) -> dict[str, np.ndarray]:
+    """Memory-mapped tensors of one weight file: safetensors, or a ``torch.save`` zip (``.bin``) read without
+    running its pickle (``torch_bin``)."""
+    if Path(path).suffix == ".bin":
+        return read_torch_bin(path, error=CheckpointError)
+    return read_safetensors(path)
+
+
 def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Optional[dict] = None) -> None:
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset, blobs = 0, []
@@ -175,28 +189,35 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Opti
 
 
 def _weight_files(root: Path) -> list[Path]:
-    single, index = root / "model.safetensors", root / "model.safetensors.index.json"
-    if single.exists():
-        return [single]
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
-        except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: malformed shard index ({type(e).__name__}: {e})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
-        outside = [v for v in weight_map.values() if Path(v).name != v or v in ("", ".", "..")]
-        if outside:
-            raise CheckpointError(f"{index}: shard {outside[0][:80]!r} is not a file name in the model directory")
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (root / f).exists()]
-        if missing:
-            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
-        return [root / f for f in files]
+    """The weight files of a checkpoint: safetensors when there are any, else PyTorch ``.bin`` (single or sharded)."""
+    for single, index in ((root / "model.safetensors", root / "model.safetensors.index.json"),
+                          (root / "pytorch_model.bin", root / "pytorch_model.bin.index.json")):
+        if single.exists():
+            return [single]
+        if index.exists():
+            return _indexed_files(root, index)
     if any(root.glob("*.bin")) or any(root.glob("*.pt")) or any(root.glob("*.ckpt")):
-        raise CheckpointError(f"{root}: only safetensors weights are supported (pickled .bin/.pt files are never loaded); "
-                              "convert with transformers' save_pretrained(safe_serialization=True)")
-    raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json found")
+        raise CheckpointError(f"{root}: no model.safetensors, pytorch_model.bin or their .index.json; other pickled "
+                              "files (.bin/.pt/.ckpt) are never loaded")
+    raise CheckpointError(f"{root}: no model.safetensors, pytorch_model.bin or their .index.json found")
+
+
+def _indexed_files(root: Path, index: Path) -> list[Path]:
+    """The shard files a ``weight_map`` index names, each a plain file name present in ``root``."""
+    try:
+        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+    except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: malformed shard index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+    outside = [v for v in weight_map.values() if Path(v).name != v or v in ("", ".", "..")]
+    if outside:
+        raise CheckpointError(f"{index}: shard {outside[0][:80]!r} is not a file name in the model directory")
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (root / f).exists()]
+    if missing:
+        raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
+    return [root / f for f in files]
 
 
 # Files besides the weights whose content can change a result: the config (architecture, norms, rotary, ...), the
@@ -384,9 +405,10 @@ def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
 
 
 def load_config(path) -> tuple[Family, Any, dict]:
-    """(family, config, raw config.json) of a checkpoint directory; every field type- and range-checked
-    (``mia.validate.check_hf_config`` by name, then ``check_config`` on the family config)."""
-    root = Path(path)
+    """(family, config, raw config.json) of a checkpoint directory or ``ORG/NAME[@REVISION]`` in the Hugging Face
+    cache; every field type- and range-checked (``mia.validate.check_hf_config`` by name, then ``check_config`` on
+    the family config). A native layout's config (``layouts``) is mapped to its family's first."""
+    root = hf_cache.model_dir(path, error=CheckpointError)
     if not root.is_dir():
         raise CheckpointError(f"model directory not found: {root}")
     cfg_file = root / "config.json"
@@ -397,11 +419,12 @@ def load_config(path) -> tuple[Family, Any, dict]:
     hf = read_config_json(cfg_file)
     if "model_type" not in hf:
         raise CheckpointError(f"{cfg_file}: field 'model_type' is missing")
+    layout = native_layout(hf)
     try:
-        fam = family(hf["model_type"])
+        fam = family(layout.family if layout else hf["model_type"])
     except ConfigError as e:
         raise ConfigError(f"{cfg_file}: {e}") from None
-    return fam, config_from_hf(fam.config_cls, hf, cfg_file), hf
+    return fam, config_from_hf(fam.config_cls, layout.hf_config(hf, str(cfg_file)) if layout else hf, cfg_file), hf
 
 
 def read_config_json(cfg_file: Path) -> dict:
@@ -432,14 +455,17 @@ def config_from_hf(config_cls, hf: dict, cfg_file) -> Any:
     return check_config(cfg, str(cfg_file), error=ConfigError)
 
 
-def load_tokenizer(path):
+def load_tokenizer(path, tokenizer_class: Optional[str] = None):
+    """The tokenizer files of a checkpoint directory through ``AutoTokenizer``, or through the transformers class
+    ``tokenizer_class`` (a native layout whose files name remote code); None when there are none."""
     root = Path(path)
     if not any((root / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
-    from transformers import AutoTokenizer
+    import transformers
 
+    cls = transformers.AutoTokenizer if tokenizer_class is None else getattr(transformers, tokenizer_class)
     try:
-        return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+        return cls.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001  (corrupt tokenizer files raise many types; the user gets one line)
         msg = (str(e).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(f"{root}: tokenizer files could not be loaded ({type(e).__name__}: {msg})") from None
@@ -447,7 +473,8 @@ def load_tokenizer(path):
 
 def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None,
          fsdp: Optional[bool] = None) -> Model:
-    """Load a local HF-layout checkpoint directory. ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
+    """Load a local HF-layout checkpoint directory, or ``ORG/NAME[@REVISION]`` from the Hugging Face cache (offline,
+    ``hf_cache``). ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
 
     Parameters are placed once, with their shardings over ``mesh`` (``mia.engine.sharding``: FSDP over ``data`` when
     ``fsdp``, the default with an explicit mesh; tensor parallel over ``model``); without a mesh, replicated on
@@ -458,19 +485,22 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     """
     from ..engine.sharding import make_mesh, param_shardings, put_params
 
-    root = Path(path)
-    fam, cfg, _ = load_config(root)
+    root = hf_cache.model_dir(path, error=CheckpointError)
+    fam, cfg, raw = load_config(root)
+    layout = native_layout(raw)
     dtype, param_dtype = _dtypes(dtype, param_dtype)
     files = _weight_files(root)
     tensors: dict = {}
     for f in files:
-        tensors.update(read_safetensors(f))
+        tensors.update(read_weights(f))
+    if layout:
+        tensors = layout.hf_tensors(tensors, cfg, str(root), CheckpointError)
     module, shapes = abstract_params(fam, cfg, dtype, param_dtype)
     views = host_params_from_hf(tensors, fam, cfg, shapes, source=str(root))
     fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
     placed_on = make_mesh() if mesh is None else mesh
     params = put_params(views, param_shardings(shapes, placed_on, fsdp=fsdp), dtype=param_dtype)
-    tok = load_tokenizer(root) if tokenizer else None
+    tok = load_tokenizer(root, layout.tokenizer_class if layout else None) if tokenizer else None
     return Model(module, params, tok, cfg, fam.model_type, str(root), functools.partial(fingerprint, root), placed_on,
                  fsdp)
 
