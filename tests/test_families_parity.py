@@ -78,7 +78,7 @@ def test_save_roundtrip_loads_in_transformers(case, tmp_path):
     name, _, _, model = case
     mm.save(model, tmp_path)
     back = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
-    assert type(back).__name__ == mm.hub.FAMILIES[model.model_type][2]
+    assert type(back).__name__ == mm.FAMILIES[model.model_type].module_cls.__name__
     tokens, mask = padded_batch(V, [11, 5], seed=3)
     got = np.asarray(model.logits(model.params, tokens, mask.astype(bool)))
     _assert_real_close(got, torch_logits(back, tokens, mask), mask, 1e-4)

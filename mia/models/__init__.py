@@ -1,5 +1,17 @@
-"""Flax decoder families that load local Hugging Face checkpoints exactly. See ``hub.load`` / ``hub.save``."""
-from .common import ConfigError, KVCache
-from .hub import FAMILIES, CheckpointError, Model, from_config, load, load_config, place, save
+"""Flax model families and the loading of real checkpoints.
 
-__all__ = ["ConfigError", "CheckpointError", "KVCache", "Model", "FAMILIES", "load", "load_config", "save", "from_config", "place"]
+Every family module (``gpt_neox``, ``llama``, ``gpt2``, ``gpt_neo``, ``olmo``, ``olmo2``) registers itself
+(``family.register_family``) when this package is imported.
+"""
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+from .common import ConfigError, KVCache
+from .family import FAMILIES, Family, family
+from .hub import CheckpointError, Model, from_config, load, load_config, place, save
+
+__all__ = ["ConfigError", "CheckpointError", "KVCache", "Model", "Family", "FAMILIES", "family", "load", "load_config",
+           "save", "from_config", "place"]
+
+for _mod in _pkgutil.iter_modules(__path__):  # the family modules register themselves on import
+    _importlib.import_module(f"{__name__}.{_mod.name}")

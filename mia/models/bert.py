@@ -85,6 +85,11 @@ class BertConfig:
         return {"model_type": "bert", "architectures": ["BertModel"], **dataclasses.asdict(self)}
 
 
+# tie_word_embeddings: ties the masked-LM decoder to the embeddings; the encoder has no decoder (the MLM head is
+# read from the checkpoint's own tensors, ``mia.attacks._mlm``)
+HARMLESS_HF_FIELDS = ("tie_word_embeddings",)
+
+
 class BertLayer(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
@@ -298,7 +303,7 @@ def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Enc
     cfg_file = weights_dir / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{weights_dir}: config.json is missing")
-    cfg = config_from_hf(BertConfig, read_config_json(cfg_file), cfg_file)
+    cfg = config_from_hf(BertConfig, read_config_json(cfg_file), cfg_file, HARMLESS_HF_FIELDS)
     st = weights_dir / "model.safetensors"
     if not st.exists():
         raise CheckpointError(f"{weights_dir}: model.safetensors is missing (only safetensors weights are loaded)")

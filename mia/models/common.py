@@ -94,9 +94,11 @@ def rope_theta_from(hf: dict, default: float = 10000.0, legacy_key: str = "rope_
         raise ConfigError(f"config field rope_scaling={scaling!r} is not supported (only unscaled RoPE)")
     if rope_type not in ("default", None):
         raise ConfigError(f"config field rope_parameters.rope_type={rope_type!r} is not supported (only 'default')")
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(hf.get(legacy_key, hf.get("rope_theta", default)))
+    flat = [(k, hf[k]) for k in dict.fromkeys((legacy_key, "rope_theta")) if k in hf]
+    given = ([("rope_parameters.rope_theta", params["rope_theta"])] if "rope_theta" in params else []) + flat
+    if len({float(v) for _, v in given}) > 1:  # two spellings of the base that disagree: which one trained it?
+        raise ConfigError("config fields " + ", ".join(f"{k}={v!r}" for k, v in given) + " disagree")
+    return float(given[0][1]) if given else float(default)
 
 
 def rotary_tables(positions_bt: Array, rot_dim: int, theta: float) -> tuple[Array, Array]:
@@ -218,7 +220,7 @@ def norm_maps(hf_prefix: str, path: tuple[str, ...], scale: bool = True, bias: b
     return out
 
 
-def check_no_unknown_fields(model_type: str, hf: dict, known: Sequence[str], refuse: dict[str, Callable[[Any], bool]]):
+def refuse_values(model_type: str, hf: dict, refuse: dict[str, Callable[[Any], bool]]) -> None:
     """Raise ConfigError on any field in ``refuse`` whose value changes the math in a way we do not implement."""
     for field, is_bad in refuse.items():
         if field in hf and is_bad(hf[field]):

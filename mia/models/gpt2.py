@@ -25,11 +25,12 @@ from .common import (
     ParamMapping,
     at_layer,
     activation,
-    check_no_unknown_fields,
+    refuse_values,
     dot_product_attention,
     join_cache,
     norm_maps,
 )
+from .family import register_family
 
 MODEL_TYPE = "gpt2"
 
@@ -79,7 +80,7 @@ class GPT2Config:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "GPT2Config":
-        check_no_unknown_fields(MODEL_TYPE, hf, (), REFUSED)
+        refuse_values(MODEL_TYPE, hf, REFUSED)
         # transformers' attribute_map lets a config.json use the generic names too
         get = lambda name, alias, default: hf.get(name, hf.get(alias, default))
         d, h = get("n_embd", "hidden_size", 768), get("n_head", "num_attention_heads", 12)
@@ -203,3 +204,11 @@ def param_mappings(cfg: GPT2Config) -> list[ParamMapping]:
 
 # The causal-mask buffers that old checkpoints (e.g. the original ``gpt2``) carry.
 IGNORED_HF_KEYS = (r"\.attn\.bias$", r"\.attn\.masked_bias$")
+
+# summary_*: the sequence-classification head, which mia never builds; reorder_and_upcast_attn: computes the
+# attention scores in float32, as mia's attention always does
+HARMLESS_HF_FIELDS = ("summary_activation", "summary_first_dropout", "summary_proj_to_labels", "summary_type",
+                      "summary_use_proj", "reorder_and_upcast_attn")
+
+register_family(MODEL_TYPE, GPT2Config, GPT2LMHeadModel, param_mappings, ignored_keys=IGNORED_HF_KEYS,
+                harmless=HARMLESS_HF_FIELDS)

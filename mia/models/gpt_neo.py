@@ -29,6 +29,7 @@ from .common import (
     linear_maps,
     norm_maps,
 )
+from .family import register_family
 
 MODEL_TYPE = "gpt_neo"
 
@@ -203,3 +204,9 @@ def param_mappings(cfg: GPTNeoConfig) -> list[ParamMapping]:
 
 # The (local) causal-mask buffers that older checkpoints carry.
 IGNORED_HF_KEYS = (r"\.attention\.bias$", r"\.attention\.masked_bias$")
+
+# attention_layers: attention_types expanded per layer (transformers recomputes it from attention_types)
+HARMLESS_HF_FIELDS = ("attention_layers",)
+
+register_family(MODEL_TYPE, GPTNeoConfig, GPTNeoForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
+                harmless=HARMLESS_HF_FIELDS)

@@ -30,6 +30,7 @@ from .common import (
     norm_maps,
     rope_theta_from,
 )
+from .family import register_family
 
 MODEL_TYPE = "gpt_neox"
 
@@ -175,3 +176,5 @@ def param_mappings(cfg: GPTNeoXConfig) -> list[ParamMapping]:
 
 # HF buffers and tensors that carry no learned state we need.
 IGNORED_HF_KEYS = (r"\.attention\.bias$", r"\.attention\.masked_bias$", r"rotary_emb\.inv_freq$")
+
+register_family(MODEL_TYPE, GPTNeoXConfig, GPTNeoXForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS)

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import importlib
 import json
 import re
 from pathlib import Path
@@ -26,8 +25,12 @@ import ml_dtypes
 import numpy as np
 
 from ..atomic import atomic_write, write_text
+from ..engine.sharding import make_mesh, param_shardings, put_params
+from ..file_hash import file_sha256
+from ..validate import check_config, check_hf_config, safetensors_header
 from . import hf_cache
 from .common import ConfigError, ParamMapping
+from .family import FAMILIES, Family, family, family_of_config, read_config
 from .layouts import native_layout
 from .torch_bin import read_torch_bin
 
@@ -35,41 +38,8 @@ from ..offline import force_offline
 
 force_offline()
 
-# model_type -> module name inside mia.models. Each module defines MODEL_TYPE, a frozen config class with
-# from_hf/to_hf, a Flax CausalLM with hidden/unembed methods, param_mappings(cfg) and IGNORED_HF_KEYS.
-FAMILIES = {
-    "gpt_neox": ("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM"),
-    "llama": ("llama", "LlamaConfig", "LlamaForCausalLM"),
-    "gpt2": ("gpt2", "GPT2Config", "GPT2LMHeadModel"),
-    "gpt_neo": ("gpt_neo", "GPTNeoConfig", "GPTNeoForCausalLM"),
-    "olmo": ("olmo", "OlmoConfig", "OlmoForCausalLM"),
-    "olmo2": ("olmo2", "Olmo2Config", "Olmo2ForCausalLM"),
-}
-
-
 class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete or inconsistent with its config."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    model_type: str
-    config_cls: Any
-    module_cls: Any
-    param_mappings: Any
-    ignored_keys: tuple
-
-
-def family(model_type: str) -> Family:
-    if model_type not in FAMILIES:
-        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
-    mod_name, cfg_name, cls_name = FAMILIES[model_type]
-    try:
-        mod = importlib.import_module(f"mia.models.{mod_name}")
-    except ModuleNotFoundError as e:  # a family listed but not implemented yet
-        raise ConfigError(f"model_type {model_type!r} is not implemented yet ({e})") from None
-    return Family(model_type, getattr(mod, cfg_name), getattr(mod, cls_name), mod.param_mappings,
-                  tuple(getattr(mod, "IGNORED_HF_KEYS", ())))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -151,8 +121,6 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Memory-mapped numpy views of every tensor in a .safetensors file (bfloat16 via ml_dtypes). The header is
     checked whole first (``mia.validate.safetensors_header``): a corrupt file is one ``CheckpointError``."""
-    from ..validate import safetensors_header
-
     header, data_start = safetensors_header(path, error=CheckpointError)
     if not header:
         return {}
@@ -243,8 +211,6 @@ def fingerprint(root: Path) -> str:
     by path, size, mtime and ctime: ``mia.file_hash``) and of each of ``FINGERPRINT_FILES`` present. Any edit of a
     weight, the config or the tokenizer gives another fingerprint. The dtypes a model is loaded in are not part of
     it (``mia.engine.cache.cache_namespace`` adds them)."""
-    from ..file_hash import file_sha256
-
     root = Path(root)
     h = hashlib.sha256(f"mia-checkpoint|{FINGERPRINT_VERSION}".encode())
     for f in _weight_files(root):
@@ -424,14 +390,13 @@ def load_config(path) -> tuple[Family, Any, dict]:
         fam = family(layout.family if layout else hf["model_type"])
     except ConfigError as e:
         raise ConfigError(f"{cfg_file}: {e}") from None
-    return fam, config_from_hf(fam.config_cls, layout.hf_config(hf, str(cfg_file)) if layout else hf, cfg_file), hf
+    return fam, config_from_hf(fam.config_cls, layout.hf_config(hf, str(cfg_file)) if layout else hf, cfg_file,
+                               fam.harmless), hf
 
 
 def read_config_json(cfg_file: Path) -> dict:
     """The config.json object: UTF-8 JSON, every known field type- and range-checked by name
     (``mia.validate.check_hf_config``); ``CheckpointError``/``ConfigError`` naming the file otherwise."""
-    from ..validate import check_hf_config
-
     try:
         hf = json.loads(Path(cfg_file).read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -439,13 +404,12 @@ def read_config_json(cfg_file: Path) -> dict:
     return check_hf_config(hf, str(cfg_file), error=ConfigError)
 
 
-def config_from_hf(config_cls, hf: dict, cfg_file) -> Any:
-    """``config_cls.from_hf(hf)`` with each field of the result checked (``mia.validate.check_config``); a missing
-    field, a refused setting or an unusable value is one ``CheckpointError``/``ConfigError`` naming the file."""
-    from ..validate import check_config
-
+def config_from_hf(config_cls, hf: dict, cfg_file, harmless=()) -> Any:
+    """``config_cls.from_hf(hf)`` (``family.read_config``: a field neither read nor known to be harmless is refused)
+    with each field of the result checked (``mia.validate.check_config``); a missing field, a refused setting or an
+    unusable value is one ``CheckpointError``/``ConfigError`` naming the file."""
     try:
-        cfg = config_cls.from_hf(hf)
+        cfg = read_config(config_cls, hf, harmless)
     except KeyError as e:
         raise CheckpointError(f"{cfg_file}: required field {e} is missing") from None
     except ConfigError as e:
@@ -483,8 +447,6 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     computed from them in float32 whatever ``dtype`` is; in ``"bfloat16"`` the weights, hidden states and matmul
     operands feeding them are bf16 (docs/models.md#precision).
     """
-    from ..engine.sharding import make_mesh, param_shardings, put_params
-
     root = hf_cache.model_dir(path, error=CheckpointError)
     fam, cfg, raw = load_config(root)
     layout = native_layout(raw)
@@ -507,8 +469,6 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
 
 def place(model: Model, mesh=None, fsdp: Optional[bool] = None) -> Model:
     """The same model with its params placed on ``mesh`` (as ``load(..., mesh=)`` does); e.g. for ``from_config``."""
-    from ..engine.sharding import make_mesh, param_shardings, put_params
-
     fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
     mesh = make_mesh() if mesh is None else mesh
     params = put_params(model.params, param_shardings(model.params, mesh, fsdp=fsdp))
@@ -517,8 +477,8 @@ def place(model: Model, mesh=None, fsdp: Optional[bool] = None) -> Model:
 
 def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", param_dtype=None) -> Model:
     """Build a Model from a config object (random init when ``params`` is None)."""
-    model_type = next(t for t, (m, c, _) in FAMILIES.items() if type(cfg).__name__ == c)
-    fam = family(model_type)
+    fam = family_of_config(cfg)
+    model_type = fam.model_type
     dtype, param_dtype = _dtypes(dtype, param_dtype)
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
     if params is None:

@@ -26,13 +26,14 @@ from .common import (
     RMSNorm,
     activation,
     apply_rotary,
-    check_no_unknown_fields,
+    refuse_values,
     dot_product_attention,
     join_cache,
     linear_maps,
     norm_maps,
     rope_theta_from,
 )
+from .family import register_family
 
 MODEL_TYPE = "llama"
 
@@ -99,7 +100,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
-        check_no_unknown_fields(MODEL_TYPE, hf, (), LLAMA_REFUSED)
+        refuse_values(MODEL_TYPE, hf, LLAMA_REFUSED)
         h, kv, e = gqa_heads(MODEL_TYPE, hf)
         activation(hf.get("hidden_act", "silu"))  # fail early on an unknown activation
         return cls(
@@ -218,3 +219,9 @@ def param_mappings(cfg: LlamaConfig) -> list[ParamMapping]:
 
 # Old checkpoints carry the rotary buffer.
 IGNORED_HF_KEYS = (r"rotary_emb\.inv_freq$",)
+
+# pretraining_tp: a training-time split of the matmuls (the same products)
+HARMLESS_HF_FIELDS = ("pretraining_tp",)
+
+register_family(MODEL_TYPE, LlamaConfig, LlamaForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
+                harmless=HARMLESS_HF_FIELDS)

@@ -23,11 +23,12 @@ from .common import (
     at_layer,
     activation,
     apply_rotary,
-    check_no_unknown_fields,
+    refuse_values,
     dot_product_attention,
     join_cache,
     rope_theta_from,
 )
+from .family import register_family
 from .llama import LLAMA_REFUSED, SwiGLU, attention_maps, gqa_heads, mlp_maps
 
 MODEL_TYPE = "olmo"
@@ -66,7 +67,7 @@ class OlmoConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "OlmoConfig":
-        check_no_unknown_fields(MODEL_TYPE, hf, (), LLAMA_REFUSED)
+        refuse_values(MODEL_TYPE, hf, LLAMA_REFUSED)
         h, kv, e = gqa_heads(MODEL_TYPE, hf)
         activation(hf.get("hidden_act", "silu"))
         clip = hf.get("clip_qkv")
@@ -168,3 +169,9 @@ def param_mappings(cfg: OlmoConfig) -> list[ParamMapping]:
 
 
 IGNORED_HF_KEYS = (r"rotary_emb\.inv_freq$",)
+
+# pretraining_tp: a training-time split of the matmuls (the same products)
+HARMLESS_HF_FIELDS = ("pretraining_tp",)
+
+register_family(MODEL_TYPE, OlmoConfig, OlmoForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
+                harmless=HARMLESS_HF_FIELDS)

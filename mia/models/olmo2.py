@@ -21,12 +21,13 @@ from .common import (
     at_layer,
     RMSNorm,
     activation,
-    check_no_unknown_fields,
+    refuse_values,
     dot_product_attention,
     join_cache,
     norm_maps,
     rope_theta_from,
 )
+from .family import register_family
 from .llama import LLAMA_REFUSED, SwiGLU, attention_maps, gqa_heads, mlp_maps
 from .olmo import rotary_f32
 
@@ -60,7 +61,7 @@ class Olmo2Config:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "Olmo2Config":
-        check_no_unknown_fields(MODEL_TYPE, hf, (), LLAMA_REFUSED)
+        refuse_values(MODEL_TYPE, hf, LLAMA_REFUSED)
         h, kv, e = gqa_heads(MODEL_TYPE, hf)
         activation(hf.get("hidden_act", "silu"))
         return cls(
@@ -165,3 +166,9 @@ def param_mappings(cfg: Olmo2Config) -> list[ParamMapping]:
 
 
 IGNORED_HF_KEYS = (r"rotary_emb\.inv_freq$",)
+
+# pretraining_tp: a training-time split of the matmuls (the same products)
+HARMLESS_HF_FIELDS = ("pretraining_tp",)
+
+register_family(MODEL_TYPE, Olmo2Config, Olmo2ForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
+                harmless=HARMLESS_HF_FIELDS)

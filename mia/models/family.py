@@ -1,0 +1,106 @@
+"""Model families: ``model_type`` -> the config class, Flax module and parameter mapping that implement it.
+
+Each family module registers itself at import (``register_family``); ``import mia.models`` imports them all, so
+adding a family is one module (and one entry in ``tests/tiny_configs.py``). A family's config class reads
+``config.json`` with ``from_hf(hf)``; every field it does not read must be one mia knows to be harmless
+(``HARMLESS_FIELDS``, plus the family's own ``harmless``), or loading stops naming it (``unread_fields``): a field
+that changes the model's arithmetic is never ignored silently.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+from .common import ConfigError
+
+# config.json fields that never change a forward pass: metadata, training-only settings (dropout, initialisation),
+# generation defaults and classification heads mia does not use.
+HARMLESS_FIELDS = frozenset({
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "_commit_hash",
+    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "tokenizer_class", "initializer_range", "initializer_factor", "gradient_checkpointing",
+    "attention_dropout", "hidden_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "embed_dropout", "resid_dropout",
+    "is_decoder", "is_encoder_decoder", "id2label", "label2id", "problem_type", "finetuning_task",
+    "output_attentions", "output_hidden_states", "return_dict", "torchscript", "use_bfloat16", "tf_legacy_loss",
+    "task_specific_params", "prefix", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "chunk_size_feed_forward", "tie_encoder_decoder",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_type: str
+    config_cls: Any  # frozen dataclass with from_hf(hf) / to_hf()
+    module_cls: Any  # Flax CausalLM with hidden / unembed
+    param_mappings: Callable  # (config) -> [ParamMapping]
+    ignored_keys: tuple = ()  # regexes of checkpoint tensors that are buffers, not parameters
+    harmless: frozenset = frozenset()  # config.json fields of this family that never change a forward pass
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(model_type: str, config_cls, module_cls, param_mappings, *, ignored_keys: Iterable[str] = (),
+                    harmless: Iterable[str] = ()) -> Family:
+    """Make ``model_type`` loadable (called once, at the end of the family's module)."""
+    fam = Family(model_type, config_cls, module_cls, param_mappings, tuple(ignored_keys), frozenset(harmless))
+    FAMILIES[model_type] = fam
+    return fam
+
+
+def family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type]
+
+
+def family_of_config(cfg) -> Family:
+    """The family whose config class ``cfg`` is an instance of."""
+    for fam in FAMILIES.values():
+        if isinstance(cfg, fam.config_cls):
+            return fam
+    raise ConfigError(f"{type(cfg).__name__} is not the config of a registered family")
+
+
+class ReadTracker(dict):
+    """A config.json dict that records which fields were looked at (``from_hf`` reads it once)."""
+
+    def __init__(self, hf: dict):
+        super().__init__(hf)
+        self.read: set = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def read_config(config_cls, hf: dict, harmless: Iterable[str] = ()):
+    """``config_cls.from_hf(hf)``, refusing (``ConfigError``) every field of ``hf`` that ``from_hf`` did not look at
+    and that is not harmless: the converter either implements a field, refuses its value, or knows it is inert."""
+    tracked = ReadTracker(hf)
+    cfg = config_cls.from_hf(tracked)
+    unread = unread_fields(hf, tracked.read, harmless)
+    if unread:
+        raise ConfigError(f"config field(s) {', '.join(unread)} not understood by mia's "
+                          f"{hf.get('model_type', config_cls.__name__)} family: they may change the model, so it is "
+                          "not loaded (fields known to be inert, such as dropout rates and generation defaults, are "
+                          "ignored)")
+    return cfg
+
+
+def unread_fields(hf: dict, read: Iterable[str], harmless: Iterable[str] = ()) -> list[str]:
+    """Fields of ``hf`` neither read nor harmless, sorted."""
+    return sorted(set(hf) - set(read) - HARMLESS_FIELDS - set(harmless))
