@@ -322,11 +322,13 @@ def share_data(src_root, cfg: TestbedConfig, root) -> None:
     _write_json(mf, m)
 
 
-def build_twin(src, out_dir, *, progress: bool = True, save_every: int = 50, **overrides) -> Testbed:
+def build_twin(src, out_dir, *, progress: bool = True, save_every: int = 50, stop_after: Optional[int] = None,
+               **overrides) -> Testbed:
     """A testbed trained on ``src``'s data (its corpus, tokenizer, training order and canaries, shared by hard links
     or copies) with ``overrides`` of the fields that do not touch the data: the model, the optimiser, or privacy
     (``dp_noise``, ``dp_clip``, ``dp_sampling``). ``src``: a :class:`Testbed` or its directory (its data stages must
-    be built). Runs that differ only by privacy: ``build_twin(tb, out, dp_noise=1.0)``."""
+    be built). Runs that differ only by privacy: ``build_twin(tb, out, dp_noise=1.0)``. ``stop_after``: as for
+    :func:`build_testbed`."""
     src_root = Path(src.root if isinstance(src, Testbed) else src)
     src_m = json.loads((src_root / MANIFEST).read_text()) if (src_root / MANIFEST).exists() else None
     if src_m is None:
@@ -338,7 +340,7 @@ def build_twin(src, out_dir, *, progress: bool = True, save_every: int = 50, **o
     suffix = "-dp" if overrides.get("dp_noise") is not None else "-twin"
     cfg = base.replace(**{"preset": base.preset + suffix, **overrides})
     share_data(src_root, cfg, out_dir)
-    return build_from_config(cfg, out_dir, progress=progress, save_every=save_every)
+    return build_from_config(cfg, out_dir, progress=progress, save_every=save_every, stop_after=stop_after)
 
 
 def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True, save_every: int = 50,

@@ -199,8 +199,11 @@ def make_noisy_update(optimizer, noise_multiplier: float, clip: float, batch_siz
 
     def update(params, opt_state, summed, key):
         leaves, treedef = jax.tree_util.tree_flatten(summed)
-        keys = jax.random.split(key, len(leaves))
-        noisy = [(g + std * jax.random.normal(k, g.shape, g.dtype)) / batch_size for g, k in zip(leaves, keys)]
+        sizes = [int(np.prod(g.shape)) for g in leaves]
+        z = jax.random.normal(key, (sum(sizes),), jnp.float32)  # one draw for all coordinates (compiles fast)
+        offsets = np.cumsum([0] + sizes)
+        noisy = [(g + std * z[a:b].reshape(g.shape).astype(g.dtype)) / batch_size
+                 for g, a, b in zip(leaves, offsets[:-1], offsets[1:])]
         grads = jax.tree_util.tree_unflatten(treedef, noisy)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
