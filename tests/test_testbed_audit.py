@@ -363,6 +363,11 @@ def test_science_checks(tmp_path):
     means = [r["mean"] for r in by_r]
     assert means[-1] > means[0] and all(b >= a - 1.0 for a, b in zip(means, means[1:]))
     y = c.included.astype(int)
+    for r in (1, 4, 16, 64):  # what the attack proves about the non-private model (per group of r copies)
+        sel = c.reps == r
+        print(f"non-private, reps {r}: AUC {auc(s[sel], y[sel]):.3f}, eps_lower "
+              f"{epsilon_bound(s[sel], y[sel], delta=1e-5).epsilon:.3f} (Clopper-Pearson), "
+              f"{one_run_audit(s[sel], c.included[sel], delta=1e-5).epsilon:.3f} (one run), delta 1e-5")
     aucs = [(math.inf, auc(s, y))]
     for sigma in (0.5, 1.0, 2.0):
         tb = build_twin(plain, tmp_path / f"dp{sigma}", progress=False, dp_noise=sigma)
@@ -381,3 +386,14 @@ def test_science_checks(tmp_path):
             check_lower_bound(lo, eps_r, what=f"sigma {sigma}, reps {r}")
     print("AUC by epsilon:", [(round(a, 3), round(b, 3)) for a, b in aucs])
     assert aucs[0][1] > aucs[-1][1] + 0.1 and abs(aucs[-1][1] - 0.5) < 0.2
+
+
+def test_membership_at_checkpoints(canary_testbed, dp_twin):
+    B, T = canary_testbed.batch_size, canary_testbed.train_steps
+    c = canary_testbed.canaries()
+    assert canary_testbed.natural_membership(20) == (20 * B, 20 * B)
+    np.testing.assert_array_equal(canary_testbed.canary_membership(20), c.seen_before(20) > 0)
+    np.testing.assert_array_equal(canary_testbed.canary_membership(), c.included)  # every included copy trained
+    assert dp_twin.natural_membership(20) == (T * B, T * B) and dp_twin.natural_membership(0) == (0, 0)
+    np.testing.assert_array_equal(dp_twin.canary_membership(20), c.included)
+    assert not dp_twin.canary_membership(0).any()

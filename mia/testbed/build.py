@@ -141,6 +141,32 @@ class Testbed:
     def private(self) -> bool:
         return self.config.private
 
+    @property
+    def poisson(self) -> bool:
+        """True for DP-SGD with Poisson sampling, whose batches are drawn from all records at every step."""
+        return self.config.private and self.config.dp_sampling == "poisson"
+
+    def natural_membership(self, step: Optional[int] = None) -> tuple:
+        """(members_end, nonmembers_start) of checkpoint ``step`` (default: the last) over the order's natural rows:
+        rows [0, members_end) are members, rows from nonmembers_start on are not. Ordinary training and DP with
+        fixed batches: both are step * batch_size. DP with Poisson sampling: the run's records are all of
+        [0, train_steps * batch_size) from the first step on (any of them may be sampled at any step), so both are
+        train_steps * batch_size for every step > 0 (and 0 at step 0)."""
+        step = self.train_steps if step is None else int(step)
+        end = (self.train_steps if (self.poisson and step > 0) else step) * self.batch_size
+        return end, end
+
+    def canary_membership(self, step: Optional[int] = None) -> np.ndarray:
+        """[m] bool: canaries that are members of checkpoint ``step`` (default: the last): trained at least once
+        before it (ordinary training, DP with fixed batches), or included at all (Poisson DP, step > 0)."""
+        c = self.canaries()
+        if c is None:
+            raise TestbedError(f"{self.root}: this testbed has no canaries")
+        step = self.train_steps if step is None else int(step)
+        if self.poisson:
+            return c.included & (step > 0)
+        return c.seen_before(step) > 0
+
     def dp_epsilon(self, step: Optional[int] = None, *, delta: Optional[float] = None, accountant: str = "pld") -> float:
         """Accountant epsilon of one record at checkpoint ``step`` (default: the last), at ``delta`` (default
         1 / records); see :mod:`mia.testbed.dp`. A testbed trained without DP raises."""
