@@ -90,7 +90,8 @@ def test_epsilon_bound_matches_threshold_loop():
         for delta in (0.0, 1e-2):
             got = epsilon_bound(s, y, delta=delta, alpha=0.1)
             assert got.epsilon == pytest.approx(_eps_bonferroni_reference(s, y, delta, 0.1), abs=1e-8)
-            assert got.n_thresholds == len(np.unique(s)) and got.alpha_per_bound == pytest.approx(0.1 / (2 * len(np.unique(s))))
+            k = len(np.unique(s))
+            assert got.n_thresholds == k and got.alpha_per_bound == pytest.approx(0.1 / (2 * k))
             if got.epsilon > 0:  # the reported test reproduces the reported rates
                 assert got.fpr == pytest.approx(np.mean(s[y == 0] >= got.threshold))
                 assert got.fnr == pytest.approx(np.mean(s[y == 1] < got.threshold))

@@ -19,7 +19,7 @@ from mia.metrics import auc, epsilon_bound
 from mia.testbed import TestbedError, build_testbed, build_twin, preset
 from mia.testbed import dp
 from mia.testbed.canaries import (CANARY_FILE, Canaries, candidate_rows, canary_exposure, corpus_words, make_canaries,
-                                  plan_canaries, read_canaries, sequence_nll)
+                                  plan_canaries, sequence_nll)
 
 TINY = dict(max_corpus_bytes=120_000, seq_len=16, vocab_size=300, hidden_size=32, num_layers=1, num_heads=2,
             batch_size=8, train_steps=40, checkpoints=(20,), warmup_steps=4, lr=5e-3)
@@ -106,6 +106,10 @@ def test_plan_is_fair_recorded_and_from_the_config_alone():
         assert len(st) == (r if inc else 0) and len(set(st.tolist())) == len(st)
         assert (st >= 0).all() and (st < cfg.train_steps).all()
     assert plan.n_copies == int(plan.reps[plan.included].sum())
+    # steps are drawn for every canary, included or not: one canary's inclusion never moves another's copies
+    rng = np.random.default_rng([cfg.seed, 0xCA7B])
+    drawn = [np.sort(rng.choice(cfg.train_steps, int(r), replace=False)) for r in plan.reps]
+    assert all(np.array_equal(st, d) for st, d, inc in zip(plan.steps, drawn, plan.included) if inc)
     other = plan_canaries(cfg.replace(seed=1))
     assert not np.array_equal(other.included, plan.included)
 
@@ -197,13 +201,15 @@ def test_exposure_grows_with_repetitions(canary_testbed):
 def test_dp_twin_records_its_accountant(dp_twin):
     p = dp_twin.manifest["privacy"]
     assert p["epsilon_pld"] == pytest.approx(dp.accountant_epsilon(dp_twin.config))
-    assert p["records"] == 40 * 8 + dp_twin.canaries().n_copies and p["delta"] == pytest.approx(1 / p["records"])
-    assert p["sample_rate"] == pytest.approx(8 / p["records"])
+    assert p["records"] == 40 * 8 + dp_twin.canaries().n_copies and p["delta"] == pytest.approx(1 / (40 * 8))
+    assert p["sample_rate"] == pytest.approx(1 / 40)  # fixed by the config, whatever the canaries
     assert dp_twin.dp_epsilon(20) < dp_twin.dp_epsilon() == pytest.approx(p["epsilon_pld"])
     log = [json.loads(line) for line in (dp_twin.root / "train_log.jsonl").read_text().splitlines()]
     sizes = [r["rows"] for r in log]
     assert sizes == [len(dp.poisson_batch(dp_twin.config, s)) for s in range(40)]
     assert 0 <= min(r["clipped"] for r in log) and max(r["clipped"] for r in log) <= 1
+    with pytest.raises(TestbedError, match="memorization dial trains without privacy"):
+        dp_twin.memorize([0], epochs=1)
 
 
 def test_dp_audit_respects_the_accountant_and_hides_canaries(canary_testbed, dp_twin):

@@ -167,9 +167,10 @@ class Testbed:
             return c.included & (step > 0)
         return c.seen_before(step) > 0
 
-    def dp_epsilon(self, step: Optional[int] = None, *, delta: Optional[float] = None, accountant: str = "pld") -> float:
+    def dp_epsilon(self, step: Optional[int] = None, *, delta: Optional[float] = None,
+                   accountant: str = "pld") -> float:
         """Accountant epsilon of one record at checkpoint ``step`` (default: the last), at ``delta`` (default
-        1 / records); see :mod:`mia.testbed.dp`. A testbed trained without DP raises."""
+        1 / (train_steps * batch_size)); see :mod:`mia.testbed.dp`. A testbed trained without DP raises."""
         from .dp import accountant_epsilon
 
         step = self.train_steps if step is None else int(step)
@@ -218,6 +219,9 @@ class Testbed:
         """
         from ..models import load, save
 
+        if self.private:
+            raise TestbedError(f"{self.root} is trained with DP-SGD; the memorization dial trains without privacy "
+                               "and would void its guarantee")
         step = self.train_steps if step is None else int(step)
         idx = np.asarray(sorted({int(r) for r in rows}), np.int64)
         if epochs <= 0:
@@ -265,8 +269,10 @@ class Testbed:
                     f"{', '.join(map(str, c['reps']))})")
         if "privacy" in m:
             p = m["privacy"]
+            eps = p["epsilon_pld"]
+            eps = eps if isinstance(eps, str) else format(eps, ".4g")
             out += (f"; DP-SGD ({p['sampling']}, noise {p['noise_multiplier']:g}, clip {p['clip']:g}): epsilon "
-                    f"{p['epsilon_pld']} at delta {p['delta']:.3g} (PLD)")
+                    f"{eps} at delta {p['delta']:.3g} (PLD)")
         return out
 
 
@@ -288,7 +294,8 @@ def open_testbed(path) -> Testbed:
 
 def _check_complete(root: Path, m: dict) -> Optional[str]:
     """None when every file a complete testbed needs is there, else what is missing."""
-    for rel in ("tokenizer.json", "data/order.bin", "data/order.idx") + (("data/canaries.json",) if "canaries" in m else ()):
+    canary_file = ("data/canaries.json",) if "canaries" in m else ()
+    for rel in ("tokenizer.json", "data/order.bin", "data/order.idx") + canary_file:
         if not (root / rel).exists():
             return rel
     if os.path.getsize(root / "data/order.bin") != m["data"]["bin"]["bytes"]:

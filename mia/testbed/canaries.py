@@ -9,7 +9,8 @@ A testbed built with ``canaries=m`` (``TestbedConfig``) holds a pool of ``m`` ca
 
 Canary ``i`` is included with probability 1/2 (independently, seeded by the config's ``seed``) and, if included,
 trained ``r_i = canary_reps[i % len(canary_reps)]`` times: each copy is an extra row appended to the batch of one
-step, at ``r_i`` distinct steps drawn uniformly from [0, train_steps). The natural rows of the training order are
+step, at ``r_i`` distinct steps drawn uniformly from [0, train_steps) (drawn for every canary, so that whether one
+canary is included never changes where another's copies go). The natural rows of the training order are
 untouched (``data/order.bin`` and the membership of every natural row at every checkpoint are exactly those of
 the same testbed without canaries); the batch of step s is its ``batch_size`` natural rows followed by the copies
 trained at s, in ascending canary id. Excluded canaries are never trained: exact non-members.
@@ -32,7 +33,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -72,8 +73,9 @@ def plan_canaries(cfg: TestbedConfig) -> CanaryPlan:
     reps = np.array([cfg.canary_reps[i % len(cfg.canary_reps)] for i in range(m)], np.int64)
     included = np.random.default_rng([int(cfg.seed), 0xCA7A]).random(m) < 0.5
     rng = np.random.default_rng([int(cfg.seed), 0xCA7B])
-    steps = tuple(np.sort(rng.choice(T, int(r), replace=False)).astype(np.int64) if inc else np.zeros(0, np.int64)
-                  for r, inc in zip(reps, included))
+    # every canary draws its steps, included or not, so that one canary's inclusion never moves another's copies
+    drawn = [np.sort(rng.choice(T, int(r), replace=False)).astype(np.int64) for r in reps]
+    steps = tuple(d if inc else np.zeros(0, np.int64) for d, inc in zip(drawn, included))
     plan = CanaryPlan(reps, included, steps)
     natural = T * cfg.batch_size
     if plan.n_copies > natural:

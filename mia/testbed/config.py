@@ -122,7 +122,8 @@ class TestbedConfig:
     def _check_options(self) -> None:
         """The canary and privacy options that FIELD_LIMITS cannot express (lists and choices)."""
         if isinstance(self.canary_reps, (str, bytes)) or not hasattr(self.canary_reps, "__iter__"):
-            raise TestbedError(f"testbed config field 'canary_reps' must be a list of integers, got {self.canary_reps!r}")
+            raise TestbedError(f"testbed config field 'canary_reps' must be a list of integers, "
+                               f"got {self.canary_reps!r}")
         hi = self.train_steps if self.canaries else None  # each copy of a canary goes to its own step
         reps = tuple(integer(r, "testbed config field 'canary_reps'", lo=1, hi=hi, error=TestbedError)
                      for r in self.canary_reps)

@@ -5,8 +5,9 @@ the first ``train_steps * batch_size`` natural rows of the order and every copy 
 (``n_records``). Each step:
 
 1. forms a batch: ``dp_sampling="poisson"``: every record joins independently with probability
-   q = batch_size / n_records (seeded per step: ``poisson_batch``); ``"fixed"``: the batch that ordinary training
-   uses at this step (its ``batch_size`` natural rows and the canary copies recorded for it);
+   q = 1 / train_steps (seeded per step: ``poisson_batch``), so each record is expected once over the run, as in
+   ordinary training; ``"fixed"``: the batch that ordinary training uses at this step (its ``batch_size`` natural
+   rows and the canary copies recorded for it);
 2. computes each example's gradient (``jax.vmap``), clips it to L2 norm ``dp_clip`` over all parameters and sums
    (``optax.transforms.per_example_global_norm_clip``);
 3. adds Gaussian noise of standard deviation ``dp_noise * dp_clip`` to every coordinate of the sum (key:
@@ -24,7 +25,10 @@ Accounting (``dp_accounting``; neighbouring datasets differ by adding or removin
   sampling). A canary with r copies (at r distinct steps) is r such mechanisms: one Gaussian with
   ``dp_noise / sqrt(r)``.
 
-delta defaults to 1 / n_records. With ``dp_noise = 0`` the run is clipped but not noised: epsilon is infinite.
+delta defaults to 1 / N with N = train_steps * batch_size, the natural records. Every parameter of the mechanism
+(q, the divisor, delta, the steps of canary copies) is fixed by the config, never by which canaries happen to be
+included: the guarantee is about adding or removing a record, and a parameter that moved with the data would void
+it. With ``dp_noise = 0`` the run is clipped but not noised: epsilon is infinite.
 """
 from __future__ import annotations
 
@@ -53,20 +57,24 @@ def n_records(cfg: TestbedConfig) -> int:
 
 
 def sample_rate(cfg: TestbedConfig) -> float:
-    """Poisson sampling probability q = batch_size / n_records (one epoch in expectation over train_steps)."""
-    return cfg.batch_size / n_records(cfg)
+    """Poisson sampling probability q = 1 / train_steps: each record is expected once over the run, and the batch of
+    natural rows has batch_size rows on average. It depends on the config only (not on the number of records, which
+    moves with the canaries' inclusion)."""
+    return 1.0 / cfg.train_steps
 
 
 def default_delta(cfg: TestbedConfig) -> float:
-    return 1.0 / n_records(cfg)
+    """1 / N with N = train_steps * batch_size natural records (data-independent, like every parameter here)."""
+    return 1.0 / (cfg.train_steps * cfg.batch_size)
 
 
 def poisson_batch(cfg: TestbedConfig, step: int, n: Optional[int] = None) -> np.ndarray:
-    """Sorted record indices sampled at ``step`` (each of the ``n`` records with probability ``sample_rate``); record
-    i < train_steps * batch_size is natural row i, the rest are canary copies in (canary id, copy) order."""
+    """Sorted record indices sampled at ``step`` (each of the ``n`` records, default ``n_records``, independently with
+    probability ``sample_rate``); record i < train_steps * batch_size is natural row i, the rest are canary copies
+    in (canary id, copy) order."""
     n = n_records(cfg) if n is None else int(n)
     rng = np.random.default_rng([int(cfg.seed), _BATCH_STREAM, int(step)])
-    return np.flatnonzero(rng.random(n) < cfg.batch_size / n)
+    return np.flatnonzero(rng.random(n) < sample_rate(cfg))
 
 
 def noise_key(seed: int, step: int) -> jax.Array:
@@ -116,7 +124,7 @@ def _epsilon_of(event, delta: float, accountant: str) -> float:
 def accountant_epsilon(cfg: TestbedConfig, *, delta: Optional[float] = None, steps: Optional[int] = None,
                        accountant: str = "pld") -> float:
     """Epsilon of one record after ``steps`` (default: all) steps of the private run of ``cfg``, at ``delta``
-    (default 1 / n_records). ``accountant``: "pld" (privacy loss distributions, pessimistic) or "rdp". A function
+    (default ``default_delta``). ``accountant``: "pld" (privacy loss distributions, pessimistic) or "rdp". A function
     of the config alone: no training needed."""
     if accountant not in ACCOUNTANTS:
         raise TestbedError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
@@ -136,7 +144,7 @@ def canary_epsilon(cfg: TestbedConfig, reps: int, *, delta: Optional[float] = No
 
 def noise_for_epsilon(cfg: TestbedConfig, epsilon: float, *, delta: Optional[float] = None, tol: float = 1e-3) -> float:
     """The smallest noise multiplier (to ``tol``, relative) at which ``cfg``'s private run has accountant epsilon
-    <= ``epsilon`` at ``delta`` (default 1 / n_records); ``cfg`` needs ``dp_noise`` set (any value) for its
+    <= ``epsilon`` at ``delta`` (default ``default_delta``); ``cfg`` needs ``dp_noise`` set (any value) for its
     sampling."""
     _require_private(cfg)
     if not epsilon > 0:
@@ -162,7 +170,8 @@ def privacy_record(cfg: TestbedConfig, delta: Optional[float] = None) -> dict:
     delta = default_delta(cfg) if delta is None else float(delta)
     rec = {"mechanism": "DP-SGD (per-example clipping, Gaussian noise)", "noise_multiplier": cfg.dp_noise,
            "clip": cfg.dp_clip, "sampling": cfg.dp_sampling, "records": n_records(cfg), "steps": cfg.train_steps,
-           "delta": delta, "neighbouring": "add or remove one record (row)"}
+           "delta": delta, "delta_rule": "1 / (train_steps * batch_size)",
+           "neighbouring": "add or remove one record (row)"}
     if cfg.dp_sampling == "poisson":
         rec["sample_rate"] = sample_rate(cfg)
     for acc in ACCOUNTANTS:
@@ -216,7 +225,8 @@ def chunk_rows(cfg: TestbedConfig, slots: int) -> int:
     deviation about sqrt(batch_size)) in one chunk nearly always."""
     if cfg.dp_sampling == "fixed":
         return cfg.batch_size + slots
-    return cfg.batch_size + int(math.ceil(4 * math.sqrt(cfg.batch_size)))
+    mean = n_records(cfg) * sample_rate(cfg)  # batch_size plus the canary copies' share
+    return int(math.ceil(mean + 4 * math.sqrt(mean)))
 
 
 def dp_step(params, opt_state, rows: np.ndarray, step: int, *, clipped_sum, update, chunk: int, seed: int) -> tuple:
