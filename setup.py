@@ -22,6 +22,7 @@ setup(
         "matplotlib>=3.8",
         "tqdm>=4.66",
         "gensim>=4.3",
+        "dp-accounting>=0.6",  # the privacy accountant of DP-trained testbeds (mia.testbed.dp)
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "chex>=0.1.86", "torch==2.13.0", "nbformat>=5.9", "nbclient>=0.10", "ipykernel>=6"],

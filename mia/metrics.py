@@ -6,6 +6,9 @@
 - ``bootstrap``: seeded bootstrap (stratified by default) of AUC and TPR@FPR: SEs and percentile confidence intervals.
 - ``paired_bootstrap_test``: is method A better than method B on the same examples? (paired bootstrap p-value)
 - ``auc_vs_chance``: one-sided Mann-Whitney test of AUC > 0.5 (normal approximation with tie and continuity correction).
+- ``clopper_pearson_upper`` / ``clopper_pearson``: exact binomial confidence bounds.
+- ``epsilon_bound`` / ``epsilon_lower_bound``: the differential-privacy epsilon that the attack's (FPR, FNR) rules out,
+  with Clopper-Pearson confidence (see the section "Epsilon lower bounds" below and docs/auditing.md).
 
 All bootstraps are vectorised: each resample's AUC is the rank-sum (Mann-Whitney) statistic computed with midranks
 over a [R, n] matrix, which equals sklearn's trapezoid AUC exactly (ties count 1/2); TPR@FPR of a resample is the
@@ -14,11 +17,12 @@ equals the ROC-point definition above.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
-from scipy.stats import norm, rankdata
+from scipy.stats import beta as beta_dist, norm, rankdata
 from sklearn.metrics import roc_auc_score, roc_curve
 
 
@@ -260,3 +264,176 @@ def bonferroni_significant(p_values: Sequence[float], alpha: float = 0.05) -> li
     """Which of m tests are significant at family-wise level ``alpha`` (p < alpha / m)."""
     m = max(len(p_values), 1)
     return [p < alpha / m for p in p_values]
+
+
+# ----------------------------------------------------------------------------------------------- epsilon lower bounds
+# An (epsilon, delta)-DP training algorithm limits every membership test on one example: with the test's false
+# positive rate FPR (non-member called member) and false negative rate FNR (member called non-member),
+#     FPR + e^eps * FNR >= 1 - delta    and    FNR + e^eps * FPR >= 1 - delta
+# (the hypothesis-testing view of DP; Kairouz et al. 2015; used for audits by Jagielski et al. 2020, Nasr et al. 2021).
+# An attack whose rates, even at their upper confidence bounds, break these for some eps shows that the training
+# cannot be (eps, delta)-DP for that eps: with confidence 1 - alpha,
+#     eps >= max(log((1 - delta - FPR_hi) / FNR_hi), log((1 - delta - FNR_hi) / FPR_hi)).
+# The test is "member iff score >= threshold". Choosing the best threshold on the same data is a multiple
+# comparison: ``threshold="bonferroni"`` pays for every candidate threshold, ``"split"`` chooses it on one half of
+# the data and bounds on the other, a number fixes it in advance.
+# Clopper-Pearson treats the examples as independent trials of the training on neighbouring datasets (one target
+# example per training run, as in those audits). Many canaries scored in ONE run are not independent trials: there
+# the bound is the common heuristic, and ``mia.audit.one_run_audit`` is the bound with a proof.
+
+def clopper_pearson_upper(k, n, alpha: float) -> np.ndarray:
+    """One-sided upper (1 - alpha) Clopper-Pearson bound on a binomial rate from ``k`` successes in ``n`` trials:
+    the p with P[Binomial(n, p) <= k] = alpha (1 when k = n). Vectorised over ``k`` (and ``n``)."""
+    k, n = np.asarray(k, np.float64), np.asarray(n, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hi = beta_dist.ppf(1 - alpha, k + 1, np.maximum(n - k, 1e-300))
+    return np.where(k >= n, 1.0, hi)
+
+
+def clopper_pearson(k, n, alpha: float = 0.05) -> tuple:
+    """Two-sided (1 - alpha) Clopper-Pearson interval (lo, hi) of a binomial rate (alpha / 2 in each tail)."""
+    k, n = np.asarray(k, np.float64), np.asarray(n, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lo = np.where(k <= 0, 0.0, beta_dist.ppf(alpha / 2, np.maximum(k, 1e-300), n - k + 1))
+    return lo, clopper_pearson_upper(k, n, alpha / 2)
+
+
+def epsilon_from_rates(fpr, fnr, delta: float) -> np.ndarray:
+    """The largest eps that (FPR, FNR) rules out for (eps, delta)-DP: max over the two inequalities above, >= 0.
+    Vectorised; rates of 0 give inf where the other side leaves room (1 - delta - other > 0)."""
+    fpr, fnr = np.asarray(fpr, np.float64), np.asarray(fnr, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(1 - delta - fpr > 0, np.log(np.maximum(1 - delta - fpr, 1e-300)) - np.log(fnr), 0.0)
+        b = np.where(1 - delta - fnr > 0, np.log(np.maximum(1 - delta - fnr, 1e-300)) - np.log(fpr), 0.0)
+    return np.maximum(np.maximum(a, b), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpsilonBound:
+    """An epsilon lower bound and the test that gave it.
+
+    ``epsilon``: with confidence 1 - ``alpha``, the scored training is not (eps, ``delta``)-DP for any eps below it
+    (0: nothing ruled out). ``threshold``: the test "member iff score >= threshold" (None when nothing was ruled
+    out); ``fpr``/``fnr``: its observed rates on the data it was evaluated on; ``fpr_upper``/``fnr_upper``: their
+    one-sided Clopper-Pearson bounds used in the inequalities, each at confidence 1 - ``alpha_per_bound``.
+    ``method``: "bonferroni", "split" or "fixed"; ``n_thresholds``: candidate thresholds paid for (Bonferroni);
+    ``n_members``/``n_nonmembers``: the examples the bound was computed on (half of them for "split").
+    """
+
+    epsilon: float
+    threshold: Optional[float]
+    fpr: float
+    fnr: float
+    fpr_upper: float
+    fnr_upper: float
+    delta: float
+    alpha: float
+    alpha_per_bound: float
+    method: str
+    n_thresholds: int
+    n_members: int
+    n_nonmembers: int
+
+
+def _threshold_counts(s: np.ndarray, y: np.ndarray) -> tuple:
+    """(thresholds [K] descending distinct scores, FP [K], FN [K]) of the tests "member iff score >= t"."""
+    t = np.unique(s)[::-1]
+    pos, neg = np.sort(s[y == 1]), np.sort(s[y == 0])
+    fp = len(neg) - np.searchsorted(neg, t, side="left")  # non-members scoring >= t
+    fn = np.searchsorted(pos, t, side="left")  # members scoring < t
+    return t, fp, fn
+
+
+def _bound_at(fp, fn, n0: int, n1: int, delta: float, a: float) -> tuple:
+    """(eps [K], FPR_hi [K], FNR_hi [K]) from counts, each rate bounded at one-sided level ``a``."""
+    fpr_hi = clopper_pearson_upper(fp, n0, a)
+    fnr_hi = clopper_pearson_upper(fn, n1, a)
+    return epsilon_from_rates(fpr_hi, fnr_hi, delta), fpr_hi, fnr_hi
+
+
+def _bound_result(eps, t, fp, fn, fpr_hi, fnr_hi, n0, n1, *, delta, alpha, a, method, n_thr) -> EpsilonBound:
+    i = int(np.argmax(eps))
+    e = float(eps[i])
+    return EpsilonBound(epsilon=e, threshold=float(t[i]) if e > 0 else None, fpr=float(fp[i] / n0),
+                        fnr=float(fn[i] / n1), fpr_upper=float(fpr_hi[i]), fnr_upper=float(fnr_hi[i]), delta=delta,
+                        alpha=alpha, alpha_per_bound=a, method=method, n_thresholds=n_thr, n_members=n1,
+                        n_nonmembers=n0)
+
+
+def _check_privacy_args(delta: float, alpha: float) -> tuple:
+    d, a = float(delta), float(alpha)
+    if not (0 <= d < 1) or not math.isfinite(d):
+        raise MetricError(f"delta must be in [0, 1), got {delta!r}")
+    if not (0 < a < 1):
+        raise MetricError(f"alpha (1 - confidence) must be in (0, 1), got {alpha!r}")
+    return d, a
+
+
+def epsilon_bound(scores, labels, *, delta: float, alpha: float = 0.05,
+                  threshold: Union[str, float] = "bonferroni", split_seed: int = 0, ids=None) -> EpsilonBound:
+    """Lower bound on the DP epsilon of the training that the attack's scores rule out, with confidence 1 - alpha.
+
+    ``scores`` [n] (higher = member), ``labels`` [n] (1 = member). Every test is "member iff score >= t"; its
+    FPR and FNR are bounded above with one-sided Clopper-Pearson intervals, each at level alpha / 2 (so that both
+    hold together with probability >= 1 - alpha), and put into the two hypothesis-testing inequalities of DP.
+    ``threshold``:
+      "bonferroni" (default)  the best of all K distinct score values as thresholds, each bound at alpha / (2K)
+                              (valid for the maximum over thresholds; deterministic; uses all examples);
+      "split"                 members and non-members each split in half (seeded by ``split_seed``); the threshold
+                              with the best bound on the first halves is evaluated on the second halves, at alpha / 2;
+      a number                that threshold, fixed in advance, on all examples, at alpha / 2.
+    The bound is 0 when no test rules anything out. It assumes the examples are independent trials (see the comment
+    above); for canaries of one training run prefer ``mia.audit.one_run_audit``.
+    """
+    s, y = _check(scores, labels, ids)
+    delta, alpha = _check_privacy_args(delta, alpha)
+    n1, n0 = int(y.sum()), int(len(y) - y.sum())
+    if isinstance(threshold, str) and threshold == "bonferroni":
+        t, fp, fn = _threshold_counts(s, y)
+        a = alpha / (2 * len(t))
+        eps, fpr_hi, fnr_hi = _bound_at(fp, fn, n0, n1, delta, a)
+        return _bound_result(eps, t, fp, fn, fpr_hi, fnr_hi, n0, n1, delta=delta, alpha=alpha, a=a,
+                             method="bonferroni", n_thr=len(t))
+    if isinstance(threshold, str) and threshold == "split":
+        return _split_bound(s, y, delta, alpha, split_seed)
+    if isinstance(threshold, str) or isinstance(threshold, bool):
+        raise MetricError(f"threshold must be 'bonferroni', 'split' or a number, got {threshold!r}")
+    t = np.array([float(threshold)])
+    if not np.isfinite(t).all():
+        raise MetricError(f"threshold must be finite, got {threshold!r}")
+    fp = np.array([int((s[y == 0] >= t[0]).sum())])
+    fn = np.array([int((s[y == 1] < t[0]).sum())])
+    eps, fpr_hi, fnr_hi = _bound_at(fp, fn, n0, n1, delta, alpha / 2)
+    out = _bound_result(eps, t, fp, fn, fpr_hi, fnr_hi, n0, n1, delta=delta, alpha=alpha, a=alpha / 2,
+                        method="fixed", n_thr=1)
+    return dataclasses.replace(out, threshold=float(t[0]))
+
+
+def _split_bound(s: np.ndarray, y: np.ndarray, delta: float, alpha: float, seed: int) -> EpsilonBound:
+    """Choose the threshold on one half of each class, bound on the other half (see ``epsilon_bound``)."""
+    rng = np.random.default_rng([int(seed), 0xE95])
+    pos, neg = rng.permutation(np.flatnonzero(y == 1)), rng.permutation(np.flatnonzero(y == 0))
+    if min(len(pos), len(neg)) < 2:
+        raise MetricError("threshold='split' needs at least 2 members and 2 non-members")
+    choose = np.concatenate([pos[: len(pos) // 2], neg[: len(neg) // 2]])
+    test = np.concatenate([pos[len(pos) // 2:], neg[len(neg) // 2:]])
+    t, fp, fn = _threshold_counts(s[choose], y[choose])
+    n1c, n0c = int(y[choose].sum()), int(len(choose) - y[choose].sum())
+    eps_c, _, _ = _bound_at(fp, fn, n0c, n1c, delta, alpha / 2)
+    best = float(t[int(np.argmax(eps_c))])
+    st, yt = s[test], y[test]
+    n1, n0 = int(yt.sum()), int(len(yt) - yt.sum())
+    fp_t = np.array([int((st[yt == 0] >= best).sum())])
+    fn_t = np.array([int((st[yt == 1] < best).sum())])
+    eps, fpr_hi, fnr_hi = _bound_at(fp_t, fn_t, n0, n1, delta, alpha / 2)
+    out = _bound_result(eps, np.array([best]), fp_t, fn_t, fpr_hi, fnr_hi, n0, n1, delta=delta, alpha=alpha,
+                        a=alpha / 2, method="split", n_thr=1)
+    return dataclasses.replace(out, threshold=best)
+
+
+def epsilon_lower_bound(scores, labels, *, delta: float, alpha: float = 0.05,
+                        threshold: Union[str, float] = "bonferroni", split_seed: int = 0, ids=None) -> float:
+    """The epsilon of :func:`epsilon_bound` alone: with confidence 1 - alpha the training is not (eps, delta)-DP for
+    any eps below it (0: nothing ruled out)."""
+    return epsilon_bound(scores, labels, delta=delta, alpha=alpha, threshold=threshold, split_seed=split_seed,
+                         ids=ids).epsilon

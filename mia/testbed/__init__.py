@@ -6,10 +6,14 @@ tokens joined with EOD = 0 as Pythia does, shuffles the rows with a seeded permu
 on them in order: step ``s`` sees rows ``[s*B, (s+1)*B)`` and checkpoint ``step{N}`` has seen rows ``[0, N*B)``.
 See ``build`` for the directory layout and ``config.PRESETS`` for the presets; ``suite`` trains several sizes on
 one order (``build_suite``, ``SUITES``).
+
+Privacy auditing: ``canaries=m`` inserts a pool of random canaries with exact membership (``mia.testbed.canaries``);
+``dp_noise=sigma`` trains with DP-SGD and records the accountant's epsilon (``mia.testbed.dp``); ``build_twin``
+trains another model on a testbed's data (same order, same canaries), e.g. its private twin.
 """
-from .build import Testbed, build_from_config, build_testbed, model_config, open_testbed
+from .build import Testbed, build_from_config, build_testbed, build_twin, model_config, open_testbed
 from .config import PRESETS, TestbedConfig, TestbedError, preset
 from .suite import SUITES, Suite, build_suite, open_suite
 
 __all__ = ["PRESETS", "SUITES", "Suite", "Testbed", "TestbedConfig", "TestbedError", "build_from_config",
-           "build_suite", "build_testbed", "model_config", "open_suite", "open_testbed", "preset"]
+           "build_suite", "build_testbed", "build_twin", "model_config", "open_suite", "open_testbed", "preset"]

@@ -8,7 +8,7 @@ import sys
 import time
 
 from ..validate import OneLineParser, arg_float, arg_int, arg_int_list, input_file, output_dir
-from .config import FIELD_LIMITS, PRESETS, TestbedConfig, TestbedError
+from .config import CANARY_KINDS, DP_SAMPLINGS, FIELD_LIMITS, PRESETS, TestbedConfig, TestbedError
 from .suite import SUITES
 
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(default: this Python's standard library)")
     p.add_argument("--text-column", default=None, help="text field of a .jsonl/.parquet corpus (default: text)")
     for f in dataclasses.fields(TestbedConfig):
-        if f.name in ("preset", "corpus", "text_column", "checkpoints"):
+        if f.name not in FIELD_LIMITS:  # preset, corpus, text_column and the list / choice options below
             continue
         typ, limit = FIELD_LIMITS[f.name]
         parse = (arg_int(limit.lo, limit.hi) if typ is int
@@ -35,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + f.name.replace("_", "-"), type=parse, default=None,
                        help=f"override the preset's {f.name} (mia.testbed.TestbedConfig)")
     p.add_argument("--checkpoints", type=arg_int_list(0), default=None, help="extra checkpoint steps, comma-separated (0 and the last are always saved)")
+    p.add_argument("--canary-reps", type=arg_int_list(1), default=None,
+                   help="insertions of each included canary, cycled over the canaries, comma-separated "
+                        "(default 1,4,16,64; with --canaries N)")
+    p.add_argument("--canary-kind", choices=CANARY_KINDS, default=None,
+                   help="canaries of uniform random token ids (tokens, default) or random corpus words (words)")
+    p.add_argument("--dp-sampling", choices=DP_SAMPLINGS, default=None,
+                   help="DP-SGD batches (with --dp-noise): poisson (default; each record joins each step with "
+                        "probability batch/records) or fixed (the recorded batches, no amplification)")
     p.add_argument("--memorize-epochs", type=arg_int(0), default=0,
                    help="memorization dial: after the last checkpoint, train E more epochs on a fixed member subset "
                         "only, saved as checkpoints/step{N}-mem{E}-{hash}/ (non-members stay unseen)")
@@ -59,7 +67,7 @@ def main(argv=None) -> int:
     overrides = {}
     for f in dataclasses.fields(TestbedConfig):
         v = getattr(args, f.name, None)
-        if f.name not in ("preset", "checkpoints") and v is not None:
+        if f.name in FIELD_LIMITS and v is not None:
             overrides[f.name] = v
     t0 = time.perf_counter()
     status, tb = run_for_user(
@@ -90,6 +98,11 @@ def check_args(args, overrides: dict) -> bool:
         raise TestbedError("--text-column: empty")
     if args.checkpoints:
         overrides["checkpoints"] = tuple(args.checkpoints)
+    if args.canary_reps:
+        overrides["canary_reps"] = tuple(args.canary_reps)
+    for name in ("canary_kind", "dp_sampling"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
     return True
 
 
@@ -98,8 +111,8 @@ def _main_suite(args) -> int:
     from .suite import build_suite
 
     extra = [f.name for f in dataclasses.fields(TestbedConfig)
-             if f.name not in ("preset", "checkpoints") and getattr(args, f.name, None) is not None]
-    extra += ["checkpoints"] * bool(args.checkpoints) + ["memorize-epochs"] * bool(args.memorize_epochs)
+             if f.name != "preset" and getattr(args, f.name, None) is not None]
+    extra += ["memorize-epochs"] * bool(args.memorize_epochs)
     if extra:
         print(f"error: --suite takes no testbed options (got {', '.join(extra)}); a suite's configs are "
               f"mia.testbed.suite.SUITES[{args.suite!r}]", file=sys.stderr)

@@ -7,6 +7,7 @@ Layout of ``out_dir``::
     tokenizer.json, tokenizer_config.json    (AutoTokenizer.from_pretrained(out_dir) loads it; id 0 = EOD)
     data/order.bin, .idx       the training order (Megatron indexed, uint16 rows of seq_len + 1 tokens)
     data/order.perm.npy        order[i] = packed row at training position i
+    data/canaries.json         with canaries: every canary's tokens, reps, inclusion and (step, slot) positions
     checkpoints/step{N}/       HF directories (transformers loads them) + train_state.safetensors; step0 = init
     checkpoints/step{c}-mem{E}-{h}/   the memorization dial's checkpoints (see Testbed.memorize)
     train_log.jsonl, loss.png  per-step loss / lr / grad norm, and its plot
@@ -121,6 +122,60 @@ class Testbed:
             self._train(until=step, extra_saves=(step,), progress=True)
         return path
 
+    # -- canaries and privacy
+    def canaries(self):
+        """The :class:`~mia.testbed.canaries.Canaries` pool (None without canaries), checked against its sha256."""
+        if not self.config.canaries:
+            return None
+        from .canaries import CANARY_FILE, read_canaries
+
+        path = self.root / CANARY_FILE
+        rec = self.manifest.get("canaries")
+        if rec is None or not path.exists():
+            raise TestbedError(f"{self.root}: canaries are configured but {CANARY_FILE} is not built")
+        if _sha_file(path) != rec["sha256"]:
+            raise TestbedError(f"{path}: changed since the testbed was built (sha256 differs from the manifest)")
+        return read_canaries(path)
+
+    @property
+    def private(self) -> bool:
+        return self.config.private
+
+    @property
+    def poisson(self) -> bool:
+        """True for DP-SGD with Poisson sampling, whose batches are drawn from all records at every step."""
+        return self.config.private and self.config.dp_sampling == "poisson"
+
+    def natural_membership(self, step: Optional[int] = None) -> tuple:
+        """(members_end, nonmembers_start) of checkpoint ``step`` (default: the last) over the order's natural rows:
+        rows [0, members_end) are members, rows from nonmembers_start on are not. Ordinary training and DP with
+        fixed batches: both are step * batch_size. DP with Poisson sampling: the run's records are all of
+        [0, train_steps * batch_size) from the first step on (any of them may be sampled at any step), so both are
+        train_steps * batch_size for every step > 0 (and 0 at step 0)."""
+        step = self.train_steps if step is None else int(step)
+        end = (self.train_steps if (self.poisson and step > 0) else step) * self.batch_size
+        return end, end
+
+    def canary_membership(self, step: Optional[int] = None) -> np.ndarray:
+        """[m] bool: canaries that are members of checkpoint ``step`` (default: the last): trained at least once
+        before it (ordinary training, DP with fixed batches), or included at all (Poisson DP, step > 0)."""
+        c = self.canaries()
+        if c is None:
+            raise TestbedError(f"{self.root}: this testbed has no canaries")
+        step = self.train_steps if step is None else int(step)
+        if self.poisson:
+            return c.included & (step > 0)
+        return c.seen_before(step) > 0
+
+    def dp_epsilon(self, step: Optional[int] = None, *, delta: Optional[float] = None,
+                   accountant: str = "pld") -> float:
+        """Accountant epsilon of one record at checkpoint ``step`` (default: the last), at ``delta`` (default
+        1 / (train_steps * batch_size)); see :mod:`mia.testbed.dp`. A testbed trained without DP raises."""
+        from .dp import accountant_epsilon
+
+        step = self.train_steps if step is None else int(step)
+        return accountant_epsilon(self.config, delta=delta, steps=step, accountant=accountant)
+
     def load_model(self, step: Optional[int] = None, dtype: str = "float32"):
         from ..models import load
 
@@ -152,7 +207,7 @@ class Testbed:
                              self.config.seed)
         model = from_config(mcfg, params=params, tokenizer=tok)
         return train(model, self.config, self.dataset(), self.root, until=until, save_every=save_every,
-                     progress=progress, stop_after=stop_after, extra_saves=extra_saves)
+                     progress=progress, stop_after=stop_after, extra_saves=extra_saves, canaries=self.canaries())
 
     # -- memorization dial
     def memorize(self, rows, epochs: int, step: Optional[int] = None, seed: int = 0, progress: bool = True) -> Path:
@@ -164,6 +219,9 @@ class Testbed:
         """
         from ..models import load, save
 
+        if self.private:
+            raise TestbedError(f"{self.root} is trained with DP-SGD; the memorization dial trains without privacy "
+                               "and would void its guarantee")
         step = self.train_steps if step is None else int(step)
         idx = np.asarray(sorted({int(r) for r in rows}), np.int64)
         if epochs <= 0:
@@ -201,10 +259,21 @@ class Testbed:
 
     def summary(self) -> str:
         m = self.manifest
-        return (f"testbed {self.root} (preset {self.config.preset}, config {self.config.config_hash}): "
-                f"{m['corpus']['n_documents']} documents, {m['data']['n_rows']} rows of {self.row_len} tokens "
-                f"({self.epoch_steps} steps/epoch at batch {self.batch_size}), trained {self.train_steps} steps, "
-                f"checkpoints {', '.join(map(str, self.steps))}")
+        out = (f"testbed {self.root} (preset {self.config.preset}, config {self.config.config_hash}): "
+               f"{m['corpus']['n_documents']} documents, {m['data']['n_rows']} rows of {self.row_len} tokens "
+               f"({self.epoch_steps} steps/epoch at batch {self.batch_size}), trained {self.train_steps} steps, "
+               f"checkpoints {', '.join(map(str, self.steps))}")
+        if "canaries" in m:
+            c = m["canaries"]
+            out += (f"; {c['m']} {c['kind']} canaries ({c['n_included']} included, {c['n_copies']} rows, reps "
+                    f"{', '.join(map(str, c['reps']))})")
+        if "privacy" in m:
+            p = m["privacy"]
+            eps = p["epsilon_pld"]
+            eps = eps if isinstance(eps, str) else format(eps, ".4g")
+            out += (f"; DP-SGD ({p['sampling']}, noise {p['noise_multiplier']:g}, clip {p['clip']:g}): epsilon "
+                    f"{eps} at delta {p['delta']:.3g} (PLD)")
+        return out
 
 
 def open_testbed(path) -> Testbed:
@@ -225,7 +294,8 @@ def open_testbed(path) -> Testbed:
 
 def _check_complete(root: Path, m: dict) -> Optional[str]:
     """None when every file a complete testbed needs is there, else what is missing."""
-    for rel in ("tokenizer.json", "data/order.bin", "data/order.idx"):
+    canary_file = ("data/canaries.json",) if "canaries" in m else ()
+    for rel in ("tokenizer.json", "data/order.bin", "data/order.idx") + canary_file:
         if not (root / rel).exists():
             return rel
     if os.path.getsize(root / "data/order.bin") != m["data"]["bin"]["bytes"]:
@@ -236,10 +306,12 @@ def _check_complete(root: Path, m: dict) -> Optional[str]:
     return None
 
 
-# files of the data stages (corpus manifest, tokenizer, training order) and the manifest records describing them
+# files of the data stages (corpus manifest, tokenizer, training order) and the manifest records describing them;
+# a testbed with canaries also shares its canary file (and record)
 DATA_FILES = ("corpus.json", "tokenizer.json", "tokenizer_config.json", "data/order.bin", "data/order.idx",
               "data/order.perm.npy")
 DATA_RECORDS = ("corpus", "tokenizer", "data")
+CANARY_RECORD = "canaries"
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -265,15 +337,43 @@ def share_data(src_root, cfg: TestbedConfig, root) -> None:
     diff = [k for k in DATA_FIELDS if getattr(src_cfg, k) != getattr(cfg, k)]
     if diff:
         raise TestbedError(f"cannot share {src_root}'s data: the configs differ in {', '.join(diff)}")
+    from .canaries import CANARY_FILE
+
+    files, records = DATA_FILES, DATA_RECORDS
+    if cfg.canaries:
+        if CANARY_RECORD not in src:
+            raise TestbedError(f"{src_root}: its canaries are not built yet")
+        files, records = files + (CANARY_FILE,), records + (CANARY_RECORD,)
     mf = root / MANIFEST
-    if mf.exists() and all(k in json.loads(mf.read_text()) for k in DATA_RECORDS):
+    if mf.exists() and all(k in json.loads(mf.read_text()) for k in records):
         return
-    for rel in DATA_FILES:
+    for rel in files:
         _link_or_copy(src_root / rel, root / rel)
     m = {"format": FORMAT, "preset": cfg.preset, "config": cfg.to_dict(), "config_hash": cfg.config_hash,
-         "complete": False, **{k: src[k] for k in DATA_RECORDS},
-         "shared_data": {"from": os.path.relpath(src_root, root), "files": list(DATA_FILES)}}
+         "complete": False, **{k: src[k] for k in records},
+         "shared_data": {"from": os.path.relpath(src_root, root), "files": list(files)}}
     _write_json(mf, m)
+
+
+def build_twin(src, out_dir, *, progress: bool = True, save_every: int = 50, stop_after: Optional[int] = None,
+               **overrides) -> Testbed:
+    """A testbed trained on ``src``'s data (its corpus, tokenizer, training order and canaries, shared by hard links
+    or copies) with ``overrides`` of the fields that do not touch the data: the model, the optimiser, or privacy
+    (``dp_noise``, ``dp_clip``, ``dp_sampling``). ``src``: a :class:`Testbed` or its directory (its data stages must
+    be built). Runs that differ only by privacy: ``build_twin(tb, out, dp_noise=1.0)``. ``stop_after``: as for
+    :func:`build_testbed`."""
+    src_root = Path(src.root if isinstance(src, Testbed) else src)
+    src_m = json.loads((src_root / MANIFEST).read_text()) if (src_root / MANIFEST).exists() else None
+    if src_m is None:
+        raise TestbedError(f"{src_root}: not a testbed (no {MANIFEST})")
+    base = TestbedConfig(**{**src_m["config"], "checkpoints": tuple(src_m["config"]["checkpoints"])})
+    bad = sorted(set(overrides) & set(DATA_FIELDS))
+    if bad:
+        raise TestbedError(f"a twin shares its source's data; it cannot change {', '.join(bad)}")
+    suffix = "-dp" if overrides.get("dp_noise") is not None else "-twin"
+    cfg = base.replace(**{"preset": base.preset + suffix, **overrides})
+    share_data(src_root, cfg, out_dir)
+    return build_from_config(cfg, out_dir, progress=progress, save_every=save_every, stop_after=stop_after)
 
 
 def build_testbed(preset: str = "smoke", out_dir=None, *, progress: bool = True, save_every: int = 50,
@@ -319,7 +419,8 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
             tb = Testbed(root, cfg, m)
             return _with_memorized(tb, memorize_epochs, memorize_rows, progress)
     m = {"format": FORMAT, "preset": cfg.preset, "config": cfg.to_dict(), "config_hash": cfg.config_hash,
-         "complete": False, **{k: v for k, v in m.items() if k in ("corpus", "tokenizer", "data", "timings", "shared_data")}}
+         "complete": False, **{k: v for k, v in m.items()
+                               if k in ("corpus", "tokenizer", "data", "canaries", "timings", "shared_data")}}
     m.setdefault("timings", {})
     _write_json(mf_path, m)
     say = (lambda msg: tqdm.write(msg)) if progress else (lambda msg: None)
@@ -352,6 +453,7 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
                           "vocab_size": len(tok), "eod_id": EOD_ID, "eod_token": "<|endoftext|>"}
         m["timings"]["tokenizer_s"] = round(time.perf_counter() - t0, 2)
         m.pop("data", None)  # a new tokenizer invalidates the order
+        m.pop("canaries", None)  # and the canaries (drawn in its vocabulary)
         _write_json(mf_path, m)
 
     # 3. packing into the training order
@@ -385,6 +487,17 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     say(f"order: {n_rows} rows of {cfg.row_len} tokens = {n_rows // cfg.batch_size} steps/epoch at batch "
         f"{cfg.batch_size}; training {cfg.train_steps} steps")
 
+    # 3b. canaries (drawn in the tokenizer's vocabulary; inclusion and steps follow from the config)
+    if cfg.canaries:
+        _build_canaries(root, cfg, tok, corpus.texts, m, say)
+        _write_json(mf_path, m)
+    if cfg.private:
+        from .dp import privacy_record
+
+        m["privacy"] = privacy_record(cfg)
+        say(f"DP-SGD: epsilon {m['privacy']['epsilon_pld']} at delta {m['privacy']['delta']:.3g} "
+            f"({cfg.dp_sampling} sampling, noise {cfg.dp_noise:g}, clip {cfg.dp_clip:g})")
+
     # 4. training (resumes from the latest saved state)
     tb = Testbed(root, cfg, m)
     t0 = time.perf_counter()
@@ -409,6 +522,24 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     _write_json(mf_path, m)
     tb = Testbed(root, cfg, m)
     return _with_memorized(tb, memorize_epochs, memorize_rows, progress)
+
+
+def _build_canaries(root: Path, cfg: TestbedConfig, tok, texts, m: dict, say) -> None:
+    """Write ``data/canaries.json`` and its manifest record, unless the recorded file is already there intact."""
+    from .canaries import CANARY_FILE, make_canaries, write_canaries
+
+    path = root / CANARY_FILE
+    rec = m.get("canaries")
+    if rec is not None and path.exists() and _sha_file(path) == rec["sha256"]:
+        return
+    t0 = time.perf_counter()
+    c = make_canaries(cfg, tok, texts)
+    write_canaries(path, c)
+    m["canaries"] = {"path": CANARY_FILE, "sha256": _sha_file(path), "m": c.m, "kind": c.kind,
+                     "reps": list(cfg.canary_reps), "n_included": int(c.included.sum()), "n_copies": c.n_copies,
+                     "slots": c.slots, "inclusion": "independent, probability 1/2 (numpy default_rng([seed, 0xCA7A]))"}
+    m["timings"]["canaries_s"] = round(time.perf_counter() - t0, 2)
+    say(f"canaries: {c.m} {c.kind} rows, {int(c.included.sum())} included, {c.n_copies} extra training rows")
 
 
 def _with_memorized(tb: Testbed, epochs: int, n_rows: int, progress: bool) -> Testbed:

@@ -14,7 +14,14 @@ FORMAT = "mia-testbed/3"  # 2: duplicate documents and rows dropped;
 # The fields that determine the training data (corpus, tokenizer, packing, row order, batches, checkpoint steps).
 # Members of a suite (``mia.testbed.suite``) share all of them and differ only in the model and its learning rate.
 DATA_FIELDS = ("corpus", "text_column", "max_corpus_bytes", "vocab_size", "seq_len", "batch_size", "train_steps",
-               "checkpoints", "seed")
+               "checkpoints", "seed", "canaries", "canary_reps", "canary_kind")
+
+# Optional feature groups: a group's fields enter the manifest and the config hash only when the feature is on, so a
+# testbed without canaries or privacy has exactly the config (and hash) it had before these options existed.
+CANARY_FIELDS = ("canaries", "canary_reps", "canary_kind")
+DP_FIELDS = ("dp_noise", "dp_clip", "dp_sampling")
+CANARY_KINDS = ("tokens", "words")
+DP_SAMPLINGS = ("poisson", "fixed")
 
 
 # Type and range of each numeric field (``mia.validate``): checked when a config is made, and by the CLI's options.
@@ -27,6 +34,7 @@ FIELD_LIMITS = {
     "beta1": (float, Range(0, 1, hi_open=True)), "beta2": (float, Range(0, 1, hi_open=True)),
     "grad_clip": (float, Range(0, lo_open=True)), "seed": (int, Range(0, INT32_MAX)),
     "memorize_lr": (float, Range(0, lo_open=True)),
+    "canaries": (int, Range(0, INT32_MAX)), "dp_noise": (float, Range(0)), "dp_clip": (float, Range(0, lo_open=True)),
 }
 
 
@@ -76,6 +84,16 @@ class TestbedConfig:
     seed: int = 0  # model init and row permutation
     # memorization dial (continue after a checkpoint on a fixed member subset only; see Testbed.memorize)
     memorize_lr: Optional[float] = None  # constant learning rate of the dial (default: lr)
+    # canaries (mia.testbed.canaries): a pool of random rows; canary i is included with probability 1/2 (seeded) and
+    # then trained canary_reps[i % len(canary_reps)] times, as extra rows of recorded steps; 0 = no canaries
+    canaries: int = 0
+    canary_reps: tuple = (1, 4, 16, 64)
+    canary_kind: str = "tokens"  # "tokens": uniform random token ids; "words": random corpus words, tokenized
+    # differentially private training (mia.testbed.dp): DP-SGD when dp_noise is set, ordinary training when None
+    dp_noise: Optional[float] = None  # noise multiplier: Gaussian noise of std dp_noise * dp_clip on the clipped sum
+    dp_clip: float = 1.0  # per-example gradient L2 norm bound
+    dp_sampling: str = "poisson"  # "poisson": each record joins each step with probability batch_size / records;
+    # "fixed": the recorded batches of the ordinary run (no amplification by sampling)
 
     def __post_init__(self):
         for name in FIELD_LIMITS:
@@ -84,6 +102,7 @@ class TestbedConfig:
         for s in self.checkpoints:
             integer(s, "testbed config field 'checkpoints'", lo=0, error=TestbedError)
         object.__setattr__(self, "checkpoints", tuple(sorted({int(s) for s in self.checkpoints})))
+        self._check_options()
         problems = []
         for name in ("vocab_size", "seq_len", "hidden_size", "num_layers", "num_heads", "batch_size", "train_steps"):
             if int(getattr(self, name)) <= 0:
@@ -99,6 +118,27 @@ class TestbedConfig:
             problems.append("warmup_steps must be >= 0 and lr > 0")
         if problems:
             raise TestbedError("; ".join(problems))
+
+    def _check_options(self) -> None:
+        """The canary and privacy options that FIELD_LIMITS cannot express (lists and choices)."""
+        if isinstance(self.canary_reps, (str, bytes)) or not hasattr(self.canary_reps, "__iter__"):
+            raise TestbedError(f"testbed config field 'canary_reps' must be a list of integers, "
+                               f"got {self.canary_reps!r}")
+        hi = self.train_steps if self.canaries else None  # each copy of a canary goes to its own step
+        reps = tuple(integer(r, "testbed config field 'canary_reps'", lo=1, hi=hi, error=TestbedError)
+                     for r in self.canary_reps)
+        if not reps:
+            raise TestbedError("testbed config field 'canary_reps' must not be empty")
+        object.__setattr__(self, "canary_reps", reps)
+        for name, choices in (("canary_kind", CANARY_KINDS), ("dp_sampling", DP_SAMPLINGS)):
+            if getattr(self, name) not in choices:
+                raise TestbedError(f"testbed config field {name!r} must be one of {', '.join(choices)}; "
+                                   f"got {getattr(self, name)!r}")
+
+    @property
+    def private(self) -> bool:
+        """True when trained with DP-SGD (``dp_noise`` set)."""
+        return self.dp_noise is not None
 
     @property
     def row_len(self) -> int:
@@ -120,8 +160,16 @@ class TestbedConfig:
         return tuple(sorted({0, self.train_steps, *self.checkpoints}))
 
     def to_dict(self) -> dict:
+        """The config as JSON-ready values; the canary / privacy fields only when that feature is on."""
         d = dataclasses.asdict(self)
         d["checkpoints"] = list(self.checkpoints)
+        d["canary_reps"] = list(self.canary_reps)
+        if not self.canaries:
+            for k in CANARY_FIELDS:
+                d.pop(k)
+        if not self.private:
+            for k in DP_FIELDS:
+                d.pop(k)
         return d
 
     def hash_dict(self) -> dict:

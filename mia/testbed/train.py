@@ -70,6 +70,13 @@ def row_loss(model, params, rows_bt: jax.Array) -> jax.Array:
     return jnp.mean(nll)
 
 
+def row_losses(model, params, rows_bt: jax.Array) -> jax.Array:
+    """[B] mean next-token cross-entropy (float32) of each row [B, T+1]."""
+    logits = model.logits(params, rows_bt[:, :-1])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, rows_bt[:, 1:, None], axis=-1)[..., 0], axis=-1)
+
+
 def compiler_options(cfg: TestbedConfig) -> dict:
     """XLA options of the training step. On CPU, for steps of at most 1,024 tokens (the smoke preset and suite),
     LLVM's backend optimisation level 0: compile time dominates such runs, and the smoke model's step compiles in
@@ -90,6 +97,104 @@ def make_train_step(model, optimizer, options: Optional[dict] = None):
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
 
     return jax.jit(step, compiler_options=options or None)
+
+
+def make_masked_train_step(model, optimizer, options: Optional[dict] = None):
+    """jit((params, opt_state, rows [P, T+1] int32, mask [P] float32) -> (params, opt_state, metrics)): the mean loss
+    over the rows with mask 1 (a batch of natural rows and canary copies, padded to a fixed P rows)."""
+
+    def step(params, opt_state, rows, mask):
+        def loss_fn(p):
+            return jnp.sum(row_losses(model, p, rows) * mask) / jnp.sum(mask)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    return jax.jit(step, compiler_options=options or None)
+
+
+# --------------------------------------------------------------------------------------------- batches
+class BatchRows:
+    """The rows each step trains on. Ordinary training and DP with fixed batches: natural rows
+    [s*B, (s+1)*B) of the order, then the canary copies recorded for step s (ascending canary id). DP with Poisson
+    sampling: the records sampled at step s (``mia.testbed.dp.poisson_batch``), natural rows then canary copies."""
+
+    def __init__(self, cfg: TestbedConfig, dataset, canaries=None):
+        self.cfg, self.dataset, self.canaries = cfg, dataset, canaries
+        self.by_step = canaries.copies_by_step(cfg.train_steps) if canaries is not None else None
+        self.poisson = cfg.private and cfg.dp_sampling == "poisson"
+        if self.poisson:
+            self.n_natural = cfg.train_steps * cfg.batch_size
+            self.copy_ids = (np.array([i for i, st in enumerate(canaries.steps) for _ in st], np.int64)
+                             if canaries is not None else np.zeros(0, np.int64))
+
+    @property
+    def slots(self) -> int:
+        """Most canary copies in one step's batch (0 without canaries)."""
+        return self.canaries.slots if self.canaries is not None else 0
+
+    def __call__(self, s: int) -> np.ndarray:
+        B = self.cfg.batch_size
+        if self.poisson:
+            from .dp import poisson_batch
+
+            idx = poisson_batch(self.cfg, s, self.n_natural + len(self.copy_ids))
+            nat, cop = idx[idx < self.n_natural], idx[idx >= self.n_natural] - self.n_natural
+            parts = [np.asarray(self.dataset.get_rows(nat), np.int32).reshape(len(nat), -1)] if len(nat) else []
+            if len(cop):
+                parts.append(self.canaries.tokens[self.copy_ids[cop]].astype(np.int32))
+            return np.concatenate(parts) if parts else np.zeros((0, self.cfg.row_len), np.int32)
+        rows = np.asarray(self.dataset[s * B:(s + 1) * B], dtype=np.int32)
+        if self.by_step is not None and len(self.by_step[s]):
+            rows = np.concatenate([rows, self.canaries.tokens[self.by_step[s]].astype(np.int32)])
+        return rows
+
+
+def _padded(rows: np.ndarray, n: int) -> tuple:
+    """(rows padded with zero rows to ``n``, mask [n] float32 with 1 on the real rows)."""
+    mask = np.zeros(n, np.float32)
+    mask[:len(rows)] = 1.0
+    if len(rows) < n:
+        rows = np.concatenate([rows, np.zeros((n - len(rows), rows.shape[1]), rows.dtype)])
+    return rows, mask
+
+
+def make_step_runner(model, cfg: TestbedConfig, optimizer, batches: BatchRows) -> Callable:
+    """(params, opt_state, s) -> (params, opt_state, metrics) for step s: ordinary training on the order's rows
+    (exactly the step of a testbed without canaries), the masked step when canary copies extend the batches, or a
+    DP-SGD step (``mia.testbed.dp``). Metrics: loss, grad_norm, and rows (plus clipped) where batches vary."""
+    options = compiler_options(cfg)
+    if cfg.private:
+        from . import dp
+
+        clipped_sum = dp.make_clipped_sum(model, cfg.dp_clip, options)
+        update = dp.make_noisy_update(optimizer, cfg.dp_noise, cfg.dp_clip, cfg.batch_size)
+        chunk = dp.chunk_rows(cfg, batches.slots)
+
+        def run_dp(params, opt_state, s):
+            return dp.dp_step(params, opt_state, batches(s), s, clipped_sum=clipped_sum, update=update, chunk=chunk,
+                              seed=cfg.seed)
+
+        return run_dp
+    if batches.canaries is not None:
+        step_fn = make_masked_train_step(model, optimizer, options)
+        width = cfg.batch_size + batches.slots
+
+        def run_masked(params, opt_state, s):
+            rows = batches(s)
+            params, opt_state, m = step_fn(params, opt_state, *_padded(rows, width))
+            return params, opt_state, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                                       "rows": int(len(rows))}
+
+        return run_masked
+    step_fn = make_train_step(model, optimizer, options)
+
+    def run(params, opt_state, s):
+        params, opt_state, m = step_fn(params, opt_state, batches(s))
+        return params, opt_state, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
+
+    return run
 
 
 # --------------------------------------------------------------------------------------------- state I/O (no pickle)
@@ -203,11 +308,12 @@ def _read_log(path: Path, upto: int) -> list:
 
 
 def train(model, cfg: TestbedConfig, dataset, root, *, until: Optional[int] = None, save_every: int = 50,
-          progress: bool = True, stop_after: Optional[int] = None, extra_saves: tuple = ()) -> tuple:
+          progress: bool = True, stop_after: Optional[int] = None, extra_saves: tuple = (), canaries=None) -> tuple:
     """Train (or resume) up to step ``until`` (default ``cfg.train_steps``), saving ``cfg.checkpoint_steps``.
 
-    ``stop_after``: stop once this step is done (simulates an interruption; used by tests).
-    Returns (params, opt_state, step reached).
+    ``canaries``: the testbed's ``mia.testbed.canaries.Canaries`` (required when ``cfg.canaries``); DP-SGD when
+    ``cfg.dp_noise`` is set (``mia.testbed.dp``). ``stop_after``: stop once this step is done (simulates an
+    interruption; used by tests). Returns (params, opt_state, step reached).
     """
     from tqdm.auto import tqdm
 
@@ -216,6 +322,9 @@ def train(model, cfg: TestbedConfig, dataset, root, *, until: Optional[int] = No
     B = cfg.batch_size
     if until * B > len(dataset):
         raise TestbedError(f"corpus too small: {len(dataset)} rows made, {until} steps x batch {B} need {until * B}")
+    if bool(cfg.canaries) != (canaries is not None):
+        raise TestbedError(f"config asks for {cfg.canaries} canaries but the trainer was given "
+                           f"{'none' if canaries is None else canaries.m}")
     optimizer = make_optimizer(cfg)
     params = model.params
     opt_state = optimizer.init(params)
@@ -237,20 +346,20 @@ def train(model, cfg: TestbedConfig, dataset, root, *, until: Optional[int] = No
     if start >= until:
         return params, opt_state, start
 
-    step_fn = make_train_step(model, optimizer, compiler_options(cfg))
+    run_step = make_step_runner(model, cfg, optimizer, BatchRows(cfg, dataset, canaries))
     lrs = np.asarray(lr_schedule(cfg)(np.arange(until)), np.float64)  # for the log: one call, not one per step
     t0 = time.perf_counter()
     with open(log_path if write_log else os.devnull, "a") as logf, tqdm(total=until, initial=start, desc="training", unit="step",
                                            disable=not progress, leave=False) as bar:
         for s in range(start, until):
-            rows = np.asarray(dataset[s * B:(s + 1) * B], dtype=np.int32)
-            params, opt_state, m = step_fn(params, opt_state, rows)
+            params, opt_state, m = run_step(params, opt_state, s)
             done = s + 1
-            loss = float(m["loss"])
+            loss = m["loss"]
             if not np.isfinite(loss):
                 raise TestbedError(f"training diverged at step {done} (loss {loss}); lower --lr")
-            rec = {"step": done, "loss": loss, "lr": float(lrs[s]), "grad_norm": float(m["grad_norm"]),
+            rec = {"step": done, "loss": loss, "lr": float(lrs[s]), "grad_norm": m["grad_norm"],
                    "tokens": done * B * cfg.seq_len, "elapsed_s": round(time.perf_counter() - t0, 3)}
+            rec.update({k: m[k] for k in ("rows", "clipped") if k in m})
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
             bar.update(1)
