@@ -17,6 +17,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from .atomic import save_figure, write_text
+from .metrics import auc as _auc, roc
 
 # column key -> header; unknown keys are shown under their own name
 HEADERS = {
@@ -172,7 +173,6 @@ def plot_roc(curves: Mapping[str, tuple], labels=None, path=None, title: str = "
     ``curves``: {method: scores} with a shared ``labels`` array, or {method: (scores, labels)}.
     Returns the matplotlib Figure; saves it when ``path`` is given.
     """
-    from .metrics import auc as _auc, roc
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 5))

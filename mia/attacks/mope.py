@@ -45,14 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine.conditional import token_logprobs
 from ..engine.batching import plan_batches, put_padded
-from ..engine.loop import engine_layout, pipelined, placed_params, rows_per_device
+from ..engine.conditional import token_logprobs
+from ..engine.loop import engine_layout, pipelined, placed_params, rows_per_device, show_progress
+from ..engine.sharding import batch_sharding, compose, data_size, gather_outside_layers, layer_gather, replicated
 from ..engine.stats import chunk_size
-from ..engine.sharding import compose
-from .registry import AttackError, register
 from ..validate import Range
-
+from .registry import AttackError, register
 
 NOISE_BLOCK = 1 << 22  # elements of one noise block (see the module docstring): 16 MiB of uint32 counters
 
@@ -200,7 +199,6 @@ def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int, bl
     """jit of MoPe with explicit shardings: (key [replicated], params [``shardings``], tokens [B, T] and mask
     [B, T] rows over ``data``) -> [B] scores, replicated. Lowers on ``jax.ShapeDtypeStruct`` arguments for abstract
     devices (compile-only planning), like ``scoring.build_token_stats_step``."""
-    from ..engine.sharding import batch_sharding, gather_outside_layers, layer_gather, replicated
 
     layers = model.module.LAYERS
 
@@ -229,9 +227,6 @@ def _mope(ctx, *, n: int, sigma: float, chunk: int) -> np.ndarray:
     if n < 1 or chunk < 1 or not sigma > 0:
         raise AttackError(f"attack mope: need n >= 1, chunk >= 1, sigma > 0; got n={n}, chunk={chunk}, sigma={sigma}")
     from tqdm.auto import tqdm
-
-    from ..engine.loop import show_progress
-    from ..engine.sharding import batch_sharding, data_size, replicated
 
     model = ctx.model
     mesh, _ = engine_layout(model)

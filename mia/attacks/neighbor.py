@@ -27,9 +27,10 @@ import numpy as np
 
 from ..atomic import write_json
 from ..engine.loop import compute_token_stats
+from ..validate import Range
+from ._mlm import load_mlm, neighbours
 from .recall import memo, unconditional_ll
 from .registry import AttackError, register
-from ..validate import Range
 
 NEIGHBOR_VERSION = "1"
 
@@ -37,7 +38,6 @@ NEIGHBOR_VERSION = "1"
 def load_masked_lm(ctx):
     m = memo(ctx)
     if "mlm" not in m:
-        from ._mlm import load_mlm
 
         path = ctx.options.get("mlm")
         if not path:
@@ -52,8 +52,6 @@ def load_masked_lm(ctx):
 def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
     """[N] lists of neighbour texts (disk-cached per text)."""
     from tqdm.auto import tqdm
-
-    from ._mlm import neighbours
 
     mlm = load_masked_lm(ctx)
     texts = ctx.texts()

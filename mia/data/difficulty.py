@@ -32,6 +32,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..atomic import save_npz, write_text
+from ..file_hash import sha256_of_file
+from ..models.bert import load_encoder
 from .splits import Split, read_split, write_split
 
 DIFFICULTIES = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
@@ -148,7 +150,6 @@ def graded_splits(member_emb: np.ndarray, nonmember_emb: np.ndarray, *, size: in
 
 # ----------------------------------------------------------------------------------------------- files
 def _sha256(path: Path) -> str:
-    from ..file_hash import sha256_of_file
 
     return sha256_of_file(path)
 
@@ -203,7 +204,6 @@ def build_difficulty_splits(pool, out_dir, *, encoder: Any = None, encoder_dir: 
 
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
         if encoder is None:
-            from ..models.bert import load_encoder
 
             encoder = load_encoder(encoder_dir)
         # float32, as saved: a later run with --embeddings then computes exactly what this one does

@@ -25,6 +25,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from ..offline import force_offline
 from .splits import SplitError, assign_partitions, file_record, partition_counts
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv", ".txt": "text"}
@@ -113,7 +114,6 @@ def _jsonl_strings(f: Path) -> Optional[list]:
 
 
 def _load_with_datasets(f: Path, builder: str) -> list:
-    from ..offline import force_offline
 
     force_offline()
     import datasets

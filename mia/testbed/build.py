@@ -30,16 +30,26 @@ from typing import Optional
 import numpy as np
 
 from ..atomic import temporary_sibling, write_text
+from ..data.corpus import load_corpus
+from ..data.indexed import IndexedDataset
 from ..data.splits import file_record
+from ..file_hash import sha256_of_file
+from ..models import from_config, load, save
+from ..models.gpt_neox import GPTNeoXConfig
+from ..models.hub import family
+from .canaries import CANARY_FILE, make_canaries, read_canaries, write_canaries
 from .config import DATA_FIELDS, FORMAT, TestbedConfig, TestbedError, preset as get_preset
-from .tokenizer import EOD_ID
+from .dp import accountant_epsilon, privacy_record
+from .init import init_params
+from .packing import dedup_rows, pack_rows, row_permutation, write_order
+from .tokenizer import EOD_ID, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
+from .train import checkpoint_dir, memorize as run_memorize, plot_losses, saved_steps, train
 
 MANIFEST = "testbed.json"
 DEFAULT_ROOT = "testbeds"
 
 
 def _sha_file(path) -> str:
-    from ..file_hash import sha256_of_file
 
     return sha256_of_file(path)
 
@@ -52,7 +62,6 @@ def model_config(cfg: TestbedConfig, vocab_size: int):
     """The GPT-NeoX config of a testbed model. Its context (``max_position_embeddings``) is the context it is trained
     at, ``seq_len`` (rows of seq_len + 1 tokens: inputs row[:-1]), as Pythia's 2048 for rows of 2049, so attacks
     that add prefixes or repetitions know where the trained positions end (``Model.max_length``)."""
-    from ..models.gpt_neox import GPTNeoXConfig
 
     return GPTNeoXConfig(vocab_size=int(vocab_size), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                          num_attention_heads=cfg.num_heads, intermediate_size=cfg.ffn_size, rotary_pct=cfg.rotary_pct,
@@ -74,7 +83,6 @@ class Testbed:
         return self.root / "data" / "order"
 
     def dataset(self):
-        from ..data.indexed import IndexedDataset
 
         return IndexedDataset(self.data_prefix)
 
@@ -102,14 +110,12 @@ class Testbed:
     # -- checkpoints
     @property
     def steps(self) -> list:
-        from .train import saved_steps
 
         return saved_steps(self.root)
 
     def checkpoint_dir(self, step: Optional[int] = None, create: bool = True) -> Path:
         """Directory of checkpoint ``step`` (default: the last). A step <= train_steps that was not saved is
         re-created by training from the nearest earlier saved state (the order is fixed, so it is exact)."""
-        from .train import checkpoint_dir
 
         step = self.train_steps if step is None else int(step)
         if step < 0 or step > self.train_steps:
@@ -127,7 +133,6 @@ class Testbed:
         """The :class:`~mia.testbed.canaries.Canaries` pool (None without canaries), checked against its sha256."""
         if not self.config.canaries:
             return None
-        from .canaries import CANARY_FILE, read_canaries
 
         path = self.root / CANARY_FILE
         rec = self.manifest.get("canaries")
@@ -171,18 +176,15 @@ class Testbed:
                    accountant: str = "pld") -> float:
         """Accountant epsilon of one record at checkpoint ``step`` (default: the last), at ``delta`` (default
         1 / (train_steps * batch_size)); see :mod:`mia.testbed.dp`. A testbed trained without DP raises."""
-        from .dp import accountant_epsilon
 
         step = self.train_steps if step is None else int(step)
         return accountant_epsilon(self.config, delta=delta, steps=step, accountant=accountant)
 
     def load_model(self, step: Optional[int] = None, dtype: str = "float32"):
-        from ..models import load
 
         return load(self.checkpoint_dir(step), dtype=dtype)
 
     def tokenizer(self):
-        from .tokenizer import load_tokenizer
 
         return load_tokenizer(self.root)
 
@@ -195,10 +197,6 @@ class Testbed:
         return self.config.n_params(self.manifest["tokenizer"]["vocab_size"])
 
     def _train(self, until=None, extra_saves=(), progress=True, save_every=50, stop_after=None):
-        from ..models import from_config
-        from ..models.hub import family
-        from .init import init_params
-        from .train import train
         import jax.numpy as jnp
 
         tok = self.tokenizer()
@@ -217,7 +215,6 @@ class Testbed:
         stay members; every other row stays unseen). Saved as ``checkpoints/step{c}-mem{E}-{hash}/`` with
         ``memorize.json`` (rows, epochs, seed, lr, per-epoch loss) and reused when asked again.
         """
-        from ..models import load, save
 
         if self.private:
             raise TestbedError(f"{self.root} is trained with DP-SGD; the memorization dial trains without privacy "
@@ -237,7 +234,6 @@ class Testbed:
         out = self.root / "checkpoints" / f"step{step}-mem{epochs}-{h}"
         if (out / "memorize.json").exists():
             return out
-        from .train import memorize as run_memorize
 
         base = load(self.checkpoint_dir(step))
         params, log = run_memorize(base, base.params, self.config, self.dataset().get_rows(idx), epochs, seed=seed,
@@ -337,7 +333,6 @@ def share_data(src_root, cfg: TestbedConfig, root) -> None:
     diff = [k for k in DATA_FIELDS if getattr(src_cfg, k) != getattr(cfg, k)]
     if diff:
         raise TestbedError(f"cannot share {src_root}'s data: the configs differ in {', '.join(diff)}")
-    from .canaries import CANARY_FILE
 
     files, records = DATA_FILES, DATA_RECORDS
     if cfg.canaries:
@@ -426,7 +421,6 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     say = (lambda msg: tqdm.write(msg)) if progress else (lambda msg: None)
 
     # 1. corpus (cheap to re-read; it must not have changed since earlier stages used it)
-    from ..data.corpus import load_corpus
 
     t0 = time.perf_counter()
     corpus = load_corpus(cfg.corpus, cfg.text_column, cfg.max_corpus_bytes)
@@ -439,7 +433,6 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     say(f"corpus: {len(corpus)} documents, {corpus.n_bytes / 1e6:.1f} MB ({corpus.kind}: {corpus.root})")
 
     # 2. tokenizer
-    from .tokenizer import encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
 
     if "tokenizer" in m and (root / "tokenizer.json").exists() and _sha_file(root / "tokenizer.json") == m["tokenizer"]["sha256"]:
         tok = load_tokenizer(root)
@@ -457,7 +450,6 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
         _write_json(mf_path, m)
 
     # 3. packing into the training order
-    from .packing import dedup_rows, pack_rows, row_permutation, write_order
 
     prefix = root / "data" / "order"
     if not ("data" in m and prefix.with_suffix(".bin").exists()
@@ -492,7 +484,6 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
         _build_canaries(root, cfg, tok, corpus.texts, m, say)
         _write_json(mf_path, m)
     if cfg.private:
-        from .dp import privacy_record
 
         m["privacy"] = privacy_record(cfg)
         say(f"DP-SGD: epsilon {m['privacy']['epsilon_pld']} at delta {m['privacy']['delta']:.3g} "
@@ -506,7 +497,6 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     if reached < cfg.train_steps:
         _write_json(mf_path, m)
         return tb  # interrupted on purpose (stop_after); a later call resumes
-    from .train import checkpoint_dir, plot_losses
 
     m["checkpoints"] = {str(s): {"path": f"checkpoints/step{s}",
                                  "sha256": _sha_file(checkpoint_dir(root, s) / "model.safetensors")}
@@ -526,7 +516,6 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
 
 def _build_canaries(root: Path, cfg: TestbedConfig, tok, texts, m: dict, say) -> None:
     """Write ``data/canaries.json`` and its manifest record, unless the recorded file is already there intact."""
-    from .canaries import CANARY_FILE, make_canaries, write_canaries
 
     path = root / CANARY_FILE
     rec = m.get("canaries")

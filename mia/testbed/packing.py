@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from ..atomic import atomic_write
+from ..data.indexed import write_indexed
 from .tokenizer import EOD_ID
 
 
@@ -47,7 +48,6 @@ def row_permutation(n_rows: int, seed: int) -> np.ndarray:
 
 
 def write_order(prefix, rows: np.ndarray, order: np.ndarray) -> Path:
-    from ..data.indexed import write_indexed
 
     write_indexed(prefix, rows[order], dtype=np.uint16)
     with atomic_write(str(prefix) + ".perm.npy", "wb") as f:

@@ -23,7 +23,9 @@ import optax
 
 from ..atomic import atomic_write, save_figure, temporary_sibling
 from ..models.hub import read_safetensors, save, write_safetensors
+from . import dp
 from .config import TestbedConfig, TestbedError
+from .dp import poisson_batch
 
 STATE_FILE = "train_state.safetensors"
 # 2: decoder layers stacked ([L, ...] leaves under one "layers" subtree): tensor names changed, so a state file
@@ -137,7 +139,6 @@ class BatchRows:
     def __call__(self, s: int) -> np.ndarray:
         B = self.cfg.batch_size
         if self.poisson:
-            from .dp import poisson_batch
 
             idx = poisson_batch(self.cfg, s, self.n_natural + len(self.copy_ids))
             nat, cop = idx[idx < self.n_natural], idx[idx >= self.n_natural] - self.n_natural
@@ -166,7 +167,6 @@ def make_step_runner(model, cfg: TestbedConfig, optimizer, batches: BatchRows) -
     DP-SGD step (``mia.testbed.dp``). Metrics: loss, grad_norm, and rows (plus clipped) where batches vary."""
     options = compiler_options(cfg)
     if cfg.private:
-        from . import dp
 
         clipped_sum = dp.make_clipped_sum(model, cfg.dp_clip, options)
         update = dp.make_noisy_update(optimizer, cfg.dp_noise, cfg.dp_clip, cfg.batch_size)
