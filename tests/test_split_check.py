@@ -117,7 +117,7 @@ def test_header_fields_of_the_wrong_type_are_problems_not_crashes(tmp_path):
     edit_line(p, 1, lambda h: h.update(partitions=[1], counts="many") or h["params"].update(step="5"))
     probs = check_split(p)
     assert "line 1: header field 'partitions' is list, expected an object" in probs
-    assert "line 1: header params.step is '5', expected an integer" in probs
+    assert "line 1: header params.step is '5', expected a non-negative integer" in probs
 
 
 # -------------------------------------------------------------------------------------------------- rows
