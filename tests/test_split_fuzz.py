@@ -186,6 +186,9 @@ REGRESSIONS = [
     ("olmo_documents", 1, ("params", "documents"), "no", True,
      "line 1: header params.documents is 'no', expected true or false"),
     ("pythia", 2, ("index",), True, True, "line 2: index is True, expected a non-negative integer or null"),
+    # a long value in a row once made the header-partitions problem thousands of characters long
+    ("testbed", 2, ("partition",), {"x" * 1000: False}, True,
+     f"line 2: partition {short_repr({'x' * 1000: False})} is not a string"),
 ]
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from .examples import out_of_vocab
 from .splits import (BOOL, INT, NONNEG_INT, POS_INT, SEED, Kind, SplitError, assign_partitions, checked_fields,
-                     derived_problems, draw_counts, file_record, one_line, partition_counts, position_problems,
+                     derived_problems, draw_counts, file_record, is_int, one_line, partition_counts, position_problems,
                      redraw_problems, rows_to_lists, short_repr, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 2160
@@ -506,7 +506,7 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
         except OlmoDataError as ex:
             problems.append(f"line {ln}: {ex}")
             continue
-        if e.get("instance") is not None and e["instance"] != inst:
+        if is_int(e.get("instance")) and e["instance"] != inst:  # another value: reported by the row checks
             problems.append(f"line {ln}: instance {e['instance']} but global_indices[{q}] = {inst}")
         toks = e.get("tokens")
         if toks is None:
@@ -519,8 +519,9 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
         if docs:
             doc = pick_document(full, eos, doc_len)
             if doc is None or doc[0] != e.get("segment") or doc[1] != e.get("offset"):
-                problems.append(f"line {ln}: segment {e.get('segment')} at offset {e.get('offset')} is not the "
-                                f"document picked from instance {inst} ({doc})")
+                problems.append(f"line {ln}: segment {short_repr(e.get('segment'))} at offset "
+                                f"{short_repr(e.get('offset'))} is not the document picked from instance {inst} "
+                                f"({doc})")
                 continue
             ref = full[doc[1]:doc[2]]
         else:

@@ -421,8 +421,10 @@ FILE_RECORD = {"path": PATH, "bytes": NONNEG_INT.or_null(), "sha256": STRING.or_
                "hash_scope": STRING.or_null()}
 """The fields of a source file record (``file_record``) that ``verify_file_record`` reads."""
 
-SOURCE_FILES = {"pythia": {"bin": NONEMPTY_OBJECTS, "idx": OBJECT}, "testbed": {"bin": NONEMPTY_OBJECTS, "idx": OBJECT},
-                "olmo": {"global_indices": OBJECT, "data_paths": NONEMPTY_OBJECTS}, "text": {"files": OBJECTS.or_null()}}
+SOURCE_FILES = {"pythia": {"bin": NONEMPTY_OBJECTS, "idx": OBJECT},
+                "testbed": {"bin": NONEMPTY_OBJECTS, "idx": OBJECT},  # the testbed's orders are Pythia-format files
+                "olmo": {"global_indices": OBJECT, "data_paths": NONEMPTY_OBJECTS},
+                "text": {"files": OBJECTS.or_null()}}
 """Per source kind, the header ``source`` fields that hold file records (one, or a list of them)."""
 
 
@@ -470,7 +472,7 @@ def _row_problems(ex: list, h: dict, problems: list) -> None:
         else:
             i = str(e["id"])
             if i in seen_ids:
-                problems.append(f"line {ln}: id {i} already used on line {seen_ids[i]}")
+                problems.append(f"line {ln}: id {one_line(i, 200)} already used on line {seen_ids[i]}")
             else:
                 seen_ids[i] = ln
         if isinstance(e.get("label"), bool) or e.get("label") not in (0, 1):
@@ -499,9 +501,10 @@ def _header_problems(h: dict, ex: list, problems: list) -> None:
     """Header format and field types; header counts and partitions against the rows."""
     if not h:
         first = ex[0] if ex else {}
-        typed = f" (line 1 has header fields, but type {short_repr(first.get('type'))})" if first.get("_line") == 1 and (
-            "format" in first or "params" in first) else ""
-        problems.append(f"line 1: no header line{typed}")
+        why = ""
+        if first.get("_line") == 1 and ("format" in first or "params" in first):
+            why = f" (line 1 has header fields, but type {short_repr(first.get('type'))}, not 'header')"
+        problems.append(f"line 1: no header line{why}")
         return
     if h.get("format") != FORMAT:
         problems.append(f"line 1: format {short_repr(h.get('format'))}, expected {FORMAT!r}")
@@ -518,10 +521,11 @@ def _header_problems(h: dict, ex: list, problems: list) -> None:
                                 f"{now['counts'][k]}")
         if "partitions" in counts and counts["partitions"] != now["counts"]["partitions"]:
             problems.append(f"line 1: header counts.partitions {short_repr(counts['partitions'], 200)} but the "
-                            f"file has {now['counts']['partitions']}")
+                            f"file has {short_repr(now['counts']['partitions'], 200)}")
     hp = h.get("partitions")
     if hp and hp != now["partitions"]:
-        problems.append(f"line 1: header partitions {short_repr(hp, 200)} but the file has {now['partitions']}")
+        problems.append(f"line 1: header partitions {short_repr(hp, 200)} but the file has "
+                        f"{short_repr(now['partitions'], 200)}")
 
 
 def _content_problems(ex: list, problems: list) -> None:
@@ -531,7 +535,8 @@ def _content_problems(ex: list, problems: list) -> None:
         key = (e.get("index"), e.get("segment"))
         if e.get("index") is not None:
             if key in pos_seen:
-                problems.append(f"line {e.get('_line')}: training position {e.get('index')} also drawn on line {pos_seen[key]}")
+                problems.append(f"line {e.get('_line')}: training position {short_repr(e.get('index'))} also drawn on "
+                                f"line {pos_seen[key]}")
             else:
                 pos_seen[key] = e.get("_line")
     by_content: dict = {}
@@ -551,13 +556,16 @@ def _content_problems(ex: list, problems: list) -> None:
             first = by_part.setdefault(k, e)
             if first.get("partition", "eval") != e.get("partition", "eval"):
                 problems.append(f"line {e.get('_line')}: same {k[0]} as line {first.get('_line')} but in partition "
-                                f"{e.get('partition', 'eval')!r} vs {first.get('partition', 'eval')!r}")
+                                f"{short_repr(e.get('partition', 'eval'))} vs "
+                                f"{short_repr(first.get('partition', 'eval'))}")
 
 
 def verify_split(path, verify_sources: bool = True, verify_hashes: bool = True,
                  vocab_size: Optional[int] = None) -> SplitCheck:
     """Re-read a split and verify everything it claims (see the README, "what check verifies").
 
+    * fields: every header and row field a check below reads is first checked for its type and range (one problem
+      naming the line and the field; the checks that need a bad field are skipped);
     * rows: unique ids, labels 0/1, partitions known to the header, field types; each row against the
       ``row_sha256`` written with it (id, label, partition, text or tokens: an edit after the draw);
     * header: format, counts and per-partition counts against the rows;
