@@ -2,7 +2,6 @@
 files with one `error:` line naming the file (exit 2). Each issue example is a test here: a widened member range, a
 changed checkpoint step, a flipped label or edited text, a wrong .idx dtype code, shards in the wrong order."""
 import json
-import shutil
 import struct
 
 import numpy as np

@@ -435,6 +435,7 @@ PARAMS = {"step": NONNEG_INT, "nonmember_start": NONNEG_INT, "end_step": INT, "b
 DOCUMENT_PARAMS = {"eos": NONNEG_INT, "doc_len": POS_INT}
 """The document rule's ``params`` of an OLMoMIA document split (absent: the defaults ``EOS`` and ``DOC_LEN``)."""
 
+
 def _is_integer_dtype_name(v) -> bool:
     try:
         return isinstance(v, str) and np.dtype(v).kind in "iu"
