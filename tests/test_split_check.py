@@ -2,7 +2,6 @@
 files with one `error:` line naming the file (exit 2). Each issue example is a test here: a widened member range, a
 changed checkpoint step, a flipped label or edited text, a wrong .idx dtype code, shards in the wrong order."""
 import json
-import shutil
 import struct
 
 import numpy as np
@@ -117,7 +116,7 @@ def test_header_fields_of_the_wrong_type_are_problems_not_crashes(tmp_path):
     edit_line(p, 1, lambda h: h.update(partitions=[1], counts="many") or h["params"].update(step="5"))
     probs = check_split(p)
     assert "line 1: header field 'partitions' is list, expected an object" in probs
-    assert "line 1: header params.step is '5', expected an integer" in probs
+    assert "line 1: header params.step is '5', expected a non-negative integer" in probs
 
 
 # -------------------------------------------------------------------------------------------------- rows

@@ -26,8 +26,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .examples import out_of_vocab
-from .splits import (SplitError, assign_partitions, derived_problems, file_record, int_fields, partition_counts,
-                     position_problems, redraw_problems, rows_to_lists, seed_ok, token_id_problems, vocab_bound)
+from .splits import (BOOL, INT, NONNEG_INT, POS_INT, SEED, Kind, SplitError, assign_partitions, checked_fields,
+                     derived_problems, draw_counts, file_record, is_int, one_line, partition_counts, position_problems,
+                     redraw_problems, rows_to_lists, short_repr, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 2160
 SEQ_LEN = 2048
@@ -427,54 +428,76 @@ def expected_params(step: int, nonmember_start: int, end_step: int, batch_size: 
             "nonmember_positions": [nonmember_start * batch_size, max(end_step, nonmember_start) * batch_size]}
 
 
+PARAMS = {"step": NONNEG_INT, "nonmember_start": NONNEG_INT, "end_step": INT, "batch_size": POS_INT,
+          "seq_len": POS_INT, "documents": BOOL, "pool": NONNEG_INT.or_null()}
+"""The header ``params`` an OLMo split is verified from (the step ranges follow from them: ``expected_params``)."""
+
+DOCUMENT_PARAMS = {"eos": NONNEG_INT, "doc_len": POS_INT}
+"""The document rule's ``params`` of an OLMoMIA document split (absent: the defaults ``EOS`` and ``DOC_LEN``)."""
+
+
+def _is_integer_dtype_name(v) -> bool:
+    try:
+        return isinstance(v, str) and np.dtype(v).kind in "iu"
+    except (TypeError, ValueError, SyntaxError):
+        return False
+
+
+SOURCE = {"token_dtype": Kind("an integer numpy dtype (uint16, uint32)", _is_integer_dtype_name).or_null(),
+          "global_indices_format": Kind("'raw' or 'npy'", lambda v: v in ("raw", "npy")).or_null(),
+          "n_instances": NONNEG_INT.or_null(), "order_positions_used": NONNEG_INT.or_null()}
+"""The header ``source`` fields besides the file records (``splits.SOURCE_FILES``) used to open and compare."""
+
+
 def verify_examples(header: dict, examples: list, problems: list, not_verified: Optional[list] = None,
                     vocab_size: Optional[int] = None) -> None:
-    """Verify an OLMo split against its header and sources (used by ``splits.verify_split``): the header's
-    parameters against each other and the order, the drawn positions against a re-draw, every row re-read."""
+    """Verify an OLMo split against its header and sources (used by ``splits.verify_split``, which has checked the
+    header's file records and the rows' field types): the header's parameters against each other and the order,
+    the drawn positions against a re-draw, every row re-read."""
     not_verified = [] if not_verified is None else not_verified
     src, params = header.get("source", {}), header.get("params", {})
-    p = int_fields(params, ("step", "nonmember_start", "end_step", "batch_size", "seq_len"), "params", problems)
-    if p is None:
+    p = checked_fields(params, PARAMS, "line 1: header params.", problems)
+    s = checked_fields(src, SOURCE, "line 1: header source.", problems)
+    docs = p is not None and p["documents"]
+    d = checked_fields({"eos": EOS, "doc_len": DOC_LEN, **params}, DOCUMENT_PARAMS, "line 1: header params.",
+                       problems) if docs else {"eos": EOS, "doc_len": DOC_LEN}
+    if p is None or s is None or d is None:
         not_verified.append("rows: not verified against the data (unusable header parameters)")
         return
     step, S2, E, B = p["step"], p["nonmember_start"], p["end_step"], p["batch_size"]
-    if B <= 0 or p["seq_len"] <= 0 or step < 0 or S2 < step:
-        problems.append(f"line 1: header params step {step}, nonmember_start {S2}, batch_size {B}, seq_len "
-                        f"{p['seq_len']}: need 0 <= step <= nonmember_start and positive sizes")
+    eos, doc_len = d["eos"], d["doc_len"]
+    if S2 < step:
+        problems.append(f"line 1: header params.nonmember_start {S2} is before params.step {step}: those positions "
+                        "were trained on")
+        not_verified.append("rows: not verified against the data (unusable header parameters)")
         return
     derived_problems(params, expected_params(step, S2, E, B), problems,
                      f"step {step}, nonmember_start {S2}, end_step {E} and batch_size {B}")
     try:
-        gi = (src.get("global_indices") or {})["path"]
-        paths = [r["path"] for r in src["data_paths"]]
-        order = OlmoOrder(gi, paths, seq_len=p["seq_len"], batch_size=B,
-                          token_dtype=src.get("token_dtype", "uint16"),
-                          indices_format=src.get("global_indices_format", "raw"))
+        order = OlmoOrder(src["global_indices"]["path"], [r["path"] for r in src["data_paths"]], seq_len=p["seq_len"],
+                          batch_size=B, token_dtype=s["token_dtype"] or "uint16",
+                          indices_format=s["global_indices_format"] or "raw")
     except (KeyError, TypeError) as e:
-        problems.append(f"line 1: olmo source incomplete ({e})")
+        problems.append(f"line 1: olmo source incomplete ({one_line(str(e))})")
         return
     except (ValueError, OSError) as e:
-        problems.append(f"line 1: cannot open sources: {e}")
+        problems.append(f"line 1: cannot open sources: {one_line(str(e))}")
         return
     for k, now in (("n_instances", len(order.tokens)), ("order_positions_used", len(order)),
                    ("token_dtype", str(order.tokens.dtype))):
-        if src.get(k) not in (None, now):
-            problems.append(f"line 1: header source.{k} is {src.get(k)!r} but the sources give {now!r}")
+        if s[k] not in (None, now):
+            problems.append(f"line 1: header source.{k} is {short_repr(s[k])} but the sources give {now!r}")
     if step > order.steps or E > order.steps:
         problems.append(f"line 1: header step {step} / end_step {E} past the order ({order.steps} steps of {B})")
         return
-    docs = bool(params.get("documents"))
-    eos, doc_len = params.get("eos", EOS), params.get("doc_len", DOC_LEN)
-    if docs and (int_fields({"eos": eos, "doc_len": doc_len}, ("eos", "doc_len"), "params", problems) is None
-                 or doc_len <= 0):
-        return
-    _redraw(order, params, header.get("counts") or {}, (step, S2, E, B), docs, eos, doc_len, examples, problems,
-            not_verified)
+    _redraw(order, params, p["pool"], header.get("counts") or {}, (step, S2, E, B), docs, eos, doc_len, examples,
+            problems, not_verified)
     vocab = vocab_bound(params, vocab_size, problems, not_verified)
     note = f" (token files read as {order.tokens.dtype}: a wrong token dtype?)"
+    step_ranges = {1: (0, step), 0: (S2, E)}
     for e in examples:
         ln = e.get("_line", "?")
-        found, readable = position_problems(e, params, B, len(order), "position", f"order ({len(order)})")
+        found, readable = position_problems(e, step_ranges, B, len(order), "position", f"order ({len(order)})")
         problems.extend(found)
         if not readable:
             continue
@@ -484,7 +507,7 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
         except OlmoDataError as ex:
             problems.append(f"line {ln}: {ex}")
             continue
-        if e.get("instance") is not None and e["instance"] != inst:
+        if is_int(e.get("instance")) and e["instance"] != inst:  # another value: reported by the row checks
             problems.append(f"line {ln}: instance {e['instance']} but global_indices[{q}] = {inst}")
         toks = e.get("tokens")
         if toks is None:
@@ -495,12 +518,13 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
             continue  # reported by the row checks
         full = order.tokens[inst]
         if docs:
-            d = pick_document(full, eos, doc_len)
-            if d is None or d[0] != e.get("segment") or d[1] != e.get("offset"):
-                problems.append(f"line {ln}: segment {e.get('segment')} at offset {e.get('offset')} is not the "
-                                f"document picked from instance {inst} ({d})")
+            doc = pick_document(full, eos, doc_len)
+            if doc is None or doc[0] != e.get("segment") or doc[1] != e.get("offset"):
+                problems.append(f"line {ln}: segment {short_repr(e.get('segment'))} at offset "
+                                f"{short_repr(e.get('offset'))} is not the document picked from instance {inst} "
+                                f"({doc})")
                 continue
-            ref = full[d[1]:d[2]]
+            ref = full[doc[1]:doc[2]]
         else:
             ref = full
         if len(toks) != len(ref) or not np.array_equal(toks, ref):
@@ -508,30 +532,27 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
             problems.append(f"line {ln}: tokens differ from the data at position {q} (first at token {diff})")
 
 
-def _redraw(order, params, counts, steps, docs, eos, doc_len, examples, problems, not_verified) -> None:
+def _redraw(order, params, pool, counts, steps, docs, eos, doc_len, examples, problems, not_verified) -> None:
     step, S2, E, B = steps
     if params.get("sampler") != SAMPLER:
-        not_verified.append(f"rows: not re-drawn from the seed (params.sampler {params.get('sampler')!r} is not "
-                            "mia's OLMo sampler)")
+        not_verified.append(f"rows: not re-drawn from the seed (params.sampler {short_repr(params.get('sampler'))} "
+                            "is not mia's OLMo sampler)")
         return
-    n = int_fields(counts, ("members", "nonmembers"), "counts", problems)
-    seed, pool = params.get("seed"), params.get("pool")
-    have = {k: sum(1 for e in examples if e.get("label") == v) for k, v in (("members", 1), ("nonmembers", 0))}
-    if not seed_ok(seed, problems):
+    seed = checked_fields(params, {"seed": SEED}, "line 1: header params.", problems)
+    n = draw_counts(counts, examples, problems, not_verified)
+    if seed is None or n is None:
         return
-    if not (pool is None or (isinstance(pool, int) and not isinstance(pool, bool) and pool >= 0)):
-        problems.append(f"line 1: header params.pool is {pool!r}, expected a non-negative integer or null")
-        return
-    if n is None or n != have:
-        not_verified.append("rows: not re-drawn from the seed (the header's counts differ from the rows)")
-        return
+    seed = seed["seed"]
     m_rng, n_rng = (0, step * B), (S2 * B, max(E, S2) * B)
     try:
         drawn = draw_positions(order, seed, m_rng, n_rng, n["members"], n["nonmembers"], docs, eos, doc_len, pool)
     except (ValueError, TypeError) as e:
-        problems.append(f"line 1: the header's parameters do not give a draw: {str(e).splitlines()[0]}")
+        used = "seed, step, nonmember_start, end_step, batch_size" + (", eos, doc_len, pool" if docs else "")
+        problems.append(f"line 1: the header's parameters ({used} and counts) do not give a draw: "
+                        f"{one_line(str(e))}")
         return
     keys: dict = {0: set(), 1: set()}
     for label, q, doc, _ in drawn:
         keys[label].add(q if doc is None else (q, doc[0]))
-    redraw_problems(examples, keys, problems, f"seed {seed!r}, steps [0, {step}) and [{S2}, {E}), batch {B}")
+    redraw_problems(examples, keys, problems,
+                    f"seed {short_repr(seed)}, steps [0, {step}) and [{S2}, {E}), batch {B}")

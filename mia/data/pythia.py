@@ -17,8 +17,9 @@ import numpy as np
 
 from .examples import out_of_vocab
 from .indexed import CODE_OF_DTYPE, IndexedDataset
-from .splits import (SplitError, assign_partitions, derived_problems, file_record, int_fields, partition_counts,
-                     position_problems, redraw_problems, rows_to_lists, seed_ok, token_id_problems, vocab_bound)
+from .splits import (INT, NONNEG_INT, POS_INT, SEED, STRING, SplitError, assign_partitions, checked_fields,
+                     derived_problems, draw_counts, file_record, one_line, partition_counts, position_problems,
+                     redraw_problems, rows_to_lists, short_repr, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 1024
 ROW_LEN = 2049
@@ -195,47 +196,53 @@ def expected_params(step: int, gap: int, end_step: int, batch_size: int) -> dict
             "nonmember_rows": [n_lo * batch_size, n_hi * batch_size], "revision": f"step{step}"}
 
 
+PARAMS = {"step": NONNEG_INT, "gap": NONNEG_INT, "end_step": INT, "batch_size": POS_INT, "row_len": POS_INT.or_null()}
+"""The header ``params`` a Pythia-format split is verified from (the step ranges follow from them:
+``expected_params``)."""
+
+SOURCE = {"dtype": STRING.or_null(), "n_rows": NONNEG_INT.or_null(), "checkpoint": STRING.or_null()}
+"""The header ``source`` fields besides the file records (``splits.SOURCE_FILES``) compared with the data."""
+
+
 def verify_examples(header: dict, examples: list, problems: list, not_verified: Optional[list] = None,
                     vocab_size: Optional[int] = None) -> None:
-    """Verify a Pythia-format split against its header and sources (used by ``splits.verify_split``): the header's
-    parameters against each other and the data, the drawn rows against a re-draw, and every row re-read."""
+    """Verify a Pythia-format split against its header and sources (used by ``splits.verify_split``, which has
+    checked the header's file records and the rows' field types): the header's parameters against each other and
+    the data, the drawn rows against a re-draw, and every row re-read."""
     not_verified = [] if not_verified is None else not_verified
     src, params = header.get("source", {}), header.get("params", {})
-    p = int_fields(params, ("step", "gap", "end_step", "batch_size"), "params", problems)
-    if p is None:
+    p = checked_fields(params, PARAMS, "line 1: header params.", problems)
+    s = checked_fields(src, SOURCE, "line 1: header source.", problems)
+    if p is None or s is None:
         not_verified.append("rows: not verified against the data (unusable header parameters)")
         return
     step, gap, end_step, B = p["step"], p["gap"], p["end_step"], p["batch_size"]
-    if B <= 0 or step < 0 or gap < 0:
-        problems.append(f"line 1: header params step {step}, gap {gap}, batch_size {B}: need step, gap >= 0 and "
-                        "batch_size > 0")
-        return
-    ranges_ok = derived_problems(params, expected_params(step, gap, end_step, B), problems,
-                                 f"step {step}, gap {gap}, end_step {end_step} and batch_size {B}")
-    ckpt = src.get("checkpoint")
-    if isinstance(ckpt, str) and re.fullmatch(r"step\d+", Path(ckpt).name) and Path(ckpt).name != f"step{step}":
+    derived_problems(params, expected_params(step, gap, end_step, B), problems,
+                     f"step {step}, gap {gap}, end_step {end_step} and batch_size {B}")
+    ckpt = s["checkpoint"]
+    if ckpt is not None and re.fullmatch(r"step\d+", Path(ckpt).name) and Path(ckpt).name != f"step{step}":
         problems.append(f"line 1: header source.checkpoint {ckpt} is not the checkpoint of params.step {step}")
     try:
-        bins = [r["path"] for r in src["bin"]]
-        ds = IndexedDataset(bins, idx_path=src["idx"]["path"])
+        ds = IndexedDataset([r["path"] for r in src["bin"]], idx_path=src["idx"]["path"])
     except (KeyError, TypeError) as e:
-        problems.append(f"line 1: pythia source incomplete ({e})")
+        problems.append(f"line 1: pythia source incomplete ({one_line(str(e))})")
         return
     except (ValueError, OSError) as e:
-        problems.append(f"line 1: cannot open sources: {e}")
+        problems.append(f"line 1: cannot open sources: {one_line(str(e))}")
         return
     bad_dtype = token_dtype_problem(ds)
     if bad_dtype:
         problems.append(f"line 1: {bad_dtype}")
-    if src.get("dtype") not in (None, str(ds.dtype)):
-        problems.append(f"line 1: header source.dtype {src.get('dtype')!r} but {ds.idx_path.name} declares {ds.dtype}")
-    if src.get("n_rows") not in (None, len(ds)):
-        problems.append(f"line 1: header source.n_rows {src.get('n_rows')!r} but {ds.idx_path.name} has {len(ds)} rows")
+    if s["dtype"] not in (None, str(ds.dtype)):
+        problems.append(f"line 1: header source.dtype {short_repr(s['dtype'])} but {ds.idx_path.name} declares "
+                        f"{ds.dtype}")
+    if s["n_rows"] not in (None, len(ds)):
+        problems.append(f"line 1: header source.n_rows {s['n_rows']} but {ds.idx_path.name} has {len(ds)} rows")
     data_steps = steps_in_data(len(ds), B)
     if step > data_steps or end_step > data_steps:
         problems.append(f"line 1: header step {step} / end_step {end_step} past the data ({len(ds)} rows = "
                         f"{data_steps} steps of {B})")
-    row_len = params.get("row_len")
+    row_len = p["row_len"]
     for e in examples:
         toks = e.get("tokens")
         if row_len is not None and isinstance(toks, np.ndarray) and len(toks) != row_len:
@@ -245,38 +252,35 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
     else:
         _redraw(params, header.get("counts") or {}, step, gap, end_step, B, examples, problems, not_verified)
     vocab = vocab_bound(params, vocab_size, problems, not_verified)
-    _verify_rows(ds, params if ranges_ok else {**params, **expected_params(step, gap, end_step, B)}, examples,
-                 problems, vocab)
+    (m_lo, m_hi), (n_lo, n_hi) = member_nonmember_steps(step, gap, end_step)
+    _verify_rows(ds, {1: (m_lo, max(m_hi, 0)), 0: (n_lo, n_hi)}, B, examples, problems, vocab)
 
 
 def _redraw(params, counts, step, gap, end_step, B, examples, problems, not_verified) -> None:
     if params.get("sampler") != SAMPLER:
-        not_verified.append(f"rows: not re-drawn from the seed (params.sampler {params.get('sampler')!r} is not "
-                            "mia's pythia sampler)")
+        not_verified.append(f"rows: not re-drawn from the seed (params.sampler {short_repr(params.get('sampler'))} "
+                            "is not mia's pythia sampler)")
         return
-    n = int_fields(counts, ("members", "nonmembers"), "counts", problems)
-    seed = params.get("seed")
-    have = {k: sum(1 for e in examples if e.get("label") == v) for k, v in (("members", 1), ("nonmembers", 0))}
-    if not seed_ok(seed, problems):
+    seed = checked_fields(params, {"seed": SEED}, "line 1: header params.", problems)
+    n = draw_counts(counts, examples, problems, not_verified)
+    if seed is None or n is None:
         return
-    if n is None or n != have:
-        not_verified.append("rows: not re-drawn from the seed (the header's counts differ from the rows)")
-        return
+    seed = seed["seed"]
     try:
         members, nonmembers = draw_row_indices(step, gap, end_step, B, n["members"], n["nonmembers"], seed)
     except (ValueError, TypeError) as e:
-        problems.append(f"line 1: the header's parameters do not give a draw: {e}")
+        problems.append(f"line 1: the header's parameters (seed, step, gap, end_step, batch_size and counts) do not "
+                        f"give a draw: {one_line(str(e))}")
         return
     redraw_problems(examples, {1: set(members.tolist()), 0: set(nonmembers.tolist())}, problems,
-                    f"seed {seed!r}, step {step}, gap {gap}, end_step {end_step}, batch {B}")
+                    f"seed {short_repr(seed)}, step {step}, gap {gap}, end_step {end_step}, batch {B}")
 
 
-def _verify_rows(ds, params, examples, problems, vocab_size=None):
-    B = int(params.get("batch_size", BATCH_SIZE))
+def _verify_rows(ds, step_ranges, B, examples, problems, vocab_size=None):
     note = f" (the .idx declares {ds.dtype}: a wrong dtype code?)"
     for e in examples:
         ln = e.get("_line", "?")
-        found, readable = position_problems(e, params, B, len(ds), "row", f"data ({len(ds)} rows)")
+        found, readable = position_problems(e, step_ranges, B, len(ds), "row", f"data ({len(ds)} rows)")
         problems.extend(found)
         if not readable:
             continue

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
@@ -149,9 +149,13 @@ def read_split(path, compact_tokens: bool = False) -> Split:
 
     ``compact_tokens=True`` stores each ``tokens`` list as an int64 numpy array while reading (about 5x less
     memory than Python lists for 2049-token rows). The ``row_sha256`` / ``header_sha256`` fields are dropped
-    (``check_split`` checks them; ``write_split`` writes new ones)."""
+    (``check_split`` checks them; ``write_split`` writes new ones). Every example's ``partition`` is a string
+    (``Split.partition`` selects by it): another value is one ``SplitError`` naming the line."""
     split = _read(path, compact_tokens)
     split.header.pop(HEADER_HASH, None)
+    for e in split.examples:
+        if not isinstance(e["partition"], str):
+            raise SplitError(f"{path}:{e['_line']}: partition {short_repr(e['partition'])} is not a string")
     return split
 
 
@@ -184,24 +188,25 @@ def file_record(path, full_limit: Optional[int] = 64 << 20) -> dict:
 
 
 def verify_file_record(rec: dict) -> Optional[str]:
-    """None if the file still matches its record, else a one-line problem."""
-    if not isinstance(rec.get("path"), str) or not rec["path"]:
-        return f"source record without a path: {rec!r}"[:300]
-    if not (rec.get("sha256") is None or isinstance(rec["sha256"], str)):
-        return f"source file {rec['path']}: sha256 {rec['sha256']!r} is not a string"[:300]
+    """None if the file still matches its record, else a one-line problem. ``rec``'s fields are of the kinds
+    ``FILE_RECORD`` names (``source_file_records`` checks them)."""
     path = Path(rec["path"])
-    if not path.is_file():
-        return f"source file missing: {path}"
-    size = os.path.getsize(path)
-    if rec.get("bytes") is not None and size != rec["bytes"]:
-        return f"source file {path} is {size} bytes, header says {rec['bytes']}"
-    if rec.get("sha256"):
-        scope = rec.get("hash_scope", "full")
-        now = file_record(path, full_limit=None if scope == "full" else -1)
-        if now["hash_scope"] != scope and scope != "full":
-            return f"source file {path}: unknown hash_scope {scope!r}"
-        if now["sha256"] != rec["sha256"]:
-            return f"source file {path}: sha256 ({scope}) differs from the header"
+    shown = one_line(str(path), 300)
+    try:
+        if not path.is_file():
+            return f"source file missing: {shown}"
+        size = os.path.getsize(path)
+        if rec.get("bytes") is not None and size != rec["bytes"]:
+            return f"source file {shown} is {size} bytes, header says {rec['bytes']}"
+        if rec.get("sha256"):
+            scope = rec.get("hash_scope") or "full"
+            now = file_record(path, full_limit=None if scope == "full" else -1)
+            if now["hash_scope"] != scope and scope != "full":
+                return f"source file {shown}: unknown hash_scope {short_repr(scope)}"
+            if now["sha256"] != rec["sha256"]:
+                return f"source file {shown}: sha256 ({one_line(scope, 40)}) differs from the header"
+    except OSError as e:
+        return f"source file {shown}: cannot read ({e.strerror or type(e).__name__})"
     return None
 
 
@@ -338,6 +343,89 @@ def rows_to_lists(rows) -> list:
     return [r.tolist() for r in rows]
 
 
+# ------------------------------------------------------------------------------------------- field kinds
+
+def is_int(v) -> bool:
+    """An integer that is not a bool (JSON ``true`` reads as Python ``True``, an ``int``)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What a header or row field must hold: ``accepts(value)``, and ``expected``, the words a problem line uses."""
+    expected: str
+    accepts: Callable[[Any], bool]
+
+    def or_null(self) -> "Kind":
+        return Kind(f"{self.expected} or null", lambda v: v is None or self.accepts(v))
+
+
+INT = Kind("an integer", is_int)
+NONNEG_INT = Kind("a non-negative integer", lambda v: is_int(v) and v >= 0)
+POS_INT = Kind("a positive integer", lambda v: is_int(v) and v > 0)
+STRING = Kind("a string", lambda v: isinstance(v, str))
+PATH = Kind("a non-empty string", lambda v: isinstance(v, str) and v != "")
+BOOL = Kind("true or false", lambda v: isinstance(v, bool))
+OBJECT = Kind("an object", lambda v: isinstance(v, dict))
+OBJECTS = Kind("a list of objects", lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v))
+NONEMPTY_OBJECTS = Kind("a non-empty list of objects", lambda v: OBJECTS.accepts(v) and bool(v))
+SEED = Kind("a non-negative integer or a non-empty list of them",
+            lambda v: NONNEG_INT.accepts(v) or (isinstance(v, list) and bool(v) and all(map(NONNEG_INT.accepts, v))))
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """The first line of ``text`` cut to ``limit`` characters: a reader's error message or a path from a header,
+    inside a problem line."""
+    text = text.strip().splitlines()[0] if text.strip() else text
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def short_repr(v, limit: int = 80) -> str:
+    """``repr(v)``, cut to ``limit`` characters (a problem line stays one short line whatever a file holds)."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def checked_fields(obj: dict, kinds: dict, where: str, problems: list) -> Optional[dict]:
+    """``{name: value}`` for the fields ``kinds`` names (``{name: Kind}``; an absent field reads as null) when every
+    value is of its kind; else None, after one problem per bad field, ``f"{where}{name} is {value}, expected
+    {kind}"``: ``where`` names the line and the object, e.g. ``"line 1: header params."`` or ``"line 7: "``."""
+    out, ok = {}, True
+    for name, kind in kinds.items():
+        v = obj.get(name)
+        if kind.accepts(v):
+            out[name] = v
+        else:
+            have = short_repr(v) if name in obj else "missing"
+            problems.append(f"{where}{name} is {have}, expected {kind.expected}")
+            ok = False
+    return out if ok else None
+
+
+FILE_RECORD = {"path": PATH, "bytes": NONNEG_INT.or_null(), "sha256": STRING.or_null(),
+               "hash_scope": STRING.or_null()}
+"""The fields of a source file record (``file_record``) that ``verify_file_record`` reads."""
+
+SOURCE_FILES = {"pythia": {"bin": NONEMPTY_OBJECTS, "idx": OBJECT},
+                "testbed": {"bin": NONEMPTY_OBJECTS, "idx": OBJECT},  # the testbed's orders are Pythia-format files
+                "olmo": {"global_indices": OBJECT, "data_paths": NONEMPTY_OBJECTS},
+                "text": {"files": OBJECTS.or_null()}}
+"""Per source kind, the header ``source`` fields that hold file records (one, or a list of them)."""
+
+
+def source_file_records(kind: str, src: dict, problems: list) -> Optional[list]:
+    """``[(field, record)]`` (``field`` as ``"bin[0]"``) of the source files a ``kind`` split's header names, every
+    record's fields checked (``FILE_RECORD``); None, after one problem per bad field, when one is unusable."""
+    fields = checked_fields(src, SOURCE_FILES[kind], "line 1: header source.", problems)
+    if fields is None:
+        return None
+    named = []
+    for name, v in fields.items():
+        named += [(f"{name}[{i}]", r) for i, r in enumerate(v)] if isinstance(v, list) else [(name, v)] if v else []
+    ok = [checked_fields(r, FILE_RECORD, f"line 1: header source.{name}.", problems) is not None for name, r in named]
+    return named if all(ok) else None
+
+
 # ---------------------------------------------------------------------------------------------- checking
 
 @dataclasses.dataclass
@@ -351,12 +439,13 @@ class SplitCheck:
 _HEADER_OBJECTS = ("source", "params", "counts", "partitions")
 
 
-def _scalar(v) -> bool:
-    return v is None or isinstance(v, (str, int, float, bool))
+ROW_POSITIONS = {k: NONNEG_INT.or_null() for k in ("index", "step", "batch_pos", "segment", "offset", "instance")}
+"""A row's place in a training order: null in text splits, non-negative integers in Pythia / OLMo ones."""
 
 
 def _row_problems(ex: list, h: dict, problems: list) -> None:
-    """Per-row field checks; fields of the wrong type are replaced by their repr so later checks can run."""
+    """Per-row field checks; fields of the wrong type are replaced by their repr (a string) so later checks can run
+    and know them reported."""
     hp = h.get("partitions") if isinstance(h.get("partitions"), dict) else None
     seen_ids: dict = {}
     for e in ex:
@@ -364,18 +453,18 @@ def _row_problems(ex: list, h: dict, problems: list) -> None:
         if "id" not in e or e["id"] is None:
             problems.append(f"line {ln}: no id")
         elif not isinstance(e["id"], (str, int)) or isinstance(e["id"], bool):
-            problems.append(f"line {ln}: id {e['id']!r} is not a string or integer")
+            problems.append(f"line {ln}: id {short_repr(e['id'])} is not a string or integer")
         else:
             i = str(e["id"])
             if i in seen_ids:
-                problems.append(f"line {ln}: id {i} already used on line {seen_ids[i]}")
+                problems.append(f"line {ln}: id {one_line(i, 200)} already used on line {seen_ids[i]}")
             else:
                 seen_ids[i] = ln
         if isinstance(e.get("label"), bool) or e.get("label") not in (0, 1):
-            problems.append(f"line {ln}: label {e.get('label')!r} is not 0 or 1")
+            problems.append(f"line {ln}: label {short_repr(e.get('label'))} is not 0 or 1")
             e["label"] = repr(e.get("label"))
         if not isinstance(e.get("partition"), str):
-            problems.append(f"line {ln}: partition {e.get('partition')!r} is not a string")
+            problems.append(f"line {ln}: partition {short_repr(e.get('partition'))} is not a string")
             e["partition"] = repr(e.get("partition"))
         if e.get("tokens") is None and e.get("text") is None:
             problems.append(f"line {ln}: neither tokens nor text")
@@ -384,21 +473,26 @@ def _row_problems(ex: list, h: dict, problems: list) -> None:
         toks = e.get("tokens")
         if toks is not None and not isinstance(toks, np.ndarray):
             problems.append(f"line {ln}: tokens must be a list of integer ids")
-        for k in ("index", "step", "batch_pos", "segment", "offset", "instance"):
-            if not _scalar(e.get(k)):
-                problems.append(f"line {ln}: {k} {e[k]!r} is not a number")
-                e[k] = repr(e[k])
+        if checked_fields(e, ROW_POSITIONS, f"line {ln}: ", problems) is None:
+            for k, kind in ROW_POSITIONS.items():
+                if not kind.accepts(e.get(k)):
+                    e[k] = repr(e[k])  # reported; hashable, and no integer for the checks that follow
         if hp is not None and e["partition"] not in hp:
-            problems.append(f"line {ln}: partition {e['partition']!r} not in the header's partitions {sorted(hp)}")
+            problems.append(f"line {ln}: partition {short_repr(e['partition'])} not in the header's partitions "
+                            f"{short_repr(sorted(hp))}")
 
 
 def _header_problems(h: dict, ex: list, problems: list) -> None:
     """Header format and field types; header counts and partitions against the rows."""
     if not h:
-        problems.append("line 1: no header line")
+        first = ex[0] if ex else {}
+        why = ""
+        if first.get("_line") == 1 and ("format" in first or "params" in first):
+            why = f" (line 1 has header fields, but type {short_repr(first.get('type'))}, not 'header')"
+        problems.append(f"line 1: no header line{why}")
         return
     if h.get("format") != FORMAT:
-        problems.append(f"line 1: format {h.get('format')!r}, expected {FORMAT!r}")
+        problems.append(f"line 1: format {short_repr(h.get('format'))}, expected {FORMAT!r}")
     for k in _HEADER_OBJECTS:
         if k in h and not isinstance(h[k], dict):
             problems.append(f"line 1: header field {k!r} is {type(h[k]).__name__}, expected an object")
@@ -408,13 +502,15 @@ def _header_problems(h: dict, ex: list, problems: list) -> None:
     if counts:
         for k in ("members", "nonmembers"):
             if k in counts and counts[k] != now["counts"][k]:
-                problems.append(f"line 1: header counts {k}={counts[k]!r} but the file has {now['counts'][k]}")
+                problems.append(f"line 1: header counts {k}={short_repr(counts[k])} but the file has "
+                                f"{now['counts'][k]}")
         if "partitions" in counts and counts["partitions"] != now["counts"]["partitions"]:
-            problems.append(f"line 1: header per-partition counts {counts['partitions']} but the file has "
-                            f"{now['counts']['partitions']}")
+            problems.append(f"line 1: header counts.partitions {short_repr(counts['partitions'], 200)} but the "
+                            f"file has {short_repr(now['counts']['partitions'], 200)}")
     hp = h.get("partitions")
-    if hp and all(isinstance(v, dict) for v in hp.values()) and hp != now["partitions"]:
-        problems.append(f"line 1: header partitions {hp} but the file has {now['partitions']}")
+    if hp and hp != now["partitions"]:
+        problems.append(f"line 1: header partitions {short_repr(hp, 200)} but the file has "
+                        f"{short_repr(now['partitions'], 200)}")
 
 
 def _content_problems(ex: list, problems: list) -> None:
@@ -424,7 +520,8 @@ def _content_problems(ex: list, problems: list) -> None:
         key = (e.get("index"), e.get("segment"))
         if e.get("index") is not None:
             if key in pos_seen:
-                problems.append(f"line {e.get('_line')}: training position {e.get('index')} also drawn on line {pos_seen[key]}")
+                problems.append(f"line {e.get('_line')}: training position {short_repr(e.get('index'))} also drawn on "
+                                f"line {pos_seen[key]}")
             else:
                 pos_seen[key] = e.get("_line")
     by_content: dict = {}
@@ -444,23 +541,16 @@ def _content_problems(ex: list, problems: list) -> None:
             first = by_part.setdefault(k, e)
             if first.get("partition", "eval") != e.get("partition", "eval"):
                 problems.append(f"line {e.get('_line')}: same {k[0]} as line {first.get('_line')} but in partition "
-                                f"{e.get('partition', 'eval')!r} vs {first.get('partition', 'eval')!r}")
-
-
-def _source_records(kind: str, src: dict) -> list:
-    if kind in ("pythia", "testbed"):
-        recs = list(src.get("bin") or []) + [src.get("idx")]
-    elif kind == "olmo":
-        recs = [src.get("global_indices")] + list(src.get("data_paths") or [])
-    else:
-        recs = list(src.get("files") or [])
-    return recs
+                                f"{short_repr(e.get('partition', 'eval'))} vs "
+                                f"{short_repr(first.get('partition', 'eval'))}")
 
 
 def verify_split(path, verify_sources: bool = True, verify_hashes: bool = True,
                  vocab_size: Optional[int] = None) -> SplitCheck:
     """Re-read a split and verify everything it claims (docs/splits.md#what-mia-split-check-verifies).
 
+    * fields: every header and row field a check below reads is first checked for its type and range (one problem
+      naming the line and the field; the checks that need a bad field are skipped);
     * rows: unique ids, labels 0/1, partitions known to the header, field types; each row against the
       ``row_sha256`` written with it (id, label, partition, text or tokens: an edit after the draw);
     * header: format, counts and per-partition counts against the rows;
@@ -506,18 +596,22 @@ def verify_split(path, verify_sources: bool = True, verify_hashes: bool = True,
     _content_problems(ex, problems)
     src = h.get("source") if isinstance(h.get("source"), dict) else {}
     kind = src.get("kind")
+    known = isinstance(kind, str) and kind in SOURCE_FILES
+    recs = source_file_records(kind, src, problems) if known else []
     if not verify_sources:
         not_verified.append("sources: not re-read (verify_sources=False)")
         return SplitCheck(problems, not_verified)
-    if kind in ("pythia", "testbed", "olmo", "text"):
-        recs = _source_records(kind, src)
+    if recs is None:
+        not_verified.append("sources: not re-read (unusable file records in the header)")
+        return SplitCheck(problems, not_verified)
+    if known:
         if not verify_hashes:
             not_verified.append("sources: file hashes not checked (--no-hash)")
         else:
-            for r in recs:
-                msg = verify_file_record(r) if isinstance(r, dict) else f"source record {r!r} is not an object"
+            for name, r in recs:
+                msg = verify_file_record(r)
                 if msg:
-                    problems.append(f"line 1: {msg}")
+                    problems.append(f"line 1: header source.{name}: {msg}")
             if kind == "text" and not recs:
                 not_verified.append("sources: the header names no source files")
     if kind in ("pythia", "testbed"):  # testbed orders are Pythia-format files
@@ -527,8 +621,8 @@ def verify_split(path, verify_sources: bool = True, verify_hashes: bool = True,
         from . import olmo
         olmo.verify_examples(h, ex, problems, not_verified, vocab_size)
     elif kind != "text":
-        not_verified.append(f"sources: source kind {kind!r} is not re-readable: rows are checked only against "
-                            "the header and their row hashes")
+        not_verified.append(f"sources: source kind {short_repr(kind)} is not re-readable: rows are checked only "
+                            "against the header and their row hashes")
     return SplitCheck(problems, not_verified)
 
 
@@ -539,24 +633,33 @@ def check_split(path, verify_sources: bool = True, verify_hashes: bool = True,
     return verify_split(path, verify_sources, verify_hashes, vocab_size).problems
 
 
-def position_problems(e: dict, params: dict, batch_size: int, total: int, unit: str, past: str) -> tuple[list, bool]:
-    """Checks of one example's place in a training order: ``index == step * B + batch_pos``, the label's step range
-    (``params["member_steps"]`` / ``["nonmember_steps"]``), and ``index < total``.
+def position_problems(e: dict, step_ranges: dict, batch_size: int, total: int, unit: str,
+                      past: str) -> tuple[list, bool]:
+    """Checks of one example's place in a training order: ``index == step * B + batch_pos``, the label's step range,
+    and ``index < total``.
 
-    ``unit`` names a position ("row", "position"); ``past`` ends the message for one past the end.
+    ``step_ranges``: ``{1: (lo, hi), 0: (lo, hi)}``, the member / non-member steps ``[lo, hi)`` derived from the
+    header's checked step parameters (never the header's own copies of them, which an edit may have broken).
+    ``unit`` names a position ("row", "position"); ``past`` ends the message for one past the end. ``e`` is a row
+    as ``verify_split``'s row checks left it: a position field of the wrong type was reported there (and is a
+    string now), so only missing ones are reported here.
     Returns (problems, readable): ``readable`` is False when the content at ``index`` cannot be looked up.
     """
     ln = e.get("_line", "?")
-    index, step, pos = e.get("index"), e.get("step"), e.get("batch_pos")
-    if not all(isinstance(v, int) for v in (index, step, pos)):
-        return [f"line {ln}: index/step/batch_pos must be integers"], False
+    fields = {k: e.get(k) for k in ("index", "step", "batch_pos")}
+    missing = [k for k, v in fields.items() if v is None]
+    if missing:
+        return [f"line {ln}: no {'/'.join(missing)} (a training-order row needs index, step and batch_pos)"], False
+    if not all(is_int(v) for v in fields.values()):
+        return [], False  # reported by the row checks
+    index, step, pos = fields["index"], fields["step"], fields["batch_pos"]
     out = []
     if index != step * batch_size + pos or not 0 <= pos < batch_size:
         out.append(f"line {ln}: index {index} != step {step} * {batch_size} + batch_pos {pos}")
     label = e.get("label")
     if label in (0, 1):
         name = "member" if label == 1 else "non-member"
-        lo, hi = tuple(params.get("member_steps" if label == 1 else "nonmember_steps", (0, 0)))
+        lo, hi = step_ranges[label]
         if not lo <= index // batch_size < hi:
             out.append(f"line {ln}: {name} {unit} {index} is at step {index // batch_size}, outside the "
                        f"{name} steps [{lo}, {hi})")
@@ -568,19 +671,6 @@ def position_problems(e: dict, params: dict, batch_size: int, total: int, unit: 
 
 # -------------------------------------------------------------------- helpers for the order verifiers
 
-def int_fields(obj: dict, names: Sequence[str], where: str, problems: list) -> Optional[dict]:
-    """``{name: int}`` for ``names`` of ``obj`` (a header object), or None after one problem per bad field."""
-    out, ok = {}, True
-    for n in names:
-        v = obj.get(n)
-        if not isinstance(v, int) or isinstance(v, bool):
-            problems.append(f"line 1: header {where}.{n} is {v!r}, expected an integer")
-            ok = False
-        else:
-            out[n] = v
-    return out if ok else None
-
-
 def derived_problems(params: dict, expected: dict, problems: list, why: str) -> bool:
     """Compare header ``params`` fields with the values ``expected`` from the header's own step parameters
     (``why`` names them); a missing field is a problem too. True when all agree."""
@@ -588,18 +678,20 @@ def derived_problems(params: dict, expected: dict, problems: list, why: str) -> 
     for k, want in expected.items():
         have = params.get(k)
         if have != want:
-            problems.append(f"line 1: header params.{k} is {have!r} but {why} give {want!r}")
+            problems.append(f"line 1: header params.{k} is {short_repr(have)} but {why} give {want!r}")
             ok = False
     return ok
 
 
-def seed_ok(seed, problems: list) -> bool:
-    """True for a seed ``numpy.random.default_rng`` takes as the draw wrote it (an int or a list of ints)."""
-    if isinstance(seed, bool) or not (isinstance(seed, int) or (isinstance(seed, list) and seed and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in seed))):
-        problems.append(f"line 1: header params.seed is {seed!r}, expected an integer")
-        return False
-    return True
+def draw_counts(counts: dict, examples: list, problems: list, not_verified: list) -> Optional[dict]:
+    """``{"members": n, "nonmembers": n}`` from the header's counts for a re-draw, or None: after a problem for a
+    count that is not a non-negative integer, or with a note when the counts differ from the rows."""
+    n = checked_fields(counts, {"members": NONNEG_INT, "nonmembers": NONNEG_INT}, "line 1: header counts.", problems)
+    have = {k: sum(1 for e in examples if e.get("label") == v) for k, v in (("members", 1), ("nonmembers", 0))}
+    if n is not None and n != have:
+        not_verified.append("rows: not re-drawn from the seed (the header's counts differ from the rows)")
+        return None
+    return n
 
 
 def redraw_problems(examples: list, drawn: dict, problems: list, what: str) -> None:
@@ -614,8 +706,8 @@ def redraw_problems(examples: list, drawn: dict, problems: list, what: str) -> N
         key = e.get("index") if e.get("segment") is None else (e.get("index"), e.get("segment"))
         present[label].add(key)
         if key not in drawn[label]:
-            problems.append(f"line {e.get('_line')}: {names[label]} position {key} is not one the header's draw "
-                            f"gives ({what})")
+            problems.append(f"line {e.get('_line')}: {names[label]} position {short_repr(key)} is not one the "
+                            f"header's draw gives ({what})")
     for label in (1, 0):
         missing = [k for k in drawn[label] if k not in present[label]]
         if missing:
@@ -647,12 +739,11 @@ def vocab_bound(params: dict, vocab_size: Optional[int], problems: list, not_ver
     """The vocabulary size to check ids against: the one given, else the header's ``params.vocab_size``."""
     if vocab_size is not None:
         return int(vocab_size)
-    v = params.get("vocab_size")
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-        return v
-    if v is not None:
-        problems.append(f"line 1: header params.vocab_size is {v!r}, expected a positive integer")
+    checked = checked_fields(params, {"vocab_size": POS_INT.or_null()}, "line 1: header params.", problems)
+    if checked is None:
         return None
+    if checked["vocab_size"] is not None:
+        return checked["vocab_size"]
     not_verified.append("tokens: ids not checked against a vocabulary (the header records no vocab_size; "
                         "give --model DIR or --vocab-size N)")
     return None
