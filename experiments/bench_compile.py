@@ -40,7 +40,6 @@ def tiny_neox(layers: int, hidden: int, vocab: int):
 
 def compile_token_stats(layers: int, hidden: int, vocab: int, batch: int, length: int) -> dict:
     """Lower + compile jit(token_stats) for one depth; returns seconds and the optimised HLO instruction count."""
-    import jax
     import numpy as np
 
     from mia.engine.loop import jitted_token_stats

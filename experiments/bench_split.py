@@ -42,7 +42,8 @@ def drop_cached_pages(*paths) -> None:
 def main(argv=None) -> int:
     from mia.data import pythia
     from mia.data.indexed import IndexedDataset, write_idx
-    from mia.data.splits import check_split, write_split
+    from mia.data.splits import write_split
+    from mia.data.verify import check_split
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=5.0, help="size of the sparse .bin in GB (1e9 bytes)")

@@ -22,7 +22,7 @@ def __getattr__(name):
     # ``mia.load`` / ``mia.score`` import jax and the engine on first use, not on ``import mia``: the CLI's --help
     # and ``mia plan --topology`` (which must set JAX_PLATFORMS before jax is imported) start without them.
     if name in __all__:
-        from . import api
+        from . import api  # lazily: ``import mia`` stays light (see above)
 
         return getattr(api, name)
     raise AttributeError(f"module 'mia' has no attribute {name!r}")

@@ -13,7 +13,10 @@ from . import validate as V
 from .blind.cli import add_blind_parser
 from .commands import add_compile_cache_flag, run_for_user
 from .data.cli import add_split_parser
+from .documents import check_document_records, check_train_documents, score_documents, write_document_scores
 from .file_hash import default_cache_dir
+from .metrics import metric_rows
+from .report import metrics_table
 
 
 def _add_score_parser(sub) -> None:
@@ -75,8 +78,8 @@ def _add_score_parser(sub) -> None:
 def cmd_score(args) -> int:
     """``mia score``: the flags checked, then ``mia.score``; process 0 writes ``--out`` and prints the metrics."""
     # here, not at the top: the CLI's --help (and ``mia plan --topology``) start without jax and the engine
-    from . import api
-    from .engine import distributed
+    from . import api  # here, not at the top: jax and the engine load only when a command runs (fast --help)
+    from .engine import distributed  # (the same)
 
     if args.seq_tokens and not args.documents:
         raise ValueError("--seq-tokens cuts documents into sequences: it needs --documents")
@@ -116,8 +119,6 @@ def cmd_score(args) -> int:
 def check_documents(examples, data_path) -> None:
     """--documents: every scored line has a doc_id, a document's lines agree on label and partition, and the train
     documents are labelled with both classes (``mia.documents``), before anything is loaded or scored."""
-    from .documents import check_document_records, check_train_documents
-
     check_document_records(examples)
     if not any(e.partition == "eval" for e in examples):
         raise ValueError(f"{data_path}: --documents found no document in the 'eval' partition to score")
@@ -127,10 +128,6 @@ def check_documents(examples, data_path) -> None:
 def report_documents(args, run) -> None:
     """Document scores per attack (``mia.documents.score_documents``): the metrics table over the evaluation
     documents on stdout, one JSONL line per evaluation document in ``args.out``."""
-    from .documents import score_documents, write_document_scores
-    from .metrics import metric_rows
-    from .report import metrics_table
-
     docs = score_documents(run.examples, run.scores, features=args.doc_features, n_bins=args.doc_bins,
                            classifier=args.doc_classifier, seed=args.seed)
     write_document_scores(args.out, docs)
@@ -224,7 +221,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_attacks(args) -> int:
-    from .attacks.registry import get, available
+    from .attacks.registry import available, get  # the registry imports every attack, and with them jax
 
     for name in available():
         spec = get(name)

@@ -11,7 +11,8 @@ from experiments.checkmia import JobError, draw_split, main, run
 
 
 def test_split_correct_by_construction(smoke_testbed, tmp_path):
-    from mia.data.splits import check_split, read_split, write_split
+    from mia.data.splits import read_split, write_split
+    from mia.data.verify import check_split
 
     tb = smoke_testbed
     c, B, end = 50, tb.batch_size, tb.epoch_steps

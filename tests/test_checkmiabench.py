@@ -237,7 +237,8 @@ def test_pythia_layout_end_to_end(tiny_neox_dir, tmp_path):
     assert s["kind"] == "pythia" and [t["model"] for t in s["targets"]] == ["70m"]
     assert {r["method"] for r in s["attacks"]} == {"loss", "mink:k=0.1"}
     assert "paper_auc" not in s["attacks"][0]  # step 100 is not the paper's setting
-    from mia.data.splits import check_split, read_split
+    from mia.data.splits import read_split
+    from mia.data.verify import check_split
 
     split = read_split(out / "splits" / f"step{STEP}.jsonl")
     assert split.header["source"]["kind"] == "pythia" and check_split(out / "splits" / f"step{STEP}.jsonl") == []
@@ -310,7 +311,7 @@ def test_olmo_layout_end_to_end(tiny_neox_dir, tmp_path):
                 progress=False)
     assert s["kind"] == "olmo" and s["targets"][0]["step"] == 20
     assert {r["method"] for r in s["attacks"]} == {"loss", "minkpp:k=0.1"} and s["blind"][0]["method"] == "BoW (tokens)"
-    from mia.data.splits import check_split
+    from mia.data.verify import check_split
 
     assert check_split(out / "splits" / "step20.jsonl") == []
     assert cmb.main(["--olmo", str(tmp_path / "olmo"), "--global-indices", str(tmp_path / "global_indices.npy"),

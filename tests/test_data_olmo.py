@@ -7,7 +7,8 @@ import pytest
 
 from mia.data import olmo
 from mia.data.cli import add_split_parser
-from mia.data.splits import SplitError, check_split, read_split, write_split
+from mia.data.splits import SplitError, read_split, write_split
+from mia.data.verify import check_split
 
 SEQ, B = 16, 3
 EOS = 50279

@@ -9,7 +9,8 @@ import pytest
 from mia.data import olmo, pythia
 from mia.data.examples import DataError, Example, tokenize_examples
 from mia.data.indexed import IndexedDataset
-from mia.data.splits import check_split, read_split, write_split
+from mia.data.splits import read_split
+from mia.data.verify import check_split
 
 from test_data_olmo import SEQ, make_files
 from test_data_olmo import run_cli as olmo_cli

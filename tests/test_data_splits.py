@@ -10,8 +10,8 @@ import pytest
 from mia.data import pythia
 from mia.data.cli import add_split_parser
 from mia.data.indexed import IndexedDataset, write_indexed
-from mia.data.splits import (SplitError, assign_partitions, check_split, parse_partitions,
-                             read_split, write_split)
+from mia.data.splits import SplitError, assign_partitions, parse_partitions, read_split, write_split
+from mia.data.verify import check_split
 
 B, L, STEPS = 4, 6, 12  # 48 rows
 

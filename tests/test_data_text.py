@@ -6,7 +6,8 @@ import pytest
 
 from mia.data import text
 from mia.data.cli import add_split_parser
-from mia.data.splits import SplitError, check_split, read_split
+from mia.data.splits import SplitError, read_split
+from mia.data.verify import check_split
 
 
 def run_cli(argv):

@@ -10,7 +10,8 @@ import pytest
 from mia.cli import main as mia_main
 from mia.data import pythia
 from mia.data.indexed import IndexedDataError, IndexedDataset
-from mia.data.splits import check_split, read_split, verify_split, write_split
+from mia.data.splits import read_split, write_split
+from mia.data.verify import check_split, verify_split
 
 from test_data_olmo import SEQ, make_files, make_order
 from test_data_splits import B, L, raw_pythia, row_values

@@ -24,7 +24,8 @@ from hypothesis import strategies as st  # noqa: E402
 from mia.data import olmo, pythia  # noqa: E402
 from mia.data.indexed import MAGIC, IndexedDataError, IndexedDataset  # noqa: E402
 from mia.data.splits import (HEADER_HASH, ROW_HASH, SplitError, read_split, row_digest, short_repr,  # noqa: E402
-                             verify_split, write_split)
+                             write_split)
+from mia.data.verify import verify_split  # noqa: E402
 from mia.data.text import build_text_split, load_generic  # noqa: E402
 
 from test_data_olmo import EOS, SEQ, make_files, make_order  # noqa: E402

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import sys
 
+from .. import report, validate as V
 from ..atomic import write_text
+from .classifiers import CLASSIFIER_NAMES
+from .features import FEATURE_NAMES
+from .run import BlindError, run_blind, shift_verdict
 
 
 def _csv(s: str) -> list[str]:
@@ -17,7 +21,6 @@ def _csv(s: str) -> list[str]:
 
 
 def add_blind_parser(subparsers) -> None:
-    from .. import validate as V
 
     p = subparsers.add_parser(
         "blind", help="model-free baselines: can members be told apart without the model?",
@@ -45,10 +48,6 @@ def add_blind_parser(subparsers) -> None:
 
 def check_blind_args(args) -> None:
     """Every option of ``mia blind`` checked before any feature is computed (``mia.validate``)."""
-    from .classifiers import CLASSIFIER_NAMES
-    from .features import FEATURE_NAMES
-    from .. import validate as V
-    from .run import BlindError
 
     V.input_file(args.split, "--split", error=BlindError)
     V.output_dir(args.out, "--out", error=BlindError)
@@ -65,9 +64,6 @@ def check_blind_args(args) -> None:
 
 def cmd_blind(args) -> int:
     from pathlib import Path
-
-    from .. import report
-    from .run import run_blind, shift_verdict
 
     check_blind_args(args)
     notes: list[str] = []

@@ -174,7 +174,7 @@ class BertFeature(Feature):
             raise FeatureError("bert features of token ids need the target model's tokenizer to decode them "
                                "(pass --tokenizer DIR, or a split whose header names source.tokenizer)")
         if self.encoder is None:
-            from ..models.bert import load_encoder
+            from ..models.bert import load_encoder  # jax and flax load only when the BERT feature is asked for
 
             self.encoder = load_encoder(self.encoder_dir)
         return self

@@ -167,7 +167,7 @@ def run_blind(split: Union[Split, str, Path, Sequence[dict]], features: Sequence
             raise BlindError("bert features of token ids need the target model's tokenizer to decode them "
                              "(pass --tokenizer DIR, or a split whose header names source.tokenizer)")
         if encoder is None:
-            from ..models.bert import load_encoder
+            from ..models.bert import load_encoder  # jax and flax load only when the BERT feature is asked for
 
             encoder = load_encoder(encoder_dir)
     classifiers = list(classifiers)

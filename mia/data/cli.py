@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .splits import SplitError, parse_partitions, partition_total, verify_split, write_split
+from . import olmo, pythia, text
+from .difficulty import add_difficulty_parser
+from .indexed import IndexedDataset
+from .splits import SplitError, parse_partitions, partition_total, write_split
+from .verify import verify_split
 
 
 def _counts(args, parts):
@@ -63,14 +67,12 @@ def _print_notes(header) -> None:
 
 
 def _run_pythia(args) -> int:
-    from .indexed import IndexedDataset
-    from .pythia import draw_checkpoint_split
 
     parts = parse_partitions(args.partition)
     n_m, n_n = _counts(args, parts)
     data = args.data if len(args.data) > 1 else args.data[0]
     ds = IndexedDataset(data, idx_path=args.idx)
-    header, ex = draw_checkpoint_split(ds, args.step, n_m, n_n, args.seed, gap=args.gap, end_step=args.end_step,
+    header, ex = pythia.draw_checkpoint_split(ds, args.step, n_m, n_n, args.seed, gap=args.gap, end_step=args.end_step,
                                        batch_size=args.batch_size, partitions=parts or None,
                                        vocab_size=_vocab_bound(args))
     write_split(args.out, header, ex)
@@ -80,13 +82,12 @@ def _run_pythia(args) -> int:
 
 
 def _run_olmo(args) -> int:
-    from .olmo import OlmoOrder, draw_checkpoint_split
 
     parts = parse_partitions(args.partition)
     n_m, n_n = _counts(args, parts)
-    order = OlmoOrder(args.global_indices, args.data_paths, seq_len=args.seq_len, batch_size=args.batch_size,
+    order = olmo.OlmoOrder(args.global_indices, args.data_paths, seq_len=args.seq_len, batch_size=args.batch_size,
                       token_dtype=args.token_dtype, indices_format=args.global_indices_format)
-    header, ex = draw_checkpoint_split(order, args.step, n_m, n_n, args.seed, nonmember_start=args.nonmember_start,
+    header, ex = olmo.draw_checkpoint_split(order, args.step, n_m, n_n, args.seed, nonmember_start=args.nonmember_start,
                                        end_step=args.end_step, partitions=parts or None, documents=args.documents,
                                        eos=args.eos, doc_len=args.doc_len, pool=args.pool,
                                        vocab_size=_vocab_bound(args))
@@ -112,7 +113,6 @@ def _parse_ngram(spec):
 
 
 def _run_text(args) -> int:
-    from . import text
 
     parts = parse_partitions(args.partition)
     ngram = _parse_ngram(args.ngram_filter)
@@ -254,7 +254,5 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-problems", type=int, default=50)
     vocab(p)
     p.set_defaults(func=_run_check)
-    from .difficulty import add_difficulty_parser
-
     add_difficulty_parser(sub)
     return sp

@@ -33,7 +33,6 @@ import numpy as np
 
 from ..atomic import save_npz, write_text
 from ..file_hash import sha256_of_file
-from ..models.bert import load_encoder
 from .splits import Split, read_split, write_split
 
 DIFFICULTIES = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
@@ -176,6 +175,7 @@ def build_difficulty_splits(pool, out_dir, *, encoder: Any = None, encoder_dir: 
     Embeddings are saved to ``out_dir``/embeddings.npz (ids + vectors) and reused when ``embeddings`` names such a
     file whose ids match the pool. Returns {name: path} plus "_info".
     """
+    from ..models.bert import load_encoder  # jax and flax load only when an encoder is loaded: the parser stays light
     pool_path = None
     if not isinstance(pool, Split):
         pool_path = Path(pool)

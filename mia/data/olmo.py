@@ -451,7 +451,7 @@ SOURCE = {"token_dtype": Kind("an integer numpy dtype (uint16, uint32)", _is_int
 
 def verify_examples(header: dict, examples: list, problems: list, not_verified: Optional[list] = None,
                     vocab_size: Optional[int] = None) -> None:
-    """Verify an OLMo split against its header and sources (used by ``splits.verify_split``, which has checked the
+    """Verify an OLMo split against its header and sources (used by ``verify.verify_split``, which has checked the
     header's file records and the rows' field types): the header's parameters against each other and the order,
     the drawn positions against a re-draw, every row re-read."""
     not_verified = [] if not_verified is None else not_verified

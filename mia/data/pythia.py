@@ -206,7 +206,7 @@ SOURCE = {"dtype": STRING.or_null(), "n_rows": NONNEG_INT.or_null(), "checkpoint
 
 def verify_examples(header: dict, examples: list, problems: list, not_verified: Optional[list] = None,
                     vocab_size: Optional[int] = None) -> None:
-    """Verify a Pythia-format split against its header and sources (used by ``splits.verify_split``, which has
+    """Verify a Pythia-format split against its header and sources (used by ``verify.verify_split``, which has
     checked the header's file records and the rows' field types): the header's parameters against each other and
     the data, the drawn rows against a re-draw, and every row re-read."""
     not_verified = [] if not_verified is None else not_verified

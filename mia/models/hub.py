@@ -30,7 +30,7 @@ from ..file_hash import file_sha256
 from ..validate import check_config, check_hf_config, safetensors_header
 from . import hf_cache
 from .common import ConfigError, ParamMapping
-from .family import FAMILIES, Family, family, family_of_config, read_config
+from .family import Family, family, family_of_config, read_config
 from .layouts import native_layout
 from .torch_bin import read_torch_bin
 

@@ -7,9 +7,11 @@ import dataclasses
 import sys
 import time
 
+from ..commands import add_compile_cache_flag, run_for_user
 from ..validate import OneLineParser, arg_float, arg_int, arg_int_list, input_file, output_dir
+from . import build_testbed
 from .config import CANARY_KINDS, DP_SAMPLINGS, FIELD_LIMITS, PRESETS, TestbedConfig, TestbedError
-from .suite import SUITES
+from .suite import SUITES, build_suite
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=arg_int(1), default=50, help="steps between resume states (default 50)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    from ..commands import add_compile_cache_flag
 
     add_compile_cache_flag(p)
     return p
@@ -58,8 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from . import build_testbed
-    from ..commands import run_for_user
 
     if args.suite:
         return _main_suite(args)
@@ -107,8 +106,6 @@ def check_args(args, overrides: dict) -> bool:
 
 
 def _main_suite(args) -> int:
-    from ..commands import run_for_user
-    from .suite import build_suite
 
     extra = [f.name for f in dataclasses.fields(TestbedConfig)
              if f.name != "preset" and getattr(args, f.name, None) is not None]
