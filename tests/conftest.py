@@ -36,6 +36,7 @@ def pytest_unconfigure(config):
 def build_tiny_tokenizer(path: Path, vocab_size: int = 320):
     """A byte-level BPE trained on a few stdlib sources (no download), saved as tokenizer.json."""
     import textwrap
+
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -75,6 +76,15 @@ def tiny_neox_torch(tiny_neox_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(tiny_neox_dir), local_files_only=True).float().eval()
+
+
+@pytest.fixture(scope="session")
+def ref_logits(tiny_neox_torch):
+    """seq -> [T, V] float64 logits of transformers' PyTorch model of the same checkpoint: the reference for every
+    attack that reads the unperturbed model (nothing in it comes from mia's Flax model)."""
+    from hf_tiny import torch_sequence_logits
+
+    return lambda seq: torch_sequence_logits(tiny_neox_torch, seq)
 
 
 @pytest.fixture(scope="session")

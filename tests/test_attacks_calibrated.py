@@ -6,12 +6,12 @@ import types
 
 import numpy as np
 import pytest
-from test_attacks_model import SETTINGS, log_softmax, ref_logits  # noqa: F401  (ref_logits is a fixture)
-from test_attacks_stats import ctx_with, make_examples
 
-from mia.attacks import AttackContext, AttackError, get, parse_attack
-from mia.attacks import pac as P
+from mia.attacks import AttackContext, AttackError, get, pac as P, parse_attack
 from mia.data.examples import Example, tokenize_examples
+
+from attack_helpers import SETTINGS, ctx_with, stat_examples
+from hf_tiny import log_softmax
 
 
 # ------------------------------------------------------------------------------------------------ surp
@@ -25,7 +25,7 @@ def ref_surp(lp, ent, k, max_entropy):
 
 @pytest.mark.parametrize("k,max_entropy", [(0.4, 2.0), (0.2, 1.5), (0.4, 1e-3)])
 def test_surp_matches_reference(k, max_entropy):
-    examples, stats = make_examples(seed=3)
+    examples, stats = stat_examples(seed=3)
     ctx = ctx_with(examples, stats)
     got = get("surp").fn(ctx, **parse_attack(f"surp:k={k},max_entropy={max_entropy}")[1])
     want = [ref_surp(s["logprob"], s["entropy"], k, max_entropy) for s in stats]
@@ -59,7 +59,7 @@ def _vocab_model(v):
 
 @pytest.mark.parametrize("a", [0.01, 0.5, 10.0])
 def test_dcpdd_matches_reference_with_corpus_and_calib(a):
-    examples, stats = make_examples(seed=4)
+    examples, stats = stat_examples(seed=4)
     rng = np.random.default_rng(9)
     # skewed frequencies, one document longer than the 1024 counted tokens
     docs = [rng.choice(11, size=n, p=np.arange(1, 12) / 66).astype(np.int32) for n in (5, 40, 1500)]
@@ -75,7 +75,7 @@ def test_dcpdd_matches_reference_with_corpus_and_calib(a):
 
 
 def test_dcpdd_refuses_bad_corpora():
-    examples, stats = make_examples(seed=4)
+    examples, stats = stat_examples(seed=4)
 
     def run(docs, vocab=11):
         ctx = ctx_with(examples, stats, _vocab_model(vocab))
@@ -139,12 +139,12 @@ def _ctx(model, examples, **options):
     return AttackContext(model, list(examples), SETTINGS, {}, {"seed": 0, **options})
 
 
-def np_lp(ref_logits, seq):  # noqa: F811
+def np_lp(ref_logits, seq):
     lp = log_softmax(ref_logits(np.asarray(seq)))
     return np.array([lp[i - 1, seq[i]] for i in range(1, len(seq))])
 
 
-def test_lowercase_matches_numpy(tiny_model, cased, ref_logits):  # noqa: F811
+def test_lowercase_matches_numpy(tiny_model, cased, ref_logits):
     got = get("lowercase").fn(_ctx(tiny_model, cased))
     tok = tiny_model.tokenizer
     want = [-np_lp(ref_logits, e.tokens).mean() / np_lp(ref_logits, tok(e.text.lower())["input_ids"]).mean()
@@ -183,7 +183,7 @@ def ref_pd(lp, k_max=0.05, k_min=0.3):
 
 
 @pytest.mark.parametrize("augment", ["words", "tokens"])
-def test_pac_matches_numpy(tiny_model, cased, ref_logits, augment):  # noqa: F811
+def test_pac_matches_numpy(tiny_model, cased, ref_logits, augment):
     ctx = _ctx(tiny_model, cased)
     got = get("pac").fn(ctx, n=4, alpha=0.3, k_max=0.05, k_min=0.3, augment=augment)
     copies = P.augmented_sequences(_ctx(tiny_model, cased), n=4, alpha=0.3, augment=augment)

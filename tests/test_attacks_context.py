@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 
 import mia.engine.conditional as C
-from mia.attacks import AttackError, get
-from mia.attacks import em_mia as E
+from mia.attacks import AttackError, em_mia as E, get
 from mia.attacks.fit import prefix_room
 from mia.data.examples import Example
 
-from test_attacks_model import SETTINGS, ctx_for, make_examples, np_ll, ref_logits  # noqa: F401 (fixture)
+from attack_helpers import ctx_for, make_examples, np_ll
 
 CONTEXT = 256  # tiny_neox_dir's max_position_embeddings
 
@@ -99,7 +98,6 @@ def test_prefix_attacks_fit_the_smoke_testbeds_trained_context(smoke_testbed, lo
     ~840 (the testbed declared 2048) and EM-MIA stopped with "no room"; now every attack feeds <= 64 positions, prefix
     and target get 32 tokens each, and each score equals its NumPy statement on the cut targets."""
     from sklearn.metrics import roc_auc_score
-
     from transformers import AutoModelForCausalLM
 
     from hf_tiny import torch_sequence_logits

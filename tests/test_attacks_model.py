@@ -6,38 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mia.attacks import AttackContext, AttackError, get
-from mia.attacks import em_mia as E
+from mia.attacks import AttackError, em_mia as E, get
 from mia.attacks.mope import build_mope_step, jitted_mope
-from mia.data.examples import Example, tokenize_examples
+from mia.data.examples import Example
 from mia.engine.batching import ScoringSettings
 from mia.engine.loop import engine_layout
 
+from attack_helpers import WORDS, ctx_for, make_examples, np_ll
 from hf_tiny import log_softmax
-
-WORDS = ("the of and to in is that for it as with was on be by this are from not but have which "
-         "data model train member loss token text line file value").split()
-SETTINGS = ScoringSettings(progress=False, min_bucket=32)
-
-
-def make_text(rng, n):
-    return " ".join(rng.choice(WORDS, n))
-
-
-def make_examples(tok, n, seed, words=(3, 14), partition="eval", prefix="e"):
-    rng = np.random.default_rng(seed)
-    ex = [Example(f"{prefix}{i}", text=make_text(rng, int(rng.integers(*words))), label=i % 2, partition=partition)
-          for i in range(n)]
-    return tokenize_examples(ex, tok, 256)
-
-
-@pytest.fixture(scope="module")
-def ref_logits(tiny_neox_torch):
-    """seq -> [T, V] float64 logits of transformers' PyTorch model of the same checkpoint: the reference for every
-    attack that reads the unperturbed model (nothing in it comes from mia's Flax model)."""
-    from hf_tiny import torch_sequence_logits
-
-    return lambda seq: torch_sequence_logits(tiny_neox_torch, seq)
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +29,9 @@ def flax_logits(tiny_model):
     return logits
 
 
-def np_ll(logits_of, seq, start=1):
-    """mean over i >= start of log p(seq[i] | seq[:i]), ``logits_of(seq)`` -> [T, V]."""
-    lp = log_softmax(logits_of(np.asarray(seq)))
-    return np.mean([lp[i - 1, seq[i]] for i in range(start, len(seq))])
-
-
 @pytest.fixture(scope="module")
 def data(tiny_model):
     return make_examples(tiny_model.tokenizer, 8, 0)
-
-
-def ctx_for(model, examples, prefix=(), **options):
-    return AttackContext(model, list(examples), SETTINGS, {"prefix": list(prefix)} if prefix else {},
-                         {"seed": 0, **options})
 
 
 # ------------------------------------------------------------------------------------------------ ReCaLL
@@ -287,9 +252,9 @@ def test_mope_registered_attack_does_not_depend_on_batching(tiny_model, data):
 @pytest.fixture(scope="module")
 def other_ref_dir(tmp_path_factory):
     """A tiny GPT-NeoX with its own, different BPE vocabulary."""
+    from conftest import build_tiny_tokenizer
     from transformers import GPTNeoXConfig
 
-    from conftest import build_tiny_tokenizer
     from hf_tiny import save_tiny
 
     path = tmp_path_factory.mktemp("ref_other")

@@ -1,58 +1,15 @@
 """Min-K%, Min-K%++, zlib: each registered attack against a plain NumPy/Python version of docs/algorithms.md."""
 from __future__ import annotations
 
-import math
 import zlib
 
-import chex
-import jax
 import numpy as np
 import pytest
 
-from mia.attacks import AttackContext, AttackError, get, parse_attack
-from mia.attacks import mink as mink_mod
+from mia.attacks import AttackError, get, mink as mink_mod, parse_attack
 from mia.data.examples import Example
 
-LENGTHS = (1, 2, 3, 4, 7, 10, 23, 40)  # T-1 values; 1..4 exercise k*(T-1) < 1 at k = 0.2
-
-
-def _softmax_stats(logits):
-    """Spec form from the full logit vector: log p, mu = sum p log p, sigma^2 = sum p (log p)^2 - mu^2."""
-    out = {"logprob": [], "mean_logp": [], "std_logp": [], "entropy": []}
-    for row in logits:
-        lp = row - np.log(np.sum(np.exp(row - row.max()))) - row.max()
-        p = np.exp(lp)
-        mu = float(np.sum(p * lp))
-        out["mean_logp"].append(mu)
-        out["std_logp"].append(math.sqrt(float(np.sum(p * lp * lp)) - mu * mu))
-        out["entropy"].append(-mu)
-    return out
-
-
-def make_examples(seed=0, lengths=LENGTHS, vocab=11):
-    """Hand-made per-token stats from random logits (token ids random, stats consistent with them)."""
-    rng = np.random.default_rng(seed)
-    examples, stats, logits_all = [], [], []
-    for i, n in enumerate(lengths):
-        tokens = rng.integers(0, vocab, size=n + 1).astype(np.int32)
-        logits = rng.normal(0, 2.0, size=(n, vocab))
-        s = _softmax_stats(logits)
-        lps = []
-        for t in range(n):
-            row = logits[t]
-            lp = row - row.max() - np.log(np.sum(np.exp(row - row.max())))
-            lps.append(lp[tokens[t + 1]])
-        s["logprob"] = lps
-        stats.append({k: np.asarray(v, np.float32) for k, v in s.items()})
-        examples.append(Example(f"e{i}", tokens, text=f"text number {i} " * (i + 1), label=i % 2))
-        logits_all.append(logits)
-    return examples, stats
-
-
-def ctx_with(examples, stats, model=None):
-    ctx = AttackContext(model, examples)
-    ctx._stats = stats
-    return ctx
+from attack_helpers import ctx_with, stat_examples
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -77,14 +34,14 @@ def ref_ll(lp):
 # ---------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("k", [0.1, 0.2, 0.5, 0.7, 1.0])
 def test_mink_matches_reference(k):
-    examples, stats = make_examples()
+    examples, stats = stat_examples()
     got = get("mink").fn(ctx_with(examples, stats), k=k)
     want = [ref_mink(s["logprob"], k) for s in stats]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_mink_small_k_takes_the_single_lowest():
-    examples, stats = make_examples(lengths=(1, 3, 4))
+    examples, stats = stat_examples(lengths=(1, 3, 4))
     got = get("mink").fn(ctx_with(examples, stats), k=0.2)  # 0.2 * 4 = 0.8 < 1 -> k_n = 1
     np.testing.assert_allclose(got, [float(np.min(s["logprob"])) for s in stats], rtol=1e-6)
 
@@ -98,14 +55,14 @@ def test_mink_k_count_is_exact_float64_floor():
 
 @pytest.mark.parametrize("k", [0.1, 0.2, 1.0])
 def test_minkpp_matches_reference(k):
-    examples, stats = make_examples(seed=1)
+    examples, stats = stat_examples(seed=1)
     got = get("minkpp").fn(ctx_with(examples, stats), k=k)
     want = [ref_minkpp(s, k) for s in stats]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_zlib_matches_reference():
-    examples, stats = make_examples(seed=2)
+    examples, stats = stat_examples(seed=2)
     ctx = ctx_with(examples, stats)
     got = get("zlib").fn(ctx)
     want = [ref_ll(s["logprob"]) / len(zlib.compress(e.text.encode("utf-8"))) for e, s in zip(examples, stats)]
@@ -129,7 +86,7 @@ def test_zlib_decodes_token_only_examples(tiny_model):
 
 @pytest.mark.parametrize("name,params", [("mink", {"k": 0.2}), ("minkpp", {"k": 0.2}), ("zlib", {})])
 def test_batching_invariance(name, params):
-    examples, stats = make_examples(seed=3)
+    examples, stats = stat_examples(seed=3)
     batch = get(name).fn(ctx_with(examples, stats), **params)
     for i in range(len(examples)):
         alone = get(name).fn(ctx_with(examples[i:i + 1], stats[i:i + 1]), **params)
@@ -139,8 +96,8 @@ def test_batching_invariance(name, params):
 def test_mink_second_batch_of_another_length_does_not_recompile():
     pure = get("mink").pure
     assert pure is mink_mod.min_k  # the registered object is the pure jitted function
-    a, sa = make_examples(seed=4, lengths=(20, 25, 19))
-    b, sb = make_examples(seed=5, lengths=(30, 17, 9, 12))  # other size and max length, same power-of-two buckets
+    a, sa = stat_examples(seed=4, lengths=(20, 25, 19))
+    b, sb = stat_examples(seed=5, lengths=(30, 17, 9, 12))  # other size and max length, same power-of-two buckets
     get("mink").fn(ctx_with(a, sa), k=0.3)
     compiled = pure._cache_size()
     get("mink").fn(ctx_with(b, sb), k=0.3)
@@ -154,6 +111,6 @@ def test_bad_parameters_list_the_valid_ones():
         parse_attack("mink:kk=0.1")
     with pytest.raises(AttackError, match="expected a float"):
         parse_attack("minkpp:k=abc")
-    examples, stats = make_examples()
+    examples, stats = stat_examples()
     with pytest.raises(AttackError, match=r"k must be in \(0, 1\]"):
         get("mink").fn(ctx_with(examples, stats), k=0.0)
