@@ -16,37 +16,24 @@ import numpy as np
 
 import mia.models as mm
 from mia.attacks import AttackContext, get
-from mia.engine.conditional import loglik_matrix
 from mia.data.examples import Example
-from mia.engine.batching import bucket_length, ScoringSettings
+from mia.engine.batching import ScoringSettings, bucket_length
+from mia.engine.conditional import loglik_matrix
 from mia.engine.loop import compute_token_stats, jitted_token_stats
 from mia.engine.sharding import make_mesh
+
+from tiny_configs import shardable
 
 V = 128
 LENGTHS = [5, 40, 17, 3, 64, 33, 8, 21, 9, 11, 100, 2]
 SETTINGS = ScoringSettings(progress=False, token_budget=256, min_bucket=64)
 
 
-def hf_config(name):
-    import transformers as tf
-
-    small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4)
-    return {
-        "llama": lambda: tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False, **small),
-        "gpt2": lambda: tf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, n_inner=64),
-        "gpt_neo": lambda: tf.GPTNeoConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4,
-                                           intermediate_size=64, max_position_embeddings=128, window_size=8,
-                                           attention_types=[[["global", "local"], 1]]),
-        "olmo": lambda: tf.OlmoConfig(num_hidden_layers=2, num_key_value_heads=2, clip_qkv=0.5, **small),
-        "olmo2": lambda: tf.Olmo2Config(num_hidden_layers=2, num_key_value_heads=2, **small),
-    }[name]().to_dict()
-
-
 def models(name, neox_dir, one, mesh):
     """(reference on one device, the same weights on ``mesh``)."""
     if name == "gpt_neox":  # a real checkpoint: load() reads each device's shard from the memory map
         return mm.load(neox_dir, mesh=one), mm.load(neox_dir, mesh=mesh)
-    hf = hf_config(name)
+    hf = shardable(name)
     fam = mm.hub.family(hf["model_type"])
     # the families' own init: larger weights make float32 itself ill-conditioned here (llama with weights x3 has
     # |log p| ~ 50 and differs by 5e-4 between batch sizes on ONE device), which would test nothing about layouts

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import checkmiabench as cmb
-from experiments import curves
+from experiments import checkmiabench as cmb, curves
+
+from order_files import LAYOUT_B, LAYOUT_END, LAYOUT_STEP, pythia_layout
 
 TABLE_FILES = [f"{stem}.{ext}" for stem in ("blind", "blind_runs", "attacks", "recency", "scale")
                for ext in ("md", "csv", "tex", "json")] + ["report.md", "summary.json"]
@@ -199,37 +200,14 @@ def test_paper_numbers_match_the_paper_text():
 
 
 # ----------------------------------------------------------------------------------------------- real layouts
-B, ROW, STEP, END = 4, 33, 100, 130
-
-
-def _pythia_layout(root: Path, tiny_neox_dir: Path, vocab: int, bad_token=None) -> tuple:
-    """pythia-70m-deduped/step100/ (the tiny GPT-NeoX) + the order as two .bin shards and one .idx."""
-    from mia.data.indexed import write_indexed
-
-    ckpt = root / "models" / "pythia-70m-deduped" / f"step{STEP}"
-    if not ckpt.exists():
-        shutil.copytree(tiny_neox_dir, ckpt)
-    rows = np.random.default_rng(0).integers(1, vocab, size=(END * B + 7, ROW))
-    if bad_token is not None:
-        rows[:, 3] = bad_token
-    write_indexed(root / "data" / "document", rows)
-    blob = (root / "data" / "document.bin").read_bytes()
-    cut = len(blob) // 2 + 1  # shards split inside a row, as the real 21 shards are
-    (root / "data" / "document-00000-of-00002.bin").write_bytes(blob[:cut])
-    (root / "data" / "document-00001-of-00002.bin").write_bytes(blob[cut:])
-    (root / "data" / "document.bin").unlink()
-    shards = sorted(str(p) for p in (root / "data").glob("document-*.bin"))
-    return root / "models", shards, str(root / "data" / "document.idx"), rows
-
-
 def test_pythia_layout_end_to_end(tiny_neox_dir, tmp_path):
     import transformers
 
     vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
-    models, shards, idx, rows = _pythia_layout(tmp_path, tiny_neox_dir, vocab)
+    models, shards, idx, rows = pythia_layout(tmp_path, tiny_neox_dir, vocab)
     out = tmp_path / "out"
-    argv = ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", str(STEP), "--batch-size", str(B),
-            "--end-step", str(END), "--n-members", "20", "--n-train", "20", "--n-prefix", "0",
+    argv = ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP), "--batch-size", str(LAYOUT_B),
+            "--end-step", str(LAYOUT_END), "--n-members", "20", "--n-train", "20", "--n-prefix", "0",
             "--attacks", "loss,mink:k=0.1", "--no-blind", "--bootstrap", "50", "--no-progress",
             "--out", str(out)]
     assert cmb.main(argv) == 0
@@ -240,17 +218,17 @@ def test_pythia_layout_end_to_end(tiny_neox_dir, tmp_path):
     from mia.data.splits import read_split
     from mia.data.verify import check_split
 
-    split = read_split(out / "splits" / f"step{STEP}.jsonl")
-    assert split.header["source"]["kind"] == "pythia" and check_split(out / "splits" / f"step{STEP}.jsonl") == []
+    split = read_split(out / "splits" / f"step{LAYOUT_STEP}.jsonl")
+    assert split.header["source"]["kind"] == "pythia" and check_split(out / "splits" / f"step{LAYOUT_STEP}.jsonl") == []
     for e in split.examples:  # rows read through the two shards equal the rows written
         assert e["tokens"] == rows[e["index"]].tolist()
-        assert (e["index"] < STEP * B) == (e["label"] == 1) and e["index"] < END * B
+        assert (e["index"] < LAYOUT_STEP * LAYOUT_B) == (e["label"] == 1) and e["index"] < LAYOUT_END * LAYOUT_B
     assert len(s["recency"]) == 2 * 8 and (out / "attacks.tex").exists()
 
 
 def test_pythia_bad_inputs_one_line_each(tiny_neox_dir, tmp_path, capsys):
-    models, shards, idx, _ = _pythia_layout(tmp_path / "bad", tiny_neox_dir, 300, bad_token=4000)
-    base = ["--pythia", str(models), "--batch-size", str(B), "--end-step", str(END), "--n-members", "5",
+    models, shards, idx, _ = pythia_layout(tmp_path / "bad", tiny_neox_dir, 300, bad_token=4000)
+    base = ["--pythia", str(models), "--batch-size", str(LAYOUT_B), "--end-step", str(LAYOUT_END), "--n-members", "5",
             "--n-train", "5", "--attacks", "loss", "--no-blind", "--no-progress", "--out", str(tmp_path / "o")]
 
     def error(argv):
@@ -261,15 +239,15 @@ def test_pythia_bad_inputs_one_line_each(tiny_neox_dir, tmp_path, capsys):
 
     e = error(["--data", *shards, "--idx", idx, "--steps", "999"])
     assert "no size has a checkpoint at step 999" in e and "pythia-70m-deduped: steps 100" in e
-    e = error(["--data", *shards, "--idx", idx, "--steps", str(STEP), "--sizes", "160m"])
+    e = error(["--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP), "--sizes", "160m"])
     assert "no checkpoint pythia-160m-deduped/step100" in e and "pythia-70m-deduped: steps 100" in e
-    e = error(["--data", *shards, "--idx", idx, "--steps", str(STEP)])
+    e = error(["--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP)])
     # caught as the split is drawn (naming the shard and row), before any model is loaded
     assert "is id 4000, outside the model vocabulary" in e and "do not match the model's tokenizer" in e
     assert ".bin: row " in e
-    e = error(["--data", *shards, "--steps", str(STEP)])
+    e = error(["--data", *shards, "--steps", str(LAYOUT_STEP)])
     assert "--idx missing" in e
-    e = error(["--idx", idx, "--steps", str(STEP)])
+    e = error(["--idx", idx, "--steps", str(LAYOUT_STEP)])
     assert "--data missing" in e
 
 

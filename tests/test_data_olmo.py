@@ -1,47 +1,16 @@
 """OLMo order (raw global_indices + token files), checkpoint draws, OLMoMIA document extraction, CLI."""
-import argparse
 import json
 
 import numpy as np
 import pytest
 
 from mia.data import olmo
-from mia.data.cli import add_split_parser
 from mia.data.splits import SplitError, read_split, write_split
 from mia.data.verify import check_split
 
-SEQ, B = 16, 3
-EOS = 50279
+from order_files import EOS, SEQ, make_files, make_order, split_cli as run_cli
 
-
-def make_files(tmp_path, lengths=(5 * SEQ + 7, 1 * SEQ + 3, 6 * SEQ), seed=0, eos_every=None):
-    """Token files written with ndarray.tofile (raw little-endian uint16, no header) + a path list."""
-    rng = np.random.default_rng(seed)
-    arrays, names = [], []
-    for k, n in enumerate(lengths):
-        a = rng.integers(2, 50000, size=n).astype("<u2")
-        if eos_every:
-            a[::eos_every] = EOS
-        name = f"part-{k}.npy"
-        a.tofile(tmp_path / name)
-        arrays.append(a)
-        names.append(name)
-    (tmp_path / "paths.txt").write_text("# dolma parts\n" + "\n".join(names) + "\n\n")
-    instances = np.concatenate([a[: (len(a) // SEQ) * SEQ] for a in arrays]).reshape(-1, SEQ)
-    return arrays, instances
-
-
-def make_order(tmp_path, n_inst, seed=1):
-    gi = np.random.default_rng(seed).permutation(n_inst).astype("<u4")
-    gi.tofile(tmp_path / "global_indices.npy")  # raw, no .npy header
-    return gi
-
-
-def run_cli(argv):
-    ap = argparse.ArgumentParser(prog="mia")
-    add_split_parser(ap.add_subparsers(dest="command"))
-    args = ap.parse_args(argv)
-    return args.func(args)
+B = 3  # instances per OLMo batch in these tests
 
 
 def test_instances_across_file_boundary(tmp_path):

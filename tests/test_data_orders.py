@@ -12,9 +12,7 @@ from mia.data.indexed import IndexedDataset
 from mia.data.splits import read_split
 from mia.data.verify import check_split
 
-from test_data_olmo import SEQ, make_files
-from test_data_olmo import run_cli as olmo_cli
-from test_data_splits import raw_pythia
+from order_files import SEQ, make_files, raw_pythia, split_cli as olmo_cli
 
 
 def olmo_global_indices(n: int, world_size: int, drop_last: bool, seed: int = 6198, epoch: int = 0) -> np.ndarray:

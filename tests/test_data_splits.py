@@ -1,54 +1,21 @@
 """Pythia step arithmetic, checkpoint split drawing, partitions, assert_disjoint, check_split and the CLI."""
-import argparse
 import json
-import os
-import struct
 
 import numpy as np
 import pytest
 
 from mia.data import pythia
-from mia.data.cli import add_split_parser
 from mia.data.indexed import IndexedDataset, write_indexed
 from mia.data.splits import SplitError, assign_partitions, parse_partitions, read_split, write_split
 from mia.data.verify import check_split
 
-B, L, STEPS = 4, 6, 12  # 48 rows
-
-
-def row_values(i):
-    return (np.arange(L, dtype=np.int64) * 31 + i * 1009 + 1) % 65536
-
-
-def raw_pythia(dirpath, n_rows=B * STEPS, cut=None):
-    """Independent writer (struct header); optionally two shards cut at byte ``cut``."""
-    stream = b"".join(row_values(i).astype("<u2").tobytes() for i in range(n_rows))
-    idx = os.path.join(dirpath, "document.idx")
-    with open(idx, "wb") as f:
-        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, n_rows, n_rows + 1))
-        f.write(struct.pack(f"<{n_rows}i", *([L] * n_rows)))
-        f.write(struct.pack(f"<{n_rows}q", *[i * L * 2 for i in range(n_rows)]))
-        f.write(struct.pack(f"<{n_rows + 1}q", *range(n_rows + 1)))
-    cuts = [0, len(stream)] if cut is None else [0, cut, len(stream)]
-    bins = []
-    for k in range(len(cuts) - 1):
-        p = os.path.join(dirpath, f"document-{k:05d}-of-{len(cuts) - 2:05d}.bin")
-        open(p, "wb").write(stream[cuts[k]:cuts[k + 1]])
-        bins.append(p)
-    return bins, idx
+from order_files import STEPS, B, L, raw_pythia, row_values, split_cli as run_cli
 
 
 @pytest.fixture
 def pdata(tmp_path):
     bins, idx = raw_pythia(tmp_path, cut=5 * L * 2 + 3)  # shard boundary inside row 5
     return IndexedDataset(bins, idx_path=idx), bins, idx
-
-
-def run_cli(argv):
-    ap = argparse.ArgumentParser(prog="mia")
-    add_split_parser(ap.add_subparsers(dest="command"))
-    args = ap.parse_args(argv)
-    return args.func(args)
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic

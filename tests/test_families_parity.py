@@ -12,34 +12,11 @@ import transformers as tf
 
 import mia.models as mm
 from mia.models.common import ConfigError
+
 from hf_tiny import padded_batch, save_tiny, torch_logits
+from tiny_configs import PARITY as CASES, V
 
-V = 97
 LENGTHS = [13, 7, 1, 10]
-
-CASES = {
-    # GQA (6 query heads on 2 kv heads), untied head, non-default rope base
-    "llama_gqa": lambda: tf.LlamaConfig(
-        vocab_size=V, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
-    # MHA, tied head, explicit head_dim != hidden/heads, biases on
-    "llama_tied": lambda: tf.LlamaConfig(
-        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=5, head_dim=12,
-        tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
-    "gpt2": lambda: tf.GPT2Config(
-        vocab_size=V, n_embd=40, n_layer=2, n_head=5, n_positions=32, n_inner=52, scale_attn_by_inverse_layer_idx=True),
-    # 3 layers: global, local, local; window 4 < sequence 13
-    "gpt_neo": lambda: tf.GPTNeoConfig(
-        vocab_size=V, hidden_size=40, num_layers=3, num_heads=5, intermediate_size=52, max_position_embeddings=32,
-        window_size=4, attention_types=[[["global", "local"], 1], [["local"], 1]]),
-    # clip_qkv small enough that it clips; GQA
-    "olmo": lambda: tf.OlmoConfig(
-        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, clip_qkv=0.05),
-    "olmo2": lambda: tf.Olmo2Config(
-        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2),
-}
 
 
 _BUILT: dict = {}  # case name -> (name, checkpoint dir, transformers model, our model), built once per session
@@ -163,3 +140,15 @@ def test_unsupported_model_type_lists_supported(tmp_path):
         mm.load_config(_write_config(tmp_path, {"model_type": "mamba", "vocab_size": V}))
     for supported in ("gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2"):
         assert supported in str(e.value)
+
+
+def test_every_registered_family_has_tiny_configs():
+    """A new family adds one entry to tests/tiny_configs.py (both tables) and is then parity- and mesh-tested."""
+    from mia.models.family import FAMILIES
+
+    from tiny_configs import shardable
+
+    covered = {CASES[name]().model_type for name in CASES}
+    assert set(FAMILIES) <= covered, sorted(set(FAMILIES) - covered)
+    for family in FAMILIES:
+        assert shardable(family)["model_type"] == family

@@ -159,7 +159,7 @@ def test_samia_attack_end_to_end_seeded_and_order_free(tiny_model):
     """Registered; equal to the scoring of its own samples; seeded: the same seed gives the same samples in another
     run and with the examples in another order (rows draw from their own keys), another seed other samples."""
     from mia.attacks import AttackContext, AttackError, get
-    from mia.attacks.samia import sampled_candidates, samia_scores
+    from mia.attacks.samia import samia_scores, sampled_candidates
     from mia.data.examples import Example, tokenize_examples
     from mia.engine.batching import ScoringSettings
 
@@ -206,10 +206,11 @@ def test_greedy_equals_transformers_for_every_family(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     import mia.models as mm
-    from test_families_parity import CASES
+
+    from tiny_configs import PARITY
 
     torch.manual_seed(3)
-    hf = AutoModelForCausalLM.from_config(CASES[family]()).float().eval()
+    hf = AutoModelForCausalLM.from_config(PARITY[family]()).float().eval()
     with torch.no_grad():
         for p in hf.parameters():
             if p.ndim == 2:

@@ -215,11 +215,13 @@ def test_pythia_checkpoints_are_discovered_in_the_hub_cache(pythia_cache):
 def test_checkmiabench_pythia_from_the_hub_cache(tiny_neox_dir, tmp_path, no_network):
     """The CheckMIABench Pythia recipe with ``--pythia`` pointing at a hub cache (as huggingface-cli fills it)."""
     import transformers
+
     from experiments import checkmiabench as cmb
-    from test_checkmiabench import B, END, STEP as STEP_N, _pythia_layout
+
+    from order_files import LAYOUT_B as B, LAYOUT_END as END, LAYOUT_STEP as STEP_N, pythia_layout
 
     vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
-    _, shards, idx, _ = _pythia_layout(tmp_path, tiny_neox_dir, vocab)
+    _, shards, idx, _ = pythia_layout(tmp_path, tiny_neox_dir, vocab)
     cache = tmp_path / "hub"
     _add_snapshot(cache / "models--EleutherAI--pythia-70m-deduped", STEP, tiny_neox_dir, refs=[f"step{STEP_N}"])
     out = tmp_path / "out"

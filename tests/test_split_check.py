@@ -13,8 +13,7 @@ from mia.data.indexed import IndexedDataError, IndexedDataset
 from mia.data.splits import read_split, write_split
 from mia.data.verify import check_split, verify_split
 
-from test_data_olmo import SEQ, make_files, make_order
-from test_data_splits import B, L, raw_pythia, row_values
+from order_files import SEQ, B, L, make_files, make_order, raw_pythia, row_values
 
 HASH_EDIT = "row differs from its row_sha256"
 

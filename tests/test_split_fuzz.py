@@ -28,8 +28,7 @@ from mia.data.splits import (HEADER_HASH, ROW_HASH, SplitError, read_split, row_
 from mia.data.verify import verify_split  # noqa: E402
 from mia.data.text import build_text_split, load_generic  # noqa: E402
 
-from test_data_olmo import EOS, SEQ, make_files, make_order  # noqa: E402
-from test_data_splits import B, raw_pythia  # noqa: E402
+from order_files import B, EOS, SEQ, make_files, make_order, raw_pythia  # noqa: E402
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                 database=None)

@@ -1,0 +1,64 @@
+"""Tiny transformers configs of every decoder family: the one place a new family adds its test model.
+
+``PARITY``: odd, mutually prime-ish widths (a transposed or mis-split weight cannot go unnoticed), each family's
+distinctive options switched on (GQA, tied heads, local windows, clip_qkv, partial rotary). ``shardable``: widths
+and head counts that divide a mesh axis of 4, for the sharding checks. ``tests/test_families_parity.py`` checks
+that every registered family has an entry in both.
+"""
+from __future__ import annotations
+
+import transformers as tf
+
+V = 97  # vocabulary of the PARITY models
+SHARD_V = 128  # vocabulary of the shardable models
+
+
+def _neox(**kw) -> tf.GPTNeoXConfig:
+    c = tf.GPTNeoXConfig(**kw)
+    c.rope_parameters["partial_rotary_factor"] = kw["rotary_pct"]
+    return c
+
+PARITY = {
+    # partial rotary (0.4 of head_dim 8), parallel residual, untied head
+    "gpt_neox": lambda: _neox(vocab_size=V, hidden_size=40, num_hidden_layers=2, num_attention_heads=5,
+                              intermediate_size=56, max_position_embeddings=64, rotary_pct=0.4, tie_word_embeddings=False),
+    # GQA (6 query heads on 2 kv heads), untied head, non-default rope base
+    "llama_gqa": lambda: tf.LlamaConfig(
+        vocab_size=V, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    # MHA, tied head, explicit head_dim != hidden/heads, biases on
+    "llama_tied": lambda: tf.LlamaConfig(
+        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=5, head_dim=12,
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "gpt2": lambda: tf.GPT2Config(
+        vocab_size=V, n_embd=40, n_layer=2, n_head=5, n_positions=32, n_inner=52, scale_attn_by_inverse_layer_idx=True),
+    # 3 layers: global, local, local; window 4 < sequence 13
+    "gpt_neo": lambda: tf.GPTNeoConfig(
+        vocab_size=V, hidden_size=40, num_layers=3, num_heads=5, intermediate_size=52, max_position_embeddings=32,
+        window_size=4, attention_types=[[["global", "local"], 1], [["local"], 1]]),
+    # clip_qkv small enough that it clips; GQA
+    "olmo": lambda: tf.OlmoConfig(
+        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, clip_qkv=0.05),
+    "olmo2": lambda: tf.Olmo2Config(
+        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2),
+}
+
+
+def shardable(name: str) -> dict:
+    """config.json (a dict) of a tiny model of family ``name`` whose heads and widths divide a mesh axis of 4."""
+    small = dict(vocab_size=SHARD_V, hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    return {
+        "llama": lambda: tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=False, **small),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=SHARD_V, n_embd=32, n_layer=2, n_head=4, n_positions=128, n_inner=64),
+        "gpt_neo": lambda: tf.GPTNeoConfig(vocab_size=SHARD_V, hidden_size=32, num_layers=2, num_heads=4,
+                                           intermediate_size=64, max_position_embeddings=128, window_size=8,
+                                           attention_types=[[["global", "local"], 1]]),
+        "olmo": lambda: tf.OlmoConfig(num_hidden_layers=2, num_key_value_heads=2, clip_qkv=0.5, **small),
+        "olmo2": lambda: tf.Olmo2Config(num_hidden_layers=2, num_key_value_heads=2, **small),
+        "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=SHARD_V, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, intermediate_size=64, tie_word_embeddings=False),
+    }[name]().to_dict()
+
+
