@@ -21,10 +21,11 @@ def make_text(rng, n):
     return " ".join(rng.choice(WORDS, n))
 
 
-def make_examples(tok, n, seed, words=(3, 14), partition="eval", prefix="e"):
+def make_examples(tok, n, seed, words=(3, 14), partition="eval", prefix="e", label=None):
+    """``n`` tokenized examples of random words; labels alternate 0, 1, ... unless ``label`` fixes them."""
     rng = np.random.default_rng(seed)
-    ex = [Example(f"{prefix}{i}", text=make_text(rng, int(rng.integers(*words))), label=i % 2, partition=partition)
-          for i in range(n)]
+    ex = [Example(f"{prefix}{i}", text=make_text(rng, int(rng.integers(*words))),
+                  label=(i % 2) if label is None else label, partition=partition) for i in range(n)]
     return tokenize_examples(ex, tok, 256)
 
 

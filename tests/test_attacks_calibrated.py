@@ -1,4 +1,4 @@
-"""lowercase, surp, dcpdd, pac (issue 11): each registered attack against a plain NumPy / Python reference."""
+"""lowercase, surp, dcpdd, pac: each registered attack against a plain NumPy / Python reference."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """Model-querying attacks (recall, em_mia, recall_avg, mope, ref, neighbor) against small NumPy references."""
 import json
+from itertools import combinations
 
 import jax
 import jax.numpy as jnp
@@ -429,3 +430,37 @@ def test_mope_block_noise_is_gaussian_and_independent_across_blocks():
     eps16 = np.asarray(perturb_leaf(k, zero.astype(jnp.bfloat16), sigma), np.float64)
     assert abs(eps16.mean()) < 0.02 * sigma and abs(eps16.std() / sigma - 1) < 0.01
     assert corr(eps16[0], eps16[2]) < bound
+
+
+# ------------------------------------------------------------------------------------------------ EM-MIA Kendall
+def kendall_tau_b(x, y):
+    """Kendall's tau-b by its definition over all pairs: (C - D) / sqrt((n0 - n1)(n0 - n2))."""
+    c = d = tx = ty = 0
+    for i, j in combinations(range(len(x)), 2):
+        a, b = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])
+        if a == 0 and b == 0:
+            continue
+        if a == 0:
+            tx += 1
+        elif b == 0:
+            ty += 1
+        elif a == b:
+            c += 1
+        else:
+            d += 1
+    den = np.sqrt((c + d + tx) * (c + d + ty))
+    return np.nan if den == 0 else (c - d) / den
+
+
+def test_em_mia_kendall_prefix_score_matches_definition():
+    rng = np.random.default_rng(0)
+    R = rng.integers(0, 4, size=(7, 7)).astype(float)  # many ties
+    R[3] = 2.0  # a constant row: tau undefined (NaN) -> membership 0
+    f0 = rng.integers(0, 3, size=7).astype(float)
+    np.testing.assert_allclose(E.rowwise_kendall_tau(R, f0), [kendall_tau_b(r, f0) for r in R], equal_nan=True)
+    f = f0.copy()
+    for _ in range(3):  # the official loop: r_p = tau(R[p], f); f = -r; NaN -> 0
+        f = np.nan_to_num(-np.array([kendall_tau_b(r, f) for r in R]), nan=0.0)
+    np.testing.assert_allclose(E.em_mia_scores(R, f0, iters=3, prefix_score="kendall"), f)
+    with pytest.raises(AttackError, match="prefix_score must be one of auc, kendall, rankdist; got 'tau'"):
+        E.em_mia_scores(R, f0, prefix_score="tau")

@@ -6,10 +6,11 @@ import zlib
 import numpy as np
 import pytest
 
-from mia.attacks import AttackError, get, mink as mink_mod, parse_attack
+from mia.attacks import AttackContext, AttackError, get, mink as mink_mod, parse_attack
 from mia.data.examples import Example
 
-from attack_helpers import ctx_with, stat_examples
+from attack_helpers import SETTINGS, ctx_with, make_examples, stat_examples
+from hf_tiny import log_softmax
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -114,3 +115,27 @@ def test_bad_parameters_list_the_valid_ones():
     examples, stats = stat_examples()
     with pytest.raises(AttackError, match=r"k must be in \(0, 1\]"):
         get("mink").fn(ctx_with(examples, stats), k=0.0)
+
+
+# ------------------------------------------------------------------------------------------------ LOSS without EOS
+def test_loss_and_zlib_skip_eos_targets(tiny_model, ref_logits):
+    tok = tiny_model.tokenizer
+    eos = int(tiny_model.config.eos_token_id)
+    data = make_examples(tok, 4, 5, words=(6, 10))
+    for i in (0, 2):  # an end-of-document token inside and at the end of two texts
+        t = data[i].tokens
+        data[i] = Example(data[i].id, np.concatenate([t[:3], [eos], t[3:], [eos]]).astype(np.int32), None, 1)
+    data.append(Example("alleos", np.array([5, eos, eos], np.int32), None, 0))
+    ctx = AttackContext(tiny_model, data, SETTINGS, {}, {})
+
+    def ref(seq, skip):
+        lp = log_softmax(ref_logits(seq))
+        terms = [lp[i - 1, seq[i]] for i in range(1, len(seq)) if not (skip and seq[i] == eos)]
+        return np.mean(terms) if terms else np.nan
+
+    for skip in (False, True):
+        want = np.array([ref(e.tokens, skip) for e in data])
+        np.testing.assert_allclose(get("loss").fn(ctx, skip_eos=skip), want, rtol=1e-5, equal_nan=True)
+        z = np.array([len(__import__("zlib").compress(t.encode())) for t in ctx.texts()])
+        np.testing.assert_allclose(get("zlib").fn(ctx, skip_eos=skip), want / z, rtol=1e-5, equal_nan=True)
+    assert np.isnan(get("loss").fn(ctx, skip_eos=True)[-1])

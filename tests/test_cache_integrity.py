@@ -1,4 +1,4 @@
-"""A cache that cannot lie, atomic outputs, offline by construction (issue 12).
+"""A cache that cannot lie, atomic outputs, offline by construction.
 
 - The score cache is content-addressed: an edit of any weight byte (size and mtime kept), the tokenizer, the config,
   the dtypes or the attention kernel gives another key; a damaged entry is recomputed with one warning line.

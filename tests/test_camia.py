@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from mia.attacks import AttackContext, AttackError, get, parse_attack
-from mia.attacks import camia
-from mia.attacks import camia_signals as cs
+from mia.attacks import AttackContext, AttackError, camia, camia_signals as cs, get, parse_attack
 from mia.data.examples import Example
 from mia.engine.batching import ScoringSettings
 from mia.engine.loop import compute_token_stats
+
+from attack_helpers import SETTINGS, make_examples
 
 RNG = np.random.default_rng(0)
 
@@ -463,3 +463,47 @@ def test_bad_input_messages(tiny_model):
     one_class = _ctx(tiny_model, ev, train=cal)
     with pytest.raises(AttackError, match="got 0 member"):
         get("camia_lr").fn(one_class, components=2, diversity="low")
+
+
+# ------------------------------------------------------------------------------------------------ CAMIA orient=train
+def official_orientation(f_raw, y):
+    """The official rule on named blocks: for each key's [3, N] block, negate when members' mean > non-members'."""
+    names = [n.split("@")[0] for n in camia.FEATURE_NAMES]
+    sign = {}
+    for key in dict.fromkeys(names):
+        cols = [j for j, n in enumerate(names) if n == key]
+        block = f_raw[:, cols].T
+        sign[key] = -1.0 if block.T[y == 1].mean() > block.T[y == 0].mean() else 1.0
+    return np.array([sign[n] for n in names])
+
+
+def test_camia_train_orientation_matches_official_rule():
+    rng = np.random.default_rng(1)
+    y = np.array([0, 1] * 6)
+    f = rng.normal(size=(12, 75)) + np.where(y[:, None] == 1, rng.normal(size=75), 0.0)
+    np.testing.assert_array_equal(camia.train_orientation(f, y), official_orientation(f, y))
+    f[0, 5] = np.nan  # rows with an undefined signal are left out
+    np.testing.assert_array_equal(camia.train_orientation(f, y), official_orientation(f[1:], y[1:]))
+    with pytest.raises(AttackError, match="orient=train needs training members and non-members"):
+        camia.train_orientation(f[y == 1], y[y == 1])
+
+
+@pytest.mark.slow
+def test_camia_orient_train_on_tiny_model(tiny_model):
+    tok = tiny_model.tokenizer
+    ev = make_examples(tok, 6, 7, words=(8, 14))
+    cal = make_examples(tok, 10, 8, words=(8, 14), partition="calib", prefix="c", label=0)
+    train = make_examples(tok, 6, 9, words=(8, 14), partition="train", prefix="t")
+    ctx = AttackContext(tiny_model, ev, SETTINGS, {"calib": cal, "train": train}, {})
+    got = get("camia").fn(ctx, method="edgington", min_calib=10, diversity="low", orient="train")
+    f_tr = camia.features(ctx, train, ctx.stats_for(train), "training")
+    sign = official_orientation(f_tr, np.array([e.label for e in train]))
+    f_ev = camia.features(ctx, ev, ctx.stats(), "evaluated")
+    f_cal = camia.features(ctx, cal, ctx.stats_for(cal), "calibration")
+    np.testing.assert_allclose(got, camia.pvalue_scores(f_ev * sign, f_cal * sign, "edgington"))
+    assert any("orientation learned from 6 labelled 'train' example(s)" in n for n in ctx.notes)
+    with pytest.raises(AttackError, match="orient must be one of label_free, train; got 'labels'"):
+        get("camia").fn(ctx, method="edgington", min_calib=10, diversity="low", orient="labels")
+    no_train = AttackContext(tiny_model, ev, SETTINGS, {"calib": cal}, {})
+    with pytest.raises(AttackError, match="camia:orient=train needs a labelled 'train' partition"):
+        get("camia").fn(no_train, method="edgington", min_calib=10, diversity="low", orient="train")

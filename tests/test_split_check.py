@@ -1,4 +1,4 @@
-"""`mia split check` verifies everything a split claims (issue 12, part 2), and the Megatron / OLMo readers stop bad
+"""`mia split check` verifies everything a split claims, and the Megatron / OLMo readers stop bad
 files with one `error:` line naming the file (exit 2). Each issue example is a test here: a widened member range, a
 changed checkpoint step, a flipped label or edited text, a wrong .idx dtype code, shards in the wrong order."""
 import json
