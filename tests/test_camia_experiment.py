@@ -9,6 +9,9 @@ import pytest
 
 from experiments import camia as exp
 
+from notebook_runner import run_notebook
+from table_check import rendered_again
+
 
 def _testbed_args(request) -> dict:
     """The smoke suite when this checkout has it (``smoke_suite`` fixture), else the smoke testbed."""
@@ -138,6 +141,7 @@ def test_smoke_table1_matches_an_independent_recomputation(camia_smoke):
     assert {r["split"] for r in t2} == {"all (Table 1)", "ngram_7_0.2", "ngram_13_0.2", "ngram_13_0.8"}
 
 
+@pytest.mark.slow  # the whole run twice; the tables' determinism on fixed rows is checked in the default run
 def test_smoke_same_seed_same_tables(camia_smoke, tmp_path):
     out, _, kw = camia_smoke
     exp.run("smoke", tmp_path, progress=False, **kw)
@@ -146,21 +150,25 @@ def test_smoke_same_seed_same_tables(camia_smoke, tmp_path):
         assert (tmp_path / f).read_bytes() == (out / f).read_bytes(), f
 
 
-def test_camia_notebook_runs(camia_smoke, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
+def test_tables_are_a_function_of_the_saved_rows(camia_smoke):
+    same = rendered_again("experiments.camia", camia_smoke[0], ["table1", "table1_values", "table2"])
+    assert same == dict.fromkeys(["report.md", "table1.csv", "table1_values.csv", "table2.csv"], True)
 
+
+def test_camia_notebook_computes_the_tables(camia_smoke, monkeypatch):
+    """The notebook's AUC/TPR tables are the run's Table 1 values, and it draws its two figures."""
     out, _, _ = camia_smoke
-    nb_path = Path(__file__).parent.parent / "notebooks" / "camia.ipynb"
-    nb = nbformat.read(nb_path, as_version=4)
-    monkeypatch.setenv("MIA_CAMIA_RESULTS", str(out))
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(nb_path.parent)}}).execute()
-    text = "".join(o.get("text", "") + json.dumps(o.get("data", {}).get("text/plain", ""))
-                   for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "CAMIA (George)" in text
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) >= 2
+    ns, shown, printed = run_notebook("camia", monkeypatch, {"MIA_CAMIA_RESULTS": out})
+    values = json.loads((out / "table1_values.json").read_text())["rows"]
+    assert len(values) > 0
+    for r in values:  # cells read "mean ± sd": AUC to 3 decimals, TPR in percent to 2
+        row = exp.DISPLAY.get(r["method"], r["method"])
+        assert float(ns["auc"].loc[row, r["dataset"]].split(" ± ")[0]) == pytest.approx(r["auc"], abs=5.01e-4), r
+        assert float(ns["tpr"].loc[row, r["dataset"]].split(" ± ")[0]) == pytest.approx(100 * r["tpr"], abs=5.01e-3), r
+    assert ns["auc"].shape == (len({r["method"] for r in values}), len({r["dataset"] for r in values}))
+    assert ns["summary"]["model"]["description"] in printed
+    assert any(o is ns["auc"] for o in shown) and any(o is ns["tpr"] for o in shown)
+    assert len(shown.images()) >= 2
 
 
 # ------------------------------------------------------------------------------------------------ MIMIR files

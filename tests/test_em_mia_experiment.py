@@ -9,6 +9,9 @@ import pytest
 
 from experiments import em_mia as exp
 
+from notebook_runner import run_notebook
+from table_check import rendered_again
+
 
 @pytest.fixture(scope="session")
 def em_mia_smoke(request, tmp_path_factory):
@@ -74,6 +77,7 @@ def test_smoke_six_splits_and_tables(em_mia_smoke):
             assert row[name] == pytest.approx(_auc(sc, y), abs=1e-12), (name, label)
 
 
+@pytest.mark.slow  # the whole run twice; the tables' determinism on fixed rows is checked in the default run
 def test_smoke_same_seed_same_tables(em_mia_smoke, tmp_path):
     """A second run gives the same tables byte for byte (the MiniLM embeddings of the pool are reused, for time: the
     pool itself is drawn again and must match their ids)."""
@@ -87,21 +91,32 @@ def test_smoke_same_seed_same_tables(em_mia_smoke, tmp_path):
         assert rows(tmp_path) == rows(out), name
 
 
-def test_em_mia_notebook_runs(em_mia_smoke, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
+def test_tables_are_a_function_of_the_saved_rows(em_mia_smoke):
+    same = rendered_again("experiments.em_mia", em_mia_smoke[0], ["table_auc", "table_tpr", "values"])
+    assert same == dict.fromkeys(["report.md", "table_auc.csv", "table_tpr.csv", "values.csv"], True)
 
-    out, _, _ = em_mia_smoke
-    nb_path = Path(__file__).parent.parent / "notebooks" / "em_mia.ipynb"
-    nb = nbformat.read(nb_path, as_version=4)
-    monkeypatch.setenv("MIA_EM_MIA_RESULTS", str(out))
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(nb_path.parent)}}).execute()
-    text = "".join(o.get("text", "") + json.dumps(o.get("data", {}).get("text/plain", ""))
-                   for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "EM-MIA (init Loss)" in text
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) >= 2
+
+def test_em_mia_notebook_computes_the_tables(em_mia_smoke, monkeypatch):
+    """The notebook's AUC table equals the AUC recomputed here from the run's scores files; TPR as in values.json."""
+    out, s, _ = em_mia_smoke
+    ns, shown, _ = run_notebook("em_mia", monkeypatch, {"MIA_EM_MIA_RESULTS": out})
+    auc, tpr = ns["auc"], ns["tpr"]
+    checked = 0
+    for m in (t["name"] for t in s["models"]):
+        for split in exp.SPLITS:
+            lines = [json.loads(x) for x in (out / "scores" / m / f"{split}.jsonl").read_text().splitlines()]
+            y = np.array([x["label"] for x in lines])
+            for lbl in lines[0]["scores"]:
+                v = np.array([np.nan if x["scores"][lbl] is None else x["scores"][lbl] for x in lines], float)
+                ok = np.isfinite(v)
+                assert auc.loc[(m, exp.display(lbl)), split] == pytest.approx(_auc(v[ok], y[ok]), abs=1e-12)
+                checked += 1
+    assert checked >= 6 * 2 and any(m.startswith("EM-MIA") for _, m in auc.index)
+    for r in json.loads((out / "values.json").read_text())["rows"]:
+        got = tpr.loc[(r["model"], r["method"]), r["split"]]
+        assert (np.isnan(got) if r["tpr_at_1pct_fpr"] is None else got == r["tpr_at_1pct_fpr"]), r
+    assert any(o is not None and getattr(o, "shape", None) == auc.shape for o in shown)
+    assert len(shown.images()) >= 2
 
 
 # ------------------------------------------------------------------------------------------------ bad input
