@@ -10,10 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sklearn.metrics import roc_auc_score
 
 from experiments import checkmiabench as cmb, curves
 
+from notebook_runner import run_notebook
 from order_files import LAYOUT_B, LAYOUT_END, LAYOUT_STEP, pythia_layout
+from table_check import rendered_again
 
 TABLE_FILES = [f"{stem}.{ext}" for stem in ("blind", "blind_runs", "attacks", "recency", "scale")
                for ext in ("md", "csv", "tex", "json")] + ["report.md", "summary.json"]
@@ -30,17 +33,13 @@ def _smoke_source(request) -> dict:
 
 @pytest.fixture(scope="session")
 def cmb_smoke(request, tmp_path_factory):
-    """``--preset smoke`` run twice with the same seed (the second reuses the on-disk caches); shared by the
-    end-to-end, determinism and notebook tests."""
-    src = _smoke_source(request)
-    root = tmp_path_factory.mktemp("checkmiabench")
-    a = cmb.run("smoke", root / "a", progress=False, **src)
-    b = cmb.run("smoke", root / "b", progress=False, **src)
-    return root / "a", root / "b", a, b
+    """``--preset smoke`` run once -> (results dir, summary); shared by the end-to-end, table and notebook tests."""
+    out = tmp_path_factory.mktemp("checkmiabench") / "a"
+    return out, cmb.run("smoke", out, progress=False, **_smoke_source(request))
 
 
 def test_smoke_end_to_end(cmb_smoke):
-    out, _, s, _ = cmb_smoke
+    out, s = cmb_smoke
     for f in TABLE_FILES + ["recency.png", "manifest.json", "timings.json"]:
         assert (out / f).exists() and (out / f).stat().st_size > 0, f
     models = [t["model"] for t in s["targets"]]
@@ -85,11 +84,21 @@ def test_smoke_end_to_end(cmb_smoke):
     assert all(l["index"] < s["targets"][0]["step"] * 16 for l in lines if l["label"] == 1)
 
 
-def test_same_seed_same_tables_byte_for_byte(cmb_smoke):
-    a, b, _, _ = cmb_smoke
+@pytest.mark.slow
+def test_same_seed_same_tables_byte_for_byte(request, cmb_smoke, tmp_path):
+    a = cmb_smoke[0]
+    b = tmp_path / "b"
+    cmb.run("smoke", b, progress=False, **_smoke_source(request))
     for f in TABLE_FILES + [p.relative_to(a).as_posix() for p in sorted((a / "splits").glob("*"))]:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
     assert "timings" not in (a / "summary.json").read_text()
+
+
+def test_tables_are_a_function_of_the_saved_rows(cmb_smoke):
+    """report.md and every table CSV rendered again from summary/table rows, under another string-hash seed."""
+    same = rendered_again("experiments.checkmiabench", cmb_smoke[0],
+                          ["blind", "blind_runs", "attacks", "recency", "scale"])
+    assert same and all(same.values()), same
 
 
 def test_curves_rebinned_from_saved_scores(cmb_smoke, tmp_path, capsys):
@@ -99,7 +108,7 @@ def test_curves_rebinned_from_saved_scores(cmb_smoke, tmp_path, capsys):
     assert curves.main([str(out), "--bins", "4", "--bootstrap", "50"]) == 0
     assert capsys.readouterr().out.startswith("Recency: ")
     rows = json.loads((out / "recency.json").read_text())["rows"]
-    s = cmb_smoke[2]
+    s = cmb_smoke[1]
     last = max(t["step"] for t in s["targets"])  # the LL/zlib ratio runs at the last checkpoint only
     per_target = [len(s["attacks_run"]) - (t["step"] != last) for t in s["targets"]]
     assert len(rows) == 4 * sum(per_target) and {r["bin"] for r in rows} == {0, 1, 2, 3}
@@ -108,22 +117,28 @@ def test_curves_rebinned_from_saved_scores(cmb_smoke, tmp_path, capsys):
     assert "not a checkmiabench results directory" in capsys.readouterr().err
 
 
-def test_notebook_runs(cmb_smoke):
-    import nbformat
-    from nbclient import NotebookClient
-
-    nb_path = Path(__file__).parent.parent / "notebooks" / "checkmiabench.ipynb"
-    nb = nbformat.read(nb_path, as_version=4)
-    os.environ["MIA_CHECKMIABENCH_DIR"] = str(cmb_smoke[0])
-    try:
-        NotebookClient(nb, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": str(nb_path.parent)}}).execute()
-    finally:
-        os.environ.pop("MIA_CHECKMIABENCH_DIR", None)
-    outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-    text = "".join(o.get("text", "") + o.get("data", {}).get("text/markdown", "") for o in outs)
-    assert "BoW (tokens)" in text and "loss" in text and "Recency" in text
-    assert sum("image/png" in o.get("data", {}) for o in outs) >= 2  # recency and scale (or ROC) plots
+def test_notebook_computes_the_tables(cmb_smoke, monkeypatch):
+    """The notebook reads this run (not another), orders models by size, shows every AUC ± SE of the attack table
+    and the blind rows, draws the plots, and its ROC scores give the saved AUC of their target."""
+    out, s = cmb_smoke
+    ns, shown, printed = run_notebook("checkmiabench", monkeypatch, {"MIA_CHECKMIABENCH_DIR": out})
+    assert ns["S"] == json.loads((out / "summary.json").read_text())
+    by_size = sorted(s["targets"], key=lambda t: t["params"])
+    assert ns["models"] == list(dict.fromkeys(t["model"] for t in by_size))
+    text = shown.text()
+    for r in s["attacks"]:
+        if r.get("auc") is not None:
+            assert f"{r['auc']:.3f} ± {r['auc_se']:.3f}" in text, r
+    for r in s["blind"]:
+        assert r["method"] in text
+    assert s["findings"]["scale"] in printed and s["findings"]["recency"] in printed
+    assert len(shown.images()) >= 3  # recency, scale, ROC
+    target = ns["target"]
+    assert target == max(s["targets"], key=lambda t: (t["step"], t["params"]))
+    saved = {r["method"]: r["auc"] for r in s["attacks"]
+             if (r["model"], r["step"]) == (target["model"], target["step"]) and r.get("auc") is not None}
+    for method, auc in saved.items():
+        assert roc_auc_score(ns["labels"], ns["scores"][method]) == pytest.approx(auc, abs=1e-9), method
 
 
 # ----------------------------------------------------------------------------------------------- curves math
@@ -208,7 +223,8 @@ def test_pythia_layout_end_to_end(tiny_neox_dir, tmp_path):
     vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
     models, shards, idx, rows = pythia_layout(tmp_path, tiny_neox_dir, vocab)
     out = tmp_path / "out"
-    argv = ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP), "--batch-size", str(LAYOUT_B),
+    argv = ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP),
+            "--batch-size", str(LAYOUT_B),
             "--end-step", str(LAYOUT_END), "--n-members", "20", "--n-train", "20", "--n-prefix", "0",
             "--attacks", "loss,mink:k=0.1", "--no-blind", "--bootstrap", "50", "--no-progress",
             "--out", str(out)]
