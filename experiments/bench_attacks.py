@@ -69,7 +69,8 @@ def main(argv=None):
     ap.add_argument("--gen-samples", type=int, default=4, help="samples per prompt (SaMIA's n)")
     ap.add_argument("--gen-new", type=int, default=64, help="new tokens per sample")
     ap.add_argument("--pac-n", type=int, default=10)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: recall,conrecall,em,mope,generate,variants")
+    ap.add_argument("--skip", default="",
+                    help="comma list of parts to skip: recall,conrecall,em,mope,generate,variants")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
@@ -245,7 +246,8 @@ def main(argv=None):
     for name, ours, plain, diff in results:
         print(f"{name:<62} {ours:8.2f} {plain:8.2f} {plain / ours:9.2f}x {diff:12.2e}")
     for name, ours, theirs, compile_s in gen_rows:
-        print(f"\n{'generation (tokens/s, one timed run after a warm-up)':<62} {'mia':>8} {'HF torch':>8} {'mia/HF':>10} "
+        print(f"\n{'generation (tokens/s, one timed run after a warm-up)':<62} {'mia':>8} {'HF torch':>8} "
+              f"{'mia/HF':>10} "
               f"{'compile s':>12}")
         print(f"{name:<62} {ours:8.0f} {theirs:8.0f} {ours / theirs:9.2f}x {compile_s:12.1f}")
     print(f"\n{'compiled call (XLA memory estimate)':<62} {'peak':>10}")

@@ -3,7 +3,8 @@
 A cache of ``--cached`` examples (lengths uniform in [10, 80) tokens, parts of 256 examples, as the scoring engine
 writes them) is read back by a run that needs ``--need`` of them, two ways side by side:
 
-  baseline  the reader of mia 38bd59c (``StatsCache.__init__`` before the per-part index): every .npz part of the namespace
+  baseline  the reader of mia 38bd59c (``StatsCache.__init__`` before the per-part index): every .npz part of the
+  namespace
             read whole, every example kept as a view into its part's arrays
   mia       ``mia.engine.StatsCache.lookup``: every part's index, then one contiguous read per needed example,
             copied into arrays of exactly its length

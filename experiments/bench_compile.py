@@ -6,7 +6,8 @@ For a tiny-width random GPT-NeoX of each depth, lowers and compiles ``scoring.to
 jitted program) and prints the number of instructions in XLA's optimised HLO and the lower+compile seconds. With
 stacked (scanned) layers the program does not grow with depth; a Python list of layers grows linearly.
 
-Then (when ``mia.engine.compile_cache`` exists) it compiles the same program in two fresh processes sharing one new cache
+Then (when ``mia.engine.compile_cache`` exists) it compiles the same program in two fresh processes sharing one new
+cache
 directory: the first writes the cache (cold), the second reads it (warm). Timings are single runs; say whether the
 machine was shared when you quote them.
 """
@@ -66,9 +67,23 @@ def cold_warm(args, layers: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         for label in ("cold (empty cache)", "warm (cache filled)"):
-            cmd = [sys.executable, "-m", "experiments.bench_compile", "--child-layers", str(layers), "--cache-dir", cache,
-                   "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--batch", str(args.batch),
-                   "--length", str(args.length)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "experiments.bench_compile",
+                "--child-layers",
+                str(layers),
+                "--cache-dir",
+                cache,
+                "--hidden",
+                str(args.hidden),
+                "--vocab",
+                str(args.vocab),
+                "--batch",
+                str(args.batch),
+                "--length",
+                str(args.length),
+            ]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
             rows.append({"run": label, **json.loads(out.stdout.strip().splitlines()[-1])})
     return rows

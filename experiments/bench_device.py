@@ -1,4 +1,5 @@
-"""Device check: token stats of a Pythia-1B-shaped random model in bf16, ours (jit) vs transformers PyTorch, same device.
+"""Device check: token stats of a Pythia-1B-shaped random model in bf16, ours (jit) vs transformers PyTorch, same
+device.
 
     python -m experiments.bench_device [--batch 8 --length 2048 --dtype bfloat16 --peak-tflops X]
     python -m experiments.bench_device --layers 2 --batch 1 --length 256      # a quick look on a CPU
@@ -108,7 +109,11 @@ def main(argv=None):
 
     m = (mask[:, 1:] * mask[:, :-1]).astype(bool)
     diff = np.abs(np.asarray(ours_out["logprob"]) - theirs[0].float().cpu().numpy())[m]
-    flops = forward_flops_per_token(args.hidden, args.layers, 4 * args.hidden, args.vocab, args.length) * batch * args.length
+    flops = (
+        forward_flops_per_token(args.hidden, args.layers, 4 * args.hidden, args.vocab, args.length)
+        * batch
+        * args.length
+    )
     peak = args.peak_tflops or peak_tflops(device.device_kind)
 
     def mfu(seconds):

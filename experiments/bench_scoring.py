@@ -91,7 +91,8 @@ def main(argv=None):
           f"jax {jax.__version__} on {jax.devices()[0].platform}")
     print(f"{'engine':<36} {'best s':>8} {'median s':>9} {'tokens/s':>10}")
     print(f"{'mia (jit, vocab-chunked)':<36} {ours_best:8.3f} {ours_med:9.3f} {real_tokens / ours_best:10.0f}")
-    print(f"{'transformers PyTorch eager no_grad':<36} {torch_best:8.3f} {torch_med:9.3f} {real_tokens / torch_best:10.0f}")
+    print(f"{'transformers PyTorch eager no_grad':<36} {torch_best:8.3f} {torch_med:9.3f} "
+          f"{real_tokens / torch_best:10.0f}")
     print(f"speed-up (torch best / mia best): {torch_best / ours_best:.2f}x   (mia compile once: {compile_s:.1f}s)")
     print(f"max |logprob difference| on real tokens: {diff:.2e}")
 

@@ -266,7 +266,8 @@ def mimir_index(root) -> dict:
             if m and other.exists():
                 found.setdefault((m.group("domain"), m.group("split") or "none"), (f, other))
     if not found:
-        raise ExperimentError(f"--mimir {root}: no MIMIR files (expected {MIMIR_CACHES[0]}/train/<domain>_<split>.jsonl "
+        raise ExperimentError(f"--mimir {root}: no MIMIR files (expected "
+                              f"{MIMIR_CACHES[0]}/train/<domain>_<split>.jsonl "
                               "with the same name under test/)")
     return found
 
@@ -706,8 +707,11 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
     config = {"preset": preset, "settings": dataclasses.asdict(p), "step": c, "member": target.name,
               "domains": list(results), "memorize": dial, "mlm": mlm, "bootstrap": bootstrap,
               "testbed": tb.config.to_dict(), "pool": pool}
-    hashes = {"order_bin_sha256": tb.manifest["data"]["bin"]["sha256"], "corpus_sha256": tb.manifest["corpus"]["sha256"],
-              "model_sha256": sha_file(Path(model_dir) / "model.safetensors")}
+    hashes = {
+        "order_bin_sha256": tb.manifest["data"]["bin"]["sha256"],
+        "corpus_sha256": tb.manifest["corpus"]["sha256"],
+        "model_sha256": sha_file(Path(model_dir) / "model.safetensors"),
+    }
     paths = {"testbed": str(tb.root.resolve()), "model": str(Path(model_dir).resolve())}
     return _finish(p, out, results, counts, t2, setting=f"testbed {preset}, member {target.name}", model_desc=mdesc,
                    info=info, info_keys=["documents", "mean_share"], skipped=skipped, notes=notes, config=config,
@@ -780,14 +784,16 @@ def build_parser():
     g = ap.add_argument_group("testbed (default)")
     g.add_argument("--testbed", action="append", default=[], help="a testbed directory instead of the suite")
     g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
-    g.add_argument("--member", default=None, help="target suite member: middle (default), largest, smallest or a size name; the smallest is "
+    g.add_argument("--member", default=None,
+                   help="target suite member: middle (default), largest, smallest or a size name; the smallest is "
                                                   "the Reference baseline's model")
     g.add_argument("--step", type=V.arg_int(1), default=None, help="checkpoint to evaluate (default: the last)")
     g.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
                    help="memorization dial: train the checkpoint E more epochs on the chosen member rows")
     g.add_argument("--n-domains", type=V.arg_int(1), default=None, help="the largest N domains (default per preset)")
     g.add_argument("--n-members", type=V.arg_int(1), default=None, help="members per domain (default per preset)")
-    g.add_argument("--n-nonmembers", type=V.arg_int(1), default=None, help="non-members per domain (default per preset)")
+    g.add_argument("--n-nonmembers", type=V.arg_int(1), default=None,
+                   help="non-members per domain (default per preset)")
     r = ap.add_argument_group("MIMIR files and a real model")
     r.add_argument("--mimir", default=None, help="MIMIR directory (cache_100_200_1000_512/{train,test}/*.jsonl)")
     r.add_argument("--model", default=None, help="local model directory (HF layout, safetensors)")
@@ -796,7 +802,8 @@ def build_parser():
     r.add_argument("--table2-domains", default=None, help="domains whose other n-gram splits make Table 2 "
                                                           "(default: every Table 1 domain; comma list)")
     r.add_argument("--max-per-class", type=V.arg_int(1), default=None, help="subsample each MIMIR file to N texts")
-    ap.add_argument("--domains", default=None, help="comma list of domains (testbed: top-level names; MIMIR: arxiv, ...)")
+    ap.add_argument("--domains", default=None,
+                    help="comma list of domains (testbed: top-level names; MIMIR: arxiv, ...)")
     ap.add_argument("--draws", type=V.arg_int(1), default=None, help="calibration draws (default 10)")
     ap.add_argument("--mlm", default=None, help="local BERT MLM directory for the Neighborhood baseline")
     ap.add_argument("--no-blind", action="store_true", help="skip the blind baseline")

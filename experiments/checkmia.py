@@ -98,13 +98,22 @@ _fmt = fmt
 def report_markdown(s: dict) -> str:
     L = [f"# CheckMIA on the testbed ({s['testbed']['preset']} preset)", ""]
     sp = s["split"]
-    L += [f"Model: checkpoint `step{sp['step']}`" + (f" + memorization dial ({s['memorize']['epochs']} epochs over the "
-                                                    f"split's {s['memorize']['n_rows']} members)" if s.get("memorize") else "")
-          + f" of testbed `{s['testbed']['root']}` (config {s['testbed']['config_hash']}).",
-          f"Split: {sp['counts']['members']} members from steps [0, {sp['step']}) and {sp['counts']['nonmembers']} "
-          f"non-members from steps [{sp['step']}, {sp['epoch_end_step']}) of the first epoch (batch {sp['batch_size']}, "
-          f"rows of {sp['row_len']} tokens, seed {sp['seed']}); evaluated on {sp['n_eval_members']} + "
-          f"{sp['n_eval_nonmembers']} (partition eval).", ""]
+    L += [
+        f"Model: checkpoint `step{sp['step']}`"
+        + (
+            f" + memorization dial ({s['memorize']['epochs']} epochs over the "
+            f"split's {s['memorize']['n_rows']} members)"
+            if s.get("memorize")
+            else ""
+        )
+        + f" of testbed `{s['testbed']['root']}` (config {s['testbed']['config_hash']}).",
+        f"Split: {sp['counts']['members']} members from steps [0, {sp['step']}) and {sp['counts']['nonmembers']} "
+        f"non-members from steps [{sp['step']}, {sp['epoch_end_step']}) of the first epoch (batch "
+        f"{sp['batch_size']}, "
+        f"rows of {sp['row_len']} tokens, seed {sp['seed']}); evaluated on {sp['n_eval_members']} + "
+        f"{sp['n_eval_nonmembers']} (partition eval).",
+        "",
+    ]
     L += ["| Method | AUC | AUC SE | TPR@1%FPR |", "|---|---:|---:|---:|"]
     blind = [r for r in s["rows"] if r.get("kind") == "blind"]
     for r in blind:
@@ -116,8 +125,15 @@ def report_markdown(s: dict) -> str:
     L.append("")
     if s.get("blind_verdict"):
         L += [f"**Blind baselines:** {s['blind_verdict']['text']}", ""]
-    L += ["## Recency", "", "LOSS AUC of members grouped by how many steps before the checkpoint they were trained on, "
-          "against the same non-members.", "", "| Members | steps | n members | AUC | AUC SE |", "|---|---|---:|---:|---:|"]
+    L += [
+        "## Recency",
+        "",
+        "LOSS AUC of members grouped by how many steps before the checkpoint they were trained on, "
+        "against the same non-members.",
+        "",
+        "| Members | steps | n members | AUC | AUC SE |",
+        "|---|---|---:|---:|---:|",
+    ]
     for r in s["recency"]:
         L.append(f"| {r['group']} | [{r['steps'][0]}, {r['steps'][1]}) | {r['n_members']} | {_fmt(r.get('auc'))} | "
                  f"{_fmt(r.get('auc_se'), 4)} |")
@@ -272,18 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "testbeds/<preset>-<hash> with overrides; built if missing)")
     p.add_argument("--out", default=None, help="results directory (default: results/checkmia-<preset>-<time>)")
     p.add_argument("--step", type=V.arg_int(0), default=None, help="checkpoint c to evaluate (default: the last)")
-    p.add_argument("--n-members", type=V.arg_int(1), default=None, help="members in the eval partition (default per preset)")
-    p.add_argument("--n-nonmembers", type=V.arg_int(1), default=None, help="non-members in the eval partition (default = --n-members)")
-    p.add_argument("--n-train", type=V.arg_int(0), default=None, help="per class, partition train (blind classifiers, camia_lr)")
+    p.add_argument("--n-members", type=V.arg_int(1), default=None,
+                   help="members in the eval partition (default per preset)")
+    p.add_argument("--n-nonmembers", type=V.arg_int(1), default=None,
+                   help="non-members in the eval partition (default = --n-members)")
+    p.add_argument("--n-train", type=V.arg_int(0), default=None,
+                   help="per class, partition train (blind classifiers, camia_lr)")
     p.add_argument("--n-calib", type=V.arg_int(0), default=None, help="non-members in partition calib (CAMIA)")
     p.add_argument("--n-prefix", type=V.arg_int(0), default=None, help="non-members in partition prefix (ReCaLL)")
     p.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
-                   help="memorization dial: train checkpoint c E more epochs on the split's members only and evaluate that")
+                   help="memorization dial: train checkpoint c E more epochs on the split's members only and evaluate "
+                        "that")
     p.add_argument("--attacks", default=None, help="'all', or NAME[:k=v,...] list (default: every registered attack "
                                                    "except ref/mlm ones, the O(N^2) em_mia, recall_avg, and with "
                                                    "--preset default the slow camia, camia_lr, samia, samia_zlib)")
     p.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
-    p.add_argument("--corpus", default=None, help="corpus for a new testbed: directory or .jsonl/.parquet (default: stdlib)")
+    p.add_argument("--corpus", default=None,
+                   help="corpus for a new testbed: directory or .jsonl/.parquet (default: stdlib)")
     p.add_argument("--train-steps", type=V.arg_int(1), default=None, help="testbed override: steps to train")
     p.add_argument("--batch-size", type=V.arg_int(1), default=None, help="testbed override: rows per step")
     p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0, help="split, partition and bootstrap seed")
@@ -316,13 +337,32 @@ def main(argv=None) -> int:
     overrides = {k: v for k, v in (("corpus", args.corpus), ("train_steps", args.train_steps),
                                    ("batch_size", args.batch_size)) if v is not None}
     status, s = run_main(
-        lambda: check_args(args) and run(args.preset, args.out, testbed_dir=args.testbed, step=args.step, n_members=args.n_members,
-                    n_nonmembers=args.n_nonmembers, n_train=args.n_train, n_calib=args.n_calib,
-                    n_prefix=args.n_prefix, memorize_epochs=args.memorize_epochs, attacks=args.attacks,
-                    blind=not args.no_blind, seed=args.seed, bootstrap=args.bootstrap,
-                    progress=not args.no_progress, testbed_overrides=overrides, argv=argv),
-        debug=args.debug, compile_cache=not args.no_compile_cache,
-        on_interrupt="interrupted; rerun the same command: the testbed resumes and finished scoring batches are cached")
+        lambda: (
+            check_args(args)
+            and run(
+                args.preset,
+                args.out,
+                testbed_dir=args.testbed,
+                step=args.step,
+                n_members=args.n_members,
+                n_nonmembers=args.n_nonmembers,
+                n_train=args.n_train,
+                n_calib=args.n_calib,
+                n_prefix=args.n_prefix,
+                memorize_epochs=args.memorize_epochs,
+                attacks=args.attacks,
+                blind=not args.no_blind,
+                seed=args.seed,
+                bootstrap=args.bootstrap,
+                progress=not args.no_progress,
+                testbed_overrides=overrides,
+                argv=argv,
+            )
+        ),
+        debug=args.debug,
+        compile_cache=not args.no_compile_cache,
+        on_interrupt="interrupted; rerun the same command: the testbed resumes and finished scoring batches are cached",
+    )
     if status:
         return status
     print(report_markdown(s))

@@ -42,7 +42,7 @@ from mia.validate import arg_int_list
 from experiments import curves
 from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
-                                draw_olmo_split, draw_pythia_split, draw_testbed_split, experiment_parser, 
+                                draw_olmo_split, draw_pythia_split, draw_testbed_split, experiment_parser,
                                 olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,
                                 score_split, select_attacks, select_pythia, sha_file, size_name, write_json,
                                 write_manifest, write_tables)
@@ -550,19 +550,22 @@ def build_parser():
     r.add_argument("--olmo", default=None, help="OLMo checkpoint directory (or a directory of stepN[-tokens...]/)")
     r.add_argument("--global-indices", default=None, help="OLMo: global_indices.npy (raw uint32)")
     r.add_argument("--data-paths", default=None, help="OLMo: text file listing the token files in order")
-    r.add_argument("--gap", type=V.arg_int(0), default=None, help="steps left out on each side of the checkpoint (paper preset: "
+    r.add_argument("--gap", type=V.arg_int(0), default=None,
+                   help="steps left out on each side of the checkpoint (paper preset: "
                                                          "10; else 0)")
     r.add_argument("--end-step", type=V.arg_int(1), default=None, help="non-members up to this step (Pythia: 98500)")
     r.add_argument("--batch-size", type=V.arg_int(1), default=None, help="rows per step (Pythia 1024, OLMo 2160)")
     r.add_argument("--seq-len", type=V.arg_int(2), default=2048, help="OLMo instance length (2048)")
     s = p.add_argument_group("what to run")
     s.add_argument("--sizes", default=None, help="model sizes to evaluate, comma-separated (default: all)")
-    s.add_argument("--steps", type=arg_int_list(1), default=None, help="checkpoints, comma-separated (default: every saved one for the "
+    s.add_argument("--steps", type=arg_int_list(1), default=None,
+                   help="checkpoints, comma-separated (default: every saved one for the "
                                                  "suite; 97000 Pythia; 400000 OLMo)")
     s.add_argument("--attacks", default=None, help="attack list NAME[:k=v,...] (default: the preset's)")
     s.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
     s.add_argument("--blind-features", default=None, help="comma-separated of bow,tfidf,w2v,bert (default: preset's)")
-    s.add_argument("--n-members", type=V.arg_int(1), default=None, help="evaluated members (= non-members) per checkpoint")
+    s.add_argument("--n-members", type=V.arg_int(1), default=None,
+                   help="evaluated members (= non-members) per checkpoint")
     s.add_argument("--n-train", type=V.arg_int(0), default=None, help="blind-classifier training examples per class")
     s.add_argument("--n-prefix", type=V.arg_int(0), default=None, help="non-members set aside for ReCaLL prefixes")
     s.add_argument("--n-calib", type=V.arg_int(0), default=None, help="non-members set aside for CAMIA calibration")

@@ -15,7 +15,8 @@ Attacks          ``select_attacks`` (registry names and ``NAME:k=v`` specs, by c
                  skipped), ``score_split`` (``mia.score`` of a split's eval partition; metrics, scores files and
                  JSON come from ``ScoreRun``, ``mia.metrics`` and ``mia.report``).
 Blind baselines  ``run_blind_baselines`` (``mia.blind`` per feature, and the shift verdict).
-Outputs          ``write_tables`` (md / CSV / LaTeX / JSON via ``mia.report``), ``plot_roc``, ``plot_lines`` (curves with bands), ``write_manifest`` (config, seeds, hashes,
+Outputs          ``write_tables`` (md / CSV / LaTeX / JSON via ``mia.report``), ``plot_roc``, ``plot_lines`` (curves
+with bands), ``write_manifest`` (config, seeds, hashes,
                  versions), ``Timings`` (written to ``timings.json``).
 
 Determinism: with the same inputs and seed, every table (md, csv, tex, json) and report an experiment writes is the
@@ -428,7 +429,8 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
 
     Members: rows [0, step*B); non-members: rows [step*B, end_step*B), end_step = the first epoch's end by default.
     Drawn without replacement by ``mia.data.pythia.draw_checkpoint_split`` with the model's vocabulary
-    (``testbed_vocab_size``: an id outside it stops, naming the row); partitions by ``mia.data.splits.assign_partitions``.
+    (``testbed_vocab_size``: an id outside it stops, naming the row); partitions by
+    ``mia.data.splits.assign_partitions``.
     ``allow_fewer`` shrinks the partitions to what the ranges hold (with a note) instead of stopping.
     """
     B, epoch_end = tb.batch_size, tb.epoch_steps

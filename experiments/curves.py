@@ -154,7 +154,6 @@ def scale_sentence(trends: Sequence[Mapping], model_free: Sequence[str] = ()) ->
     ts = [t for t in trends if t["method"] not in model_free]
     if not ts:
         return "Scale: fewer than two model sizes were evaluated, so there is no scale trend to report."
-    up = [t for t in ts if t["delta"] > 0]
     mono = [t for t in ts if t["increasing"]]
     sig = [t for t in ts if t["delta"] > 0 and t["z"] >= 2]
     steps = sorted({t["step"] for t in ts})

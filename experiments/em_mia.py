@@ -533,7 +533,8 @@ def build_parser():
     g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
     g.add_argument("--member", default=None, help="suite members to evaluate: middle (default), largest, smallest, "
                                                   "all or size names; the smallest member is the others' Ref")
-    g.add_argument("--step", type=V.arg_int(1), default=None, help="checkpoint (testbed: default the last; OLMo: default the "
+    g.add_argument("--step", type=V.arg_int(1), default=None,
+                   help="checkpoint (testbed: default the last; OLMo: default the "
                                                           "non-member start, 400000)")
     g.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
                    help="memorization dial: train each member E more epochs on the pool's member rows")

@@ -26,19 +26,24 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face-layout model directory, or ORG/NAME[@REVISION] "
                                                   "from the Hugging Face cache (offline; docs/models.md)")
     p.add_argument("--data", required=True, help="JSONL examples or a split file")
-    p.add_argument("--attacks", default="loss", help="comma-separated, each NAME[:key=value,...]; `mia attacks` lists them")
+    p.add_argument("--attacks", default="loss",
+                   help="comma-separated, each NAME[:key=value,...]; `mia attacks` lists them")
     p.add_argument("--out", required=True, help="output JSONL, one line per evaluated example")
-    p.add_argument("--max-length", type=V.arg_int(2), default=None, help="truncate to this many tokens (default: model context)")
+    p.add_argument("--max-length", type=V.arg_int(2), default=None,
+                   help="truncate to this many tokens (default: model context)")
     p.add_argument("--skip-invalid", action="store_true", help="record unusable lines (empty, <2 tokens) and continue")
     p.add_argument("--prefix-data", help="JSONL of non-members for ReCaLL prefixes (disjoint from --data)")
-    p.add_argument("--member-prefix-data", help="JSONL of known members for Con-ReCaLL's member prefix (disjoint from --data)")
+    p.add_argument("--member-prefix-data",
+                   help="JSONL of known members for Con-ReCaLL's member prefix (disjoint from --data)")
     p.add_argument("--calib-data", help="JSONL of calibration non-members for CAMIA p-values (disjoint from --data)")
-    p.add_argument("--train-data", help="JSONL of labelled training examples for learned combiners (disjoint from --data)")
+    p.add_argument("--train-data", help="JSONL of labelled training examples for learned combiners (disjoint from "
+                                        "--data)")
     p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
     p.add_argument("--freq-corpus", help="local corpus (.jsonl with text|tokens, or plain text, one document a line) "
                                          "for the `dcpdd` token frequencies (default: the calib partition)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="precision (docs/models.md#precision)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="precision (docs/models.md#precision)")
     p.add_argument("--batch-tokens", type=V.arg_int(1), default=16384,
                    help="padded tokens per batch per data-parallel device (8 devices on `data`: 8x the rows)")
     p.add_argument("--mesh", default=None, metavar="AXES",
@@ -56,7 +61,8 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--cache-dir", default=None, help="on-disk cache of model outputs (default: ~/.cache/mia)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk cache")
     p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
-    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000, help="bootstrap resamples for the AUC standard error")
+    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000,
+                   help="bootstrap resamples for the AUC standard error")
     p.add_argument("--no-progress", action="store_true")
     d = p.add_argument_group("document-level inference (docs/attacks.md#documents)")
     d.add_argument("--documents", action="store_true",
@@ -173,7 +179,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--batch", type=int, default=8, help="rows per step (global, over the mesh's data axis)")
     p.add_argument("--length", type=int, default=2048, help="tokens per row")
-    p.add_argument("--mesh", default=None, help="e.g. data=1,model=8 (default: every device on data, params replicated)")
+    p.add_argument("--mesh", default=None,
+                   help="e.g. data=1,model=8 (default: every device on data, params replicated)")
     p.add_argument("--topology", default=None, help="TPU topology to compile for without a TPU, e.g. v5e:2x4 "
                                                     "(needs the libtpu wheel)")
     p.add_argument("--attack", default="stats", help="the step to plan: stats (the pass every attack shares) or "

@@ -18,7 +18,8 @@ USER_ERRORS = (ValueError, FileNotFoundError, KeyError)  # raised with a one-lin
 
 def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile-cache", action="store_true",
-                        help="do not use the persistent XLA compilation cache (<cache dir>/xla; also MIA_COMPILE_CACHE=0)")
+                        help="do not use the persistent XLA compilation cache (<cache dir>/xla; also "
+                             "MIA_COMPILE_CACHE=0)")
 
 
 def run_for_user(fn: Callable[[], object], *, debug: bool = False, on_interrupt: str = "interrupted",

@@ -1,5 +1,6 @@
 """Document-level membership inference (Meeus et al. 2024, "Did the Neurons Read your Book? Document-level Membership
-Inference for Large Language Models", USENIX Security 2024; code computationalprivacy/document-level-membership-inference).
+Inference for Large Language Models", USENIX Security 2024; code
+computationalprivacy/document-level-membership-inference).
 
 A document is a set of sequences (one JSONL record each, sharing a ``doc_id``). Each sequence has a score from any
 registered attack (HIGHER = MEMBER); the scores of one document become a fixed-length feature vector, and a classifier

@@ -151,7 +151,8 @@ def bootstrap(scores, labels, *, n_resamples: int = 1000, seed: int = 0, stratif
 
 
 def bootstrap_auc_se(scores, labels, n_resamples: int = 1000, seed: int = 0, stratified: bool = False) -> float:
-    """Standard error of the AUC from ``n_resamples`` seeded bootstrap resamples (pooled, or per-class if stratified)."""
+    """Standard error of the AUC from ``n_resamples`` seeded bootstrap resamples (pooled, or per-class if
+    stratified)."""
     return bootstrap(scores, labels, n_resamples=n_resamples, seed=seed, stratified=stratified, fprs=())["auc_se"]
 
 
@@ -162,7 +163,8 @@ def paired_bootstrap_test(scores_a, scores_b, labels, *, metric: str = "auc", n_
     ``metric``: "auc" or an FPR such as 0.01 for TPR@FPR. With Δ = m(A) − m(B) and Δ*_r its bootstrap replicates,
     the null distribution is the centred one, Δ*_r − Δ (Hall & Wilson 1991), and
       two-sided: p = (1 + #{|Δ*_r − Δ| >= |Δ|}) / (R + 1);  "greater" (A better): p = (1 + #{Δ*_r − Δ >= Δ}) / (R + 1).
-    Returns ``{"delta", "se", "ci_low", "ci_high", "p_value", "metric", "alternative", "n_resamples"}`` (95% percentile CI).
+    Returns ``{"delta", "se", "ci_low", "ci_high", "p_value", "metric", "alternative", "n_resamples"}`` (95% percentile
+    CI).
     """
     if alternative not in ("two-sided", "greater", "less"):
         raise MetricError(f"alternative must be 'two-sided', 'greater' or 'less', got {alternative!r}")

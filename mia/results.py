@@ -84,7 +84,9 @@ class ScoreRun:
         """A DataFrame: one row per evaluated example (id, label, one column per attack). Needs pandas."""
         import pandas as pd  # optional dependency
 
-        return pd.DataFrame({"id": self.ids, "label": self.labels, **{k: np.asarray(v) for k, v in self.scores.items()}})
+        return pd.DataFrame(
+            {"id": self.ids, "label": self.labels, **{k: np.asarray(v) for k, v in self.scores.items()}}
+        )
 
 
 def _finite_or_none(x) -> Optional[float]:

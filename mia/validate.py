@@ -75,14 +75,17 @@ def text(value, where: str, *, choices: Optional[Iterable[str]] = None, error=In
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise error(f"{where} is not valid Unicode: a lone surrogate {value[e.start]!r} at character {e.start}") from None
+        raise error(
+            f"{where} is not valid Unicode: a lone surrogate {value[e.start]!r} at character {e.start}"
+        ) from None
     if choices is not None and value not in tuple(choices):
         raise error(f"{where} must be one of {', '.join(map(repr, choices))}; got {value!r}"[:300])
     return value
 
 
 def token_ids(value, where: str, *, error=InputError) -> np.ndarray:
-    """A JSON list (or a 1-D integer array) of token ids -> int32 array; every id an integer in [0, 2**31 - 1] (the vocabulary bound is
+    """A JSON list (or a 1-D integer array) of token ids -> int32 array; every id an integer in [0, 2**31 - 1] (the
+    vocabulary bound is
     checked once the model is known: ``mia.data.examples.out_of_vocab``)."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and (value.dtype.kind in "iu" or value.size == 0):
         if value.size and (int(value.min()) < 0 or int(value.max()) > INT32_MAX):
@@ -336,12 +339,18 @@ def check_config(cfg, source: str, *, error=InputError):
         elif base is str:
             text(v, where, error=error)
     get = lambda *names: next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), None)
-    d, h, kv = get("hidden_size", "n_embd"), get("num_attention_heads", "n_head", "num_heads"), get("num_key_value_heads")
+    d, h, kv = (
+        get("hidden_size", "n_embd"),
+        get("num_attention_heads", "n_head", "num_heads"),
+        get("num_key_value_heads"),
+    )
     head_dim_is_field = any(f.name == "head_dim" for f in dataclasses.fields(cfg))
     if d is not None and h and d % h and not head_dim_is_field:  # head_dim = hidden_size // heads
         raise error(f"{source}: hidden_size {d} is not divisible by num_attention_heads {h}")
     if head_dim_is_field and getattr(cfg, "head_dim") is not None:
-        integer(cfg.head_dim, f"{source}: head_dim (hidden_size // num_attention_heads unless given)", lo=1, error=error)
+        integer(
+            cfg.head_dim, f"{source}: head_dim (hidden_size // num_attention_heads unless given)", lo=1, error=error
+        )
     if kv and h and h % kv:
         raise error(f"{source}: num_attention_heads {h} is not divisible by num_key_value_heads {kv}")
     return cfg

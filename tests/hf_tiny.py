@@ -5,7 +5,8 @@ import numpy as np
 
 
 def save_tiny(hf_config, path, seed: int = 0):
-    """Random-init a transformers CausalLM from ``hf_config``, save it (safetensors) to ``path``; return the torch model."""
+    """Random-init a transformers CausalLM from ``hf_config``, save it (safetensors) to ``path``; return the torch
+    model."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -22,7 +23,9 @@ def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        out = model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long))
+        out = model(
+            input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long)
+        )
     return out.logits.float().numpy()
 
 

@@ -15,7 +15,8 @@ def test_conrecall_matches_numpy(tiny_model, ref_logits):
     tok = tiny_model.tokenizer
     data = make_examples(tok, 4, 0)
     nm = make_examples(tok, 3, 1, words=(2, 5), partition="prefix", prefix="n", label=0)
-    train = make_examples(tok, 6, 2, words=(2, 5), partition="train", prefix="t")  # labels 0, 1, ...: members t1, t3, t5
+    # labels 0, 1, ...: members t1, t3, t5
+    train = make_examples(tok, 6, 2, words=(2, 5), partition="train", prefix="t")
     ctx = AttackContext(tiny_model, data, SETTINGS, {"prefix": nm, "train": train}, {})
     got = get("conrecall").fn(ctx, n=3, gamma=0.6)
     p_nm = np.asarray(tok("".join(e.text for e in nm))["input_ids"])
@@ -36,7 +37,9 @@ def test_conrecall_bad_input(tiny_model):
     nm = make_examples(tok, 4, 1, partition="prefix", prefix="n", label=0)
     train = make_examples(tok, 6, 3, partition="train", prefix="t")  # 3 members
     ctx = AttackContext(tiny_model, data, SETTINGS, {"prefix": nm, "train": train}, {})
-    with pytest.raises(AttackError, match="needs at least 4 member prefix example.*got 3 from the members of the train"):
+    with pytest.raises(
+        AttackError, match="needs at least 4 member prefix example.*got 3 from the members of the train"
+    ):
         get("conrecall").fn(ctx, n=4, gamma=1.0)
     with pytest.raises(AttackError, match="needs at least 5 non-member 'prefix' example"):
         get("conrecall").fn(ctx, n=5, gamma=1.0)

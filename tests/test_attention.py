@@ -77,7 +77,9 @@ def test_blocked_equals_exact(case):
     window, kw = _split(case)
     args, valid = make_inputs(**kw)
     want = _exact(args, window)
-    got = np.asarray(jax.jit(lambda *a: A.blocked_attention(*a, scale=SCALE, window=window, block_q=4, block_k=5))(*args))
+    got = np.asarray(
+        jax.jit(lambda *a: A.blocked_attention(*a, scale=SCALE, window=window, block_q=4, block_k=5))(*args)
+    )
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got[valid], want[valid], atol=1e-5, rtol=0)
 

@@ -79,7 +79,8 @@ def _model_copy(tmp: Path, model: Path, *, config=None, weights: Optional[bytes]
     if callable(config):
         cfg = config(cfg)
     (m / "config.json").write_bytes(cfg if isinstance(cfg, bytes) else json.dumps(cfg).encode())
-    (m / "model.safetensors").write_bytes(weights if weights is not None else (model / "model.safetensors").read_bytes())
+    original = (model / "model.safetensors").read_bytes() if weights is None else weights
+    (m / "model.safetensors").write_bytes(original)
     return m
 
 
@@ -122,7 +123,8 @@ SCORE_CASES = [
     score_case("id-object", _jsonl({"id": {"a": 1}, "text": "a b c"}), ("d.jsonl:1", "'id'")),
     score_case("id-bool", _jsonl({"id": True, "text": "a b c"}), ("d.jsonl:1", "'id'")),
     score_case("id-surrogate", '{"id": "\\udc80", "text": "a b c"}\n', ("d.jsonl:1", "'id'", "surrogate")),
-    score_case("id-duplicate", _jsonl({"id": 1, "text": "a b"}, {"id": "1", "text": "c d"}), ("d.jsonl:2", "duplicate id")),
+    score_case("id-duplicate", _jsonl({"id": 1, "text": "a b"}, {"id": "1", "text": "c d"}),
+               ("d.jsonl:2", "duplicate id")),
     score_case("label-2", _jsonl({"id": 1, "text": "a b", "label": 2}), ("d.jsonl:1", "'label'")),
     score_case("label-bool", _jsonl({"id": 1, "text": "a b", "label": True}), ("d.jsonl:1", "'label'")),
     score_case("label-string", _jsonl({"id": 1, "text": "a b", "label": "1"}), ("d.jsonl:1", "'label'")),
@@ -259,11 +261,13 @@ SCORE_CASES = [
     model_case("config-layers-negative", ("config.json", "'num_hidden_layers'"), config=_set(num_hidden_layers=-1)),
     model_case("config-vocab-huge", ("config.json", "'vocab_size'"), config=_set(vocab_size=2 ** 40)),
     model_case("config-eps-string", ("config.json", "'layer_norm_eps'"), config=_set(layer_norm_eps="1e-5")),
-    model_case("config-flag-string", ("config.json", "'use_parallel_residual'"), config=_set(use_parallel_residual="yes")),
+    model_case("config-flag-string", ("config.json", "'use_parallel_residual'"),
+               config=_set(use_parallel_residual="yes")),
     model_case("config-rope-theta-negative", ("config.json", "rope_theta"), config=_set(rotary_emb_base=-1.0,
                                                                                         rope_theta=-1.0)),
     model_case("config-eos-list-bad", ("config.json", "eos_token_id"), config=_set(eos_token_id=[0, "a"])),
-    model_case("config-context-zero", ("config.json", "max_position_embeddings"), config=_set(max_position_embeddings=0)),
+    model_case("config-context-zero", ("config.json", "max_position_embeddings"),
+               config=_set(max_position_embeddings=0)),
     model_case("config-heads-do-not-divide", ("config.json", "divisible"), config=_set(hidden_size=33)),
     model_case("config-model-type-unknown", ("config.json", "model_type"), config=_set(model_type="mamba")),
     model_case("config-model-type-missing", ("config.json", "model_type"), config=_drop("model_type")),
@@ -321,8 +325,10 @@ BLIND_CASES = [
     Case("blind-alpha-nan", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--alpha", "nan"], ("--alpha",)),
     Case("blind-bootstrap-negative", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--bootstrap", "-3"],
          ("--bootstrap",)),
-    Case("blind-cv-folds-1", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--cv-folds", "1"], ("--cv-folds",)),
-    Case("blind-n-train-0", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--n-train", "0"], ("--n-train",)),
+    Case("blind-cv-folds-1", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--cv-folds", "1"],
+         ("--cv-folds",)),
+    Case("blind-n-train-0", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--n-train", "0"],
+         ("--n-train",)),
     Case("blind-features-empty", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--features", ""],
          ("--features", "empty")),
     Case("blind-feature-unknown", ["blind", "--split", "{tmp}/s.jsonl", "--out", "{tmp}/o", "--features", "bow,tfdf"],
@@ -442,7 +448,8 @@ EXPERIMENT_CASES = [
     Case("camia-step-0", ["camia", "--step", "0", *_O], ("--step",)),
     Case("camia-step-beyond-suite", ["camia", "--preset", "smoke", "--step", "500", *_O], ("--step 500", "(0, 100]")),
     Case("camia-testbed-is-file", ["camia", "--testbed", "{tmp}/f", *_O], ("--testbed", "is a file")),
-    Case("camia-mimir-missing", ["camia", "--mimir", "{tmp}/none", "--model", "{model}", *_O], ("--mimir", "not found")),
+    Case("camia-mimir-missing", ["camia", "--mimir", "{tmp}/none", "--model", "{model}", *_O],
+         ("--mimir", "not found")),
     Case("camia-mimir-is-file", ["camia", "--mimir", "{tmp}/f", "--model", "{model}", *_O], ("--mimir", "is a file")),
     Case("camia-mimir-no-files", ["camia", "--mimir", "{tmp}/e", "--model", "{model}", *_O],
          ("--mimir", "no MIMIR files")),
@@ -455,7 +462,8 @@ EXPERIMENT_CASES = [
          ("--model", "not found")),
     Case("camia-model-no-config", ["camia", "--mimir", "{tmp}/mimir", "--model", "{tmp}/e", *_O],
          ("--model", "config.json")),
-    Case("camia-model-is-file", ["camia", "--mimir", "{tmp}/mimir", "--model", "{tmp}/f", *_O], ("--model", "is a file")),
+    Case("camia-model-is-file", ["camia", "--mimir", "{tmp}/mimir", "--model", "{tmp}/f", *_O],
+         ("--model", "is a file")),
     Case("camia-model-without-mimir", ["camia", "--model", "{model}", *_O], ("--model", "--mimir")),
     Case("camia-ref-model-no-config", ["camia", "--mimir", "{tmp}/mimir", "--model", "{model}", "--ref-model",
                                        "{tmp}/e", *_O], ("--ref-model", "config.json")),
@@ -492,7 +500,8 @@ EXPERIMENT_CASES = [
                                               "{tmp}/f", "--steps", "200", *_O],
          ("--pythia", "no size has a checkpoint at step 200", "pythia-70m-deduped: steps 100")),
     Case("cmb-pythia-size-missing", ["checkmiabench", "--pythia", "{tmp}/py", "--data", "{tmp}/f", "--idx", "{tmp}/f",
-                                     "--steps", "100", "--sizes", "1b", *_O], ("no checkpoint pythia-1b-deduped/step100",)),
+                                     "--steps", "100", "--sizes", "1b", *_O],
+         ("no checkpoint pythia-1b-deduped/step100",)),
     Case("cmb-pythia-size-unknown", ["checkmiabench", "--pythia", "{tmp}/py", "--data", "{tmp}/f", "--idx", "{tmp}/f",
                                      "--sizes", "7b", *_O], ("--sizes", "7b")),
     Case("cmb-olmo-missing", ["checkmiabench", "--olmo", "{tmp}/none", *_O], ("--olmo", "not found")),
@@ -681,7 +690,8 @@ def test_em_mia_scores_refuses_zero_iterations():
 def test_parse_attacks_accepts_what_it_should():
     from mia.attacks import parse_attacks
 
-    assert [p["prefix_score"] for _, _, p in parse_attacks("em_mia:prefix_score=kendall;em_mia:prefix_score=rankdist")] \
+    two = "em_mia:prefix_score=kendall;em_mia:prefix_score=rankdist"
+    assert [p["prefix_score"] for _, _, p in parse_attacks(two)] \
         == ["kendall", "rankdist"]  # every prefix score em_mia implements passes its declared limits
     got = parse_attacks("loss; mink:k=0.1,zlib,mink:k=1")
     assert [(l, n, p.get("k")) for l, n, p in got] == [("loss", "loss", None), ("mink:k=0.1", "mink", 0.1),
@@ -762,7 +772,8 @@ def _check_jsonl(tmp_dir: Path, data: bytes):
         return
     assert isinstance(header, dict) and examples
     for ex in examples:
-        assert isinstance(ex, Example) and isinstance(ex.id, str) and ex.partition in ("eval", "prefix", "calib", "train")
+        assert isinstance(ex, Example) and isinstance(ex.id, str)
+        assert ex.partition in ("eval", "prefix", "calib", "train")
         assert ex.label in (None, 0, 1)
         assert (ex.tokens is None or (ex.tokens.dtype == np.int32 and (ex.tokens >= 0).all())) and \
                (ex.text is None or isinstance(ex.text.encode("utf-8"), bytes))
@@ -834,7 +845,8 @@ def _family_configs() -> list[dict]:
     import transformers as tf
 
     kw = dict(vocab_size=97, num_hidden_layers=2, num_attention_heads=4, intermediate_size=52)
-    cfgs = [tf.GPTNeoXConfig(hidden_size=40, rotary_pct=0.5, **kw), tf.LlamaConfig(hidden_size=40, num_key_value_heads=2, **kw),
+    cfgs = [tf.GPTNeoXConfig(hidden_size=40, rotary_pct=0.5, **kw),
+            tf.LlamaConfig(hidden_size=40, num_key_value_heads=2, **kw),
             tf.GPT2Config(vocab_size=97, n_embd=40, n_layer=2, n_head=4),
             tf.GPTNeoConfig(vocab_size=97, hidden_size=40, num_layers=2, num_heads=4, window_size=4,
                             attention_types=[[["global", "local"], 1]]),

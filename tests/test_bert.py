@@ -12,7 +12,9 @@ def _torch_hidden(model, tokens, mask):
     import torch
 
     with torch.no_grad():
-        out = model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long))
+        out = model(
+            input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long)
+        )
     return out.last_hidden_state.numpy()
 
 

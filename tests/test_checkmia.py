@@ -29,8 +29,12 @@ def test_split_correct_by_construction(smoke_testbed, tmp_path):
     np.testing.assert_array_equal(np.array([e["tokens"] for e in ex]), rows)
     parts = {(e["partition"], e["label"]) for e in ex}
     assert ("calib", 1) not in parts and ("prefix", 1) not in parts  # learned-from non-member partitions
-    assert header["partitions"] == {"eval": {"members": 60, "nonmembers": 70}, "train": {"members": 40, "nonmembers": 40},
-                                    "calib": {"members": 0, "nonmembers": 20}, "prefix": {"members": 0, "nonmembers": 5}}
+    assert header["partitions"] == {
+        "eval": {"members": 60, "nonmembers": 70},
+        "train": {"members": 40, "nonmembers": 40},
+        "calib": {"members": 0, "nonmembers": 20},
+        "prefix": {"members": 0, "nonmembers": 5},
+    }
     assert header["source"]["kind"] == "testbed" and header["params"]["member_rows"] == [0, c * B]
     assert header["params"]["nonmember_rows"] == [c * B, end * B]
     again = draw_split(tb, c, 60, 70, 40, 20, 5, seed=3)[1]
@@ -115,7 +119,8 @@ def test_main_job_default_attacks_skip_what_the_testbed_lacks():
         "neighbor": "needs a masked language model (--mlm), which this experiment does not have",
         "em_mia": pairwise, "recall_avg": pairwise,
         "camia": budget + "~0.2 s per example", "camia_lr": budget + "CAMIA signals of the train partition",
-        "samia": budget + "10 sampled continuations per example", "samia_zlib": budget + "10 sampled continuations per example",
+        "samia": budget + "10 sampled continuations per example", "samia_zlib": budget + "10 sampled continuations per "
+                                                                                         "example",
         "pac": budget + "10 augmented copies of every example"}
     assert set(skipped) == set(expected)
     for name, reason in expected.items():
@@ -133,7 +138,8 @@ def test_main_job_default_attacks_skip_what_the_testbed_lacks():
 
 
 def test_main_job_bad_inputs(smoke_testbed, tmp_path, capsys):
-    base = ["--preset", "smoke", "--testbed", str(smoke_testbed.root), "--no-progress", "--no-blind", "--attacks", "loss"]
+    base = ["--preset", "smoke", "--testbed", str(smoke_testbed.root), "--no-progress", "--no-blind", "--attacks",
+            "loss"]
     assert main(base + ["--out", str(tmp_path / "a"), "--step", "900"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checkpoint step 900 is beyond the run" in err[0]
@@ -176,7 +182,9 @@ def test_quickstart_notebook_runs(smoke_testbed, monkeypatch):
                    resources={"metadata": {"path": str(nb_path.parent)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "loss" in outputs and "AUC" in outputs
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    images = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})
+    ]
     assert len(images) >= 2  # ROC and the per-token traces
 
 

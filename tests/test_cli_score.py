@@ -33,10 +33,27 @@ def test_score_writes_one_line_per_input_and_a_table(tiny_neox_dir, tmp_path, ca
 
 
 def test_python_dash_m_entry_point(tiny_neox_dir, tmp_path):
-    import subprocess, sys
+    import subprocess
+    import sys
     data = _write(tmp_path / "d.jsonl", [{"id": 1, "text": TEXTS[0]}])
-    r = subprocess.run([sys.executable, "-m", "mia", "score", "--model", str(tiny_neox_dir), "--data", str(data),
-                        "--out", str(tmp_path / "o.jsonl"), "--no-cache", "--no-progress"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mia",
+            "score",
+            "--model",
+            str(tiny_neox_dir),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "o.jsonl"),
+            "--no-cache",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "o.jsonl").read_text())["label"] is None
 

@@ -170,7 +170,8 @@ def test_bin_shorter_than_index(tmp_path):
     bins, idx = raw_write(tmp_path, rows)
     with open(bins[0], "r+b") as f:
         f.truncate(4 * 5 * 2 - 2)
-    with pytest.raises(IndexedDataError, match=r"doc\.bin: \.bin is 38 bytes but doc\.idx says the last row ends at byte 40"):
+    with pytest.raises(IndexedDataError,
+                       match=r"doc\.bin: \.bin is 38 bytes but doc\.idx says the last row ends at byte 40"):
         IndexedDataset(bins[0], idx)
 
 

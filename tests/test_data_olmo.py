@@ -42,7 +42,8 @@ def test_order_batches_and_positions(tmp_path):
 def test_global_indices_length_mismatch(tmp_path):
     _, inst = make_files(tmp_path)
     make_order(tmp_path, len(inst) + 1)
-    with pytest.raises(olmo.OlmoDataError, match=r"global_indices.npy: 13 entries but the 3 token files hold 12 instances of 16"):
+    with pytest.raises(olmo.OlmoDataError,
+                       match=r"global_indices.npy: 13 entries but the 3 token files hold 12 instances of 16"):
         olmo.OlmoOrder(tmp_path / "global_indices.npy", tmp_path / "paths.txt", seq_len=SEQ, batch_size=B)
     (tmp_path / "odd.bin").write_bytes(b"\x00" * 6)
     with pytest.raises(olmo.OlmoDataError, match="odd.bin: 6 bytes is not a whole number of uint32"):

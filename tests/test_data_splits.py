@@ -155,9 +155,12 @@ def test_tampered_token_fails_naming_the_line(tmp_path, pdata):
     p = _draw_to(tmp_path, pdata[0])
     _edit(p, 4, lambda o: o["tokens"].__setitem__(2, o["tokens"][2] + 1))
     probs = check_split(p)
-    assert probs == ["line 4: row differs from its row_sha256 (id, label, partition, text or tokens edited after the "
-                     "split was written)",
-                     "line 4: tokens differ from row %d of the data (first at position 2)" % json.loads(p.read_text().splitlines()[3])["index"]]
+    assert probs == [
+        "line 4: row differs from its row_sha256 (id, label, partition, text or tokens edited after the "
+        "split was written)",
+        "line 4: tokens differ from row %d of the data (first at position 2)"
+        % json.loads(p.read_text().splitlines()[3])["index"],
+    ]
 
 
 def test_member_moved_into_nonmember_range_fails(tmp_path, pdata):
@@ -172,7 +175,9 @@ def test_member_moved_into_nonmember_range_fails(tmp_path, pdata):
     assert moved not in taken
     _edit(p, 2, move)
     probs = check_split(p)
-    assert any(x.startswith("line 2: member row 29 is at step 7, outside the member steps [0, 4)") for x in probs), probs
+    assert any(x.startswith("line 2: member row 29 is at step 7, outside the member steps [0, 4)") for x in probs), (
+        probs
+    )
 
 
 def test_check_reports_duplicates_counts_and_sources(tmp_path, pdata):

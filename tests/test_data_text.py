@@ -55,7 +55,9 @@ def test_mimir_table_and_two_files(tmp_path):
     d.mkdir(parents=True)
     pd.DataFrame({"member": ["m0", "m1"], "nonmember": ["n0", "n1"]}).to_parquet(d / "ngram_13_0.8.parquet")
     (tmp_path / "mimir" / "github").mkdir()
-    pd.DataFrame({"member": ["g"], "nonmember": ["h"]}).to_parquet(tmp_path / "mimir" / "github" / "ngram_13_0.8.parquet")
+    pd.DataFrame({"member": ["g"], "nonmember": ["h"]}).to_parquet(
+        tmp_path / "mimir" / "github" / "ngram_13_0.8.parquet"
+    )
     ex, files = text.load_mimir(file=tmp_path / "mimir", domain="arxiv")
     assert [(e["id"], e["text"], e["label"]) for e in ex] == [
         ("member-0", "m0", 1), ("member-1", "m1", 1), ("nonmember-0", "n0", 0), ("nonmember-1", "n1", 0)]
@@ -103,14 +105,22 @@ def test_cli_text_wikimia_with_partitions_and_filter(tmp_path, capsys):
     assert "dropped 1 non-members" in capsys.readouterr().out
     s = read_split(out)
     assert s.header["source"]["kind"] == "text" and s.header["params"]["ngram_filter"]["dropped"] == 1
-    assert s.header["partitions"] == {"prefix": {"members": 2, "nonmembers": 2}, "eval": {"members": 6, "nonmembers": 6}} or \
-        s.header["partitions"] == {"eval": {"members": 6, "nonmembers": 6}, "prefix": {"members": 2, "nonmembers": 2}}
+    assert s.header["partitions"] == {
+        "prefix": {"members": 2, "nonmembers": 2},
+        "eval": {"members": 6, "nonmembers": 6},
+    } or s.header["partitions"] == {"eval": {"members": 6, "nonmembers": 6}, "prefix": {"members": 2, "nonmembers": 2}}
     assert all(e["step"] is None and e["index"] is None and "text" in e for e in s.examples)
     assert run_cli(["split", "check", str(out)]) == 0
     # a tampered text split: duplicate text across classes is reported
     lines = out.read_text().splitlines()
-    a, b = json.loads(lines[1]), next(json.loads(x) for x in lines[1:]
-                                          if json.loads(x)["label"] == 0 and json.loads(x)["partition"] == json.loads(lines[1])["partition"])
+    a, b = (
+        json.loads(lines[1]),
+        next(
+            json.loads(x)
+            for x in lines[1:]
+            if json.loads(x)["label"] == 0 and json.loads(x)["partition"] == json.loads(lines[1])["partition"]
+        ),
+    )
     k = next(i for i, x in enumerate(lines) if json.loads(x).get("id") == b["id"])
     b["text"] = a["text"]
     lines[k] = json.dumps(b)

@@ -12,7 +12,8 @@ from mia.metrics import auc
 
 
 def _pools(seed=0, d=64, topics=4, per_topic=80, sigma=0.3):
-    """Member topics t_0..t_3; non-member topics: t_0 (same as a member topic: hard), -t_1 (opposite: easy), 2 others."""
+    """Member topics t_0..t_3; non-member topics: t_0 (same as a member topic: hard), -t_1 (opposite: easy), 2
+    others."""
     rng = np.random.default_rng(seed)
     centers = D.l2_normalize(rng.normal(size=(topics + 2, d)))
     m_centers = centers[:topics]
@@ -128,8 +129,9 @@ def test_split_rules(splits):
 
 
 def test_random_split_is_a_seeded_uniform_draw():
-    """random: size/2 members (non-members) from the WHOLE member (non-member) pool, uniformly (a chi-square test over 40 seeds), the same
-    draw for the same seed and another one for another seed; every split is the same for the same seed."""
+    """random: size/2 members (non-members) from the WHOLE member (non-member) pool, uniformly (a chi-square test over
+    40 seeds), the same draw for the same seed and another one for another seed; every split is the same for the same
+    seed."""
     xm, xn = _pools(per_topic=40)
     a = D.graded_splits(xm, xn, size=40, k=4, niter=10, seed=42)
     assert a == D.graded_splits(xm, xn, size=40, k=4, niter=10, seed=42)  # deterministic, every split
@@ -143,7 +145,8 @@ def test_random_split_is_a_seeded_uniform_draw():
     # 40 draws of 20 out of 160: each index expected 5 times; a chi-square test of uniformity at the 0.1% level
     from scipy.stats import chisquare
 
-    assert (chisquare(counts, axis=1).pvalue > 1e-3).all()  # (a draw from the filtered clusters only would miss many indices)
+    # (a draw from the filtered clusters only would miss many indices)
+    assert (chisquare(counts, axis=1).pvalue > 1e-3).all()
 
 
 def _blind_auc(xm, xn, sel, seed=0):

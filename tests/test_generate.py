@@ -36,8 +36,14 @@ def sharp_neox(tmp_path_factory):
 def hf_greedy(hf, prompt, max_new, eos):
     import torch
 
-    out = hf.generate(torch.tensor(prompt[None], dtype=torch.long), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                      do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
+    out = hf.generate(
+        torch.tensor(prompt[None], dtype=torch.long),
+        attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
     return out[0, len(prompt):].numpy()
 
 
@@ -53,7 +59,9 @@ def hf_probs(hf, prefix, temperature, top_k):
     return p / p.sum()
 
 
-PROMPTS = [np.array(p, np.int32) for p in ([5, 17, 3], [40, 2, 9, 9, 71, 12, 30], [88], [7, 7, 61, 25, 3, 50, 11, 4, 19])]
+PROMPTS = [
+    np.array(p, np.int32) for p in ([5, 17, 3], [40, 2, 9, 9, 71, 12, 30], [88], [7, 7, 61, 25, 3, 50, 11, 4, 19])
+]
 
 
 def test_greedy_equals_transformers_token_for_token(sharp_neox):
@@ -117,7 +125,8 @@ def test_kth_largest_is_exact_with_ties_and_infinities():
 
 def test_refuses_generation_past_the_context(sharp_neox):
     _, model = sharp_neox
-    with pytest.raises(GenerationError, match=r"past the model's context: prompt 1 has 60 tokens \+ 8 new = 68 > the 64"):
+    with pytest.raises(GenerationError,
+                       match=r"past the model's context: prompt 1 has 60 tokens \+ 8 new = 68 > the 64"):
         generate(model, [PROMPTS[0], np.ones(60, np.int32)], max_new=8, greedy=True)
     with pytest.raises(GenerationError, match="empty"):
         generate(model, [np.zeros(0, np.int32)], max_new=2, greedy=True)
@@ -165,9 +174,16 @@ def test_samia_attack_end_to_end_seeded_and_order_free(tiny_model):
 
     texts = ["the model reads the data and the data is long", "a line of text with several words in it now",
              "value token file member loss train"]
-    ex = tokenize_examples([Example(f"s{i}", text=t, label=i % 2) for i, t in enumerate(texts)], tiny_model.tokenizer, 256)
-    ctx_for = lambda examples, seed: AttackContext(tiny_model, examples, ScoringSettings(progress=False, min_bucket=64), {},  # noqa: E731
-                                                   {"seed": seed})
+    ex = tokenize_examples(
+        [Example(f"s{i}", text=t, label=i % 2) for i, t in enumerate(texts)], tiny_model.tokenizer, 256
+    )
+    ctx_for = lambda examples, seed: AttackContext(
+        tiny_model,
+        examples,
+        ScoringSettings(progress=False, min_bucket=64),
+        {},  # noqa: E731
+        {"seed": seed},
+    )
     ctx = ctx_for(ex, 0)
     params = dict(get("samia").defaults, n=4, max_length=40)
     s = get("samia").fn(ctx, **params)

@@ -36,7 +36,9 @@ def test_hf_names_map_onto_layer_slices(model):
     hf = params_to_hf(model.params, fam, model.config)
     np.testing.assert_array_equal(hf["gpt_neox.layers.1.attention.dense.weight"],
                                   np.asarray(model.params["layers"]["attention_dense"]["kernel"][1]).T)
-    assert not np.array_equal(hf["gpt_neox.layers.0.attention.dense.weight"], hf["gpt_neox.layers.1.attention.dense.weight"])
+    assert not np.array_equal(
+        hf["gpt_neox.layers.0.attention.dense.weight"], hf["gpt_neox.layers.1.attention.dense.weight"]
+    )
     assert not any(".layers.2." in k for k in hf)
     _, shapes = abstract_params(fam, model.config)
     back = params_from_hf(hf, fam, model.config, shapes, jnp.float32)
@@ -44,7 +46,8 @@ def test_hf_names_map_onto_layer_slices(model):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("gpt_neox.layers.1.mlp.dense_h_to_4h.bias"), "'gpt_neox.layers.1.mlp.dense_h_to_4h.bias' is missing"),
+    (lambda t: t.pop("gpt_neox.layers.1.mlp.dense_h_to_4h.bias"),
+     "'gpt_neox.layers.1.mlp.dense_h_to_4h.bias' is missing"),
     (lambda t: t.update({"gpt_neox.layers.2.mlp.dense_h_to_4h.bias": np.zeros(64, np.float32)}),
      "unexpected tensor(s) not used by gpt_neox: gpt_neox.layers.2.mlp.dense_h_to_4h.bias"),
     (lambda t: t.update({"gpt_neox.layers.1.attention.dense.weight": np.zeros((32, 31), np.float32)}),
@@ -74,9 +77,13 @@ def test_layer_transform_identity_and_offsets(model):
 
     @jax.jit  # one compile for all passes
     def passes(params):
-        return (model.logits(params, tokens, valid), model.logits(params, tokens, valid, layer_transform=lambda i, p: p),
-                model.hidden(params, tokens, valid)[0], model.hidden(params, tokens, valid, layer_transform=offset),
-                model.hidden(shifted(params), tokens, valid))
+        return (
+            model.logits(params, tokens, valid),
+            model.logits(params, tokens, valid, layer_transform=lambda i, p: p),
+            model.hidden(params, tokens, valid)[0],
+            model.hidden(params, tokens, valid, layer_transform=offset),
+            model.hidden(shifted(params), tokens, valid),
+        )
 
     plain, same, h_plain, (h, kv), (h_want, kv_want) = jax.device_get(passes(model.params))
     np.testing.assert_array_equal(same, plain)

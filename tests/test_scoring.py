@@ -50,7 +50,9 @@ def test_scores_do_not_depend_on_batch_padding_or_bucket(tiny_model):
     seqs = _random_lists(tiny_model.vocab_size, [5, 40, 17, 3, 64, 33, 8, 21])
     alone = [compute_token_stats(tiny_model, [s], ScoringSettings(progress=False))[0] for s in seqs]
     batched = compute_token_stats(tiny_model, seqs, ScoringSettings(progress=False, token_budget=256))
-    other = compute_token_stats(tiny_model, seqs[::-1], ScoringSettings(progress=False, token_budget=4096, min_bucket=64))[::-1]
+    other = compute_token_stats(
+        tiny_model, seqs[::-1], ScoringSettings(progress=False, token_budget=4096, min_bucket=64)
+    )[::-1]
     for a, b, c in zip(alone, batched, other):
         for k in a:
             np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=0)

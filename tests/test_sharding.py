@@ -1,4 +1,5 @@
-"""The scoring engine on a named mesh (mia.engine.sharding), several processes (mia.engine.distributed), bad input at the edge.
+"""The scoring engine on a named mesh (mia.engine.sharding), several processes (mia.engine.distributed), bad input at
+the edge.
 
 8-device checks run in subprocesses (the device count is fixed when jax starts): one subprocess scores token stats,
 a conditional-LL matrix and MoPe on one device and on data=2,model=4 (``tests/mesh_check.py``).

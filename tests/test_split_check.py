@@ -66,8 +66,14 @@ def test_widened_member_range_in_header_is_caught(tmp_path):
     p, _, _ = draw(tmp_path)
     edit_line(p, 1, lambda h: h["params"].update(member_steps=[0, 6], member_rows=[0, 6 * B]))
     probs = check_split(p)
-    assert "line 1: header params.member_steps is [0, 6] but step 5, gap 1, end_step 10 and batch_size 4 give [0, 4]" in probs
-    assert "line 1: header params.member_rows is [0, 24] but step 5, gap 1, end_step 10 and batch_size 4 give [0, 16]" in probs
+    assert (
+        "line 1: header params.member_steps is [0, 6] but step 5, gap 1, end_step 10 and batch_size 4 give [0, 4]"
+        in probs
+    )
+    assert (
+        "line 1: header params.member_rows is [0, 24] but step 5, gap 1, end_step 10 and batch_size 4 give [0, 16]"
+        in probs
+    )
 
 
 def test_changed_checkpoint_step_is_caught(tmp_path):
@@ -76,17 +82,24 @@ def test_changed_checkpoint_step_is_caught(tmp_path):
     probs = check_split(p)
     assert "line 1: header differs from its header_sha256 (edited after the split was written)" in probs
     assert any(x.startswith("line 1: header params.member_steps is [0, 4] but step 6, gap 1") for x in probs), probs
-    assert "line 1: header params.revision is 'step5' but step 6, gap 1, end_step 10 and batch_size 4 give 'step6'" in probs
+    assert (
+        "line 1: header params.revision is 'step5' but step 6, gap 1, end_step 10 and batch_size 4 give 'step6'"
+        in probs
+    )
 
 
 def test_consistently_forged_step_is_caught_by_the_redraw(tmp_path):
     """Every derived field moved with the step: the rows are still in the (wider) claimed ranges, but they are
     not the rows the header's seed draws."""
     p, _, _ = draw(tmp_path)
-    edit_line(p, 1, lambda h: h["params"].update(step=6, **{k: v for k, v in pythia.expected_params(6, 1, 10, B).items()}))
+    edit_line(
+        p, 1, lambda h: h["params"].update(step=6, **{k: v for k, v in pythia.expected_params(6, 1, 10, B).items()})
+    )
     probs = check_split(p)
     assert probs and not any("header params." in x for x in probs)
-    assert any("position" in x and "is not one the header's draw gives (seed 0, step 6, gap 1" in x for x in probs), probs
+    assert any("position" in x and "is not one the header's draw gives (seed 0, step 6, gap 1" in x for x in probs), (
+        probs
+    )
 
 
 def test_row_replaced_by_another_in_range_row_is_caught_by_the_redraw(tmp_path):
@@ -129,7 +142,9 @@ def test_flipped_label_and_edited_text_in_a_text_split_are_caught(tmp_path):
     edit_line(p, 5, lambda o: o.update(partition="prefix" if o["partition"] == "eval" else "eval"))
     probs = check_split(p)
     for ln in (2, 4, 5):
-        assert f"line {ln}: {HASH_EDIT} (id, label, partition, text or tokens edited after the split was written)" in probs
+        assert (
+            f"line {ln}: {HASH_EDIT} (id, label, partition, text or tokens edited after the split was written)" in probs
+        )
     assert any(x.startswith("line 1: header counts") for x in probs)  # the label flip also moves the counts
 
 
@@ -173,7 +188,8 @@ def set_idx_code(idx, code):
 
 
 @pytest.mark.parametrize("code,msg", [
-    (1, r"rows end at byte 570 \(Megatron writes no bytes past the last row\); the \.idx declares dtype uint8 \(code 1\)"),
+    (1, r"rows end at byte 570 \(Megatron writes no bytes past the last row\); the \.idx declares dtype uint8 \(code "
+        r"1\)"),
     (4, r"the last row ends at byte 588; the \.idx declares dtype int32 \(code 4\)"),
     (3, r"document\.idx: row \d+ token \d+ is id -\d+ read as int16 \(dtype code 3\): negative ids"),
     (9, r"document\.idx: unknown dtype code 9"),
@@ -260,7 +276,9 @@ def test_bad_olmo_token_dtype(tmp_path, capsys, dtype, msg):
                         str(tmp_path / "paths.txt"), "--step", "2", "--batch-size", "3", "--seq-len", str(SEQ),
                         "--n-members", "1", "--n-nonmembers", "1", "--token-dtype", dtype,
                         "--out", str(tmp_path / "o.jsonl")], capsys)
-    assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: --token-dtype {dtype!r} ") and msg in err, err
+    assert (
+        code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: --token-dtype {dtype!r} ") and msg in err
+    ), err
 
 
 def test_olmo_global_indices_out_of_range(tmp_path, capsys):

@@ -146,7 +146,9 @@ def test_numpy_init_draws_the_stated_distributions():
         elif name == "embedding":  # normal, std 1/sqrt(D): not truncated
             assert abs(x.std() * np.sqrt(x.shape[-1]) - 1) < 0.05 and np.abs(x).max() * np.sqrt(x.shape[-1]) > 3
         else:
-            assert np.array_equal(x, np.zeros_like(x) if name == "bias" else np.ones_like(x)), jax.tree_util.keystr(path)
+            assert np.array_equal(x, np.zeros_like(x) if name == "bias" else np.ones_like(x)), jax.tree_util.keystr(
+                path
+            )
     assert seen == {"kernel", "embedding", "bias", "weight"}
     again = _init_leaves()[1]
     assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(leaves, again))

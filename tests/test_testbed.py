@@ -247,13 +247,17 @@ def test_presets_are_consistent():
     assert set(PRESETS) == set(promised)
     for name, cfg in PRESETS.items():
         assert cfg.preset == name and cfg.checkpoint_steps[0] == 0 and cfg.checkpoint_steps[-1] == cfg.train_steps
-        assert list(cfg.checkpoints) == sorted(set(cfg.checkpoints)) and all(0 < c < cfg.train_steps for c in cfg.checkpoints)
+        assert list(cfg.checkpoints) == sorted(set(cfg.checkpoints)) and all(
+            0 < c < cfg.train_steps for c in cfg.checkpoints
+        )
         assert 0 < cfg.warmup_steps < cfg.train_steps and cfg.hidden_size % cfg.num_heads == 0
         mc = model_config(cfg, cfg.vocab_size)
         assert (mc.vocab_size, mc.hidden_size, mc.num_hidden_layers, mc.num_attention_heads, mc.intermediate_size) == (
             cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.ffn_size)
         assert mc.max_position_embeddings == cfg.seq_len == cfg.row_len - 1  # trained context = the model's context
-        shapes = jax.eval_shape(lambda: GPTNeoXForCausalLM(mc).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))
+        shapes = jax.eval_shape(
+            lambda: GPTNeoXForCausalLM(mc).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))
+        )
         n = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
         # the model the preset builds has exactly the parameters its formula counts, at its promised size
         v, h, f, L = cfg.vocab_size, cfg.hidden_size, cfg.ffn_size, cfg.num_layers

@@ -21,11 +21,13 @@ def _neox(**kw) -> tf.GPTNeoXConfig:
 PARITY = {
     # partial rotary (0.4 of head_dim 8), parallel residual, untied head
     "gpt_neox": lambda: _neox(vocab_size=V, hidden_size=40, num_hidden_layers=2, num_attention_heads=5,
-                              intermediate_size=56, max_position_embeddings=64, rotary_pct=0.4, tie_word_embeddings=False),
+                              intermediate_size=56, max_position_embeddings=64, rotary_pct=0.4,
+                              tie_word_embeddings=False),
     # GQA (6 query heads on 2 kv heads), untied head, non-default rope base
     "llama_gqa": lambda: tf.LlamaConfig(
         vocab_size=V, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+        num_key_value_heads=2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     # MHA, tied head, explicit head_dim != hidden/heads, biases on
     "llama_tied": lambda: tf.LlamaConfig(
         vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=5, head_dim=12,

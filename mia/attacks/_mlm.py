@@ -62,7 +62,8 @@ def load_mlm(path) -> MaskedLM:
     t = read_safetensors(weights / "model.safetensors")
     pre = "cls.predictions."
     need = ["transform.dense.weight", "transform.dense.bias", "transform.LayerNorm.weight", "transform.LayerNorm.bias"]
-    alt = {"transform.LayerNorm.weight": "transform.LayerNorm.gamma", "transform.LayerNorm.bias": "transform.LayerNorm.beta"}
+    alt = {"transform.LayerNorm.weight": "transform.LayerNorm.gamma",
+           "transform.LayerNorm.bias": "transform.LayerNorm.beta"}
     get = lambda k: t.get(pre + k, t.get(pre + alt.get(k, k)))  # noqa: E731
     missing = [pre + k for k in need if get(k) is None]
     bias = t.get(pre + "bias", t.get(pre + "decoder.bias"))
@@ -71,8 +72,13 @@ def load_mlm(path) -> MaskedLM:
     if missing:
         raise CheckpointError(f"{weights}: not a masked LM checkpoint (missing {', '.join(missing)})")
     f32 = lambda a: jnp.asarray(np.asarray(a, np.float32))  # noqa: E731
-    head = {"dense_w": f32(get("transform.dense.weight")).T, "dense_b": f32(get("transform.dense.bias")),
-            "ln_w": f32(get("transform.LayerNorm.weight")), "ln_b": f32(get("transform.LayerNorm.bias")), "bias": f32(bias)}
+    head = {
+        "dense_w": f32(get("transform.dense.weight")).T,
+        "dense_b": f32(get("transform.dense.bias")),
+        "ln_w": f32(get("transform.LayerNorm.weight")),
+        "ln_b": f32(get("transform.LayerNorm.bias")),
+        "bias": f32(bias),
+    }
     dec = t.get(pre + "decoder.weight")
     word = np.asarray(enc.params["word_embeddings"]["embedding"])
     if dec is not None and not np.array_equal(np.asarray(dec, np.float32), word):

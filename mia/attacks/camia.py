@@ -269,7 +269,9 @@ def pvalue_scores(f_eval: np.ndarray, f_cal: np.ndarray, method: str = "edgingto
     return score
 
 
-def group_pca_lr_scores(f_train: np.ndarray, y_train: np.ndarray, f_eval: np.ndarray, components: int = 2) -> np.ndarray:
+def group_pca_lr_scores(
+    f_train: np.ndarray, y_train: np.ndarray, f_eval: np.ndarray, components: int = 2
+) -> np.ndarray:
     """[N] P(member) of ``f_eval`` [N, 75] (oriented signals) from per-group PCA(components) + LogisticRegression
     (liblinear, max_iter 5000) trained on ``f_train`` [M, 75] with labels ``y_train`` [M] (App. B). Training rows
     with an undefined signal are dropped; an evaluated row with one gets NaN."""
@@ -325,9 +327,16 @@ def _camia(ctx, *, method: str, min_calib: int, diversity: str, orient: str = "l
     return pvalue_scores(f_eval, f_cal, method)
 
 
-@register("camia_lr", needs=("stats", "model", "text", "train"), cost="heavy",
-          cost_note="CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores", components=2, diversity="low", orient="label_free",
-          limits={"components": Range(1, 3), "diversity": ("low", "high"), "orient": ORIENTS})
+@register(
+    "camia_lr",
+    needs=("stats", "model", "text", "train"),
+    cost="heavy",
+    cost_note="CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores",
+    components=2,
+    diversity="low",
+    orient="label_free",
+    limits={"components": Range(1, 3), "diversity": ("low", "high"), "orient": ORIENTS},
+)
 def _camia_lr(ctx, *, components: int, diversity: str, orient: str = "label_free") -> np.ndarray:
     """CAMIA signals -> per-group PCA -> logistic regression trained on labelled --train-data (higher = member)."""
     if not 1 <= components <= 3:

@@ -8,7 +8,8 @@ first n = 12 of each class after its shuffle and joins each with "" as ReCaLL do
 to the context the model was trained at exactly as ReCaLL's (``mia.attacks.recall.fitted_prefix``: the last whole
 shots that fit, ``mia.attacks.fit``); the targets are cut to C - max(len(P_nm), len(P_m)) tokens when needed, so both
 conditional LLs and LL(x) average over the same target tokens. LL(x | P) includes x's first token predicted from P
-(L terms, the official ``get_conditional_ll``), from ``mia.engine.conditional`` with each prefix's KV cache computed once;
+(L terms, the official ``get_conditional_ll``), from ``mia.engine.conditional`` with each prefix's KV cache computed
+once;
 the non-member pass is shared with ``recall`` when both run with the same prefix.
 
 Sign: the official code computes the ROC with member = 1 on the raw score, so HIGHER = MEMBER, as here (a member's LL

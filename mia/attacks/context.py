@@ -58,11 +58,13 @@ class AttackContext:
                 out.append(e.text)
                 continue
             if self.model.tokenizer is None:
-                raise AttackError("this attack needs text, but the examples are token ids and the model has no tokenizer")
+                raise AttackError("this attack needs text, but the examples are token ids and the model has no "
+                                  "tokenizer")
             out.append(self.model.tokenizer.decode(e.tokens.tolist()))
             decoded += 1
         if decoded:
-            note = f"{decoded} example(s) were token ids (or truncated) and were decoded with the target tokenizer for text-based steps"
+            note = (f"{decoded} example(s) were token ids (or truncated) and were decoded with the target "
+                    f"tokenizer for text-based steps")
             if note not in self.notes:
                 self.notes.append(note)
         return out

@@ -4,7 +4,8 @@ the ReCaLL-Avg baseline from the same code. docs/algorithms.md#em_mia, #recall_a
 Pairwise ReCaLL matrix over the evaluated set D (N texts), every text once as a 1-shot prefix (p = x included):
   R[p, x] = LL(x | p) / LL(x)
 LL(x | p) averages over x's tokens 2..L (em-mia: x's first token, predicted from p, is dropped), p's tokens alone
-concatenated before x's ids with no separator (prefixes left-padded; ``mia.engine.conditional`` caches each prefix once).
+concatenated before x's ids with no separator (prefixes left-padded; ``mia.engine.conditional`` caches each prefix
+once).
 Context (``mia.attacks.fit``, C = the model's trained context, L = the longest text): every prefix keeps at most its
 LAST R = min(L, max(C - L, C // 2)) tokens, and texts longer than C - R are cut, as targets, to their FIRST C - R
 tokens, with LL(x) over the same tokens; so on full-context rows (Pythia/OLMo 2048-token rows) prefix and target get
@@ -147,7 +148,8 @@ def _em_mia(ctx, *, init: str, iters: int, prefix_score: str) -> np.ndarray:
     """EM-MIA: prefix scores (AUC of R[p,:] vs median pseudo-labels; or kendall, rankdist) and membership f = -r,
     iterated (higher = member)."""
     if prefix_score not in PREFIX_SCORES:
-        raise AttackError(f"attack em_mia: prefix_score must be one of {', '.join(PREFIX_SCORES)}; got {prefix_score!r}")
+        raise AttackError(f"attack em_mia: prefix_score must be one of {', '.join(PREFIX_SCORES)}; got "
+                          f"{prefix_score!r}")
     f0 = initial_score(ctx, init)
     return em_mia_scores(recall_matrix(ctx), f0, iters=iters, prefix_score=prefix_score)
 

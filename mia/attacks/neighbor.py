@@ -41,7 +41,8 @@ def load_masked_lm(ctx):
 
         path = ctx.options.get("mlm")
         if not path:
-            raise AttackError("attack neighbor needs a masked language model: give --mlm DIR (a local BERT MLM directory)")
+            raise AttackError("attack neighbor needs a masked language model: give --mlm DIR (a local BERT MLM "
+                              "directory)")
         try:
             m["mlm"] = load_mlm(path)
         except (FileNotFoundError, ValueError) as e:
@@ -83,9 +84,16 @@ def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
     return out
 
 
-@register("neighbor", needs=("stats", "text", "mlm"), cost="heavy",
-          cost_note="10 masked-LM neighbours of every example at the default n=10, 10 extra scoring passes", n=10, k=5, p=0.7,
-          limits={"n": Range(1), "k": Range(1), "p": Range(0, 1, hi_open=True)})
+@register(
+    "neighbor",
+    needs=("stats", "text", "mlm"),
+    cost="heavy",
+    cost_note="10 masked-LM neighbours of every example at the default n=10, 10 extra scoring passes",
+    n=10,
+    k=5,
+    p=0.7,
+    limits={"n": Range(1), "k": Range(1), "p": Range(0, 1, hi_open=True)},
+)
 def _neighbor(ctx, *, n: int, k: int, p: float) -> np.ndarray:
     """LL(x) - mean LL(masked-LM neighbours of x) (higher = member). Mattern et al. 2023."""
     if n < 1 or k < 1 or not 0 <= p < 1:

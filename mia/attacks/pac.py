@@ -100,10 +100,24 @@ def augmented_sequences(ctx, *, n: int, alpha: float, augment: str) -> list:
     return [flat[i * n:(i + 1) * n] for i in range(len(texts))]
 
 
-@register("pac", needs=("stats", "model", "text"), cost="heavy",
-          cost_note="10 augmented copies of every example at the default n=10, 10 extra scoring passes", n=10, alpha=0.3, k_max=0.05, k_min=0.3, augment="words",
-          limits={"n": Range(1), "alpha": Range(0, 1, lo_open=True), "k_max": Range(0, 1, lo_open=True),
-                  "k_min": Range(0, 1, lo_open=True), "augment": AUGMENTATIONS})
+@register(
+    "pac",
+    needs=("stats", "model", "text"),
+    cost="heavy",
+    cost_note="10 augmented copies of every example at the default n=10, 10 extra scoring passes",
+    n=10,
+    alpha=0.3,
+    k_max=0.05,
+    k_min=0.3,
+    augment="words",
+    limits={
+        "n": Range(1),
+        "alpha": Range(0, 1, lo_open=True),
+        "k_max": Range(0, 1, lo_open=True),
+        "k_min": Range(0, 1, lo_open=True),
+        "augment": AUGMENTATIONS,
+    },
+)
 def _pac(ctx, *, n: int, alpha: float, k_max: float, k_min: float, augment: str) -> np.ndarray:
     """mean PD(swapped copies) - PD(x), PD = mean top-k_max minus mean bottom-k_min log-probs (higher = member).
     Ye et al. 2024."""

@@ -110,7 +110,8 @@ def fitted_prefix(ctx, shots: list, n: int, what: str) -> np.ndarray:
 
 
 def conditional_ll(ctx, prefix: np.ndarray, targets: list, include_first: bool, desc: str) -> np.ndarray:
-    """[N] LL(x | prefix) over ``targets`` (``mia.engine.conditional``, the prefix's KV cache computed once), memoized per
+    """[N] LL(x | prefix) over ``targets`` (``mia.engine.conditional``, the prefix's KV cache computed once), memoized
+    per
     run by (prefix tokens, include_first, target length) so attacks sharing a prefix share the pass."""
     key = ("recall", prefix.tobytes(), bool(include_first), max(len(t) for t in targets))
     m = memo(ctx)
@@ -138,7 +139,9 @@ def recall_scores(ll_cond: np.ndarray, ll: np.ndarray) -> np.ndarray:
 
 @register("recall", needs=("model", "stats", "prefix"), n=12, include_first=True, variant="official", tokens=100,
           limits={"n": Range(1), "variant": VARIANTS, "tokens": Range(2)})
-def _recall(ctx, *, n: int = 12, include_first: bool = True, variant: str = "official", tokens: int = 100) -> np.ndarray:
+def _recall(
+    ctx, *, n: int = 12, include_first: bool = True, variant: str = "official", tokens: int = 100
+) -> np.ndarray:
     """ReCaLL: LL(x | n-shot non-member prefix) / LL(x) (higher = member), Xie et al. 2024; ``variant=checkmia``:
     CheckMIABench's LL([P; x]) - LL(x) with a ``tokens``-token prefix, the paper's orientation (higher = member)."""
     if variant not in VARIANTS:
@@ -167,7 +170,9 @@ def checkmia_prefix(ctx, tokens: int) -> np.ndarray:
     ids = np.concatenate(stream)[:tokens]
     C = context_length(ctx)
     room = prefix_room(C, max(len(e.tokens) for e in ctx.examples), len(ids))
-    note = f"recall:variant=checkmia: prefix = the first {min(len(ids), room)} tokens of {len(stream)} prefix example(s)"
+    note = (
+        f"recall:variant=checkmia: prefix = the first {min(len(ids), room)} tokens of {len(stream)} prefix example(s)"
+    )
     if len(ids) < tokens:
         note += f" (only {len(ids)} of the {tokens} asked exist)"
     if room < len(ids):

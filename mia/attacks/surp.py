@@ -62,9 +62,12 @@ def _surp_attack(ctx, *, k: float, max_entropy: float) -> np.ndarray:
         raise AttackError(f"attack surp: max_entropy must be > 0 (nats), got {max_entropy}")
     p = ctx.padded()
     padded, n = pad_pow2({s: p[s] for s in ("logprob", "entropy", "mask")})
-    score, count = surp_scores(padded["logprob"], padded["entropy"], padded["mask"], k=k, max_entropy=float(max_entropy))
+    score, count = surp_scores(
+        padded["logprob"], padded["entropy"], padded["mask"], k=k, max_entropy=float(max_entropy)
+    )
     empty = int((np.asarray(count)[:n] == 0).sum())
     if empty:
-        note = f"surp: {empty} example(s) had no surprising token (k={k}, max_entropy={max_entropy}); they score {EMPTY_SCORE}"
+        note = (f"surp: {empty} example(s) had no surprising token (k={k}, max_entropy={max_entropy}); they "
+                f"score {EMPTY_SCORE}")
         ctx.notes.append(note)
     return np.asarray(score, np.float64)[:n]

@@ -6,7 +6,8 @@
 - ``lr``: StandardScaler, then LogisticRegression(lbfgs, L2, C=1, max_iter=1000).
 - ``rf``: RandomForestClassifier(100 trees, gini, no depth limit), seeded, one job (no scaler: trees ignore scale).
 - ``mlp``: StandardScaler, then in → 250 → 100 → 10 → 1 with ReLU, sigmoid BCE loss, Adam(1e-3), 10 epochs,
-  batch 128, shuffled each epoch from ``seed``. Sparse features (BoW, TF-IDF) enter the first layer as an embedding bag, never densified.
+  batch 128, shuffled each epoch from ``seed``. Sparse features (BoW, TF-IDF) enter the first layer as an embedding
+  bag, never densified.
 Sparse inputs are scaled without centring (``with_mean=False``), which keeps them sparse.
 The paper's classifier module is not public: C = 1, the scaler and the NN loss are UNCONFIRMED
 (docs/algorithms.md#blind).

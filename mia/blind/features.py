@@ -167,7 +167,13 @@ class BertFeature(Feature):
 
     def __init__(self, kind: str, encoder: Any = None, encoder_dir: Optional[str] = None, tokenizer: Any = None,
                  batch_size: int = 32):
-        self.kind, self.encoder, self.encoder_dir, self.tokenizer, self.batch_size = kind, encoder, encoder_dir, tokenizer, batch_size
+        self.kind, self.encoder, self.encoder_dir, self.tokenizer, self.batch_size = (
+            kind,
+            encoder,
+            encoder_dir,
+            tokenizer,
+            batch_size,
+        )
 
     def fit(self, train):  # nothing is learned: the encoder is pretrained
         if self.kind == "tokens" and self.tokenizer is None:

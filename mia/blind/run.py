@@ -63,13 +63,15 @@ def train_eval_sets(split: Split, seed: int = 0, n_train: Optional[int] = None, 
     """(train examples, eval examples, warnings). Uses partitions "train"/"eval"; without a "train" partition, makes a
     seeded stratified split (EVAL_FRACTION per class to eval) of the "eval" examples (all examples if none)."""
     msgs: list[str] = []
-    say = lambda m: (msgs.append(m), (warn or (lambda s: warnings.warn(s, BlindWarning, stacklevel=3)))(m))  # noqa: E731
+    # noqa: E731
+    say = lambda m: (msgs.append(m), (warn or (lambda s: warnings.warn(s, BlindWarning, stacklevel=3)))(m))
     rng = np.random.default_rng(seed)
     parts = split.partitions
     if "train" in parts:
         train, ev = split.partition("train"), split.partition("eval")
         if not ev:
-            raise BlindError(f"the split has a 'train' partition but no 'eval' partition (partitions: {', '.join(parts)})")
+            raise BlindError("the split has a 'train' partition but no 'eval' partition (partitions: "
+                             f"{', '.join(parts)})")
     else:
         pool = split.partition("eval") or list(split.examples)
         if not pool:
@@ -92,7 +94,8 @@ def train_eval_sets(split: Split, seed: int = 0, n_train: Optional[int] = None, 
         if n1 == 0 or n0 == 0:
             raise BlindError(f"the {name} set has one class only ({n1} members, {n0} non-members); need both")
         if min(n1, n0) < MIN_PER_CLASS:
-            raise BlindError(f"the {name} set has {n1} members and {n0} non-members; need at least {MIN_PER_CLASS} of each")
+            raise BlindError(f"the {name} set has {n1} members and {n0} non-members; need at least {MIN_PER_CLASS} of "
+                             "each")
         if min(n1, n0) < paper:
             say(f"{name} set is smaller than the paper's {paper}+{paper} ({n1} members, {n0} non-members): "
                 "scaled down, so standard errors are larger")
@@ -161,7 +164,9 @@ def run_blind(split: Union[Split, str, Path, Sequence[dict]], features: Sequence
     kind = data_kind(train + ev)
     y_tr, y_ev = _labels(train), _labels(ev)
     ids = [str(e.get("id")) for e in ev]
-    tok = _load_tokenizer(tokenizer, split) if any(f in ("w2v", "bert") for f in features) and kind == "tokens" else None
+    tok = (
+        _load_tokenizer(tokenizer, split) if any(f in ("w2v", "bert") for f in features) and kind == "tokens" else None
+    )
     if "bert" in features:  # fail before any work: a missing encoder or tokenizer is a one-line error
         if kind == "tokens" and tok is None:
             raise BlindError("bert features of token ids need the target model's tokenizer to decode them "

@@ -54,7 +54,9 @@ def _vocab_bound(args):
     try:
         cfg_obj = json.loads(cfg.read_text(encoding="utf-8"))
     except (ValueError, OSError) as e:
-        raise SplitError(f"{cfg}: not readable JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise SplitError(
+            f"{cfg}: not readable JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
     v = cfg_obj.get("vocab_size") if isinstance(cfg_obj, dict) else None
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise SplitError(f"{cfg}: vocab_size {v!r} is not a positive integer")

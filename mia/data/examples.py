@@ -36,7 +36,8 @@ class Example:
         return 0 if self.tokens is None else int(len(self.tokens))
 
 
-SCORE_PARTITIONS = ("eval", "prefix", "member_prefix", "calib", "train")  # what ``mia score`` reads; docs/score.md#bad-input
+# what ``mia score`` reads; docs/score.md#bad-input
+SCORE_PARTITIONS = ("eval", "prefix", "member_prefix", "calib", "train")
 
 
 def read_examples(path, partitions: Optional[tuple] = SCORE_PARTITIONS,

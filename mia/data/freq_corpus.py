@@ -1,4 +1,5 @@
-"""A plain local frequency corpus (for reference token frequencies, ``mia score --freq-corpus FILE``), read into token ids.
+"""A plain local frequency corpus (for reference token frequencies, ``mia score --freq-corpus FILE``), read into token
+ids.
 
 Two layouts: ``.jsonl`` (one JSON object per line with a ``text`` or a ``tokens`` field; ``id`` optional) or any other
 file as UTF-8 plain text, one document per non-empty line. Texts are tokenized with the target tokenizer; given

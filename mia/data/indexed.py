@@ -231,14 +231,20 @@ class IndexedDataset:
         self.total_bytes = int(self.shard_starts[-1])
         if n:
             end = int(self.pointers[n - 1]) + int(self.sizes[n - 1]) * int(self._itemsize)
-            names = self.bin_paths[0] if len(self.bin_paths) == 1 else f"{len(self.bin_paths)} shards ({self.bin_paths[0]}, ...)"
+            names = (
+                self.bin_paths[0]
+                if len(self.bin_paths) == 1
+                else f"{len(self.bin_paths)} shards ({self.bin_paths[0]}, ...)"
+            )
             if end > self.total_bytes:
                 raise IndexedDataError(
-                    f"{names}: .bin is {self.total_bytes} bytes but {self.idx_path.name} says the last row ends at byte {end}"
+                    f"{names}: .bin is {self.total_bytes} bytes but {self.idx_path.name} says the last row ends at "
+                    f"byte {end}"
                     f"{self._dtype_hint()}")
             if end < self.total_bytes:
                 raise IndexedDataError(
-                    f"{names}: .bin is {self.total_bytes} bytes but {self.idx_path.name} says the rows end at byte {end} "
+                    f"{names}: .bin is {self.total_bytes} bytes but {self.idx_path.name} says the rows end at byte "
+                    f"{end} "
                     f"(Megatron writes no bytes past the last row){self._dtype_hint()}")
         self._maps = [None] * len(self.bin_paths)
 
@@ -255,7 +261,9 @@ class IndexedDataset:
         return int(self.doc_idx.shape[0])
 
     def __repr__(self):
-        return f"IndexedDataset({len(self)} rows, dtype={self.dtype}, {len(self.bin_paths)} shard(s), idx={self.idx_path})"
+        return (
+            f"IndexedDataset({len(self)} rows, dtype={self.dtype}, {len(self.bin_paths)} shard(s), idx={self.idx_path})"
+        )
 
     def _map(self, k: int):
         m = self._maps[k]
@@ -277,7 +285,8 @@ class IndexedDataset:
         """Copy bytes [start, start+nbytes) of the virtual concatenation into ``out`` (uint8 view)."""
         end = start + nbytes
         if end > self.total_bytes:
-            raise IndexedDataError(f"{self.bin_paths[-1]}: read of bytes [{start}, {end}) past the end of the data ({self.total_bytes} bytes)")
+            raise IndexedDataError(f"{self.bin_paths[-1]}: read of bytes [{start}, {end}) past the end of the data "
+                                   f"({self.total_bytes} bytes)")
         k = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
         pos = 0
         while pos < nbytes:
@@ -323,7 +332,8 @@ class IndexedDataset:
         if (sizes != row_len).any():
             j = int(np.nonzero(sizes != row_len)[0][0])
             raise IndexedDataError(
-                f"{self.idx_path}: rows {int(idx[0])} and {int(idx[j])} have different sizes ({row_len} vs {int(sizes[j])}); read them one by one")
+                f"{self.idx_path}: rows {int(idx[0])} and {int(idx[j])} have different sizes ({row_len} vs "
+                f"{int(sizes[j])}); read them one by one")
         ptrs = np.asarray(self.pointers[idx], dtype=np.int64)
         out = np.empty((idx.size, row_len), dtype=self.dtype)
         raw = out.view(np.uint8).reshape(idx.size, -1)

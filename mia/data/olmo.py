@@ -108,7 +108,11 @@ class TokenFiles:
     def _map(self, f: int):
         if self._maps[f] is None:
             n = int(self.chunks[f]) * self.seq_len
-            self._maps[f] = np.memmap(self.paths[f], dtype=self.dtype.newbyteorder("<"), mode="r", shape=(n,)) if n else np.zeros(0, self.dtype)
+            self._maps[f] = (
+                np.memmap(self.paths[f], dtype=self.dtype.newbyteorder("<"), mode="r", shape=(n,))
+                if n
+                else np.zeros(0, self.dtype)
+            )
         return self._maps[f]
 
     def __getitem__(self, k: int) -> np.ndarray:
@@ -292,7 +296,9 @@ def _positions(rng, lo: int, hi: int, n: int, what: str) -> np.ndarray:
     return lo + rng.choice(size, size=n, replace=False).astype(np.int64)
 
 
-def _draw_documents(order: OlmoOrder, rng, lo: int, hi: int, n: int, eos: int, doc_len: int, pool: Optional[int], what: str):
+def _draw_documents(
+    order: OlmoOrder, rng, lo: int, hi: int, n: int, eos: int, doc_len: int, pool: Optional[int], what: str
+):
     size = hi - lo
     k = min(size, pool if pool is not None else max(20 * n, 1000))
     if n > size:
@@ -373,7 +379,8 @@ def draw_checkpoint_split(dataset: OlmoOrder, step: int, n_members: int, n_nonme
         raise OlmoDataError(f"non-member range [{S2}, {E}) crosses the end of the order "
                             f"({len(order)} positions = {total_steps} steps of {B}); lower --end-step")
     if S2 < step:
-        raise OlmoDataError(f"non-member start {S2} is before the checkpoint step {step}: those positions were trained on")
+        raise OlmoDataError(f"non-member start {S2} is before the checkpoint step {step}: those positions were trained "
+                            "on")
     if S2 >= E and n_nonmembers:
         raise OlmoDataError(f"non-member range [{S2}, {E}) is empty")
     if step == 0 and n_members:
@@ -528,7 +535,9 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
         else:
             ref = full
         if len(toks) != len(ref) or not np.array_equal(toks, ref):
-            diff = next((j for j, (a, b) in enumerate(zip(toks.tolist(), ref.tolist())) if a != b), min(len(toks), len(ref)))
+            diff = next(
+                (j for j, (a, b) in enumerate(zip(toks.tolist(), ref.tolist())) if a != b), min(len(toks), len(ref))
+            )
             problems.append(f"line {ln}: tokens differ from the data at position {q} (first at token {diff})")
 
 

@@ -301,5 +301,7 @@ def _verify_rows(ds, step_ranges, B, examples, problems, vocab_size=None):
         if not isinstance(toks, np.ndarray):
             continue  # reported by the row checks
         if len(toks) != len(row) or not np.array_equal(toks, row):
-            diff = next((j for j, (a, b) in enumerate(zip(toks.tolist(), row.tolist())) if a != b), min(len(toks), len(row)))
+            diff = next(
+                (j for j, (a, b) in enumerate(zip(toks.tolist(), row.tolist())) if a != b), min(len(toks), len(row))
+            )
             problems.append(f"line {ln}: tokens differ from row {index} of the data (first at position {diff})")

@@ -139,7 +139,12 @@ def _read(path, compact_tokens: bool, on_line=None) -> "Split":
                 a = np.asarray(obj["tokens"])
             except (TypeError, ValueError, OverflowError):
                 a = None
-            if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and (a.size == 0 or a.max() <= np.iinfo(np.int64).max):
+            if (
+                a is not None
+                and a.ndim == 1
+                and a.dtype.kind in "iu"
+                and (a.size == 0 or a.max() <= np.iinfo(np.int64).max)
+            ):
                 obj["tokens"] = a.astype(np.int64)
             elif a is not None and a.size == 0:
                 obj["tokens"] = np.zeros(0, np.int64)

@@ -61,7 +61,9 @@ def _files(path, contains: Optional[str] = None) -> list:
                 if contains is None or contains in str(q.relative_to(p)):
                     fs.append(q)
         if not fs:
-            raise TextDataError(f"{p}: no jsonl/json/parquet/csv/txt files" + (f" matching {contains!r}" if contains else ""))
+            raise TextDataError(
+                f"{p}: no jsonl/json/parquet/csv/txt files" + (f" matching {contains!r}" if contains else "")
+            )
         return fs
     return [p]
 
@@ -208,7 +210,9 @@ def load_wikimia(path, text_column: str = "input", label_column: str = "label") 
     return load_generic(path, text_column=text_column, label_column=label_column)
 
 
-def load_generic(path, text_column: str = "text", label_column: str = "label", id_column: Optional[str] = None) -> tuple:
+def load_generic(
+    path, text_column: str = "text", label_column: str = "label", id_column: Optional[str] = None
+) -> tuple:
     rows, files = load_rows(path)
     ex = []
     for i, r in enumerate(rows):

@@ -133,7 +133,10 @@ class StatsCache:
                     f.seek(lo * width)
                     block = f.read((hi - lo) * width)
                     self.bytes_read += len(block)
-                    if len(block) != (hi - lo) * width or zlib.crc32(block, zlib.crc32(k.encode())) != index["crc32"][j]:
+                    if (
+                        len(block) != (hi - lo) * width
+                        or zlib.crc32(block, zlib.crc32(k.encode())) != index["crc32"][j]
+                    ):
                         raise ValueError(f"example {k}: checksum mismatch")
                     rows = np.frombuffer(block, "<f4").reshape(hi - lo, len(STAT_NAMES))
                     out[k] = {s: np.array(rows[:, c], np.float32) for c, s in enumerate(STAT_NAMES)}  # own copies

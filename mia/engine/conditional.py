@@ -74,7 +74,9 @@ class PrefixCache:
 
     def slice_rows(self, start, size: int) -> "PrefixCache":
         """Rows [start, start + size) of the prefix batch; ``start`` may be traced."""
-        return PrefixCache(self.kv.slice_rows(start, size), jax.lax.dynamic_slice_in_dim(self.last_h, start, size, axis=0))
+        return PrefixCache(
+            self.kv.slice_rows(start, size), jax.lax.dynamic_slice_in_dim(self.last_h, start, size, axis=0)
+        )
 
 
 def prefix_cache(model, params, prefix_tokens, valid=None, layer_transform=None) -> PrefixCache:
@@ -123,7 +125,9 @@ def token_logprobs(model, params, tokens, valid, *, chunk: Optional[int] = None,
     h, _ = model.hidden(params, tokens, valid, layer_transform=layer_transform)
     if head_params is not None:
         params = head_params(params, h)
-    return logprob_from_hidden(model.unembed, params, h[:, :-1], tokens[:, 1:], chunk or chunk_size(b, t - 1, model.vocab_size))
+    return logprob_from_hidden(
+        model.unembed, params, h[:, :-1], tokens[:, 1:], chunk or chunk_size(b, t - 1, model.vocab_size)
+    )
 
 
 def prefix_shardings(model, mesh):

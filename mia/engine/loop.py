@@ -124,7 +124,8 @@ def compute_token_stats(
     parameters placed once with the model's shardings; the next batch is dispatched before the previous one is
     fetched, and cache writes run on a background thread. With ``settings.cache_dir`` set, finished batches are
     stored on disk and reused by later runs (``StatsCache``; only the requested examples are read back). Pass
-    ``params`` to score other parameters than ``model.params`` (such results are never cached). With several processes every process calls this with
+    ``params`` to score other parameters than ``model.params`` (such results are never cached). With several processes
+    every process calls this with
     the same arguments and gets every result.
     """
     for i, t in enumerate(token_lists):

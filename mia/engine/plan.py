@@ -4,7 +4,8 @@
         [--mesh data=1,model=8] [--topology v5e:2x4] [--attack stats|mope|condll] [--device-memory 80GiB]
 
 Nothing is allocated: parameters are ``jax.ShapeDtypeStruct``s (from ``jax.eval_shape`` of the module's init)
-carrying the shardings ``mia.engine.sharding`` would give them on the mesh, the step is ``jit(...).lower(...).compile()``d,
+carrying the shardings ``mia.engine.sharding`` would give them on the mesh, the step is
+``jit(...).lower(...).compile()``d,
 and ``compiled.memory_analysis()`` gives the per-device figures XLA's buffer assignment computed:
 
   params_bytes  bytes of this device's parameter shards (exact, from the shardings)

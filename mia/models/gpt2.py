@@ -5,7 +5,8 @@ Layout notes:
   Only an untied ``lm_head`` (a torch Linear) is transposed.
 - ``c_attn`` is fused as three contiguous D-wide blocks q | k | v (unlike GPT-NeoX's per-head interleave).
 - Learned absolute position embeddings ``wpe``; no rotary. Pre-LayerNorm blocks, final ``ln_f``.
-- Score scale: 1/sqrt(E) if ``scale_attn_weights``, further divided by (layer + 1) if ``scale_attn_by_inverse_layer_idx``.
+- Score scale: 1/sqrt(E) if ``scale_attn_weights``, further divided by (layer + 1) if
+``scale_attn_by_inverse_layer_idx``.
 - The LM head is tied to ``wte`` by default.
 """
 from __future__ import annotations
@@ -180,7 +181,10 @@ class GPT2LMHeadModel(DecoderLM):
 
 def _conv1d_maps(hf_prefix: str, path: tuple) -> list[ParamMapping]:
     """Conv1D weight is already [in, out]: no transpose."""
-    return [ParamMapping(f"{hf_prefix}.weight", path + ("kernel",)), ParamMapping(f"{hf_prefix}.bias", path + ("bias",))]
+    return [
+        ParamMapping(f"{hf_prefix}.weight", path + ("kernel",)),
+        ParamMapping(f"{hf_prefix}.bias", path + ("bias",)),
+    ]
 
 
 def param_mappings(cfg: GPT2Config) -> list[ParamMapping]:

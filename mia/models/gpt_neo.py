@@ -152,7 +152,9 @@ class GPTNeoBlock(nn.Module):
         cfg = self.config
         b, t, d = x_btd.shape
         h, e = cfg.num_heads, cfg.head_dim
-        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        dense = lambda n, name, bias: nn.Dense(
+            n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
         norm = lambda name: LayerNorm(cfg.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
 
         y = norm("ln_1")(x_btd)
@@ -175,7 +177,9 @@ class GPTNeoForCausalLM(DecoderLM):
     def setup(self):
         cfg = self.config
         self.wte = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.wpe = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
+        self.wpe = nn.Embed(
+            cfg.max_position_embeddings, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype
+        )
         self.h = self.layer_stack()
         self.ln_f = LayerNorm(cfg.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype)
         if not cfg.tie_word_embeddings:

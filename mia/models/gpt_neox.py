@@ -119,7 +119,9 @@ class GPTNeoXLayer(nn.Module):
         cfg = self.config
         b, t, _ = x_btd.shape
         h, e = cfg.num_attention_heads, cfg.head_dim
-        dense = lambda n, name, bias=True: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        dense = lambda n, name, bias=True: nn.Dense(
+            n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
         norm = lambda name: LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
 
         attn_in = norm("input_layernorm")(x_btd)
@@ -131,7 +133,8 @@ class GPTNeoXLayer(nn.Module):
         attn = dense(cfg.hidden_size, "attention_dense", cfg.attention_bias)(attn.reshape(b, t, h * e))
 
         act = activation(cfg.hidden_act)
-        mlp = lambda y: dense(cfg.hidden_size, "mlp_dense_4h_to_h")(act(dense(cfg.intermediate_size, "mlp_dense_h_to_4h")(y)))
+        mlp = lambda y: dense(cfg.hidden_size, "mlp_dense_4h_to_h")(act(dense(cfg.intermediate_size,
+                                                                              "mlp_dense_h_to_4h")(y)))
         if cfg.use_parallel_residual:
             out = x_btd + attn + mlp(norm("post_attention_layernorm")(x_btd))
         else:

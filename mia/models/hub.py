@@ -144,7 +144,11 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Opti
     for name in sorted(tensors):
         arr = np.ascontiguousarray(tensors[name]).reshape(np.shape(tensors[name]))  # keeps a 0-d tensor 0-d
         blob = arr.tobytes()
-        header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {
+            "dtype": _ST_NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
         offset += len(blob)
         blobs.append(blob)
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -317,7 +321,8 @@ def host_params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes
         _set(params, path, StackedView(layers))
     extra = [k for k in tensors if k not in used and not any(re.search(p, k) for p in fam.ignored_keys)]
     if extra:
-        raise CheckpointError(f"{source}: unexpected tensor(s) not used by {fam.model_type}: {', '.join(sorted(extra)[:8])}"
+        raise CheckpointError(f"{source}: unexpected tensor(s) not used by {fam.model_type}: "
+                              f"{', '.join(sorted(extra)[:8])}"
                               + (" ..." if len(extra) > 8 else ""))
     missing = [p for p in _leaf_paths(shapes) if p not in {m.path for m in mappings}]
     if missing:  # a mapping table bug, not a user error
@@ -349,7 +354,11 @@ def _leaf_paths(tree, prefix=()):
 def _dtype(x):
     if x is None:
         return None
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(x, x) if isinstance(x, str) else x
+    return (
+        {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(x, x)
+        if isinstance(x, str)
+        else x
+    )
 
 
 def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:

@@ -68,7 +68,9 @@ class SwiGLU(nn.Module):
 
     @nn.compact
     def __call__(self, x_btd):
-        dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        dense = lambda n, name: nn.Dense(
+            n, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
         gate = activation(self.hidden_act)(dense(self.intermediate_size, "gate_proj")(x_btd))
         return dense(self.hidden_size, "down_proj")(gate * dense(self.intermediate_size, "up_proj")(x_btd))
 
@@ -156,7 +158,9 @@ class LlamaLayer(nn.Module):
         cfg = self.config
         b, t, _ = x_btd.shape
         h, kv, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        dense = lambda n, name, bias: nn.Dense(
+            n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
 
         y = norm("input_layernorm")(x_btd)
@@ -168,7 +172,15 @@ class LlamaLayer(nn.Module):
         attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=e ** -0.5)
         x_btd = x_btd + dense(cfg.hidden_size, "self_attn_o_proj", cfg.attention_bias)(attn.reshape(b, t, h * e))
 
-        mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias, self.dtype, self.param_dtype, name="mlp")
+        mlp = SwiGLU(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.hidden_act,
+            cfg.mlp_bias,
+            self.dtype,
+            self.param_dtype,
+            name="mlp",
+        )
         return x_btd + mlp(norm("post_attention_layernorm")(x_btd)), (k, v)
 
 

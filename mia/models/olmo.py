@@ -124,8 +124,11 @@ class OlmoLayer(nn.Module):
         cfg = self.config
         b, t, _ = x_btd.shape
         h, kv, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        dense = lambda n, name: nn.Dense(n, use_bias=cfg.attention_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
-        norm = LayerNorm(LN_EPS, use_scale=False, use_bias=False, dtype=self.dtype)  # stateless: one instance serves both
+        dense = lambda n, name: nn.Dense(
+            n, use_bias=cfg.attention_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
+        # stateless: one instance serves both
+        norm = LayerNorm(LN_EPS, use_scale=False, use_bias=False, dtype=self.dtype)
         clip = (lambda a: jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv)) if cfg.clip_qkv is not None else (lambda a: a)
 
         y = norm(x_btd)
@@ -137,7 +140,8 @@ class OlmoLayer(nn.Module):
         attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=e ** -0.5)
         x_btd = x_btd + dense(cfg.hidden_size, "self_attn_o_proj")(attn.reshape(b, t, h * e))
 
-        mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, self.dtype, self.param_dtype, name="mlp")
+        mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, self.dtype, self.param_dtype,
+                     name="mlp")
         return x_btd + mlp(norm(x_btd)), (k, v)
 
 

@@ -3,7 +3,8 @@
 Layout notes:
 - Llama-shaped projections (GQA, full rotary rotate_half in float32 as in OLMo, SwiGLU), RMSNorm everywhere.
 - ``q_norm``/``k_norm``: RMSNorm over the full projected q / k width (H*E and K*E), BEFORE the reshape to heads.
-- Post-norm residuals, no input norm: x + post_attention_layernorm(attn(x)), then x + post_feedforward_layernorm(mlp(x)).
+- Post-norm residuals, no input norm: x + post_attention_layernorm(attn(x)), then x +
+post_feedforward_layernorm(mlp(x)).
 - RMSNorm multiplies by the weight in float32 and then casts (``(w * x).to(dtype)``), which is what common.RMSNorm does.
 """
 from __future__ import annotations
@@ -117,7 +118,9 @@ class Olmo2Layer(nn.Module):
         cfg = self.config
         b, t, _ = x_btd.shape
         h, kv, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        dense = lambda n, name: nn.Dense(n, use_bias=cfg.attention_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        dense = lambda n, name: nn.Dense(
+            n, use_bias=cfg.attention_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
 
         q = norm("self_attn_q_norm")(dense(h * e, "self_attn_q_proj")(x_btd)).reshape(b, t, h, e)
@@ -129,7 +132,8 @@ class Olmo2Layer(nn.Module):
         attn = dense(cfg.hidden_size, "self_attn_o_proj")(attn.reshape(b, t, h * e))
         x_btd = x_btd + norm("post_attention_layernorm")(attn)
 
-        mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, self.dtype, self.param_dtype, name="mlp")
+        mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, self.dtype, self.param_dtype,
+                     name="mlp")
         return x_btd + norm("post_feedforward_layernorm")(mlp(x_btd)), (k, v)
 
 

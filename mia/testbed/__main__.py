@@ -17,7 +17,8 @@ from .suite import SUITES, build_suite
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m mia.testbed",
                                 description="Train a small Pythia-architecture model with a recorded data order and "
-                                            "checkpoints. Rerunning resumes an interrupted build or reuses a finished one.")
+                                            "checkpoints. Rerunning resumes an interrupted build or reuses a finished "
+                                            "one.")
     p.add_argument("--preset", default="smoke", choices=sorted(PRESETS), help="size preset (default: smoke)")
     p.add_argument("--suite", default=None, choices=sorted(SUITES),
                    help="build a suite instead: every size of SUITES[NAME] on one data order (only --out, "
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                  else arg_float(limit.lo, limit.hi, lo_open=limit.lo_open, hi_open=limit.hi_open))
         p.add_argument("--" + f.name.replace("_", "-"), type=parse, default=None,
                        help=f"override the preset's {f.name} (mia.testbed.TestbedConfig)")
-    p.add_argument("--checkpoints", type=arg_int_list(0), default=None, help="extra checkpoint steps, comma-separated (0 and the last are always saved)")
+    p.add_argument("--checkpoints", type=arg_int_list(0), default=None,
+                   help="extra checkpoint steps, comma-separated (0 and the last are always saved)")
     p.add_argument("--canary-reps", type=arg_int_list(1), default=None,
                    help="insertions of each included canary, cycled over the canaries, comma-separated "
                         "(default 1,4,16,64; with --canaries N)")
@@ -70,10 +72,22 @@ def main(argv=None) -> int:
             overrides[f.name] = v
     t0 = time.perf_counter()
     status, tb = run_for_user(
-        lambda: check_args(args, overrides) and build_testbed(args.preset, args.out, progress=not args.no_progress, save_every=args.save_every,
-                              memorize_epochs=args.memorize_epochs, memorize_rows=args.memorize_rows, **overrides),
-        debug=args.debug, compile_cache=not args.no_compile_cache,
-        on_interrupt="interrupted; rerun the same command to resume from the last saved state")
+        lambda: (
+            check_args(args, overrides)
+            and build_testbed(
+                args.preset,
+                args.out,
+                progress=not args.no_progress,
+                save_every=args.save_every,
+                memorize_epochs=args.memorize_epochs,
+                memorize_rows=args.memorize_rows,
+                **overrides,
+            )
+        ),
+        debug=args.debug,
+        compile_cache=not args.no_compile_cache,
+        on_interrupt="interrupted; rerun the same command to resume from the last saved state",
+    )
     if status:
         return status
     print(tb.summary())
@@ -116,8 +130,13 @@ def _main_suite(args) -> int:
         return 2
     t0 = time.perf_counter()
     status, suite = run_for_user(
-        lambda: (args.out is None or output_dir(args.out, "--out", error=TestbedError)) and build_suite(args.suite, args.out, progress=not args.no_progress, save_every=args.save_every),
-        debug=args.debug, on_interrupt="interrupted; rerun the same command to resume from the last saved state")
+        lambda: (
+            (args.out is None or output_dir(args.out, "--out", error=TestbedError))
+            and build_suite(args.suite, args.out, progress=not args.no_progress, save_every=args.save_every)
+        ),
+        debug=args.debug,
+        on_interrupt="interrupted; rerun the same command to resume from the last saved state",
+    )
     if status:
         return status
     print(suite.summary())

@@ -280,7 +280,8 @@ def open_testbed(path) -> Testbed:
         raise TestbedError(f"{root}: not a testbed (no {MANIFEST}); build one with python -m mia.testbed")
     m = json.loads(mf.read_text())
     if not m.get("complete"):
-        raise TestbedError(f"{root}: testbed build is incomplete; rerun python -m mia.testbed --out {root} to finish it")
+        raise TestbedError(f"{root}: testbed build is incomplete; rerun python -m mia.testbed --out {root} to finish "
+                           "it")
     if m.get("format") != FORMAT:
         raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, now "
                            f"{FORMAT}); rebuild it (delete the directory, or build into another --out)")
@@ -407,7 +408,9 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
                                f"now {FORMAT}); delete it to rebuild, or use another --out")
         if m.get("config_hash") != cfg.config_hash:
             old = m.get("config", {})
-            diff = sorted(k for k in set(old) | set(cfg.hash_dict()) if old.get(k) != cfg.to_dict().get(k) and k != "preset")
+            diff = sorted(
+                k for k in set(old) | set(cfg.hash_dict()) if old.get(k) != cfg.to_dict().get(k) and k != "preset"
+            )
             raise TestbedError(f"{root} holds a testbed with another config (differs in: {', '.join(diff) or '?'}); "
                                f"use another --out or delete it")
         if m.get("complete") and _check_complete(root, m) is None:
@@ -434,7 +437,11 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
 
     # 2. tokenizer
 
-    if "tokenizer" in m and (root / "tokenizer.json").exists() and _sha_file(root / "tokenizer.json") == m["tokenizer"]["sha256"]:
+    if (
+        "tokenizer" in m
+        and (root / "tokenizer.json").exists()
+        and _sha_file(root / "tokenizer.json") == m["tokenizer"]["sha256"]
+    ):
         tok = load_tokenizer(root)
     else:
         t0 = time.perf_counter()
@@ -461,12 +468,21 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
         order = row_permutation(len(rows), cfg.seed)
         write_order(prefix, rows, order)
         n_tokens = sum(len(d) + 1 for d in docs)
-        m["data"] = {"prefix": "data/order", "bin": file_record(prefix.with_suffix(".bin"), full_limit=None),
-                     "idx": file_record(prefix.with_suffix(".idx"), full_limit=None),
-                     "perm_sha256": _sha_file(str(prefix) + ".perm.npy"), "n_rows": int(len(rows)),
-                     "row_len": cfg.row_len, "batch_size": cfg.batch_size, "epoch_steps": int(len(rows) // cfg.batch_size),
-                     "n_tokens": int(n_tokens), "duplicate_rows_dropped": n_dup, "dtype": "uint16", "eod_id": EOD_ID,
-                     "permutation": "numpy.random.default_rng([seed, 0x7E57]).permutation(n_rows)"}
+        m["data"] = {
+            "prefix": "data/order",
+            "bin": file_record(prefix.with_suffix(".bin"), full_limit=None),
+            "idx": file_record(prefix.with_suffix(".idx"), full_limit=None),
+            "perm_sha256": _sha_file(str(prefix) + ".perm.npy"),
+            "n_rows": int(len(rows)),
+            "row_len": cfg.row_len,
+            "batch_size": cfg.batch_size,
+            "epoch_steps": int(len(rows) // cfg.batch_size),
+            "n_tokens": int(n_tokens),
+            "duplicate_rows_dropped": n_dup,
+            "dtype": "uint16",
+            "eod_id": EOD_ID,
+            "permutation": "numpy.random.default_rng([seed, 0x7E57]).permutation(n_rows)",
+        }
         for rec in (m["data"]["bin"], m["data"]["idx"]):
             rec["path"] = os.path.relpath(rec["path"], root)
         m["timings"]["packing_s"] = round(time.perf_counter() - t0, 2)

@@ -110,7 +110,8 @@ class TestbedConfig:
         if self.hidden_size % max(self.num_heads, 1):
             problems.append(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
         if self.vocab_size < 258 or self.vocab_size > 65535:
-            problems.append(f"vocab_size must be in [258, 65535] (byte alphabet + EOD; uint16 rows), got {self.vocab_size}")
+            problems.append("vocab_size must be in [258, 65535] (byte alphabet + EOD; uint16 rows), got "
+                            f"{self.vocab_size}")
         bad = [s for s in self.checkpoints if s < 0 or s > self.train_steps]
         if bad:
             problems.append(f"checkpoint step(s) {bad} outside [0, train_steps={self.train_steps}]")

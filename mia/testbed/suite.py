@@ -59,7 +59,8 @@ def check_same_data(configs) -> None:
     for c in configs[1:]:
         diff = [k for k in DATA_FIELDS if getattr(c, k) != getattr(first, k)]
         if diff:
-            raise TestbedError(f"suite members {first.preset} and {c.preset} differ in data field(s) {', '.join(diff)}; "
+            raise TestbedError(f"suite members {first.preset} and {c.preset} differ in data field(s) "
+                               f"{', '.join(diff)}; "
                                "a suite trains every size on the same data order")
 
 

@@ -287,7 +287,11 @@ def latest_state(root, config_hash: str, upto: int) -> Optional[tuple]:
     if r.exists():
         try:
             meta = read_state_meta(r)
-            if meta.get("format") == STATE_FORMAT and meta.get("config_hash") == config_hash and int(meta["step"]) <= upto:
+            if (
+                meta.get("format") == STATE_FORMAT
+                and meta.get("config_hash") == config_hash
+                and int(meta["step"]) <= upto
+            ):
                 cands.append((int(meta["step"]), r))
         except (OSError, ValueError, KeyError):
             pass
@@ -349,8 +353,10 @@ def train(model, cfg: TestbedConfig, dataset, root, *, until: Optional[int] = No
     run_step = make_step_runner(model, cfg, optimizer, BatchRows(cfg, dataset, canaries))
     lrs = np.asarray(lr_schedule(cfg)(np.arange(until)), np.float64)  # for the log: one call, not one per step
     t0 = time.perf_counter()
-    with open(log_path if write_log else os.devnull, "a") as logf, tqdm(total=until, initial=start, desc="training", unit="step",
-                                           disable=not progress, leave=False) as bar:
+    with (
+        open(log_path if write_log else os.devnull, "a") as logf,
+        tqdm(total=until, initial=start, desc="training", unit="step", disable=not progress, leave=False) as bar,
+    ):
         for s in range(start, until):
             params, opt_state, m = run_step(params, opt_state, s)
             done = s + 1
