@@ -1,0 +1,177 @@
+"""experiments.audit: the pure parts by hand (bounds by repetitions, violations, findings), the command's edge, and
+(slow) the smoke preset end to end: its numbers recomputed from the saved scores, the science checks, the notebook."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from experiments import audit
+from mia.audit import AuditViolation, one_run_audit
+from mia.testbed import dp, preset
+
+from notebook_runner import run_notebook
+from table_check import rendered_again
+
+
+def _model(eps=math.inf, noise=None, delta=1e-3):
+    return audit.Model(audit.model_name(None if math.isinf(eps) else eps), None, eps, noise, delta)
+
+
+def test_bounds_by_reps_are_one_run_audits_per_group():
+    """Each repetition count's bound is the one-run audit of those canaries alone, at the group delta of r copies;
+    the upper bound is the accountant's group epsilon (none for the non-private model)."""
+    rng = np.random.default_rng(0)
+    reps = np.tile([1, 4, 16], 40)
+    included = rng.random(len(reps)) < 0.5
+    scores = included * (reps / 4.0) + rng.normal(size=len(reps))
+    cfg = preset("smoke", train_steps=40, canaries=120, canary_reps=(1, 4, 16), dp_noise=2.0)
+    d = dp.default_delta(cfg)
+    rows = audit.bounds_by_reps(scores, included, reps, _model(1.0, 2.0, d), cfg, "loss", d)
+    assert [r["reps"] for r in rows] == [1, 4, 16]
+    for r in rows:
+        sel = reps == r["reps"]
+        eps_r, delta_r = dp.canary_epsilon(cfg, r["reps"], delta=d)
+        assert (r["eps_upper"], r["delta"]) == (eps_r, delta_r)
+        expected = one_run_audit(scores[sel], included[sel], delta=delta_r, alpha=0.05).epsilon if delta_r < 1 else None
+        assert r["eps_lower"] == expected and r["n"] == sel.sum() and r["n_included"] == included[sel].sum()
+    plain = audit.bounds_by_reps(scores, included, reps, _model(), cfg, "loss", d)
+    assert all(r["eps_upper"] is None and r["delta"] == d and r["eps_lower"] is not None for r in plain)
+    assert plain[-1]["eps_lower"] > 0  # 16 copies with a strong signal: the non-private model is caught
+
+
+def test_violations_name_every_bound_above_its_epsilon():
+    rows = [{"model": "eps=1", "attack": "loss", "epsilon": 1.0, "eps_lower": 1.2},
+            {"model": "eps=1", "attack": "zlib", "epsilon": 1.0, "eps_lower": 1.0},
+            {"model": "non-private", "attack": "loss", "epsilon": None, "eps_lower": 9.0},
+            {"model": "eps=4", "attack": "loss", "epsilon": 4.0, "eps_lower": None}]
+    reps = [{"model": "eps=1", "attack": "loss", "reps": 4, "eps_upper": 4.0, "eps_lower": 4.5},
+            {"model": "eps=1", "attack": "loss", "reps": 16, "eps_upper": None, "eps_lower": 30.0}]
+    bad = audit.violations(rows, reps)
+    assert len(bad) == 2 and bad[0].startswith("eps=1 loss: eps_lower 1.2 > accountant epsilon 1")
+    assert bad[1].startswith("eps=1 loss reps 4: eps_lower 4.5 > group epsilon 4")
+
+
+def test_findings_follow_the_numbers():
+    rows = [{"model": "non-private", "attack": "loss", "epsilon": None, "auc": 0.9},
+            {"model": "eps=8", "attack": "loss", "epsilon": 8.0, "auc": 0.7},
+            {"model": "eps=1", "attack": "loss", "epsilon": 1.0, "auc": 0.55},
+            {"model": "non-private", "attack": "zlib", "epsilon": None, "auc": 0.52},
+            {"model": "eps=1", "attack": "zlib", "epsilon": 1.0, "auc": 0.6}]
+    ex = [{"model": "non-private", "reps": r, "skewnorm_mean": m} for r, m in ((1, 2.0), (4, 9.0), (16, 40.0))]
+    f = audit.findings(rows, ex)
+    assert f["auc"].startswith("Canary AUC moves towards 0.5 from the non-private model to epsilon 1 for 1 of 2")
+    assert "loss (0.900 -> 0.550)" in f["auc"] and "not for zlib (0.520 -> 0.600)" in f["auc"]
+    assert "(grows with repetitions)" in f["exposure"]
+    ex[2]["skewnorm_mean"] = 1.0
+    assert "does NOT grow" in audit.findings(rows, ex)["exposure"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--noises", "-1"], "--noises"),
+    (["--noises", "1,1"], "--noises"),
+    (["--noises", "a"], "--noises"),
+    (["--noises", "1", "--epsilons", "2"], "not both"),
+    (["--epsilons", "0"], "--epsilons"),
+    (["--attacks", "nosuchattack"], "nosuchattack"),
+])
+def test_bad_input_is_one_line(argv, needle, tmp_path, capsys):
+    assert audit.main(argv + ["--out", str(tmp_path / "o"), "--testbed-dir", str(tmp_path / "t"),
+                              "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+    assert not (tmp_path / "t").exists()  # refused before any testbed is built
+
+
+def test_a_violation_exits_3_with_every_line(monkeypatch, capsys):
+    s = {"description": "d", "models": [], "rows": [], "by_reps": [], "exposure": [], "findings": {},
+         "violations": ["eps=1 loss: eps_lower 2 > accountant epsilon 1", "eps=1 zlib: ..."], "skipped": {},
+         "notes": []}
+    monkeypatch.setattr(audit, "run", lambda *a, **kw: s)
+    assert audit.main(["--no-progress"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("PRIVACY AUDIT VIOLATION: ") == 2 and "eps_lower 2 > accountant epsilon 1" in err
+
+
+def test_preset_noises_give_their_target_epsilons():
+    """The presets' noise multipliers are those of their stated target epsilons (within the bisection's rounding)."""
+    targets = {"smoke": (1.0, 8.0), "default": (1.0, 4.0, 16.0)}
+    for name, p in audit.PRESETS.items():
+        cfg = audit.preset_config(p)
+        got = sorted(dp.accountant_epsilon(cfg.replace(dp_noise=s)) for s in p.noises)
+        assert got == pytest.approx(sorted(targets[name]), rel=2e-3), name
+        assert all(g <= t * (1 + 1e-9) for g, t in zip(got, sorted(targets[name])))
+
+
+# ----------------------------------------------------------------------------------------------- smoke, slow
+@pytest.fixture(scope="module")
+def audit_smoke(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audit")
+    return root / "out", audit.run("smoke", root / "out", testbed_dir=root / "tb", progress=False, bootstrap=100)
+
+
+def _read_scores(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_smoke_end_to_end_and_the_science_checks(audit_smoke):
+    out, s = audit_smoke
+    for f in ("report.md", "summary.json", "audit.csv", "audit.tex", "by_reps.md", "exposure.json",
+              "auc_vs_epsilon.png", "eps_lower_vs_epsilon.png", "exposure_vs_reps.png", "manifest.json"):
+        assert (out / f).stat().st_size > 0, f
+    attacks = s["attacks_run"]
+    models = [m["model"] for m in s["models"]]
+    assert len(models) == 3 and models[0] == "non-private" and s["models"][0]["epsilon"] is None
+    assert [(r["model"], r["attack"]) for r in s["rows"]] == [(m, a) for m in models for a in attacks]
+    for r in s["rows"]:
+        assert {"epsilon", "attack", "auc", "tpr_at_0.1pct_fpr", "eps_lower"} <= set(r)
+        # the numbers again from the saved per-example scores, independently
+        lines = _read_scores(out / "scores" / r["model"] / "canaries.jsonl")
+        y = np.array([x["label"] for x in lines])
+        sc = np.array([x["scores"][r["attack"]] for x in lines], float)
+        assert roc_auc_score(y, sc) == pytest.approx(r["auc"], abs=1e-12)
+        once = np.array([x["reps"] for x in lines]) == 1
+        delta = next(m["delta"] for m in s["models"] if m["model"] == r["model"])
+        assert one_run_audit(sc[once], y[once].astype(bool), delta=delta).epsilon == pytest.approx(r["eps_lower"])
+        if r["epsilon"] is not None:  # science check 1: no bound above the accountant's epsilon
+            assert r["eps_lower"] <= r["epsilon"]
+    assert not s["violations"]
+    for a in attacks:  # science check 2: AUC towards 0.5 as epsilon shrinks
+        by_eps = {r["epsilon"]: r["auc"] for r in s["rows"] if r["attack"] == a}
+        smallest = min(e for e in by_eps if e is not None)
+        assert abs(by_eps[smallest] - 0.5) < abs(by_eps[None] - 0.5), a
+    ex = sorted((e for e in s["exposure"] if e["model"] == "non-private"), key=lambda e: e["reps"])
+    means = [e["skewnorm_mean"] for e in ex]  # science check 3: exposure grows with repetitions
+    assert means == sorted(means) and means[-1] > means[0] + 5
+    same = rendered_again("experiments.audit", out, ["audit", "by_reps", "exposure"])
+    assert same and all(same.values()), same
+
+
+@pytest.mark.slow
+def test_notebook_computes_the_tables(audit_smoke, monkeypatch):
+    out, s = audit_smoke
+    ns, shown, printed = run_notebook("audit", monkeypatch, {"MIA_AUDIT_DIR": out})
+    assert ns["S"] == json.loads((out / "summary.json").read_text())
+    text = shown.text()
+    for r in s["rows"]:
+        assert f"{r['auc']:.3f}" in text
+    for v in s["findings"].values():
+        assert v in printed
+    assert len(shown.images()) >= 3
+    # the notebook's own epsilon-vs-bound check, from the rows
+    assert ns["worst_gap"] == max(r["eps_lower"] - r["epsilon"] for r in s["rows"] if r["epsilon"] is not None)
+
+
+@pytest.mark.slow
+def test_strict_run_raises_after_writing(audit_smoke, monkeypatch, tmp_path):
+    """strict=True (the Python API's default) raises AuditViolation, after every output is written."""
+    out, _ = audit_smoke
+    monkeypatch.setattr(audit, "violations", lambda rows, by_reps: ["eps=1 loss: forced for the test"])
+    with pytest.raises(AuditViolation, match="forced for the test"):
+        audit.run("smoke", tmp_path / "o", testbed_dir=out.parent / "tb", progress=False, bootstrap=20)
+    assert "PRIVACY AUDIT VIOLATIONS" in (tmp_path / "o" / "report.md").read_text()
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["violations"]
