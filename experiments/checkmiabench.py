@@ -287,7 +287,7 @@ PAPER_COLUMNS = ("paper_auc", "paper_auc_se", "paper_tpr_at_1pct_fpr", "paper_so
 BLIND_COLUMNS = ("step", "method", "classifier", "auc", "auc_se", "tpr_at_1pct_fpr")
 ROW_KEYS = ("model", "params", "step", "method", "kind", "auc", "auc_se", "tpr_at_1pct_fpr", "auc_ci_low",
             "auc_ci_high", "tpr_at_0.1pct_fpr", "p_auc_gt_half", "n", "n_nonfinite", "feature", "classifier",
-            "n_train", "n_eval", *PAPER_COLUMNS)
+            "n_train", "n_eval", "eps_lower", "delta", *PAPER_COLUMNS)
 
 
 def _keep(row: dict) -> dict:
@@ -307,8 +307,9 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         n_train: Optional[int] = None, n_prefix: Optional[int] = None, n_calib: Optional[int] = None,
         gap: Optional[int] = None, end_step: Optional[int] = None, batch_size: Optional[int] = None,
         seq_len: int = 2048, bins: Optional[int] = None, memorize_epochs: int = 0, seed: int = 0,
-        bootstrap: Optional[int] = None, progress: bool = True, argv=None) -> dict:
-    """Run CheckMIABench; returns the summary dict (also ``out/summary.json``)."""
+        bootstrap: Optional[int] = None, delta: Optional[float] = None, progress: bool = True, argv=None) -> dict:
+    """Run CheckMIABench; returns the summary dict (also ``out/summary.json``). ``delta``: the attack table gets
+    ``eps_lower``, the DP epsilon each attack rules out at that delta with 95% confidence (docs/auditing.md)."""
     if preset not in PRESETS:
         raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -405,7 +406,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
                 skipped[f"{k} ({t.model} step{c})"] = v
             notes += [n for n in res.notes if n not in notes]
             extra = {"model": t.model, "params": t.params, "step": c}
-            for r in metric_rows(res.scores, res.labels, res.ids, bootstrap, seed, **extra):
+            for r in metric_rows(res.scores, res.labels, res.ids, bootstrap, seed, delta=delta, **extra):
                 ref = paper_attack_reference(setup.kind, t.model, c, r["method"], setup.end_step)
                 if ref and not memorize_epochs:
                     r.update(zip(PAPER_COLUMNS, ref))
@@ -431,7 +432,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         scale = curves.scale_rows([r for r in attack_rows if r.get("kind") == "attack"])
         title = f"{setup.kind}, {preset} preset" + (f", dial E={memorize_epochs}" if memorize_epochs else "")
         show_paper = any("paper_auc" in r for r in attack_rows + blind_best)
-        a_cols = ATTACK_COLUMNS + (PAPER_COLUMNS if show_paper else ())
+        a_cols = ATTACK_COLUMNS + (("eps_lower",) if delta is not None else ()) + (PAPER_COLUMNS if show_paper else ())
         b_cols = BLIND_COLUMNS + (PAPER_COLUMNS if show_paper else ())
         write_tables([_keep(r) for r in blind_best], out, "blind", b_cols,
                      "Blind baselines, best of LR/RF/MLP per feature (CheckMIABench Table 1/3 layout)")
@@ -492,7 +493,8 @@ def report_markdown(s: dict) -> str:
     from mia.report import markdown
 
     paper = PAPER_COLUMNS if any("paper_auc" in r for r in s["attacks"] + s["blind"]) else ()
-    blind_columns, attack_columns = BLIND_COLUMNS + paper, ATTACK_COLUMNS + paper
+    eps = ("eps_lower",) if any("eps_lower" in r for r in s["attacks"]) else ()
+    blind_columns, attack_columns = BLIND_COLUMNS + paper, ATTACK_COLUMNS + eps + paper
 
     L = [f"# CheckMIABench ({s['kind']}, {s['preset']} preset)", "", s["description"] + ".", ""]
     for c, sp in s["splits"].items():
@@ -563,6 +565,9 @@ def build_parser():
                                                  "suite; 97000 Pythia; 400000 OLMo)")
     s.add_argument("--attacks", default=None, help="attack list NAME[:k=v,...] (default: the preset's)")
     s.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
+    s.add_argument("--delta", type=V.arg_float(0, 1, hi_open=True), default=None,
+                   help="add eps_lower to the attack table: the (eps, delta)-DP epsilon each attack rules out "
+                        "with 95%% confidence")
     s.add_argument("--blind-features", default=None, help="comma-separated of bow,tfidf,w2v,bert (default: preset's)")
     s.add_argument("--n-members", type=V.arg_int(1), default=None,
                    help="evaluated members (= non-members) per checkpoint")
@@ -586,7 +591,7 @@ def main(argv=None) -> int:
                     blind_features=_csv(args.blind_features) or None, n_members=args.n_members,
                     n_train=args.n_train, n_prefix=args.n_prefix, n_calib=args.n_calib, gap=args.gap,
                     end_step=args.end_step, batch_size=args.batch_size, seq_len=args.seq_len, bins=args.bins,
-                    memorize_epochs=args.memorize_epochs, seed=args.seed, bootstrap=args.bootstrap,
+                    memorize_epochs=args.memorize_epochs, seed=args.seed, bootstrap=args.bootstrap, delta=args.delta,
                     progress=not args.no_progress, argv=argv),
         debug=args.debug, compile_cache=not args.no_compile_cache)
     if status:

@@ -61,6 +61,9 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--cache-dir", default=None, help="on-disk cache of model outputs (default: ~/.cache/mia)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk cache")
     p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
+    p.add_argument("--delta", type=V.arg_float(0, 1, hi_open=True), default=None,
+                   help="also print eps_lower: the (eps, delta)-DP epsilon each attack rules out with 95%% "
+                        "confidence (docs/auditing.md)")
     p.add_argument("--bootstrap", type=V.arg_int(0), default=1000,
                    help="bootstrap resamples for the AUC standard error")
     p.add_argument("--no-progress", action="store_true")
@@ -116,7 +119,7 @@ def cmd_score(args) -> int:
             for note in run.notes:
                 print(f"note: {note}", file=sys.stderr)
             if run.labelled:
-                print(run.metrics(n_resamples=args.bootstrap, seed=args.seed))
+                print(run.metrics(n_resamples=args.bootstrap, seed=args.seed, delta=args.delta))
             print(f"wrote {len(run.examples)} scored example(s) to {args.out}", file=sys.stderr)
     distributed.barrier("mia score: done")
     return 0

@@ -235,10 +235,14 @@ def summary_row(method: str, scores, labels, n_resamples: int = 1000, seed: int 
 
 
 def metric_rows(scores, labels, ids=None, n_resamples: int = 1000, seed: int = 0, kind: str = "attack",
-                **extra) -> list[dict]:
+                *, delta: Optional[float] = None, alpha: float = 0.05, **extra) -> list[dict]:
     """One ``summary_row`` per method of ``scores`` ({method: [N]}), on its finite scores; ``n_nonfinite`` counts
     the NaN/inf ones dropped (present only when some were). A method whose finite scores lack members or
-    non-members gets a row with ``note`` saying why and no metrics. ``kind`` and ``extra`` go into every row."""
+    non-members gets a row with ``note`` saying why and no metrics. ``kind`` and ``extra`` go into every row.
+    ``delta``: also ``eps_lower``, :func:`epsilon_lower_bound` of the scores at (``delta``, confidence 1 - ``alpha``,
+    Bonferroni over thresholds), with ``delta`` and ``alpha`` recorded in the row."""
+    if delta is not None and not 0 <= float(delta) < 1:
+        raise MetricError(f"delta must be in [0, 1), got {delta!r}")
     labels = np.asarray(labels)
     rows = []
     for name, s in scores.items():
@@ -256,6 +260,9 @@ def metric_rows(scores, labels, ids=None, n_resamples: int = 1000, seed: int = 0
         r = summary_row(name, s[ok], labels[ok], n_resamples=n_resamples, seed=seed,
                         ids=None if ids is None else [i for i, k in zip(ids, ok) if k])
         r.update({"kind": kind, **extra})
+        if delta is not None:
+            r.update(eps_lower=epsilon_lower_bound(s[ok], labels[ok], delta=float(delta), alpha=alpha),
+                     delta=float(delta), alpha=float(alpha))
         if (~ok).any():
             r["n_nonfinite"] = int((~ok).sum())
         rows.append(r)

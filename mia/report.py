@@ -130,7 +130,9 @@ def write_json(path, obj) -> Path:
 def metrics_table(rows: Sequence[Mapping]) -> str:
     """``mia.metrics.metric_rows`` as a plain-text table: AUC, its bootstrap SE, TPR at 1% and 0.1% FPR; a method
     without metrics gets its reason, and dropped non-finite scores are counted on their own line."""
-    head = f"{'attack':<28} {'AUC':>7} {'AUC SE':>7} {'TPR@1%FPR':>10} {'TPR@0.1%FPR':>12}"
+    eps = any("eps_lower" in r for r in rows)
+    head = f"{'attack':<28} {'AUC':>7} {'AUC SE':>7} {'TPR@1%FPR':>10} {'TPR@0.1%FPR':>12}" + (
+        f" {'eps_lower':>10}" if eps else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         name = str(r["method"])
@@ -140,7 +142,12 @@ def metrics_table(rows: Sequence[Mapping]) -> str:
         if r.get("n_nonfinite"):
             lines.append(f"{name:<28} {r['n_nonfinite']} non-finite score(s); metrics on the rest")
         se = "" if r.get("auc_se") is None else f"{r['auc_se']:7.4f}"
-        lines.append(f"{name:<28} {r['auc']:7.4f} {se:>7} {r['tpr_at_1pct_fpr']:10.4f} {r['tpr_at_0.1pct_fpr']:12.4f}")
+        lines.append(f"{name:<28} {r['auc']:7.4f} {se:>7} {r['tpr_at_1pct_fpr']:10.4f} {r['tpr_at_0.1pct_fpr']:12.4f}"
+                     + (f" {r['eps_lower']:10.4f}" if eps and "eps_lower" in r else ""))
+    if eps:
+        r = next(r for r in rows if "eps_lower" in r)
+        lines.append(f"eps_lower: the (eps, delta={r['delta']:.3g})-DP epsilon each attack rules out with "
+                     f"{1 - r['alpha']:.0%} confidence (Clopper-Pearson, Bonferroni over thresholds)")
     return "\n".join(lines)
 
 

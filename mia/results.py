@@ -67,12 +67,16 @@ class ScoreRun:
         y = self.labels
         return bool((y >= 0).all() and len(set(y.tolist())) == 2)
 
-    def metrics(self, n_resamples: int = 1000, seed: int = 0, **extra) -> MetricsTable:
+    def metrics(self, n_resamples: int = 1000, seed: int = 0, *, delta: Optional[float] = None,
+                alpha: float = 0.05, **extra) -> MetricsTable:
         """AUC, bootstrap SE, TPR@1%/0.1%FPR per attack on its finite scores (non-finite ones dropped and counted
-        in ``n_nonfinite``). ``extra`` fields go into every row."""
+        in ``n_nonfinite``). ``delta``: also ``eps_lower``, the DP epsilon that the attack rules out at (delta,
+        confidence 1 - alpha) (``mia.metrics.epsilon_lower_bound``; docs/auditing.md). ``extra`` fields go into
+        every row."""
         if not self.labelled:
             raise ValueError("metrics need every evaluated example labelled (0/1) and both classes present")
-        return MetricsTable(metric_rows(self.scores, self.labels, self.ids, n_resamples, seed, **extra))
+        return MetricsTable(metric_rows(self.scores, self.labels, self.ids, n_resamples, seed, delta=delta,
+                                        alpha=alpha, **extra))
 
     def write(self, path, meta: Optional[Mapping[str, dict]] = None, extra_scores: Optional[dict] = None) -> Path:
         """The scores file (see the module docstring); ``meta``: id -> fields added to that example's line;

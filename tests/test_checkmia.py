@@ -206,6 +206,7 @@ def test_default_main_job_from_nothing(tmp_path):
     assert next(r for r in mem["rows"] if r["method"] == "loss")["auc"] >= 0.8
 
 
+@pytest.mark.slow  # (20 s) the default run keeps the dial on a suite member (test_checkmiabench)
 def test_attacks_detect_the_memorization_dial(smoke_testbed, tmp_path):
     """Issue 'attack suite': on the dial split, every attack the testbed supports sees the signal."""
     attacks = "loss,mink,minkpp,zlib,recall:n=4,mope,camia"

@@ -227,9 +227,17 @@ def test_pythia_layout_end_to_end(tiny_neox_dir, tmp_path):
             "--batch-size", str(LAYOUT_B),
             "--end-step", str(LAYOUT_END), "--n-members", "20", "--n-train", "20", "--n-prefix", "0",
             "--attacks", "loss,mink:k=0.1", "--no-blind", "--bootstrap", "50", "--no-progress",
-            "--out", str(out)]
+            "--out", str(out), "--delta", "1e-3"]
     assert cmb.main(argv) == 0
     s = json.loads((out / "summary.json").read_text())
+    from mia.metrics import epsilon_lower_bound
+    from mia.results import read_scores
+
+    lines, scores = read_scores(out / s["targets"][0]["scores"])
+    labels = np.array([l["label"] for l in lines])
+    for r in s["attacks"]:  # --delta: eps_lower in the table, the bound of the saved scores
+        assert r["eps_lower"] == pytest.approx(epsilon_lower_bound(scores[r["method"]], labels, delta=1e-3))
+    assert "eps_lower" in (out / "attacks.csv").read_text().splitlines()[0]
     assert s["kind"] == "pythia" and [t["model"] for t in s["targets"]] == ["70m"]
     assert {r["method"] for r in s["attacks"]} == {"loss", "mink:k=0.1"}
     assert "paper_auc" not in s["attacks"][0]  # step 100 is not the paper's setting

@@ -32,6 +32,27 @@ def test_score_writes_one_line_per_input_and_a_table(tiny_neox_dir, tmp_path, ca
     assert "AUC" in printed and "loss" in printed
 
 
+def test_delta_adds_the_epsilon_the_attack_rules_out(tiny_neox_dir, tmp_path, capsys):
+    """--delta: an eps_lower column, equal to mia.metrics.epsilon_lower_bound of the written scores."""
+    from mia.metrics import epsilon_lower_bound
+
+    data = _write(tmp_path / "d.jsonl", [{"id": i, "text": t, "label": i % 2} for i, t in enumerate(TEXTS * 3)])
+    out = tmp_path / "o.jsonl"
+    assert main(["score", "--model", str(tiny_neox_dir), "--data", str(data), "--attacks", "loss",
+                 "--out", str(out), "--no-cache", "--no-progress", "--delta", "1e-5", "--bootstrap", "20"]) == 0
+    lines = [json.loads(l) for l in out.read_text().splitlines()]
+    s = np.array([l["scores"]["loss"] for l in lines])
+    y = np.array([l["label"] for l in lines])
+    printed = capsys.readouterr().out
+    row = next(l for l in printed.splitlines() if l.startswith("loss "))
+    assert "eps_lower" in printed and "delta=1e-05" in printed
+    assert float(row.split()[-1]) == pytest.approx(epsilon_lower_bound(s, y, delta=1e-5), abs=1e-4)
+    for bad in ("1", "-0.1", "x"):
+        with pytest.raises(SystemExit) as e:  # argparse: status 2, one line naming the flag
+            main(["score", "--model", str(tiny_neox_dir), "--data", str(data), "--out", str(out), "--delta", bad])
+        assert e.value.code == 2 and "--delta" in capsys.readouterr().err
+
+
 def test_python_dash_m_entry_point(tiny_neox_dir, tmp_path):
     import subprocess
     import sys

@@ -77,7 +77,7 @@ def test_matrix_matches_torch_concatenation(checkpoint, include_first):
     assert np.ptp(got, axis=0).max() > 1e-2
 
 
-@pytest.mark.parametrize("include_first", [True, False])
+@pytest.mark.parametrize("include_first", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_pure_left_padded_prefix_batch(checkpoint, include_first):
     """The pure functions on a left-padded prefix batch and right-padded targets: every counted per-token log-prob
     equals torch's, and padding is never counted (``conditional_loglik``, their mean, runs in the matrix tests)."""

@@ -170,3 +170,19 @@ def test_summary_row_keys():
     want_p = mannwhitneyu(s[y == 1], s[y == 0], alternative="greater", method="asymptotic").pvalue
     assert row["p_auc_gt_half"] == pytest.approx(want_p, rel=1e-9) and row["p_auc_gt_half"] < 1e-3
     assert M.bonferroni_significant([0.01, 0.02, 0.3], alpha=0.05) == [True, False, False]
+
+
+def test_metric_rows_with_delta_add_the_epsilon_bound():
+    from mia.metrics import epsilon_lower_bound, metric_rows
+
+    rng = np.random.default_rng(3)
+    y = np.r_[np.ones(200), np.zeros(200)].astype(int)
+    s = {"strong": y * 3.0 + rng.normal(size=400), "none": rng.normal(size=400)}
+    rows = {r["method"]: r for r in metric_rows(s, y, n_resamples=10, delta=1e-5, alpha=0.1)}
+    for k in s:
+        assert rows[k]["eps_lower"] == epsilon_lower_bound(s[k], y, delta=1e-5, alpha=0.1)
+        assert (rows[k]["delta"], rows[k]["alpha"]) == (1e-5, 0.1)
+    assert rows["strong"]["eps_lower"] > 1 and rows["none"]["eps_lower"] < rows["strong"]["eps_lower"]
+    assert all("eps_lower" not in r for r in metric_rows(s, y, n_resamples=10))
+    with pytest.raises(M.MetricError, match="delta"):
+        metric_rows(s, y, delta=1.5)

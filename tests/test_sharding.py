@@ -99,6 +99,7 @@ def _assert_mesh_equals_single_device(report):
         assert r["compiled_stats_programs"] == r["length_buckets"], name  # one program per length bucket
 
 
+@pytest.mark.slow  # (27 s) the default run keeps test_scores_do_not_depend_on_device_count and the abstract shardings
 def test_mesh_data2_model4_equals_one_device_without_transfers(tmp_path, tiny_neox_dir):
     """GPT-NeoX loaded with --mesh data=2,model=4: stats, conditional LL and MoPe equal the one-device float32
     result within 1e-5, under jax.transfer_guard("disallow"), with the parameters really split 8 ways."""
@@ -165,7 +166,7 @@ def _score_args(model_dir, data, out, cache, attacks, extra):
 
 
 @pytest.mark.parametrize("attacks, extra", [
-    ("loss,mink", []),
+    pytest.param("loss,mink", [], marks=pytest.mark.slow),  # 2 processes: 18 s
     pytest.param("loss,mink,zlib,mope:n=2,recall_avg", ["--mesh", "data=8"], marks=pytest.mark.slow),
 ])
 def test_two_processes_write_the_scores_of_one_process_byte_for_byte(tiny_neox_dir, tmp_path, attacks, extra):
