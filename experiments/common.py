@@ -7,7 +7,7 @@ CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``-
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
                  ``open_members`` (given testbeds, else the suite), ``pick_members``,
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
-                 ``count_params`` (from the safetensors headers, nothing loaded).
+                 ``count_params`` (parameters only, from the safetensors headers, nothing loaded).
 Splits           ``SplitSizes`` (examples per partition and class), ``draw_testbed_split``, ``draw_pythia_split``,
                  ``draw_olmo_split``: the ``mia split`` samplers (``mia.data.pythia`` / ``mia.data.olmo``) followed by
                  one seeded partition plan; ``check_token_ids`` (data vs the model's vocabulary).
@@ -237,20 +237,45 @@ def size_name(n_params: int) -> str:
     return f"{n_params / 1e9:.1f}b".replace(".0b", "b") if n_params >= 1e9 else suite_size_name(int(n_params))
 
 
+def buffer_patterns(model_dir) -> tuple:
+    """Regexes of the tensor names that are buffers, not parameters, in the checkpoint at ``model_dir``: the
+    ``ignored_keys`` of the family named by its ``config.json`` ``model_type`` (GPT-NeoX: the causal masks
+    ``attention.bias`` / ``attention.masked_bias`` and ``rotary_emb.inv_freq``), or every registered family's when
+    there is no config.json or its family is not registered."""
+    import mia.models  # noqa: F401  (registers the families)
+    from mia.models.family import FAMILIES
+
+    cfg = Path(model_dir) / "config.json"
+    model_type = None
+    if cfg.is_file():
+        try:
+            model_type = json.loads(cfg.read_text()).get("model_type")
+        except (ValueError, AttributeError):
+            model_type = None
+    if model_type in FAMILIES:
+        return FAMILIES[model_type].ignored_keys
+    return tuple(sorted({p for fam in FAMILIES.values() for p in fam.ignored_keys}))
+
+
 def count_params(model_dir) -> int:
-    """Parameters of a HF safetensors checkpoint directory (single file or sharded), read from the headers only."""
+    """Parameters of a HF safetensors checkpoint directory (single file or sharded), read from the headers only.
+
+    Counts parameters only: a tensor whose name matches ``buffer_patterns(model_dir)`` (what mia's loader for the
+    family skips as a buffer, e.g. the causal masks and rotary ``inv_freq`` that old Pythia checkpoints carry) is not
+    counted."""
     root = Path(model_dir)
     files = sorted(root.glob("*.safetensors"))
     files = [f for f in files if f.name != "train_state.safetensors"]
     if not files:
         raise ExperimentError(f"{root}: no *.safetensors weights")
+    buffers = [re.compile(p) for p in buffer_patterns(root)]
     total = 0
     for f in files:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
         for k, v in header.items():
-            if k != "__metadata__":
+            if k != "__metadata__" and not any(b.search(k) for b in buffers):
                 total += int(np.prod(v["shape"], dtype=np.int64))
     return total
 

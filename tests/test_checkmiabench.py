@@ -244,6 +244,29 @@ def test_pythia_layout_end_to_end(tiny_neox_dir, tmp_path):
     assert len(s["recency"]) == 2 * 8 and (out / "attacks.tex").exists()
 
 
+def test_count_params_skips_buffers_of_old_pythia_checkpoints(tiny_neox_dir, tiny_neox_torch, tmp_path):
+    """Old Pythia checkpoints carry the causal masks and rotary inv_freq as tensors: they are not parameters."""
+    from safetensors.numpy import load_file, save_file
+
+    import mia.models as mm
+    from experiments.common import count_params
+
+    want = sum(p.numel() for p in tiny_neox_torch.parameters())
+    assert count_params(tiny_neox_dir) == want
+    ckpt = tmp_path / "old"
+    shutil.copytree(tiny_neox_dir, ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    for i in range(2):
+        tensors[f"gpt_neox.layers.{i}.attention.bias"] = np.tril(np.ones((1, 1, 256, 256), bool))
+        tensors[f"gpt_neox.layers.{i}.attention.masked_bias"] = np.array(-1e9, np.float32)
+        tensors[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    assert count_params(ckpt) == want  # not want + 2 * (65536 + 1 + 4)
+    mm.load(ckpt)  # and the loader reads the same checkpoint, skipping the same tensors
+    (ckpt / "config.json").unlink()  # no family named: every family's buffer names are skipped
+    assert count_params(ckpt) == want
+
+
 def test_pythia_bad_inputs_one_line_each(tiny_neox_dir, tmp_path, capsys):
     models, shards, idx, _ = pythia_layout(tmp_path / "bad", tiny_neox_dir, 300, bad_token=4000)
     base = ["--pythia", str(models), "--batch-size", str(LAYOUT_B), "--end-step", str(LAYOUT_END), "--n-members", "5",
