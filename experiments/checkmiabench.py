@@ -42,7 +42,8 @@ from mia.validate import arg_int_list
 from experiments import curves
 from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
-                                draw_olmo_split, draw_pythia_split, draw_testbed_split, experiment_parser, 
+                                draw_olmo_split, draw_pythia_split, draw_testbed_split, drop_learned_duplicates,
+                                experiment_parser,
                                 olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,
                                 score_split, select_attacks, select_pythia, sha_file, size_name, write_json,
                                 write_manifest, write_tables)
@@ -363,12 +364,18 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
     for c in setup.steps:
         with timings("splits"):
             header, examples, note = setup.draw(c)
+            header, examples, dropped = drop_learned_duplicates(header, examples)
             split_path = write_split(out / "splits" / f"step{c}.jsonl", header, examples)
         if note:
             notes.append(note)
+        if dropped:
+            shown = ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else "")
+            notes.append(f"step{c} split: {len(dropped)} evaluated row(s) with the same tokens as a learned-from row "
+                         f"dropped, the learned-from copy kept ({shown})")
         prm = header["params"]
         split_info[c] = {"member_steps": prm.get("member_steps"), "nonmember_steps": prm.get("nonmember_steps"),
-                         "partitions": header["partitions"], "seed": seed, "file": f"splits/step{c}.jsonl"}
+                         "partitions": header["partitions"], "seed": seed, "file": f"splits/step{c}.jsonl",
+                         "duplicates_dropped": len(dropped)}
         say(f"step{c}: split {header['counts']['members']} members, {header['counts']['nonmembers']} non-members")
         features = every + (last if c == setup.steps[-1] else ())
         if blind and features:
@@ -499,7 +506,9 @@ def report_markdown(s: dict) -> str:
         parts = ", ".join(f"{k} {v['members']}+{v['nonmembers']}" for k, v in sp["partitions"].items())
         L.append(f"- step{c}: members from steps [{sp['member_steps'][0]}, {sp['member_steps'][1]}), non-members "
                  f"from [{sp['nonmember_steps'][0]}, {sp['nonmember_steps'][1]}); partitions (members+non-members) "
-                 f"{parts}; seed {sp['seed']}.")
+                 f"{parts}; seed {sp['seed']}"
+                 + (f"; {sp['duplicates_dropped']} evaluated row(s) equal to a learned-from row dropped."
+                    if sp.get("duplicates_dropped") else "."))
     if s.get("memorize_epochs"):
         L.append(f"- Memorization dial: every checkpoint trained {s['memorize_epochs']} more epochs on its split's "
                  "members only; the clean checkpoint's LOSS is a reference row.")

@@ -447,6 +447,31 @@ def _finish_split(header: dict, examples: list, sizes: SplitSizes, seed: int) ->
     return header, examples
 
 
+def drop_learned_duplicates(header: dict, examples: list, scored: Sequence[str] = ("eval",)) -> tuple:
+    """(header, examples, dropped ids): every scored row (partition in ``scored``) that is the same as a learned-from
+    row (``mia.api.LEARNED_PARTITIONS``) by mia's disjointness rule (``mia.attacks.context.disjointness_keys``: id,
+    token ids or text; ``mia.score`` refuses such a pair) left out, the learned-from copy kept. Real orders hold exact
+    duplicate rows, so a draw may pair two. The header's counts and partitions are the kept rows'; the dropped
+    positions go to ``params.dropped_rows`` (``mia.data.splits.DROPPED_ROWS``), so ``mia split check`` still
+    re-draws the file from its seed. Nothing dropped: the inputs unchanged."""
+    from mia.api import LEARNED_PARTITIONS
+    from mia.attacks.context import disjointness_keys
+    from mia.data.splits import DROPPED_ROWS
+
+    learned = {k for e in examples if e.get("partition") in LEARNED_PARTITIONS for k in disjointness_keys(e)}
+    gone = [e for e in examples if e.get("partition", "eval") in scored
+            and any(k in learned for k in disjointness_keys(e))]
+    if not gone:
+        return header, examples, []
+    ids = {id(e) for e in gone}
+    kept = [e for e in examples if id(e) not in ids]
+    header = {**header, **partition_counts(kept), "params": dict(header.get("params") or {})}
+    header["params"][DROPPED_ROWS] = [{"label": e["label"], "index": e["index"],
+                                       **({"segment": e["segment"]} if e.get("segment") is not None else {})}
+                                      for e in gone if e.get("index") is not None]
+    return header, kept, [str(e["id"]) for e in gone]
+
+
 def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Optional[int] = None, *,
                        allow_fewer: bool = False):
     """(header, examples, note) of the checkpoint split of testbed ``tb`` at checkpoint ``step``.

@@ -18,8 +18,8 @@ import numpy as np
 from .examples import out_of_vocab
 from .indexed import CODE_OF_DTYPE, IndexedDataset
 from .splits import (INT, NONNEG_INT, POS_INT, SEED, STRING, SplitError, assign_partitions, checked_fields,
-                     derived_problems, draw_counts, file_record, one_line, partition_counts, position_problems,
-                     redraw_problems, rows_to_lists, short_repr, token_id_problems, vocab_bound)
+                     derived_problems, draw_counts, dropped_rows, file_record, one_line, partition_counts,
+                     position_problems, redraw_problems, rows_to_lists, short_repr, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 1024
 ROW_LEN = 2049
@@ -262,7 +262,8 @@ def _redraw(params, counts, step, gap, end_step, B, examples, problems, not_veri
                             "is not mia's pythia sampler)")
         return
     seed = checked_fields(params, {"seed": SEED}, "line 1: header params.", problems)
-    n = draw_counts(counts, examples, problems, not_verified)
+    dropped = dropped_rows(params, problems)
+    n = draw_counts(counts, examples, problems, not_verified, dropped)
     if seed is None or n is None:
         return
     seed = seed["seed"]
@@ -273,7 +274,7 @@ def _redraw(params, counts, step, gap, end_step, B, examples, problems, not_veri
                         f"give a draw: {one_line(str(e))}")
         return
     redraw_problems(examples, {1: set(members.tolist()), 0: set(nonmembers.tolist())}, problems,
-                    f"seed {short_repr(seed)}, step {step}, gap {gap}, end_step {end_step}, batch {B}")
+                    f"seed {short_repr(seed)}, step {step}, gap {gap}, end_step {end_step}, batch {B}", dropped)
 
 
 def _verify_rows(ds, step_ranges, B, examples, problems, vocab_size=None):
