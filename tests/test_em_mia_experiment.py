@@ -77,6 +77,24 @@ def test_smoke_six_splits_and_tables(em_mia_smoke):
             assert row[name] == pytest.approx(_auc(sc, y), abs=1e-12), (name, label)
 
 
+def test_pool_and_prefix_headers_describe_their_rows(em_mia_smoke):
+    """pool.jsonl and prefix.jsonl: each header's counts and partitions are its own rows', the rows' length is the
+    header's cut, and ``mia split check`` finds nothing wrong (the rest of the draw is the header's dropped_rows)."""
+    from mia.data.splits import partition_counts, read_split
+    from mia.data.verify import verify_split
+
+    out, s, _ = em_mia_smoke
+    for name, partition in (("pool", "eval"), ("prefix", "prefix")):
+        path = out / "splits" / f"{name}.jsonl"
+        sp = read_split(path)
+        now = partition_counts(sp.examples)
+        assert sp.header["counts"] == now["counts"] and sp.header["partitions"] == now["partitions"], name
+        assert set(sp.header["partitions"]) == {partition}, name
+        assert {len(e["tokens"]) for e in sp.examples} == {sp.header["params"]["cut_len"]}, name
+        check = verify_split(path)
+        assert check.problems == [] and check.not_verified == [], (name, check)
+
+
 @pytest.mark.slow  # the whole run twice; the tables' determinism on fixed rows is checked in the default run
 def test_smoke_same_seed_same_tables(em_mia_smoke, tmp_path):
     """A second run gives the same tables byte for byte (the MiniLM embeddings of the pool are reused, for time: the
