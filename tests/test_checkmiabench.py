@@ -196,6 +196,47 @@ def test_paper_numbers_lookup():
     assert paper.attacks == tuple(cmb.PAPER_ATTACKS.values()) and (paper.sizes.eval, paper.sizes.train) == (1000, 4000)
 
 
+def test_paper_setting_differences():
+    """The paper's split: no gap, 1,000 evaluated and (blind) 4,000 training rows per class, at its checkpoint."""
+    same = {"gap": 0, "end_step": 98_500, "eval_counts": (1000, 1000), "train_counts": (4000, 4000)}
+    assert cmb.paper_setting_differences("pythia", 97_000, **same) == []
+    assert cmb.paper_setting_differences("olmo", 400_000, gap=0, eval_counts=(1000, 1000)) == []
+    assert cmb.paper_setting_differences("pythia", 97_000, **{**same, "gap": 10}) == ["gap 10 (paper: 0)"]
+    assert cmb.paper_setting_differences("pythia", 97_000, **{**same, "eval_counts": (800, 800)}) == [
+        "eval 800 + 800 (paper: 1,000 + 1,000)"]
+    assert cmb.paper_setting_differences("pythia", 90_000, gap=0) == ["step 90000 (paper: 97,000)"]
+    assert cmb.paper_setting_differences("testbed", 97_000, gap=0) == ["no paper numbers for kind testbed"]
+    assert cmb.PRESETS["paper"].gap == 0  # the paper samples uniformly before and after the checkpoint
+    assert cmb.build_parser().parse_args(["--paper", "--gap", "10"]).gap == 10
+
+
+def test_paper_numbers_only_beside_the_papers_setting(tiny_neox_dir, tmp_path):
+    """A Pythia layout at the paper's checkpoint (batch 1, so step 97,000 is 97,000 rows): with gap 0 and 1,000 +
+    1,000 evaluated rows the paper's LOSS row stands beside ours; with --gap 10 it does not, and a note says why."""
+    import transformers
+
+    from mia.data.indexed import write_indexed
+
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
+    step, end = cmb.PAPER_SETTING["pythia"]["step"], cmb.PAPER_SETTING["pythia"]["end_step"]
+    shutil.copytree(tiny_neox_dir, tmp_path / "models" / "pythia-70m-deduped" / f"step{step}")
+    rows = np.random.default_rng(0).integers(1, vocab, size=(end + 3, 9))
+    write_indexed(tmp_path / "document", rows)
+    base = ["--pythia", str(tmp_path / "models"), "--data", str(tmp_path / "document.bin"), "--idx",
+            str(tmp_path / "document.idx"), "--batch-size", "1", "--n-members", "1000", "--n-train", "0",
+            "--n-prefix", "0", "--attacks", "loss", "--no-blind", "--bootstrap", "20", "--no-progress"]
+    assert cmb.main(base + ["--out", str(tmp_path / "same")]) == 0
+    s = json.loads((tmp_path / "same" / "summary.json").read_text())
+    assert s["attacks"][0]["paper_source"] == "Table 2, row 70m LOSS"
+    assert not any("Table 2 numbers are not shown" in n for n in s["notes"])
+    assert cmb.main(base + ["--gap", "10", "--out", str(tmp_path / "gap")]) == 0
+    s = json.loads((tmp_path / "gap" / "summary.json").read_text())
+    assert "paper_auc" not in s["attacks"][0]
+    note = (f"step{step}: the paper's Table 2 numbers are not shown beside ours: our setting differs from the paper's "
+            "(gap 10 (paper: 0))")
+    assert note in s["notes"] and note in (tmp_path / "gap" / "report.md").read_text()
+
+
 def test_paper_numbers_match_the_paper_text():
     """The paper's numbers printed beside ours are the paper's: checked against its text when
     ``CHECKMIABENCH_TEXT`` names a plain-text copy of the paper (tab-separated tables, as pdftotext -layout writes)."""
