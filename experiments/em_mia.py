@@ -4,6 +4,7 @@ AUC of each split.
 
     python -m experiments.em_mia [--preset default|smoke] [--out DIR]                  # the testbed suite
     python -m experiments.em_mia --olmo DIR --global-indices FILE --data-paths FILE [--ref-model DIR]   # OLMo-7B
+        (no --preset with --olmo: the paper preset, said in one line)
 
 1. A pool of members and non-members. Testbed: a checkpoint split of the suite's shared order at checkpoint c
    (members: rows [0, c*B); non-members: rows [c*B, E*B) of the first epoch), each row cut to its first L tokens
@@ -359,8 +360,21 @@ def evaluate(targets: Sequence[Target], split_paths: dict, prefix: list, shots: 
     return results, skipped, notes
 
 
-def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir=None, member: Optional[str] = None,
-        step: Optional[int] = None,
+def preset_for(preset: Optional[str], olmo) -> tuple:
+    """(preset name, the line that says why, or None): an explicit ``preset`` as given; none given: ``paper``
+    (OLMoMIA's recipe) with ``--olmo``, else ``default``. The choice for ``--olmo`` is announced, never silent."""
+    if preset is not None:
+        return preset, None
+    if olmo is None:
+        return "default", None
+    q = PRESETS["paper"]
+    return "paper", (f"preset paper: --olmo without --preset runs OLMoMIA's recipe (pool {q.pool:,} per class, "
+                     f"K {q.k}, filter {q.threshold}, splits of {q.size:,}, L {q.doc_len}); give --preset to choose "
+                     "another")
+
+
+def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suite_dir=None,
+        member: Optional[str] = None, step: Optional[int] = None,
         memorize_epochs: int = 0, olmo=None, global_indices=None, data_paths=None, member_steps: str = "0:100000",
         nonmember_steps: str = "400000:450000", ref_model=None, eos: int = 50279, batch_size: int = 2160,
         seq_len: int = 2048, pool: Optional[int] = None, size: Optional[int] = None, k: Optional[int] = None,
@@ -370,8 +384,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     from mia.data.difficulty import build_difficulty_splits
     from mia.data.splits import Split, write_split
 
-    if olmo is not None and preset == "default":
-        preset = "paper"
+    preset, why_preset = preset_for(preset, olmo)
     if preset not in PRESETS:
         raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     p = dataclasses.replace(PRESETS[preset], **{a: v for a, v in (("pool", pool), ("size", size), ("k", k),
@@ -399,7 +412,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     timings = Timings()
     t0 = time.perf_counter()
     (out / "splits").mkdir(parents=True, exist_ok=True)
-    notes: list = []
+    notes: list = [why_preset] if why_preset else []
     with timings("pool"):
         if olmo is not None:
             targets, header, drawn, pool_ex, prefix, shots, info = _olmo_setup(
@@ -408,6 +421,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
         else:
             targets, header, drawn, pool_ex, prefix, shots, info = _testbed_setup(
                 p, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings)
+    if why_preset:  # once the request and the order files have passed their checks (a bad input is one line)
+        print(why_preset, file=sys.stderr)
     doc_len = header["params"]["doc_len"]
     header = file_header(header, pool_ex, drawn)  # each file's counts are its rows'; the rest of the draw dropped
     pool_path = write_split(out / "splits" / "pool.jsonl", header, pool_ex)
@@ -554,6 +569,9 @@ def build_parser():
     from mia import validate as V
 
     ap = experiment_parser("python -m experiments.em_mia", __doc__, PRESETS)
+    ap.set_defaults(preset=None)  # none given: default, or paper with --olmo (announced: preset_for)
+    next(a for a in ap._actions if a.dest == "preset").help = (
+        f"settings preset: {', '.join(PRESETS)} (default: default; with --olmo: paper, said in one line)")
     g = ap.add_argument_group("testbed suite (default)")
     g.add_argument("--testbed", action="append", default=[], help="testbed directories instead of the suite")
     g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
