@@ -406,8 +406,10 @@ def aggregate(per_draw: dict) -> dict:
     return out
 
 
-def blind_result(examples: list, path: Path, header_source: dict, seed: int, n_resamples: int) -> Optional[dict]:
-    """BoW + logistic regression on one seeded stratified 80/20 split of the dataset (``mia.blind``), or None."""
+def blind_result(examples: list, path: Path, header_source: dict, seed: int, n_resamples: int) -> tuple:
+    """(row, None) of BoW + logistic regression on one seeded stratified 80/20 split of the dataset (``mia.blind``),
+    or (None, why it did not run): the caller records the reason in ``skipped`` so the blind row never vanishes
+    silently."""
     from mia.data.splits import partition_counts, write_split
 
     header = {"source": header_source, "params": {"seed": seed}, **partition_counts(examples)}
@@ -415,9 +417,10 @@ def blind_result(examples: list, path: Path, header_source: dict, seed: int, n_r
     rows, _, skipped = run_blind_baselines(path, seed, n_resamples, features=("bow",), classifiers=("lr",))
     run = [r for r in (rows or []) if r.get("kind") == "run"]
     if not run:
-        return None
+        why = "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "mia.blind gave no result"
+        return None, f"BoW + LR did not run ({why})"
     return {"auc": run[0]["auc"], "auc_sd": None, "tpr": run[0]["tpr_at_1pct_fpr"], "tpr_sd": None, "n_draws": 1,
-            "n_eval": run[0].get("n_eval"), "n_train": run[0].get("n_train")}
+            "n_eval": run[0].get("n_eval"), "n_train": run[0].get("n_train")}, None
 
 
 # ============================================================================================ tables
@@ -529,9 +532,11 @@ def evaluate_dataset(name: str, model, examples: list, attacks, cache_dir, *, pr
     results = {m: aggregate(v) for m, v in res.items()}
     if blind:
         with timings(f"blind:{name}"):
-            b = blind_result(examples, out / "splits" / f"{_file(name)}.jsonl", source, seed, bootstrap)
+            b, why = blind_result(examples, out / "splits" / f"{_file(name)}.jsonl", source, seed, bootstrap)
         if b is not None:
             results = {"blind": b, **results}
+        else:
+            skipped["blind"] = why
     meta = {e["id"]: {k: e[k] for k in ("index", "step", "document", "share") if k in e} for e in examples}
     run.write(out / "scores" / f"{_file(name)}.jsonl", meta)
     save_npz(out / "signals" / f"{_file(name)}.npz", signals=signals.astype(np.float64), labels=labels,

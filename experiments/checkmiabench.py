@@ -15,7 +15,8 @@ sizes of a suite (like Pythia's) train on the identical data order. Then:
   TPR@1%FPR, and the shift verdict (every feature x classifier run is in ``blind_runs.*``).
 * Table 2/4 layout (``attacks.*``): every attack of the preset on every model size at c: AUC, bootstrap SE,
   TPR@1%FPR, with the paper's published numbers beside ours where the setting is the same (real Pythia at step
-  97,000 / OLMo-7B at step 400,000, the paper's attack settings).
+  97,000 / OLMo-7B at step 400,000, gap 0, 1,000 + 1,000 evaluated, the paper's attack settings; else a note
+  says what differs).
 * Curves (``experiments.curves``): AUC by steps-since-seen (``--bins`` age bins, bootstrap bands) for every model
   and checkpoint, AUC by model size; ``recency.*``, ``scale.*``, ``recency.png``, ``scale.png``.
 * ``report.md`` (tables, verdicts and trend sentences computed from the numbers), ``summary.json``,
@@ -42,7 +43,8 @@ from mia.validate import arg_int_list
 from experiments import curves
 from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
-                                draw_olmo_split, draw_pythia_split, draw_testbed_split, experiment_parser,
+                                draw_olmo_split, draw_pythia_split, draw_testbed_split, drop_learned_duplicates,
+                                experiment_parser,
                                 olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,
                                 score_split, select_attacks, select_pythia, sha_file, size_name, write_json,
                                 write_manifest, write_tables)
@@ -81,6 +83,32 @@ PAPER_SETTING = {"pythia": {"step": 97_000, "end_step": 98_500, "table_blind": (
                             "table_attacks": ("Table 2", PAPER_TABLE2)},
                  "olmo": {"step": 400_000, "end_step": None, "table_blind": ("Table 3", PAPER_TABLE3),
                           "table_attacks": ("Table 4", PAPER_TABLE4)}}
+# The split behind the paper's numbers (Sec. 4): points sampled uniformly before and after the checkpoint (no gap);
+# 1,000 evaluated per class; the blind classifiers trained on 4,000 per class.
+PAPER_SPLIT = {"gap": 0, "eval": 1000, "train": 4000}
+
+
+def paper_setting_differences(kind: str, step: int, *, gap: int, end_step: Optional[int] = None,
+                              eval_counts: Optional[tuple] = None, train_counts: Optional[tuple] = None) -> list:
+    """What of a ``kind`` run's setting at checkpoint ``step`` differs from the paper's (``PAPER_SETTING``,
+    ``PAPER_SPLIT``), one phrase each (``"gap 10 (paper: 0)"``); empty: the same, so the paper's numbers may stand
+    beside ours. ``eval_counts`` / ``train_counts``: (members, non-members) of the split as drawn (train: blind rows
+    only). A kind the paper did not run (the testbed): ``["no paper numbers for kind testbed"]``."""
+    setting = PAPER_SETTING.get(kind)
+    if setting is None:
+        return [f"no paper numbers for kind {kind}"]
+    out = []
+    if int(step) != setting["step"]:
+        out.append(f"step {step} (paper: {setting['step']:,})")
+    if setting["end_step"] is not None and end_step is not None and int(end_step) != setting["end_step"]:
+        out.append(f"non-members up to step {end_step} (paper: {setting['end_step']:,})")
+    if int(gap) != PAPER_SPLIT["gap"]:
+        out.append(f"gap {gap} (paper: {PAPER_SPLIT['gap']})")
+    for what, counts in (("eval", eval_counts), ("train", train_counts)):
+        want = PAPER_SPLIT[what]
+        if counts is not None and tuple(counts) != (want, want):
+            out.append(f"{what} {counts[0]:,} + {counts[1]:,} (paper: {want:,} + {want:,})")
+    return out
 
 
 def paper_attack_reference(kind: str, model: str, step: int, method: str, end_step: Optional[int] = None):
@@ -108,6 +136,25 @@ def paper_blind_reference(kind: str, step: int, feature: str):
     if feature not in numbers:
         return None
     return (*numbers[feature], f"{table}, row {feature}")
+
+
+def paper_notes(kind: str, step: int, differs: list, differs_blind: list, blind: bool, models: Sequence[str]) -> list:
+    """Report notes on the paper's numbers at checkpoint ``step`` of a ``kind`` run (one the paper ran): why they are
+    not shown beside ours (``differs``: attacks, ``differs_blind``: blind baselines, from
+    ``paper_setting_differences``), and which of our ``models`` the paper's table has no row for."""
+    setting = PAPER_SETTING[kind]
+    (t_att, numbers), (t_blind, _) = setting["table_attacks"], setting["table_blind"]
+    out = []
+    if differs:
+        out.append(f"step{step}: the paper's {t_att} numbers are not shown beside ours: our setting differs from the "
+                   f"paper's ({'; '.join(differs)})")
+    if blind and differs_blind and differs_blind != differs:
+        out.append(f"step{step}: the paper's {t_blind} numbers are not shown beside our blind baselines: our setting "
+                   f"differs from the paper's ({'; '.join(differs_blind)})")
+    missing = sorted({m for m in models if m not in numbers})
+    if missing and not differs:
+        out.append(f"step{step}: the paper's {t_att} has no row for {', '.join(missing)}")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ presets
@@ -146,7 +193,7 @@ PRESETS = {
                       note="default preset, for time on 2 CPU cores: BERT blind features at the last checkpoint only"),
     # the paper's settings: 4,000 + 4,000 blind training and 1,000 + 1,000 evaluated where the data allow
     "paper": Preset("default", SplitSizes(1000, 4000, 0, 12), tuple(PAPER_ATTACKS.values()), BLIND_FEATURES, (),
-                    1000, allow_fewer=True, gap=10),
+                    1000, allow_fewer=True, gap=PAPER_SPLIT["gap"]),
 }
 
 
@@ -364,13 +411,32 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
     for c in setup.steps:
         with timings("splits"):
             header, examples, note = setup.draw(c)
+            drawn_parts = header["partitions"]
+            header, examples, dropped = drop_learned_duplicates(header, examples)
             split_path = write_split(out / "splits" / f"step{c}.jsonl", header, examples)
         if note:
             notes.append(note)
+        if dropped:
+            shown = ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else "")
+            notes.append(f"step{c} split: {len(dropped)} evaluated row(s) with the same tokens as a learned-from row "
+                         f"dropped, the learned-from copy kept ({shown})")
         prm = header["params"]
         split_info[c] = {"member_steps": prm.get("member_steps"), "nonmember_steps": prm.get("nonmember_steps"),
-                         "partitions": header["partitions"], "seed": seed, "file": f"splits/step{c}.jsonl"}
+                         "partitions": header["partitions"], "seed": seed, "file": f"splits/step{c}.jsonl",
+                         "duplicates_dropped": len(dropped)}
         say(f"step{c}: split {header['counts']['members']} members, {header['counts']['nonmembers']} non-members")
+        # the paper's numbers stand beside ours only where the setting is the paper's (else a note says what differs)
+        parts = {k: (v["members"], v["nonmembers"]) for k, v in drawn_parts.items()}
+        differs = paper_setting_differences(setup.kind, c, gap=gap, end_step=setup.end_step,
+                                            eval_counts=parts.get("eval", (0, 0)))
+        differs_blind = paper_setting_differences(setup.kind, c, gap=gap, end_step=setup.end_step,
+                                                  eval_counts=parts.get("eval", (0, 0)),
+                                                  train_counts=parts.get("train", (0, 0)))
+        if memorize_epochs:
+            differs = differs + [f"memorization dial E={memorize_epochs}"]
+        if setup.kind in PAPER_SETTING:
+            notes += paper_notes(setup.kind, c, differs, differs_blind, blind and bool(every + last),
+                                 [t.model for t in setup.targets if t.step == c])
         features = every + (last if c == setup.steps[-1] else ())
         if blind and features:
             say(f"step{c}: blind baselines ({', '.join(features)}) ...")
@@ -380,7 +446,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
             for r in rows or []:
                 r = dict(r, step=c)
                 if r.get("kind") == "chosen":
-                    ref = paper_blind_reference(setup.kind, c, r["method"])
+                    ref = None if differs_blind else paper_blind_reference(setup.kind, c, r["method"])
                     if ref:
                         r.update(zip(PAPER_COLUMNS, ref))
                     blind_best.append(r)
@@ -407,8 +473,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
             notes += [n for n in res.notes if n not in notes]
             extra = {"model": t.model, "params": t.params, "step": c}
             for r in metric_rows(res.scores, res.labels, res.ids, bootstrap, seed, delta=delta, **extra):
-                ref = paper_attack_reference(setup.kind, t.model, c, r["method"], setup.end_step)
-                if ref and not memorize_epochs:
+                ref = None if differs else paper_attack_reference(setup.kind, t.model, c, r["method"], setup.end_step)
+                if ref:
                     r.update(zip(PAPER_COLUMNS, ref))
                 attack_rows.append(r)
             if memorize_epochs:  # the clean checkpoint's LOSS on the same split, as a reference
@@ -501,7 +567,9 @@ def report_markdown(s: dict) -> str:
         parts = ", ".join(f"{k} {v['members']}+{v['nonmembers']}" for k, v in sp["partitions"].items())
         L.append(f"- step{c}: members from steps [{sp['member_steps'][0]}, {sp['member_steps'][1]}), non-members "
                  f"from [{sp['nonmember_steps'][0]}, {sp['nonmember_steps'][1]}); partitions (members+non-members) "
-                 f"{parts}; seed {sp['seed']}.")
+                 f"{parts}; seed {sp['seed']}"
+                 + (f"; {sp['duplicates_dropped']} evaluated row(s) equal to a learned-from row dropped."
+                    if sp.get("duplicates_dropped") else "."))
     if s.get("memorize_epochs"):
         L.append(f"- Memorization dial: every checkpoint trained {s['memorize_epochs']} more epochs on its split's "
                  "members only; the clean checkpoint's LOSS is a reference row.")
@@ -553,8 +621,8 @@ def build_parser():
     r.add_argument("--global-indices", default=None, help="OLMo: global_indices.npy (raw uint32)")
     r.add_argument("--data-paths", default=None, help="OLMo: text file listing the token files in order")
     r.add_argument("--gap", type=V.arg_int(0), default=None,
-                   help="steps left out on each side of the checkpoint (paper preset: "
-                                                         "10; else 0)")
+                   help="steps left out on each side of the checkpoint (default 0, as in the paper; the paper's "
+                        "numbers are shown beside ours only with gap 0)")
     r.add_argument("--end-step", type=V.arg_int(1), default=None, help="non-members up to this step (Pythia: 98500)")
     r.add_argument("--batch-size", type=V.arg_int(1), default=None, help="rows per step (Pythia 1024, OLMo 2160)")
     r.add_argument("--seq-len", type=V.arg_int(2), default=2048, help="OLMo instance length (2048)")

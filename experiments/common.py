@@ -7,7 +7,7 @@ CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``-
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
                  ``open_members`` (given testbeds, else the suite), ``pick_members``,
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
-                 ``count_params`` (from the safetensors headers, nothing loaded).
+                 ``count_params`` (parameters only, from the safetensors headers, nothing loaded).
 Splits           ``SplitSizes`` (examples per partition and class), ``draw_testbed_split``, ``draw_pythia_split``,
                  ``draw_olmo_split``: the ``mia split`` samplers (``mia.data.pythia`` / ``mia.data.olmo``) followed by
                  one seeded partition plan; ``check_token_ids`` (data vs the model's vocabulary).
@@ -238,20 +238,45 @@ def size_name(n_params: int) -> str:
     return f"{n_params / 1e9:.1f}b".replace(".0b", "b") if n_params >= 1e9 else suite_size_name(int(n_params))
 
 
+def buffer_patterns(model_dir) -> tuple:
+    """Regexes of the tensor names that are buffers, not parameters, in the checkpoint at ``model_dir``: the
+    ``ignored_keys`` of the family named by its ``config.json`` ``model_type`` (GPT-NeoX: the causal masks
+    ``attention.bias`` / ``attention.masked_bias`` and ``rotary_emb.inv_freq``), or every registered family's when
+    there is no config.json or its family is not registered."""
+    import mia.models  # noqa: F401  (registers the families)
+    from mia.models.family import FAMILIES
+
+    cfg = Path(model_dir) / "config.json"
+    model_type = None
+    if cfg.is_file():
+        try:
+            model_type = json.loads(cfg.read_text()).get("model_type")
+        except (ValueError, AttributeError):
+            model_type = None
+    if model_type in FAMILIES:
+        return FAMILIES[model_type].ignored_keys
+    return tuple(sorted({p for fam in FAMILIES.values() for p in fam.ignored_keys}))
+
+
 def count_params(model_dir) -> int:
-    """Parameters of a HF safetensors checkpoint directory (single file or sharded), read from the headers only."""
+    """Parameters of a HF safetensors checkpoint directory (single file or sharded), read from the headers only.
+
+    Counts parameters only: a tensor whose name matches ``buffer_patterns(model_dir)`` (what mia's loader for the
+    family skips as a buffer, e.g. the causal masks and rotary ``inv_freq`` that old Pythia checkpoints carry) is not
+    counted."""
     root = Path(model_dir)
     files = sorted(root.glob("*.safetensors"))
     files = [f for f in files if f.name != "train_state.safetensors"]
     if not files:
         raise ExperimentError(f"{root}: no *.safetensors weights")
+    buffers = [re.compile(p) for p in buffer_patterns(root)]
     total = 0
     for f in files:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
         for k, v in header.items():
-            if k != "__metadata__":
+            if k != "__metadata__" and not any(b.search(k) for b in buffers):
                 total += int(np.prod(v["shape"], dtype=np.int64))
     return total
 
@@ -421,6 +446,31 @@ def _finish_split(header: dict, examples: list, sizes: SplitSizes, seed: int) ->
     header["params"]["sampler_partitions"] = PARTITION_SAMPLER
     header.update(partition_counts(examples))
     return header, examples
+
+
+def drop_learned_duplicates(header: dict, examples: list, scored: Sequence[str] = ("eval",)) -> tuple:
+    """(header, examples, dropped ids): every scored row (partition in ``scored``) that is the same as a learned-from
+    row (``mia.api.LEARNED_PARTITIONS``) by mia's disjointness rule (``mia.attacks.context.disjointness_keys``: id,
+    token ids or text; ``mia.score`` refuses such a pair) left out, the learned-from copy kept. Real orders hold exact
+    duplicate rows, so a draw may pair two. The header's counts and partitions are the kept rows'; the dropped
+    positions go to ``params.dropped_rows`` (``mia.data.splits.DROPPED_ROWS``), so ``mia split check`` still
+    re-draws the file from its seed. Nothing dropped: the inputs unchanged."""
+    from mia.api import LEARNED_PARTITIONS
+    from mia.attacks.context import disjointness_keys
+    from mia.data.splits import DROPPED_ROWS
+
+    learned = {k for e in examples if e.get("partition") in LEARNED_PARTITIONS for k in disjointness_keys(e)}
+    gone = [e for e in examples if e.get("partition", "eval") in scored
+            and any(k in learned for k in disjointness_keys(e))]
+    if not gone:
+        return header, examples, []
+    ids = {id(e) for e in gone}
+    kept = [e for e in examples if id(e) not in ids]
+    header = {**header, **partition_counts(kept), "params": dict(header.get("params") or {})}
+    header["params"][DROPPED_ROWS] = [{"label": e["label"], "index": e["index"],
+                                       **({"segment": e["segment"]} if e.get("segment") is not None else {})}
+                                      for e in gone if e.get("index") is not None]
+    return header, kept, [str(e["id"]) for e in gone]
 
 
 def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Optional[int] = None, *,

@@ -4,6 +4,7 @@ AUC of each split.
 
     python -m experiments.em_mia [--preset default|smoke] [--out DIR]                  # the testbed suite
     python -m experiments.em_mia --olmo DIR --global-indices FILE --data-paths FILE [--ref-model DIR]   # OLMo-7B
+        (no --preset with --olmo: the paper preset, said in one line)
 
 1. A pool of members and non-members. Testbed: a checkpoint split of the suite's shared order at checkpoint c
    (members: rows [0, c*B); non-members: rows [c*B, E*B) of the first epoch), each row cut to its first L tokens
@@ -46,7 +47,7 @@ import numpy as np
 
 import mia
 from mia.atomic import write_text
-from mia.data.splits import read_split
+from mia.data.splits import DROPPED_ROWS, partition_counts, read_split
 from mia.metrics import metric_rows
 
 from experiments.common import (ExperimentError, SplitSizes, Timings, check_paths, check_suite_steps, check_token_ids,
@@ -101,12 +102,35 @@ def dedup_texts(examples: list) -> tuple:
     return kept, len(examples) - len(kept)
 
 
+def position(e: dict) -> dict:
+    """A drawn row's position as ``params.dropped_rows`` records it: label, index and (OLMo documents) segment."""
+    return {"label": e["label"], "index": e["index"], **({"segment": e["segment"]} if e.get("segment") is not None
+                                                         else {})}
+
+
+def file_header(header: dict, rows: list, drawn: list, **params) -> dict:
+    """The header of a split file that holds ``rows``, a part of the draw ``drawn`` (``position`` dicts) that
+    ``header`` describes: counts and partitions are the rows', the drawn positions not in the file are its
+    ``params.dropped_rows`` (``mia split check`` counts them as drawn when it re-draws the file from the seed), and
+    ``params`` are added."""
+    key = lambda d: (d["label"], d["index"], d.get("segment"))  # noqa: E731
+    here = {key(position(e)) for e in rows}
+    out = {**header, **partition_counts(rows), "params": {**header["params"], **params}}
+    out["params"].pop(DROPPED_ROWS, None)
+    dropped = [d for d in drawn if key(d) not in here]
+    if dropped:
+        out["params"][DROPPED_ROWS] = dropped
+    return out
+
+
 def testbed_pool(tb, step: int, pool: int, n_prefix: int, doc_len: int, seed: int) -> tuple:
-    """(header, pool examples (partition eval), prefix examples (non-members), notes): a checkpoint split of ``tb``
-    at ``step`` with ``pool`` texts per class and ``n_prefix`` held-out non-members, each row cut to its first
-    ``doc_len`` tokens, texts that occur twice dropped."""
+    """(header, pool examples (partition eval), prefix examples (non-members), notes, drawn positions): a
+    checkpoint split of ``tb`` at ``step`` with ``pool`` texts per class and ``n_prefix`` held-out non-members, each
+    row cut to its first ``doc_len`` tokens (``params.cut_len``), texts that occur twice dropped. ``header``
+    describes the whole draw; ``file_header`` makes each file's."""
     extra = pool // 10 + 8  # room for the duplicates dropped below
     header, examples, _ = draw_testbed_split(tb, step, SplitSizes(eval=pool + extra, prefix=n_prefix), seed)
+    drawn = [position(e) for e in examples]
     for e in examples:
         e["tokens"] = e["tokens"][:doc_len]
     examples, dropped = dedup_texts(examples)
@@ -118,10 +142,11 @@ def testbed_pool(tb, step: int, pool: int, n_prefix: int, doc_len: int, seed: in
             raise ExperimentError(f"only {len(cls)} distinct {'member' if label else 'non-member'} texts of "
                                   f"{doc_len} tokens; lower --pool")
         pool_ex += cls[:pool]
-    header["params"].update(doc_len=doc_len, cut="first doc_len tokens of each row", duplicates_dropped=dropped)
+    header["params"].update(doc_len=doc_len, cut_len=doc_len, cut="first doc_len tokens of each row",
+                            duplicates_dropped=dropped)
     notes = [f"pool: rows cut to their first {doc_len} tokens; {dropped} text(s) occurring twice dropped"] if dropped \
         else [f"pool: rows cut to their first {doc_len} tokens"]
-    return header, pool_ex, prefix, notes
+    return header, pool_ex, prefix, notes, drawn
 
 
 def parse_steps(spec: str, flag: str) -> tuple:
@@ -161,7 +186,8 @@ def olmo_steps(member_steps: str, nonmember_steps: str, step: Optional[int]) -> 
 def olmo_pool(global_indices, data_paths, *, model_step: int, member_steps: tuple, nonmember_steps: tuple,
               pool: int, n_prefix: int, doc_len: int, eos: int, batch_size: int, seq_len: int, seed: int,
               candidates: Optional[int] = None) -> tuple:
-    """(header, pool examples, prefix examples, notes) by the OLMoMIA recipe (``mia.data.olmo`` documents)."""
+    """(header, pool examples, prefix examples, notes, drawn positions) by the OLMoMIA recipe (``mia.data.olmo``
+    documents); ``header`` describes the whole draw, ``file_header`` makes each file's."""
     from mia.data.olmo import OlmoOrder, draw_checkpoint_split
 
     check_olmo_request(model_step, member_steps, nonmember_steps, global_indices, data_paths)
@@ -170,6 +196,7 @@ def olmo_pool(global_indices, data_paths, *, model_step: int, member_steps: tupl
         order, member_steps[1], pool, pool + n_prefix, seed, nonmember_start=nonmember_steps[0],
         end_step=nonmember_steps[1], batch_size=batch_size, documents=True, eos=eos, doc_len=doc_len,
         pool=candidates)
+    drawn = [position(e) for e in examples]
     examples, dropped = dedup_texts(examples)
     non = [e for e in examples if e["label"] == 0]
     prefix = non[:n_prefix]
@@ -177,7 +204,7 @@ def olmo_pool(global_indices, data_paths, *, model_step: int, member_steps: tupl
         e["partition"] = "prefix"
     pool_ex = [e for e in examples if e["label"] == 1] + non[n_prefix:]
     header["params"].update(model_step=model_step, duplicates_dropped=dropped)
-    return header, pool_ex, prefix, ([f"pool: {dropped} document(s) occurring twice dropped"] if dropped else [])
+    return header, pool_ex, prefix, ([f"pool: {dropped} document(s) occurring twice dropped"] if dropped else []), drawn
 
 
 def n_shots(context: int, doc_len: int) -> int:
@@ -333,8 +360,21 @@ def evaluate(targets: Sequence[Target], split_paths: dict, prefix: list, shots: 
     return results, skipped, notes
 
 
-def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir=None, member: Optional[str] = None,
-        step: Optional[int] = None,
+def preset_for(preset: Optional[str], olmo) -> tuple:
+    """(preset name, the line that says why, or None): an explicit ``preset`` as given; none given: ``paper``
+    (OLMoMIA's recipe) with ``--olmo``, else ``default``. The choice for ``--olmo`` is announced, never silent."""
+    if preset is not None:
+        return preset, None
+    if olmo is None:
+        return "default", None
+    q = PRESETS["paper"]
+    return "paper", (f"preset paper: --olmo without --preset runs OLMoMIA's recipe (pool {q.pool:,} per class, "
+                     f"K {q.k}, filter {q.threshold}, splits of {q.size:,}, L {q.doc_len}); give --preset to choose "
+                     "another")
+
+
+def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suite_dir=None,
+        member: Optional[str] = None, step: Optional[int] = None,
         memorize_epochs: int = 0, olmo=None, global_indices=None, data_paths=None, member_steps: str = "0:100000",
         nonmember_steps: str = "400000:450000", ref_model=None, eos: int = 50279, batch_size: int = 2160,
         seq_len: int = 2048, pool: Optional[int] = None, size: Optional[int] = None, k: Optional[int] = None,
@@ -344,8 +384,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     from mia.data.difficulty import build_difficulty_splits
     from mia.data.splits import Split, write_split
 
-    if olmo is not None and preset == "default":
-        preset = "paper"
+    preset, why_preset = preset_for(preset, olmo)
     if preset not in PRESETS:
         raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     p = dataclasses.replace(PRESETS[preset], **{a: v for a, v in (("pool", pool), ("size", size), ("k", k),
@@ -373,19 +412,21 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     timings = Timings()
     t0 = time.perf_counter()
     (out / "splits").mkdir(parents=True, exist_ok=True)
-    notes: list = []
+    notes: list = [why_preset] if why_preset else []
     with timings("pool"):
         if olmo is not None:
-            targets, header, pool_ex, prefix, shots, info = _olmo_setup(
+            targets, header, drawn, pool_ex, prefix, shots, info = _olmo_setup(
                 p, olmo, global_indices, data_paths, member_steps, nonmember_steps, ref_model, step, eos,
                 batch_size, seq_len, seed, notes)
         else:
-            targets, header, pool_ex, prefix, shots, info = _testbed_setup(
+            targets, header, drawn, pool_ex, prefix, shots, info = _testbed_setup(
                 p, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings)
+    if why_preset:  # once the request and the order files have passed their checks (a bad input is one line)
+        print(why_preset, file=sys.stderr)
     doc_len = header["params"]["doc_len"]
+    header = file_header(header, pool_ex, drawn)  # each file's counts are its rows'; the rest of the draw dropped
     pool_path = write_split(out / "splits" / "pool.jsonl", header, pool_ex)
-    write_split(out / "splits" / "prefix.jsonl", {**header, "params": {**header["params"], "role": "ReCaLL prefix"}},
-                prefix)
+    write_split(out / "splits" / "prefix.jsonl", file_header(header, prefix, drawn, role="ReCaLL prefix"), prefix)
     say(f"pool: {len(pool_ex)} texts of <= {doc_len} tokens; building the six splits ...")
     with timings("difficulty"):
         paths = build_difficulty_splits(Split(header, pool_ex), out / "splits", encoder_dir=encoder,
@@ -451,7 +492,7 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
         raise ExperimentError(f"--doc-len {doc_len}: two texts (EM-MIA's prefix + target) must fit the trained "
                               f"context of {context} tokens")
     shots = n_shots(context, doc_len)
-    header, pool_ex, prefix, pn = testbed_pool(tb0, c, p.pool, shots, doc_len, seed)
+    header, pool_ex, prefix, pn, drawn = testbed_pool(tb0, c, p.pool, shots, doc_len, seed)
     notes += pn
     notes.append(f"ReCaLL: {shots} shot(s) of held-out non-members ({shots} x {doc_len} + {doc_len} <= {context} "
                  "trained positions)")
@@ -486,7 +527,7 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
             "hashes": {"order_bin_sha256": tb0.manifest["data"]["bin"]["sha256"],
                        **{f"model_{t.name}_sha256": sha_file(t.model_dir / "model.safetensors") for t in targets}},
             "paths": {"testbeds": [str(m.testbed.root.resolve()) for m in members]}}
-    return targets, header, pool_ex, prefix, shots, info
+    return targets, header, drawn, pool_ex, prefix, shots, info
 
 
 def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonmember_steps, ref_model, step, eos,
@@ -500,7 +541,7 @@ def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonme
     _, cfg, _ = load_config(model_dir)  # context and vocabulary from config.json; the weights load in evaluate()
     context, vocab_size = int(getattr(cfg, "max_position_embeddings", 2048) or 2048), int(cfg.vocab_size)
     shots = n_shots(context, doc_len)
-    header, pool_ex, prefix, pn = olmo_pool(global_indices, data_paths, model_step=model_step, member_steps=ms,
+    header, pool_ex, prefix, pn, drawn = olmo_pool(global_indices, data_paths, model_step=model_step, member_steps=ms,
                                             nonmember_steps=ns, pool=p.pool, n_prefix=shots, doc_len=doc_len,
                                             eos=eos, batch_size=batch_size, seq_len=seq_len, seed=seed)
     notes += pn
@@ -520,7 +561,7 @@ def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonme
             "hashes": {"model_sha256": {f.name: sha_file(f) for f in sorted(Path(model_dir).glob("*.safetensors"))}},
             "paths": {"model": str(Path(model_dir).resolve()), "global_indices": str(Path(global_indices).resolve()),
                       "data_paths": str(Path(data_paths).resolve())}}
-    return [target], header, pool_ex, prefix, shots, info
+    return [target], header, drawn, pool_ex, prefix, shots, info
 
 
 # ============================================================================================ CLI
@@ -528,6 +569,9 @@ def build_parser():
     from mia import validate as V
 
     ap = experiment_parser("python -m experiments.em_mia", __doc__, PRESETS)
+    ap.set_defaults(preset=None)  # none given: default, or paper with --olmo (announced: preset_for)
+    next(a for a in ap._actions if a.dest == "preset").help = (
+        f"settings preset: {', '.join(PRESETS)} (default: default; with --olmo: paper, said in one line)")
     g = ap.add_argument_group("testbed suite (default)")
     g.add_argument("--testbed", action="append", default=[], help="testbed directories instead of the suite")
     g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")

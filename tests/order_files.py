@@ -72,14 +72,17 @@ def raw_pythia(dirpath, n_rows=B * STEPS, cut=None):
 LAYOUT_B, LAYOUT_ROW, LAYOUT_STEP, LAYOUT_END = 4, 33, 100, 130  # batch, row length, checkpoint step, last step
 
 
-def pythia_layout(root: Path, tiny_neox_dir: Path, vocab: int, bad_token=None) -> tuple:
-    """pythia-70m-deduped/step100/ (the tiny GPT-NeoX) + the order as two .bin shards and one .idx."""
+def pythia_layout(root: Path, tiny_neox_dir: Path, vocab: int, bad_token=None, copies=()) -> tuple:
+    """pythia-70m-deduped/step100/ (the tiny GPT-NeoX) + the order as two .bin shards and one .idx. ``copies``:
+    ``(dst, src)`` row pairs, row ``dst`` written as a copy of row ``src`` (a duplicate planted in the order)."""
     ckpt = root / "models" / "pythia-70m-deduped" / f"step{LAYOUT_STEP}"
     if not ckpt.exists():
         shutil.copytree(tiny_neox_dir, ckpt)
     rows = np.random.default_rng(0).integers(1, vocab, size=(LAYOUT_END * LAYOUT_B + 7, LAYOUT_ROW))
     if bad_token is not None:
         rows[:, 3] = bad_token
+    for dst, src in copies:
+        rows[dst] = rows[src]
     write_indexed(root / "data" / "document", rows)
     blob = (root / "data" / "document.bin").read_bytes()
     cut = len(blob) // 2 + 1  # shards split inside a row, as the real 21 shards are

@@ -188,6 +188,13 @@ def _fake_mimir(root: Path, files: dict) -> Path:
     return root
 
 
+def test_blind_baseline_that_cannot_run_says_why(tmp_path):
+    """Too few texts for BoW + LR's 80/20 split: no row, and the reason (recorded in ``skipped`` by the caller)."""
+    ex = [{"id": f"t{i}", "label": i % 2, "text": f"some words {i}"} for i in range(4)]
+    row, why = exp.blind_result(ex, tmp_path / "s.jsonl", {"kind": "text"}, 0, 10)
+    assert row is None and why.startswith("BoW + LR did not run (bow: BlindError: ") and "need at least" in why
+
+
 def test_mimir_layout_is_read(tmp_path):
     root = _fake_mimir(tmp_path, {"arxiv_ngram_7_0.2": (3, 2), "wikipedia_(en)_ngram_13_0.8": (2, 2)})
     idx = exp.mimir_index(root)
@@ -200,12 +207,17 @@ def test_mimir_layout_is_read(tmp_path):
 
 
 @pytest.mark.slow
-def test_mimir_run_on_a_tiny_model(tmp_path, tiny_neox_dir):
+def test_mimir_run_on_a_tiny_model(tmp_path, tiny_neox_dir, monkeypatch):
     """The whole --mimir path on fake files (about a minute on 2 busy cores: CAMIA compiles for new shapes)."""
     root = _fake_mimir(tmp_path / "mimir", {"arxiv_ngram_7_0.2": (36, 36), "arxiv_ngram_13_0.8": (12, 12),
                                             "github_ngram_7_0.2": (12, 12)})
-    s = exp.run("smoke", tmp_path / "out", mimir=root, model_dir=tiny_neox_dir, draws=2, blind=False,
+    why = "ImportError: scikit-learn missing"  # the blind baseline cannot run: its reason stays, its row does not
+    monkeypatch.setattr(exp, "run_blind_baselines", lambda *a, **k: ([], None, {"bow": why}))
+    s = exp.run("smoke", tmp_path / "out", mimir=root, model_dir=tiny_neox_dir, draws=2, blind=True,
                 progress=False)
+    assert "blind" not in s["results"]["arxiv"] and why in s["skipped"]["arxiv/ngram_7_0.2: blind"]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"- arxiv/ngram_7_0.2: blind: BoW + LR did not run (bow: {why})" in report
     assert s["datasets"] == ["arxiv", "github"]
     arxiv = s["results"]["arxiv"]
     assert "camia:george" in arxiv and arxiv["loss"]["n_draws"] == 2

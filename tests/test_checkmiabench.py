@@ -196,6 +196,47 @@ def test_paper_numbers_lookup():
     assert paper.attacks == tuple(cmb.PAPER_ATTACKS.values()) and (paper.sizes.eval, paper.sizes.train) == (1000, 4000)
 
 
+def test_paper_setting_differences():
+    """The paper's split: no gap, 1,000 evaluated and (blind) 4,000 training rows per class, at its checkpoint."""
+    same = {"gap": 0, "end_step": 98_500, "eval_counts": (1000, 1000), "train_counts": (4000, 4000)}
+    assert cmb.paper_setting_differences("pythia", 97_000, **same) == []
+    assert cmb.paper_setting_differences("olmo", 400_000, gap=0, eval_counts=(1000, 1000)) == []
+    assert cmb.paper_setting_differences("pythia", 97_000, **{**same, "gap": 10}) == ["gap 10 (paper: 0)"]
+    assert cmb.paper_setting_differences("pythia", 97_000, **{**same, "eval_counts": (800, 800)}) == [
+        "eval 800 + 800 (paper: 1,000 + 1,000)"]
+    assert cmb.paper_setting_differences("pythia", 90_000, gap=0) == ["step 90000 (paper: 97,000)"]
+    assert cmb.paper_setting_differences("testbed", 97_000, gap=0) == ["no paper numbers for kind testbed"]
+    assert cmb.PRESETS["paper"].gap == 0  # the paper samples uniformly before and after the checkpoint
+    assert cmb.build_parser().parse_args(["--paper", "--gap", "10"]).gap == 10
+
+
+def test_paper_numbers_only_beside_the_papers_setting(tiny_neox_dir, tmp_path):
+    """A Pythia layout at the paper's checkpoint (batch 1, so step 97,000 is 97,000 rows): with gap 0 and 1,000 +
+    1,000 evaluated rows the paper's LOSS row stands beside ours; with --gap 10 it does not, and a note says why."""
+    import transformers
+
+    from mia.data.indexed import write_indexed
+
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
+    step, end = cmb.PAPER_SETTING["pythia"]["step"], cmb.PAPER_SETTING["pythia"]["end_step"]
+    shutil.copytree(tiny_neox_dir, tmp_path / "models" / "pythia-70m-deduped" / f"step{step}")
+    rows = np.random.default_rng(0).integers(1, vocab, size=(end + 3, 9))
+    write_indexed(tmp_path / "document", rows)
+    base = ["--pythia", str(tmp_path / "models"), "--data", str(tmp_path / "document.bin"), "--idx",
+            str(tmp_path / "document.idx"), "--batch-size", "1", "--n-members", "1000", "--n-train", "0",
+            "--n-prefix", "0", "--attacks", "loss", "--no-blind", "--bootstrap", "20", "--no-progress"]
+    assert cmb.main(base + ["--out", str(tmp_path / "same")]) == 0
+    s = json.loads((tmp_path / "same" / "summary.json").read_text())
+    assert s["attacks"][0]["paper_source"] == "Table 2, row 70m LOSS"
+    assert not any("Table 2 numbers are not shown" in n for n in s["notes"])
+    assert cmb.main(base + ["--gap", "10", "--out", str(tmp_path / "gap")]) == 0
+    s = json.loads((tmp_path / "gap" / "summary.json").read_text())
+    assert "paper_auc" not in s["attacks"][0]
+    note = (f"step{step}: the paper's Table 2 numbers are not shown beside ours: our setting differs from the paper's "
+            "(gap 10 (paper: 0))")
+    assert note in s["notes"] and note in (tmp_path / "gap" / "report.md").read_text()
+
+
 def test_paper_numbers_match_the_paper_text():
     """The paper's numbers printed beside ours are the paper's: checked against its text when
     ``CHECKMIABENCH_TEXT`` names a plain-text copy of the paper (tab-separated tables, as pdftotext -layout writes)."""
@@ -250,6 +291,64 @@ def test_pythia_layout_end_to_end(tiny_neox_dir, tmp_path):
         assert e["tokens"] == rows[e["index"]].tolist()
         assert (e["index"] < LAYOUT_STEP * LAYOUT_B) == (e["label"] == 1) and e["index"] < LAYOUT_END * LAYOUT_B
     assert len(s["recency"]) == 2 * 8 and (out / "attacks.tex").exists()
+
+
+def test_pythia_duplicate_of_a_learned_row_is_dropped_not_fatal(tiny_neox_dir, tmp_path):
+    """Real orders hold exact duplicate rows: an evaluated row equal to a training row is left out (the training
+    copy kept), counted in the summary and the report, and the run goes on; the split still checks clean."""
+    import transformers
+
+    from experiments.common import draw_pythia_split
+    from mia.data.splits import read_split
+    from mia.data.verify import check_split
+
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
+    models, shards, idx, _ = pythia_layout(tmp_path / "clean", tiny_neox_dir, vocab)
+    sizes = cmb.PRESETS["default"].sizes.replace(eval=20, train=20, prefix=0)
+    _, drawn, _ = draw_pythia_split(shards, idx, LAYOUT_STEP, sizes, 0, end_step=LAYOUT_END, batch_size=LAYOUT_B)
+    train = next(e for e in drawn if e["partition"] == "train" and e["label"] == 1)
+    ev = next(e for e in drawn if e["partition"] == "eval" and e["label"] == 1)
+    models, shards, idx, _ = pythia_layout(tmp_path / "dup", tiny_neox_dir, vocab,
+                                           copies=[(ev["index"], train["index"])])
+    out = tmp_path / "out"
+    argv = ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP),
+            "--batch-size", str(LAYOUT_B), "--end-step", str(LAYOUT_END), "--n-members", "20", "--n-train", "20",
+            "--n-prefix", "0", "--attacks", "loss", "--no-blind", "--bootstrap", "20", "--no-progress",
+            "--out", str(out)]
+    assert cmb.main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["splits"][str(LAYOUT_STEP)]["duplicates_dropped"] == 1
+    assert any("1 evaluated row(s) with the same tokens as a learned-from row dropped" in n and ev["id"] in n
+               for n in s["notes"])
+    assert "1 evaluated row(s) equal to a learned-from row dropped" in (out / "report.md").read_text()
+    path = out / "splits" / f"step{LAYOUT_STEP}.jsonl"
+    ids = [e["id"] for e in read_split(path).examples]
+    assert ev["id"] not in ids and train["id"] in ids
+    assert s["attacks"][0]["n"] == 20 + 20 - 1
+    assert check_split(path) == []  # the dropped row is in the header, so the re-draw from the seed still agrees
+
+
+def test_count_params_skips_buffers_of_old_pythia_checkpoints(tiny_neox_dir, tiny_neox_torch, tmp_path):
+    """Old Pythia checkpoints carry the causal masks and rotary inv_freq as tensors: they are not parameters."""
+    from safetensors.numpy import load_file, save_file
+
+    import mia.models as mm
+    from experiments.common import count_params
+
+    want = sum(p.numel() for p in tiny_neox_torch.parameters())
+    assert count_params(tiny_neox_dir) == want
+    ckpt = tmp_path / "old"
+    shutil.copytree(tiny_neox_dir, ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    for i in range(2):
+        tensors[f"gpt_neox.layers.{i}.attention.bias"] = np.tril(np.ones((1, 1, 256, 256), bool))
+        tensors[f"gpt_neox.layers.{i}.attention.masked_bias"] = np.array(-1e9, np.float32)
+        tensors[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    assert count_params(ckpt) == want  # not want + 2 * (65536 + 1 + 4)
+    mm.load(ckpt)  # and the loader reads the same checkpoint, skipping the same tensors
+    (ckpt / "config.json").unlink()  # no family named: every family's buffer names are skipped
+    assert count_params(ckpt) == want
 
 
 def test_pythia_bad_inputs_one_line_each(tiny_neox_dir, tmp_path, capsys):

@@ -36,6 +36,16 @@ def test_dedup_texts_drops_every_copy():
     assert kept == [{"tokens": [3], "label": 0}] and dropped == 2
 
 
+def test_olmo_preset_is_never_switched_silently():
+    """--olmo without --preset: the paper preset (OLMoMIA's recipe) and one line saying so; a preset given is kept."""
+    assert exp.preset_for(None, None) == ("default", None)
+    name, why = exp.preset_for(None, "/models/olmo-7b")
+    assert name == "paper" and why.startswith("preset paper: --olmo without --preset runs OLMoMIA's recipe (pool 50")
+    assert exp.preset_for("default", "/models/olmo-7b") == ("default", None)  # asked for: not replaced
+    assert exp.build_parser().parse_args(["--olmo", "x"]).preset is None
+    assert exp.build_parser().parse_args(["--olmo", "x", "--preset", "default"]).preset == "default"
+
+
 def test_n_shots_fit_the_trained_context():
     assert exp.n_shots(128, 64) == 1  # one 64-token shot beside a 64-token text
     assert exp.n_shots(2048, 128) == 12  # OLMo: ReCaLL's default n (15 would fit)
@@ -75,6 +85,24 @@ def test_smoke_six_splits_and_tables(em_mia_smoke):
             sc = np.array([l["scores"][label] for l in lines])
             row = next(r for r in s["table_auc"] if r["model"] == model and r["method"] == disp)
             assert row[name] == pytest.approx(_auc(sc, y), abs=1e-12), (name, label)
+
+
+def test_pool_and_prefix_headers_describe_their_rows(em_mia_smoke):
+    """pool.jsonl and prefix.jsonl: each header's counts and partitions are its own rows', the rows' length is the
+    header's cut, and ``mia split check`` finds nothing wrong (the rest of the draw is the header's dropped_rows)."""
+    from mia.data.splits import partition_counts, read_split
+    from mia.data.verify import verify_split
+
+    out, s, _ = em_mia_smoke
+    for name, partition in (("pool", "eval"), ("prefix", "prefix")):
+        path = out / "splits" / f"{name}.jsonl"
+        sp = read_split(path)
+        now = partition_counts(sp.examples)
+        assert sp.header["counts"] == now["counts"] and sp.header["partitions"] == now["partitions"], name
+        assert set(sp.header["partitions"]) == {partition}, name
+        assert {len(e["tokens"]) for e in sp.examples} == {sp.header["params"]["cut_len"]}, name
+        check = verify_split(path)
+        assert check.problems == [] and check.not_verified == [], (name, check)
 
 
 @pytest.mark.slow  # the whole run twice; the tables' determinism on fixed rows is checked in the default run
@@ -150,7 +178,7 @@ def test_bad_input_is_one_line(tmp_path, tiny_neox_dir, capsys):
 
 
 @pytest.mark.slow
-def test_olmo_recipe_end_to_end(tmp_path, tiny_neox_dir):
+def test_olmo_recipe_end_to_end(tmp_path, tiny_neox_dir, capsys):
     """--olmo on a fake OLMo order (raw uint32 global_indices, one uint16 token file) and a tiny model: documents
     between EOS, the six splits, every attack (about a minute on 2 busy cores)."""
     rng = np.random.default_rng(0)
@@ -165,9 +193,11 @@ def test_olmo_recipe_end_to_end(tmp_path, tiny_neox_dir):
     rng.permutation(batch * steps).astype(np.uint32).tofile(gi)
     paths = tmp_path / "paths.txt"
     paths.write_text(f"{tok}\n")
-    s = exp.run("default", tmp_path / "out", olmo=tiny_neox_dir, global_indices=gi, data_paths=paths, step=20,
+    s = exp.run(None, tmp_path / "out", olmo=tiny_neox_dir, global_indices=gi, data_paths=paths, step=20,
                 member_steps="0:10", nonmember_steps="30:60", eos=eos, batch_size=batch, seq_len=seq, pool=30,
                 size=12, k=2, threshold=0.0, doc_len=16, progress=False)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("preset ")]
+    assert said == [exp.preset_for(None, tiny_neox_dir)[1]] and said[0] in s["notes"]  # the paper preset, said once
     assert s["pool"] == {"members": 30, "nonmembers": 30, "doc_len": 16, "prefix_shots": 12, "prefix_pool": 12}
     from mia.data.splits import read_split
 

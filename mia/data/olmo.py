@@ -27,8 +27,8 @@ import numpy as np
 
 from .examples import out_of_vocab
 from .splits import (BOOL, INT, NONNEG_INT, POS_INT, SEED, Kind, SplitError, assign_partitions, checked_fields,
-                     derived_problems, draw_counts, file_record, is_int, one_line, partition_counts, position_problems,
-                     redraw_problems, rows_to_lists, short_repr, token_id_problems, vocab_bound)
+                     derived_problems, draw_counts, dropped_rows, file_record, is_int, one_line, partition_counts,
+                     position_problems, redraw_problems, rows_to_lists, short_repr, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 2160
 SEQ_LEN = 2048
@@ -548,7 +548,8 @@ def _redraw(order, params, pool, counts, steps, docs, eos, doc_len, examples, pr
                             "is not mia's OLMo sampler)")
         return
     seed = checked_fields(params, {"seed": SEED}, "line 1: header params.", problems)
-    n = draw_counts(counts, examples, problems, not_verified)
+    dropped = dropped_rows(params, problems)
+    n = draw_counts(counts, examples, problems, not_verified, dropped)
     if seed is None or n is None:
         return
     seed = seed["seed"]
@@ -564,4 +565,4 @@ def _redraw(order, params, pool, counts, steps, docs, eos, doc_len, examples, pr
     for label, q, doc, _ in drawn:
         keys[label].add(q if doc is None else (q, doc[0]))
     redraw_problems(examples, keys, problems,
-                    f"seed {short_repr(seed)}, steps [0, {step}) and [{S2}, {E}), batch {B}")
+                    f"seed {short_repr(seed)}, steps [0, {step}) and [{S2}, {E}), batch {B}", dropped)

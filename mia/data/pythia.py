@@ -18,8 +18,8 @@ import numpy as np
 from .examples import out_of_vocab
 from .indexed import CODE_OF_DTYPE, IndexedDataset
 from .splits import (INT, NONNEG_INT, POS_INT, SEED, STRING, SplitError, assign_partitions, checked_fields,
-                     derived_problems, draw_counts, file_record, one_line, partition_counts, position_problems,
-                     redraw_problems, rows_to_lists, short_repr, token_id_problems, vocab_bound)
+                     derived_problems, draw_counts, dropped_rows, file_record, one_line, partition_counts,
+                     position_problems, redraw_problems, rows_to_lists, short_repr, token_id_problems, vocab_bound)
 
 BATCH_SIZE = 1024
 ROW_LEN = 2049
@@ -196,9 +196,11 @@ def expected_params(step: int, gap: int, end_step: int, batch_size: int) -> dict
             "nonmember_rows": [n_lo * batch_size, n_hi * batch_size], "revision": f"step{step}"}
 
 
-PARAMS = {"step": NONNEG_INT, "gap": NONNEG_INT, "end_step": INT, "batch_size": POS_INT, "row_len": POS_INT.or_null()}
+PARAMS = {"step": NONNEG_INT, "gap": NONNEG_INT, "end_step": INT, "batch_size": POS_INT, "row_len": POS_INT.or_null(),
+          "cut_len": POS_INT.or_null()}
 """The header ``params`` a Pythia-format split is verified from (the step ranges follow from them:
-``expected_params``)."""
+``expected_params``). ``cut_len`` (optional): every row holds the first ``cut_len`` tokens of its data row (a split
+cut after the draw, e.g. ``experiments.em_mia``'s pool); ``row_len`` stays the data's row length."""
 
 SOURCE = {"dtype": STRING.or_null(), "n_rows": NONNEG_INT.or_null(), "checkpoint": STRING.or_null()}
 """The header ``source`` fields besides the file records (``splits.SOURCE_FILES``) compared with the data."""
@@ -242,18 +244,20 @@ def verify_examples(header: dict, examples: list, problems: list, not_verified: 
     if step > data_steps or end_step > data_steps:
         problems.append(f"line 1: header step {step} / end_step {end_step} past the data ({len(ds)} rows = "
                         f"{data_steps} steps of {B})")
-    row_len = p["row_len"]
+    row_len, cut = p["row_len"], p["cut_len"]
+    want = row_len if cut is None or row_len is None else min(row_len, cut)
     for e in examples:
         toks = e.get("tokens")
-        if row_len is not None and isinstance(toks, np.ndarray) and len(toks) != row_len:
-            problems.append(f"line {e.get('_line')}: {len(toks)} tokens but params.row_len is {row_len}")
+        if want is not None and isinstance(toks, np.ndarray) and len(toks) != want:
+            problems.append(f"line {e.get('_line')}: {len(toks)} tokens but params.row_len is {row_len}"
+                            + ("" if cut is None else f" and params.cut_len {cut}"))
     if step > data_steps or end_step > data_steps:
         not_verified.append("rows: not re-drawn from the seed (the header's steps are past the data)")
     else:
         _redraw(params, header.get("counts") or {}, step, gap, end_step, B, examples, problems, not_verified)
     vocab = vocab_bound(params, vocab_size, problems, not_verified)
     (m_lo, m_hi), (n_lo, n_hi) = member_nonmember_steps(step, gap, end_step)
-    _verify_rows(ds, {1: (m_lo, max(m_hi, 0)), 0: (n_lo, n_hi)}, B, examples, problems, vocab)
+    _verify_rows(ds, {1: (m_lo, max(m_hi, 0)), 0: (n_lo, n_hi)}, B, examples, problems, vocab, cut)
 
 
 def _redraw(params, counts, step, gap, end_step, B, examples, problems, not_verified) -> None:
@@ -262,7 +266,8 @@ def _redraw(params, counts, step, gap, end_step, B, examples, problems, not_veri
                             "is not mia's pythia sampler)")
         return
     seed = checked_fields(params, {"seed": SEED}, "line 1: header params.", problems)
-    n = draw_counts(counts, examples, problems, not_verified)
+    dropped = dropped_rows(params, problems)
+    n = draw_counts(counts, examples, problems, not_verified, dropped)
     if seed is None or n is None:
         return
     seed = seed["seed"]
@@ -273,10 +278,10 @@ def _redraw(params, counts, step, gap, end_step, B, examples, problems, not_veri
                         f"give a draw: {one_line(str(e))}")
         return
     redraw_problems(examples, {1: set(members.tolist()), 0: set(nonmembers.tolist())}, problems,
-                    f"seed {short_repr(seed)}, step {step}, gap {gap}, end_step {end_step}, batch {B}")
+                    f"seed {short_repr(seed)}, step {step}, gap {gap}, end_step {end_step}, batch {B}", dropped)
 
 
-def _verify_rows(ds, step_ranges, B, examples, problems, vocab_size=None):
+def _verify_rows(ds, step_ranges, B, examples, problems, vocab_size=None, cut=None):
     note = f" (the .idx declares {ds.dtype}: a wrong dtype code?)"
     for e in examples:
         ln = e.get("_line", "?")
@@ -291,7 +296,7 @@ def _verify_rows(ds, step_ranges, B, examples, problems, vocab_size=None):
             continue
         problems.extend(token_id_problems(e, vocab_size, note))
         try:
-            row = ds[index]
+            row = ds[index] if cut is None else ds[index][:cut]
         except ValueError as ex:
             problems.append(f"line {ln}: cannot read row {index}: {ex}")
             continue

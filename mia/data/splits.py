@@ -485,31 +485,67 @@ def derived_problems(params: dict, expected: dict, problems: list, why: str) -> 
     return ok
 
 
-def draw_counts(counts: dict, examples: list, problems: list, not_verified: list) -> Optional[dict]:
-    """``{"members": n, "nonmembers": n}`` from the header's counts for a re-draw, or None: after a problem for a
-    count that is not a non-negative integer, or with a note when the counts differ from the rows."""
+DROPPED_ROWS = "dropped_rows"
+"""Header ``params`` field: drawn positions left out of the file after the draw, ``[{"label", "index"[,
+"segment"]}]`` (an evaluated row with the same tokens as a learned-from row, ``experiments.common
+.drop_learned_duplicates``). A re-draw from the seed counts them as drawn: they are neither missing nor extra."""
+
+_LABEL = Kind("0 or 1", lambda v: is_int(v) and v in (0, 1))
+_DROPPED_ROW = {"label": _LABEL, "index": NONNEG_INT, "segment": NONNEG_INT.or_null()}
+
+
+def dropped_rows(params: dict, problems: list) -> list:
+    """The well-formed entries of ``params[DROPPED_ROWS]`` (absent: none); one problem per malformed entry."""
+    v = params.get(DROPPED_ROWS)
+    if v is None:
+        return []
+    if not OBJECTS.accepts(v):
+        problems.append(f"line 1: header params.{DROPPED_ROWS} is {short_repr(v)}, expected {OBJECTS.expected}")
+        return []
+    return [d for i, d in enumerate(v)
+            if checked_fields(d, _DROPPED_ROW, f"line 1: header params.{DROPPED_ROWS}[{i}].", problems) is not None]
+
+
+def draw_counts(counts: dict, examples: list, problems: list, not_verified: list, dropped: list = ()) -> Optional[dict]:
+    """``{"members": n, "nonmembers": n}`` drawn, for a re-draw: the header's counts (the rows') plus the
+    ``dropped`` rows of each class; or None: after a problem for a count that is not a non-negative integer, or
+    with a note when the counts differ from the rows."""
     n = checked_fields(counts, {"members": NONNEG_INT, "nonmembers": NONNEG_INT}, "line 1: header counts.", problems)
     have = {k: sum(1 for e in examples if e.get("label") == v) for k, v in (("members", 1), ("nonmembers", 0))}
     if n is not None and n != have:
         not_verified.append("rows: not re-drawn from the seed (the header's counts differ from the rows)")
         return None
-    return n
+    if n is None:
+        return None
+    return {k: n[k] + sum(1 for d in dropped if d["label"] == v) for k, v in (("members", 1), ("nonmembers", 0))}
 
 
-def redraw_problems(examples: list, drawn: dict, problems: list, what: str) -> None:
+def _position_key(e: dict):
+    return e.get("index") if e.get("segment") is None else (e.get("index"), e.get("segment"))
+
+
+def redraw_problems(examples: list, drawn: dict, problems: list, what: str, dropped: list = ()) -> None:
     """Rows against a re-draw from the header's parameters. ``drawn``: ``{label: collection of positions}``
-    (``index`` for rows, ``(index, segment)`` keys with a segment); ``what`` describes the draw."""
+    (``index`` for rows, ``(index, segment)`` keys with a segment); ``what`` describes the draw; ``dropped``: the
+    header's ``dropped_rows`` (drawn, left out of the file)."""
     names = {1: "member", 0: "non-member"}
     present: dict = {0: set(), 1: set()}
     for e in examples:
         label = e.get("label")
         if label not in (0, 1):
             continue
-        key = e.get("index") if e.get("segment") is None else (e.get("index"), e.get("segment"))
+        key = _position_key(e)
         present[label].add(key)
         if key not in drawn[label]:
             problems.append(f"line {e.get('_line')}: {names[label]} position {short_repr(key)} is not one the "
                             f"header's draw gives ({what})")
+    for i, d in enumerate(dropped):
+        key = _position_key(d)
+        if key in present[d["label"]] or key not in drawn[d["label"]]:
+            problems.append(f"line 1: header params.{DROPPED_ROWS}[{i}] {names[d['label']]} position "
+                            f"{short_repr(key)} is " + ("also a row of the file" if key in present[d["label"]] else
+                                                        f"not one the header's draw gives ({what})"))
+        present[d["label"]].add(key)
     for label in (1, 0):
         missing = [k for k in drawn[label] if k not in present[label]]
         if missing:
