@@ -586,6 +586,37 @@ def test_missing_attack_data_stops_before_any_scoring(case_id, tiny_neox_dir, tm
     assert_one_error(code, lines, *case.names)
 
 
+def test_unusable_cache_dir_is_one_error_before_the_compile_cache(tiny_neox_dir, tmp_path, monkeypatch, capsys):
+    """MIA_CACHE_DIR a regular file and the score cache on: the one line is the error about the cache directory
+    (checked before anything else), not a compilation-cache warning or a traceback."""
+    from mia.cli import main
+
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d.jsonl").write_text(GOOD)
+    monkeypatch.setenv("MIA_CACHE_DIR", str(tmp_path / "f"))
+    monkeypatch.setenv("MIA_COMPILE_CACHE", "1")
+    code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl"], capsys)
+    assert_one_error(code, lines, "MIA_CACHE_DIR", str(tmp_path / "f"), "is a file")
+
+
+def test_unwritable_cache_dir_says_so(tiny_neox_dir, tmp_path, monkeypatch, capsys):
+    """An existing --cache-dir that cannot be written (os.access says so: tests may run as root) is refused up
+    front, naming --cache-dir and saying it is not writable."""
+    import os
+
+    from mia.cli import main
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "d.jsonl").write_text(GOOD)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if (Path(p) == tmp_path / "c" and mode & os.W_OK)
+                        else real(p, mode, **k))
+    code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl", "--cache-dir", tmp_path / "c"], capsys)
+    assert_one_error(code, lines, "--cache-dir", "not writable")
+
+
 def test_table_size():
     """The issue asks for at least 80 cases across the entry points."""
     assert len(SCORE_CASES) + len(BLIND_CASES) + len(TESTBED_CASES) + len(CHECKMIA_CASES) >= 80
