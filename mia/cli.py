@@ -207,7 +207,7 @@ def cmd_plan(args) -> int:
     axes = sharding.parse_mesh(args.mesh, n_devices) if args.mesh else None
     attack, opts = plan.parse_plan_attack(args.attack)
     r = plan.plan_scoring(hf, dtype=args.dtype, batch=args.batch, length=args.length, mesh_axes=axes, devices=devices,
-                     device_bytes=device_bytes, attack=attack, **opts)
+                          device_bytes=device_bytes, attack=attack, source=plan.config_source(args.model), **opts)
     where = f"TPU topology {args.topology}" if args.topology else "local devices"
     step = "token stats" if attack == "stats" else f"MoPe (n={opts['mope_n']}, chunk={opts['mope_chunk']})"
     print(f"mia plan: {args.model} {args.dtype}, {step} of {args.batch} x {args.length}, {r.devices} x "
