@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import validate as V
 from . import olmo, pythia, text
 from .difficulty import add_difficulty_parser
 from .indexed import IndexedDataset
@@ -184,7 +185,7 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
         p.add_argument("--n-members", type=int, default=None, help="members to draw (default: partition total)")
         p.add_argument("--n-nonmembers", type=int, default=None, help="non-members to draw (default: partition total)")
         if seed:
-            p.add_argument("--seed", type=int, default=0, help="numpy Generator seed (default 0)")
+            p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0, help="numpy Generator seed (default 0)")
         p.add_argument("--partition", default=None,
                        help="per-class partitions, e.g. train=4000,calib=500,eval=1000 (one may be 'rest')")
         p.add_argument("--out", required=True, help="output split file (.jsonl)")
