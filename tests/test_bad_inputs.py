@@ -201,6 +201,12 @@ SCORE_CASES = [
     score_case("member-prefix-data-missing", GOOD, ("--member-prefix-data", "not found"),
                ["--member-prefix-data", "{tmp}/m.jsonl"]),
     score_case("freq-corpus-directory", GOOD, ("--freq-corpus", "is a directory"), ["--freq-corpus", "{tmp}"]),
+    score_case("freq-corpus-not-utf8", GOOD, ("f.txt:2", "UTF-8"),
+               ["--attacks", "loss,dcpdd", "--freq-corpus", "{tmp}/f.txt"],
+               files={"f.txt": b"import os\n\xff\xfe x\n"}),
+    score_case("freq-corpus-token-beyond-int32", GOOD, ("f.jsonl:1", "'tokens'"),
+               ["--attacks", "loss,dcpdd", "--freq-corpus", "{tmp}/f.jsonl"],
+               files={"f.jsonl": _jsonl({"tokens": [1, 2 ** 40]})}),
     # --documents (mia.documents)
     score_case("doc-id-missing", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1, "partition": "train"},
                                         {"id": 2, "text": "c d", "label": 0}),
