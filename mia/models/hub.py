@@ -431,8 +431,31 @@ def load_tokenizer(path, tokenizer_class: Optional[str] = None):
     try:
         return cls.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001  (corrupt tokenizer files raise many types; the user gets one line)
+        bad = _bad_tokenizer_file(root)
+        if bad is not None:
+            raise CheckpointError(bad) from None
         msg = (str(e).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(f"{root}: tokenizer files could not be loaded ({type(e).__name__}: {msg})") from None
+
+
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                        "added_tokens.json")
+
+
+def _bad_tokenizer_file(root: Path) -> Optional[str]:
+    """After the tokenizer failed to load: a one-line message naming the first JSON tokenizer file of ``root`` that
+    is not a UTF-8 JSON object, or None (then the directory is named)."""
+    for name in TOKENIZER_JSON_FILES:
+        f = root / name
+        if not f.exists():
+            continue
+        try:
+            obj = json.loads(f.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            return f"{f}: tokenizer file is not valid JSON ({str(e)[:120]})"
+        if not isinstance(obj, dict):
+            return f"{f}: tokenizer file must hold a JSON object, got {type(obj).__name__}"
+    return None
 
 
 def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None,
