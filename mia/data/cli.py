@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .. import validate as V
 from . import olmo, pythia, text
@@ -72,6 +73,10 @@ def _run_pythia(args) -> int:
     parts = parse_partitions(args.partition)
     n_m, n_n = _counts(args, parts)
     data = args.data if len(args.data) > 1 else args.data[0]
+    wanted = {"--data": ".bin file (or the PATH prefix of PATH.bin and PATH.idx)", "--idx": ".idx file"}
+    for flag, path in [("--data", d) for d in args.data] + [("--idx", args.idx)]:
+        if path is not None and Path(path).is_dir():
+            raise SplitError(f"{flag} {path}: is a directory, expected a {wanted[flag]}")
     ds = IndexedDataset(data, idx_path=args.idx)
     header, ex = pythia.draw_checkpoint_split(ds, args.step, n_m, n_n, args.seed, gap=args.gap, end_step=args.end_step,
                                        batch_size=args.batch_size, partitions=parts or None,
