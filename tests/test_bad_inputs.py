@@ -767,6 +767,19 @@ def test_validated_safetensors_round_trip(tmp_path):
     assert read_safetensors(tmp_path / "empty.safetensors")["z"].shape == (0,)
 
 
+@pytest.mark.parametrize("kw", [{"dtype": "float8"}, {"dtype": "int8"}, {"param_dtype": "float64x"},
+                                {"dtype": np.int32}])
+def test_python_api_dtype_error_lists_the_supported_dtypes(kw, tiny_neox_dir):
+    """``mia.load(path, dtype=...)`` with an unsupported dtype: one ValueError line naming it and listing
+    float32, bfloat16, float16 (before any file is read: the path need not exist)."""
+    import mia
+
+    for path in (tiny_neox_dir, "/no/such/model"):
+        with pytest.raises(ValueError, match="supported: float32, bfloat16, float16") as e:
+            mia.load(path, **kw)
+        assert "\n" not in str(e.value) and next(iter(kw)) in str(e.value)
+
+
 def test_validators_name_the_field():
     with pytest.raises(V.InputError, match="f must be an integer"):
         V.integer("3", "f")

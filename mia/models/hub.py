@@ -346,10 +346,25 @@ def _leaf_paths(tree, prefix=()):
 
 
 # ----------------------------------------------------------------------------------------------- public API
-def _dtype(x):
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _dtype(x, what: str = "dtype"):
+    """A dtype mode name (``DTYPES``) or a floating dtype object -> the dtype; anything else is one ``ConfigError``
+    line listing the supported names."""
     if x is None:
         return None
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(x, x) if isinstance(x, str) else x
+    if isinstance(x, str):
+        if x not in DTYPES:
+            raise ConfigError(f"{what} {x!r} is not supported; supported: {', '.join(DTYPES)}")
+        return DTYPES[x]
+    try:
+        ok = jnp.issubdtype(jnp.dtype(x), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{what} {x!r} is not a floating dtype; supported: {', '.join(DTYPES)}")
+    return x
 
 
 def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
@@ -364,7 +379,7 @@ def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
     ``param_dtype`` overrides the parameter dtype.
     """
     activations = _dtype(dtype)
-    params = _dtype(param_dtype) or activations
+    params = _dtype(param_dtype, "param_dtype") or activations
     if jnp.dtype(activations) == jnp.float16:
         activations = jnp.float32
     return activations, params
@@ -470,10 +485,10 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     computed from them in float32 whatever ``dtype`` is; in ``"bfloat16"`` the weights, hidden states and matmul
     operands feeding them are bf16 (docs/models.md#precision).
     """
+    dtype, param_dtype = _dtypes(dtype, param_dtype)  # a bad dtype is refused before anything is read
     root = hf_cache.model_dir(path, error=CheckpointError)
     fam, cfg, raw = load_config(root)
     layout = native_layout(raw)
-    dtype, param_dtype = _dtypes(dtype, param_dtype)
     files = _weight_files(root)
     tensors: dict = {}
     for f in files:
