@@ -191,6 +191,11 @@ def test_a_file_where_a_cache_namespace_should_be_is_one_warning(tmp_path, capsy
     assert len(lines) == 2 and all(l.startswith("warning:") and "is a file" in l for l in lines), lines
     assert str(tmp_path / "ns") in lines[0] and str(tmp_path / "condll-ns") in lines[1]
     assert (tmp_path / "ns").read_text() == "x"
+    (tmp_path / "f").write_text("x")  # an unusable root: one warning however many namespaces are opened under it
+    for ns in ("a", "b", "c"):
+        assert sc.StatsCache(str(tmp_path / "f"), ns).dir is None
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(lines) == 1 and str(tmp_path / "f") in lines[0], lines
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "index"])

@@ -75,16 +75,24 @@ class BackgroundWriter:
         return False
 
 
+_WARNED_CACHE_DIRS: set = set()
+
+
 def usable_cache_dir(path: Optional[Path]) -> Optional[Path]:
-    """``path`` when the cache can live there (a writable directory, or one that can be created); otherwise one
-    ``warning:`` line on stderr and None (the results are computed but not cached)."""
+    """``path`` (``<root>/<namespace>``) when the cache can live there (a writable directory, or one that can be
+    created); otherwise a ``warning:`` line on stderr (once per process for an unusable root) and None (the results
+    are computed but not cached)."""
     if path is None:
         return None
-    try:
-        return output_dir(path, "cache directory")
-    except InputError as e:
-        print(f"warning: {e}; these results are not cached", file=sys.stderr)
-        return None
+    for p in (path.parent, path):
+        try:
+            output_dir(p, "cache directory")
+        except InputError as e:
+            if str(p) not in _WARNED_CACHE_DIRS:
+                _WARNED_CACHE_DIRS.add(str(p))
+                print(f"warning: {e}; results are not cached there", file=sys.stderr)
+            return None
+    return path
 
 
 def example_key(tokens: np.ndarray) -> str:
