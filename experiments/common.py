@@ -60,6 +60,7 @@ from mia.file_hash import sha256_of_file
 from mia.report import json_safe, write_json
 from mia.testbed import build_testbed
 from mia.testbed.build import open_testbed as open_built_testbed
+from mia.testbed.config import SUITE_FIELDS, read_manifest
 from mia.testbed.suite import SUITES, build_suite, size_name as suite_size_name
 from mia.testbed.suite import open_suite as open_built_suite
 
@@ -183,7 +184,7 @@ def open_suite(name: str, path=None, *, progress: bool = True) -> tuple[list, st
     opened when ``path`` holds a complete suite, else built, resumed or reused there (default
     ``testbeds/suite-<name>``)."""
     if path is not None and (Path(path) / "suite.json").exists() and \
-            json.loads((Path(path) / "suite.json").read_text()).get("complete"):
+            read_manifest(Path(path) / "suite.json", SUITE_FIELDS).get("complete"):
         suite = open_built_suite(path)
     else:
         suite = build_suite(name, path, progress=progress)

@@ -166,6 +166,13 @@ def check_score_paths(args) -> None:
         V.input_dir(args.mlm, "--mlm", noun="model directory")
     V.output_file(args.out, "--out", inputs=(args.data, args.prefix_data, args.member_prefix_data, args.calib_data,
                                              args.train_data, args.freq_corpus))
+    check_score_cache(args)
+
+
+def check_score_cache(args) -> None:
+    """The score cache's directory (``--cache-dir``, else ``$MIA_CACHE_DIR`` or ~/.cache/mia) exists and is
+    writable or can be created, unless ``--no-cache``. ``main`` runs it before anything else (before the
+    compilation cache, which shares the directory, is set up)."""
     if not args.no_cache and args.cache_dir:
         V.output_dir(args.cache_dir, "--cache-dir")
     elif not args.no_cache:
@@ -210,7 +217,7 @@ def cmd_plan(args) -> int:
     axes = sharding.parse_mesh(args.mesh, n_devices) if args.mesh else None
     attack, opts = plan.parse_plan_attack(args.attack)
     r = plan.plan_scoring(hf, dtype=args.dtype, batch=args.batch, length=args.length, mesh_axes=axes, devices=devices,
-                     device_bytes=device_bytes, attack=attack, **opts)
+                          device_bytes=device_bytes, attack=attack, source=plan.config_source(args.model), **opts)
     where = f"TPU topology {args.topology}" if args.topology else "local devices"
     step = "token stats" if attack == "stats" else f"MoPe (n={opts['mope_n']}, chunk={opts['mope_chunk']})"
     print(f"mia plan: {args.model} {args.dtype}, {step} of {args.batch} x {args.length}, {r.devices} x "
@@ -258,7 +265,8 @@ def main(argv=None) -> int:
     if getattr(args, "topology", None) and "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the topology; do not look for a local TPU
     status, result = run_for_user(lambda: args.func(args), debug=args.debug, compile_cache=not args.no_compile_cache,
-                                  on_interrupt="interrupted; finished batches are cached and will be reused")
+                                  on_interrupt="interrupted; finished batches are cached and will be reused",
+                                  check_first=(lambda: check_score_cache(args)) if args.command == "score" else None)
     return status or int(result or 0)
 
 

@@ -26,8 +26,9 @@ _CHUNK = 1 << 22
 
 
 def default_cache_dir() -> str:
-    """``$MIA_CACHE_DIR`` or ``~/.cache/mia``: the root of every mia cache (scores, compiled programs, hashes)."""
-    return os.environ.get("MIA_CACHE_DIR", str(Path.home() / ".cache" / "mia"))
+    """``$MIA_CACHE_DIR`` or ``~/.cache/mia``: the root of every mia cache (scores, compiled programs, hashes).
+    An empty ``MIA_CACHE_DIR`` counts as unset (it would otherwise put the caches in the working directory)."""
+    return os.environ.get("MIA_CACHE_DIR", "").strip() or str(Path.home() / ".cache" / "mia")
 
 
 def _stat_key(st: os.stat_result) -> list:

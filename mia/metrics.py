@@ -125,8 +125,10 @@ def bootstrap(scores, labels, *, n_resamples: int = 1000, seed: int = 0, stratif
     Returns a flat dict: ``auc, auc_se, auc_ci_low, auc_ci_high`` and the same four for each ``tpr_at_{x}pct_fpr``,
     plus ``n, n_members, n_nonmembers, n_resamples``. ``stratified`` resamples members and non-members separately
     (class counts fixed); ``stratified=False`` resamples the pooled set as CheckMIABench does (scipy.stats.bootstrap),
-    dropping resamples that contain a single class.
+    dropping resamples that contain a single class. ``n_resamples=0``: point estimates only, every SE and CI None.
     """
+    if isinstance(n_resamples, bool) or not isinstance(n_resamples, (int, np.integer)) or n_resamples < 0:
+        raise ValueError(f"n_resamples must be an integer >= 0, got {n_resamples!r}")
     s, y = _check(scores, labels, ids)
     rng = np.random.default_rng(seed)
     boot = {"auc": []} | {_metric_key(f): [] for f in fprs}
@@ -140,9 +142,12 @@ def bootstrap(scores, labels, *, n_resamples: int = 1000, seed: int = 0, stratif
     a = (1 - confidence) / 2
     out: dict = {}
     for name, parts in boot.items():
+        out[name] = point[name]
+        if not n_resamples:  # no bootstrap asked for: no SE or CI (absent, not NaN)
+            out[f"{name}_se"] = out[f"{name}_ci_low"] = out[f"{name}_ci_high"] = None
+            continue
         vals = np.concatenate(parts)
         vals = vals[np.isfinite(vals)]
-        out[name] = point[name]
         out[f"{name}_se"] = float(np.std(vals, ddof=1)) if len(vals) > 1 else float("nan")
         lo, hi = np.quantile(vals, [a, 1 - a]) if len(vals) else (np.nan, np.nan)
         out[f"{name}_ci_low"], out[f"{name}_ci_high"] = float(lo), float(hi)

@@ -249,12 +249,15 @@ def output_file(path, what: str, *, inputs: Iterable = (), error=InputError) -> 
 
 
 def output_dir(path, what: str, *, error=InputError) -> Path:
-    """A directory that exists or can be created: not an existing file, no ancestor that is a file."""
+    """A directory that exists and is writable, or can be created: not an existing file, no ancestor that is a
+    file."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise error(f"{what} {p}: is a file, expected a directory")
     if not p.exists():
         _check_writable_under(p, what, error)
+    elif not os.access(p, os.W_OK | os.X_OK):
+        raise error(f"{what} {p}: directory is not writable")
     return p
 
 

@@ -153,6 +153,13 @@ SCORE_CASES = [
     score_case("seed-negative", GOOD, ("--seed",), ["--seed", "-1"]),
     score_case("dtype-unknown", GOOD, ("--dtype",), ["--dtype", "float64"]),
     score_case("init-timeout-zero", GOOD, ("--init-timeout",), ["--init-timeout", "0"]),
+    score_case("coordinator-port-out-of-range", GOOD, ("--coordinator", "70000", "out of range"),
+               ["--coordinator", "localhost:70000", "--num-processes", "2", "--process-id", "0"]),
+    score_case("coordinator-port-zero", GOOD, ("--coordinator", "port 0"),
+               ["--coordinator", "localhost:0", "--num-processes", "2", "--process-id", "1"]),
+    score_case("process-id-without-coordinator", GOOD, ("--process-id", "--coordinator"), ["--process-id", "0"]),
+    score_case("num-processes-without-coordinator", GOOD, ("--num-processes", "--coordinator"),
+               ["--num-processes", "1"]),
     score_case("attacks-empty", GOOD, ("--attacks",), ["--attacks", ""]),
     score_case("attacks-commas", GOOD, ("--attacks",), ["--attacks", " , ;"]),
     score_case("attack-unknown", GOOD, ("nosuch",), ["--attacks", "loss,nosuch"]),
@@ -196,6 +203,12 @@ SCORE_CASES = [
     score_case("member-prefix-data-missing", GOOD, ("--member-prefix-data", "not found"),
                ["--member-prefix-data", "{tmp}/m.jsonl"]),
     score_case("freq-corpus-directory", GOOD, ("--freq-corpus", "is a directory"), ["--freq-corpus", "{tmp}"]),
+    score_case("freq-corpus-not-utf8", GOOD, ("f.txt:2", "UTF-8"),
+               ["--attacks", "loss,dcpdd", "--freq-corpus", "{tmp}/f.txt"],
+               files={"f.txt": b"import os\n\xff\xfe x\n"}),
+    score_case("freq-corpus-token-beyond-int32", GOOD, ("f.jsonl:1", "'tokens'"),
+               ["--attacks", "loss,dcpdd", "--freq-corpus", "{tmp}/f.jsonl"],
+               files={"f.jsonl": _jsonl({"tokens": [1, 2 ** 40]})}),
     # --documents (mia.documents)
     score_case("doc-id-missing", _jsonl({"id": 1, "doc_id": "a", "text": "a b", "label": 1, "partition": "train"},
                                         {"id": 2, "text": "c d", "label": 0}),
@@ -300,9 +313,18 @@ SCORE_CASES = [
     model_case("st-metadata-list", ("model.safetensors", "__metadata__"), weights=_st({"__metadata__": [1]})),
     model_case("st-valid-but-wrong-tensors", ("missing",), weights=_st({"w": _F32}, b"\0" * 8)),
     Case("tokenizer-json-corrupt", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/o.jsonl",
-                                    "--no-progress", "--no-cache"], ("tokenizer",),
+                                    "--no-progress", "--no-cache"], ("m/tokenizer.json", "not valid JSON"),
          {"d.jsonl": GOOD, "m": lambda tmp, model: (_model_copy(tmp, model),
                                                      (tmp / "m" / "tokenizer.json").write_text('{"version": 3'))}),
+    Case("tokenizer-config-corrupt", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out",
+                                      "{tmp}/o.jsonl", "--no-progress", "--no-cache"],
+         ("m/tokenizer_config.json", "not valid JSON"),
+         {"d.jsonl": GOOD, "m": lambda tmp, model: (_model_copy(tmp, model),
+                                                     (tmp / "m" / "tokenizer_config.json").write_bytes(b"\xff{"))}),
+    Case("tokenizer-json-a-list", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out",
+                                   "{tmp}/o.jsonl", "--no-progress", "--no-cache"], ("m/tokenizer.json", "JSON object"),
+         {"d.jsonl": GOOD, "m": lambda tmp, model: (_model_copy(tmp, model),
+                                                     (tmp / "m" / "tokenizer.json").write_text("[1, 2]"))}),
     Case("shard-index-escapes", ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/o.jsonl",
                                  "--no-progress", "--no-cache"], ("model.safetensors.index.json", "file name"),
          {"d.jsonl": GOOD, "m": lambda tmp, model: _sharded(tmp, model, {"weight_map": {"a": "../../x.safetensors"}})}),
@@ -595,6 +617,37 @@ def test_missing_attack_data_stops_before_any_scoring(case_id, tiny_neox_dir, tm
     assert_one_error(code, lines, *case.names)
 
 
+def test_unusable_cache_dir_is_one_error_before_the_compile_cache(tiny_neox_dir, tmp_path, monkeypatch, capsys):
+    """MIA_CACHE_DIR a regular file and the score cache on: the one line is the error about the cache directory
+    (checked before anything else), not a compilation-cache warning or a traceback."""
+    from mia.cli import main
+
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d.jsonl").write_text(GOOD)
+    monkeypatch.setenv("MIA_CACHE_DIR", str(tmp_path / "f"))
+    monkeypatch.setenv("MIA_COMPILE_CACHE", "1")
+    code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl"], capsys)
+    assert_one_error(code, lines, "MIA_CACHE_DIR", str(tmp_path / "f"), "is a file")
+
+
+def test_unwritable_cache_dir_says_so(tiny_neox_dir, tmp_path, monkeypatch, capsys):
+    """An existing --cache-dir that cannot be written (os.access says so: tests may run as root) is refused up
+    front, naming --cache-dir and saying it is not writable."""
+    import os
+
+    from mia.cli import main
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "d.jsonl").write_text(GOOD)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if (Path(p) == tmp_path / "c" and mode & os.W_OK)
+                        else real(p, mode, **k))
+    code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl", "--cache-dir", tmp_path / "c"], capsys)
+    assert_one_error(code, lines, "--cache-dir", "not writable")
+
+
 def test_table_size():
     """The issue asks for at least 80 cases across the entry points."""
     assert len(SCORE_CASES) + len(BLIND_CASES) + len(TESTBED_CASES) + len(CHECKMIA_CASES) >= 80
@@ -722,6 +775,19 @@ def test_validated_safetensors_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(back[k]), t[k])
     write_safetensors({"z": np.zeros(0, np.float32)}, tmp_path / "empty.safetensors")
     assert read_safetensors(tmp_path / "empty.safetensors")["z"].shape == (0,)
+
+
+@pytest.mark.parametrize("kw", [{"dtype": "float8"}, {"dtype": "int8"}, {"param_dtype": "float64x"},
+                                {"dtype": np.int32}])
+def test_python_api_dtype_error_lists_the_supported_dtypes(kw, tiny_neox_dir):
+    """``mia.load(path, dtype=...)`` with an unsupported dtype: one ValueError line naming it and listing
+    float32, bfloat16, float16 (before any file is read: the path need not exist)."""
+    import mia
+
+    for path in (tiny_neox_dir, "/no/such/model"):
+        with pytest.raises(ValueError, match="supported: float32, bfloat16, float16") as e:
+            mia.load(path, **kw)
+        assert "\n" not in str(e.value) and next(iter(kw)) in str(e.value)
 
 
 def test_validators_name_the_field():

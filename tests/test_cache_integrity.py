@@ -173,6 +173,31 @@ def test_pair_cache_keeps_only_the_run_pairs(tmp_path):
     assert reader.get("p7", "t29") == 729.0 and reader.get("p0", "t1") is None
 
 
+def test_a_file_where_a_cache_namespace_should_be_is_one_warning(tmp_path, capsys):
+    """A regular file in place of a namespace directory: one ``warning:`` line naming it, nothing cached, no
+    traceback (the score cache and the conditional pair cache)."""
+    from mia.engine.conditional import PairCache
+
+    (tmp_path / "ns").write_text("x")
+    (tmp_path / "condll-ns").write_text("x")
+    capsys.readouterr()
+    stats = sc.StatsCache(str(tmp_path), "ns")
+    stats.put_many(_stats(3))
+    assert stats.lookup(["a"]) == {}
+    pairs = PairCache(str(tmp_path), "ns")
+    pairs.put("p", "t", 1.0)
+    pairs.flush()
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(lines) == 2 and all(l.startswith("warning:") and "is a file" in l for l in lines), lines
+    assert str(tmp_path / "ns") in lines[0] and str(tmp_path / "condll-ns") in lines[1]
+    assert (tmp_path / "ns").read_text() == "x"
+    (tmp_path / "f").write_text("x")  # an unusable root: one warning however many namespaces are opened under it
+    for ns in ("a", "b", "c"):
+        assert sc.StatsCache(str(tmp_path / "f"), ns).dir is None
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(lines) == 1 and str(tmp_path / "f") in lines[0], lines
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "index"])
 def test_damaged_entry_is_recomputed_with_one_warning(tiny_model, tmp_path, capsys, damage):
     rng = np.random.default_rng(5)

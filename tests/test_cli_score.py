@@ -53,6 +53,15 @@ def test_delta_adds_the_epsilon_the_attack_rules_out(tiny_neox_dir, tmp_path, ca
         assert e.value.code == 2 and "--delta" in capsys.readouterr().err
 
 
+def test_bootstrap_zero_prints_the_table_without_se(tiny_neox_dir, tmp_path, capsys):
+    """``--bootstrap 0`` (documented as valid): the metrics table is printed with the SE column empty."""
+    data = _write(tmp_path / "d.jsonl", [{"id": i, "text": t, "label": i % 2} for i, t in enumerate(TEXTS)])
+    assert main(["score", "--model", str(tiny_neox_dir), "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
+                 "--no-cache", "--no-progress", "--max-length", "8", "--bootstrap", "0"]) == 0
+    row = [l for l in capsys.readouterr().out.splitlines() if l.startswith("loss")]
+    assert len(row) == 1 and len(row[0].split()) == 4, row  # loss, AUC, TPR@1%, TPR@0.1%
+
+
 def test_python_dash_m_entry_point(tiny_neox_dir, tmp_path):
     import subprocess
     import sys

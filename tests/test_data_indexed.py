@@ -175,6 +175,26 @@ def test_bin_shorter_than_index(tmp_path):
         IndexedDataset(bins[0], idx)
 
 
+def test_a_directory_is_named_as_one(tmp_path, capsys):
+    """A directory given as the data or the index says it is a directory (not a missing ``<dir>.idx``), in the
+    library and from ``mia split pythia`` (naming --data / --idx)."""
+    from mia.cli import main
+
+    rows = grid(4, 5)
+    bins, idx = raw_write(tmp_path, rows)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IndexedDataError, match=r"/d: is a directory, expected a \.bin file"):
+        IndexedDataset(tmp_path / "d")
+    with pytest.raises(IndexedDataError, match=r"/d: is a directory, expected a \.idx index file"):
+        IndexedDataset(bins[0], tmp_path / "d")
+    for extra, flag in ((["--data", tmp_path / "d"], "--data"), (["--data", bins[0], "--idx", tmp_path / "d"], "--idx")):
+        capsys.readouterr()
+        assert main(["split", "pythia", *map(str, extra), "--step", "1", "--n-members", "1", "--n-nonmembers", "1",
+                     "--out", str(tmp_path / "s.jsonl")]) == 2
+        lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"error: {flag} ") and "is a directory" in lines[0], lines
+
+
 def test_truncated_or_missing_index(tmp_path):
     rows = grid(4, 5)
     bins, idx = raw_write(tmp_path, rows)

@@ -29,6 +29,30 @@ def test_wikimia_jsonl(tmp_path):
     assert files == [p]
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("w.txt", b"", "the file is empty"),
+    ("w.jsonl", b"", "the file is empty"),
+    ("w.jsonl", b"\n  \n", "the file is empty"),
+    ("w.csv", b"", "the file is empty"),
+    ("w.json", b"", "the file is empty"),
+    ("w.jsonl", b'"a text"\n"b \xff c"\n', ":2: not valid UTF-8"),
+])
+def test_empty_or_undecodable_text_file_is_one_line_naming_it(name, content, message, tmp_path, capsys):
+    """An empty (or blank) file or a JSONL line that is not UTF-8: one ``error:`` line naming the file, not
+    ``StopIteration`` or a bare codec error."""
+    from mia.cli import main
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(text.TextDataError, match=message) as e:
+        text.load_wikimia(tmp_path / name)
+    assert str(tmp_path / name) in str(e.value)
+    capsys.readouterr()
+    assert main(["split", "text", "--format", "wikimia", "--file", str(tmp_path / name), "--out",
+                 str(tmp_path / "s.jsonl")]) == 2
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and str(tmp_path / name) in lines[0], lines
+
+
 def test_generic_csv_string_labels_and_ids(tmp_path):
     p = tmp_path / "g.csv"
     p.write_text("doc,body,is_member\nd1,hello there,member\nd2,general kenobi,non-member\nd3,x,true\n")

@@ -192,6 +192,30 @@ def test_cli_writes_six_split_files(tmp_path, splits):
     assert json.loads((tmp_path / "out" / "difficulty.json").read_text())["params"]["k"] == 4
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["difficulty", "--k", "0"], "--k"),
+    (["difficulty", "--size", "1"], "--size"),
+    (["difficulty", "--size", "-4"], "--size"),
+    (["difficulty", "--threshold", "-0.1"], "--threshold"),
+    (["difficulty", "--threshold", "2.5"], "--threshold"),
+    (["difficulty", "--threshold", "nan"], "--threshold"),
+    (["difficulty", "--seed", "-1"], "--seed"),
+    (["text", "--format", "wikimia", "--seed", "-1"], "--seed"),
+])
+def test_split_options_are_range_checked(argv, flag, tmp_path, capsys):
+    """``mia split difficulty`` --k/--size/--threshold/--seed (and the other splits' --seed) out of range: one
+    ``error:`` line naming the option, exit 2, before the pool is read (it does not exist here)."""
+    from mia.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["split", *argv[:1], "--pool" if argv[0] == "difficulty" else "--file", str(tmp_path / "none"),
+              "--out", str(tmp_path / "o"), *argv[1:]])
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("error:") and flag in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
 def test_pool_embedding_with_the_encoder(tmp_path):
     from mia.models.bert import default_encoder_dir
 

@@ -90,6 +90,21 @@ def test_bootstrap_se_matches_plain_loop(stratified):
         assert M.bootstrap_auc_se(s, y, n_resamples=300, seed=4) == M.bootstrap_auc_se(s, y, n_resamples=300, seed=4)
 
 
+def test_zero_bootstrap_resamples_give_point_estimates_and_no_se():
+    """n_resamples=0 (``--bootstrap 0``): AUC and TPRs as usual, every SE and CI None; the table leaves SE blank."""
+    from mia.report import metrics_table
+
+    s, y = _data(n1=30, n0=30)
+    b = M.bootstrap(s, y, n_resamples=0)
+    assert b["auc"] == pytest.approx(roc_auc_score(y, s)) and b["n_resamples"] == 0
+    assert b["auc_se"] is None and b["auc_ci_low"] is None and b["tpr_at_1pct_fpr_se"] is None
+    rows = M.metric_rows({"a": s}, y, n_resamples=0)
+    assert rows[0]["auc_se"] is None and rows[0]["auc"] == pytest.approx(b["auc"])
+    assert len(metrics_table(rows).splitlines()[-1].split()) == 4  # name, AUC, TPR@1%, TPR@0.1%: no SE
+    with pytest.raises(ValueError, match="n_resamples"):
+        M.bootstrap(s, y, n_resamples=-1)
+
+
 def test_bootstrap_is_seeded_and_fast():
     import time
 

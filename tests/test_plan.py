@@ -83,11 +83,24 @@ def test_cli_prints_a_table_and_ends_with_json(tmp_path, run_plan):
     (["--model", "no/such/dir"], "no such directory"),
     (["--model", "pythia-70m", "--mesh", "data=3,model=4"], "needs 12 devices"),
     (["--model", "pythia-70m", "--batch", "0"], "--batch must be >= 1"),
+    (["--model", "{cfg}", "--length", "64"], "num_attention_heads"),  # 0 heads: the config checks of mia score
+    (["--model", "pythia-70m", "--length", "4096"], "--length 4096 is beyond the model's context"),
+    (["--model", "pythia-70m", "--device-memory", "0"], "--device-memory '0': must be more than 0 bytes"),
+    (["--model", "pythia-70m", "--device-memory=-8GiB"], "--device-memory '-8GiB'"),
+    (["--model", "pythia-70m", "--device-memory", "."], "--device-memory '.'"),
 ])
-def test_bad_input_is_one_line_exit_2(args, message, run_plan):
-    r = run_plan(*args)
+def test_bad_input_is_one_line_exit_2(args, message, run_plan, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(TINY, num_attention_heads=0)))
+    r = run_plan(*[a.replace("{cfg}", str(tmp_path / "config.json")) for a in args])
     assert r.returncode == 2, r.stdout + r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and message in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_plan_context_error_names_both_numbers(run_plan):
+    r = run_plan("--model", "pythia-70m", "--length", "4096")
+    assert "4096" in r.stderr and f"max_position_embeddings {NAMED_SHAPES['pythia-70m']['max_position_embeddings']}" \
+        in r.stderr
 
 
 @pytest.mark.skipif(HAS_LIBTPU, reason="libtpu is installed here")

@@ -144,7 +144,7 @@ def test_unreachable_coordinator_is_one_line_not_a_hang(tiny_neox_dir, tmp_path,
                "--init-timeout", "1"],
               f"error: cannot reach coordinator 127.0.0.1:{port} within 1 s"),
              (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "1"], "expected HOST:PORT"),
-             (["--num-processes", "2"], "need all of --coordinator"),
+             (["--num-processes", "2"], "--num-processes given without --coordinator"),
              (["--mesh", "data=3,model=4"], "error: --mesh data=3,model=4 needs 12 devices, 1 is visible")]
     for extra, msg in cases:
         assert main(argv + extra) == 2

@@ -105,6 +105,59 @@ def test_suite_configs_and_cli_errors(tmp_path, capsys):
     assert "--suite takes no testbed options (got hidden_size)" in capsys.readouterr().err
 
 
+_FMT = {"testbed.json": "mia-testbed/3", "suite.json": "mia-suite/1"}
+
+
+@pytest.mark.parametrize("manifest", ["testbed.json", "suite.json"])
+@pytest.mark.parametrize("content, names", [
+    (b'{"format": ', ("not valid JSON",)),
+    (b"\xff\xfe", ("not valid JSON",)),
+    (b"[1, 2]", ("expected a JSON object",)),
+    (b'{"complete": "yes"}', ("'complete'", "bool")),
+    (b'{"format": 3}', ("'format'", "str")),
+])
+def test_corrupt_manifest_is_one_line_naming_it(manifest, content, names, tmp_path, capsys, monkeypatch):
+    """A testbed.json / suite.json that is not JSON, not an object, or has a field of the wrong type: one
+    ``error:`` line naming the file (opening it, building into its directory, and from the CLI)."""
+    from experiments.common import open_suite as open_experiment_suite
+    from mia.testbed import TestbedError, build_testbed, open_suite, open_testbed
+    from mia.testbed.__main__ import main
+
+    mf = tmp_path / "d" / manifest
+    mf.parent.mkdir()
+    mf.write_bytes(content)
+    if manifest == "testbed.json":
+        calls = (lambda: open_testbed(mf.parent), lambda: build_testbed("smoke", mf.parent, progress=False))
+    else:
+        calls = (lambda: open_suite(mf.parent), lambda: open_experiment_suite("smoke", mf.parent))
+    for call in calls:
+        with pytest.raises(TestbedError) as e:
+            call()
+        assert "\n" not in str(e.value) and str(mf) in str(e.value) and all(n in str(e.value) for n in names)
+    flag = ["--preset", "smoke"] if manifest == "testbed.json" else ["--suite", "smoke"]
+    capsys.readouterr()
+    assert main([*flag, "--out", str(mf.parent), "--no-progress"]) == 2
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and str(mf) in lines[0], lines
+
+
+@pytest.mark.parametrize("manifest, m, names", [
+    ("testbed.json", {"complete": True, "format": _FMT["testbed.json"], "config": {"nosuch": 1, "checkpoints": []}},
+     ("'config'",)),
+    ("testbed.json", {"complete": True, "format": _FMT["testbed.json"], "config": {"checkpoints": 5}}, ("'config'",)),
+    ("suite.json", {"complete": True, "format": _FMT["suite.json"], "members": [3], "data": {}}, ("'members'",)),
+    ("suite.json", {"complete": True, "format": _FMT["suite.json"], "members": [], "data": []}, ("'data'",)),
+])
+def test_manifest_with_wrong_inner_types_is_one_line(manifest, m, names, tmp_path):
+    from mia.testbed import TestbedError, open_suite, open_testbed
+
+    (tmp_path / manifest).write_text(json.dumps(m))
+    with pytest.raises(TestbedError) as e:
+        (open_testbed if manifest == "testbed.json" else open_suite)(tmp_path)
+    assert "\n" not in str(e.value) and str(tmp_path / manifest) in str(e.value)
+    assert all(n in str(e.value) for n in names), str(e.value)
+
+
 def test_old_testbed_format_is_refused(smoke_testbed, tmp_path):
     from mia.testbed import TestbedError, build_testbed, open_testbed
 

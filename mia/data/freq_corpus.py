@@ -3,7 +3,8 @@ ids.
 
 Two layouts: ``.jsonl`` (one JSON object per line with a ``text`` or a ``tokens`` field; ``id`` optional) or any other
 file as UTF-8 plain text, one document per non-empty line. Texts are tokenized with the target tokenizer; given
-token ids are kept as they are and checked against the vocabulary (one error line naming file:line).
+token ids are kept as they are and checked against the vocabulary. A line that is not UTF-8, not valid, or out of
+the vocabulary is one error line naming file:line.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..validate import INT32_MAX
 from .examples import DataError, out_of_vocab
 
 
@@ -23,11 +25,16 @@ def read_corpus(path, tokenizer, vocab_size: Optional[int] = None) -> list:
         raise DataError(f"corpus file not found: {path}")
     jsonl = path.suffix == ".jsonl"
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at byte {e.start} of "
+                                "the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             tokens, text = None, line.rstrip("\n")
             if jsonl:
                 try:
@@ -38,8 +45,8 @@ def read_corpus(path, tokenizer, vocab_size: Optional[int] = None) -> list:
                     raise DataError(f"{where}: expected an object with a 'text' or a 'tokens' field")
                 text, tokens = obj.get("text"), obj.get("tokens")
                 if tokens is not None and not (isinstance(tokens, list) and all(
-                        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)):
-                    raise DataError(f"{where}: field 'tokens' must be a list of non-negative integers")
+                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in tokens)):
+                    raise DataError(f"{where}: field 'tokens' must be a list of integers in [0, {INT32_MAX}]")
                 if tokens is None and not isinstance(text, str):
                     raise DataError(f"{where}: field 'text' must be a string")
             if tokens is None:

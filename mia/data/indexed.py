@@ -135,6 +135,8 @@ def read_idx_header(idx_path: PathLike):
     idx_path = Path(idx_path)
     if not idx_path.exists():
         raise IndexedDataError(f"{idx_path}: index file not found")
+    if idx_path.is_dir():
+        raise IndexedDataError(f"{idx_path}: is a directory, expected a .idx index file")
     with open(idx_path, "rb") as f:
         head = f.read(HEADER_SIZE)
     if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
@@ -160,6 +162,9 @@ def _resolve_paths(prefix_or_bin_paths, idx_path):
         raise IndexedDataError("no .bin path given")
     bins = []
     for p in items:
+        if Path(p).is_dir():
+            raise IndexedDataError(f"{p}: is a directory, expected a .bin file (or the PATH prefix of PATH.bin and "
+                                   "PATH.idx)")
         s = str(p)
         if s.endswith(".idx"):
             s = s[:-4]

@@ -74,6 +74,8 @@ def load_rows(path, contains: Optional[str] = None) -> tuple:
     rows: list = []
     for f in files:
         b = _builder(f)
+        if _blank(f):
+            raise TextDataError(f"{f}: the file is empty (no rows)")
         if b == "json" and f.suffix.lower() == ".json":
             try:
                 obj = json.loads(f.read_text())
@@ -96,11 +98,28 @@ def load_rows(path, contains: Optional[str] = None) -> tuple:
     return rows, files
 
 
+def _blank(f: Path, chunk: int = 1 << 16) -> bool:
+    """True when an uncompressed file holds nothing but whitespace (compressed files: False, left to the reader)."""
+    if f.name.lower().endswith((".gz", ".bz2", ".xz", ".zst")):
+        return False
+    with open(f, "rb") as fh:
+        while block := fh.read(chunk):
+            if block.strip():
+                return False
+    return True
+
+
 def _jsonl_strings(f: Path) -> Optional[list]:
-    """The lines of a JSONL file when every non-blank line is a JSON string (MIMIR's cache layout), else None."""
+    """The lines of a JSONL file when every non-blank line is a JSON string (MIMIR's cache layout), else None.
+    A line that is not UTF-8 is one ``TextDataError`` naming the file and line."""
     out = []
-    with open(f, encoding="utf-8") as fh:
-        for line in fh:
+    with open(f, "rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TextDataError(f"{f}:{i}: not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at byte "
+                                    f"{e.start} of the line)") from None
             if not line.strip():
                 continue
             if not line.lstrip().startswith('"'):

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..atomic import write_bytes, write_json
 from ..models.attention import requested_kernel
+from ..validate import InputError, output_dir
 from .stats import STAT_NAMES
 
 STATS_VERSION = "2"  # bump when the meaning or the numerics of cached statistics change (2: precision policy)
@@ -74,6 +75,26 @@ class BackgroundWriter:
         return False
 
 
+_WARNED_CACHE_DIRS: set = set()
+
+
+def usable_cache_dir(path: Optional[Path]) -> Optional[Path]:
+    """``path`` (``<root>/<namespace>``) when the cache can live there (a writable directory, or one that can be
+    created); otherwise a ``warning:`` line on stderr (once per process for an unusable root) and None (the results
+    are computed but not cached)."""
+    if path is None:
+        return None
+    for p in (path.parent, path):
+        try:
+            output_dir(p, "cache directory")
+        except InputError as e:
+            if str(p) not in _WARNED_CACHE_DIRS:
+                _WARNED_CACHE_DIRS.add(str(p))
+                print(f"warning: {e}; results are not cached there", file=sys.stderr)
+            return None
+    return path
+
+
 def example_key(tokens: np.ndarray) -> str:
     return hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).hexdigest()[:24]
 
@@ -97,7 +118,7 @@ class StatsCache:
     """
 
     def __init__(self, root: Optional[str], namespace: str, writer: Optional[BackgroundWriter] = None):
-        self.dir = Path(root) / namespace if root else None
+        self.dir = usable_cache_dir(Path(root) / namespace if root else None)
         self.writer = writer
         self.bytes_read = 0
 

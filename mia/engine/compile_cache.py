@@ -8,10 +8,13 @@ each entry by the program, the compile options, the backend and the jax/jaxlib v
 for another program or another jax.
 
 Opt out with ``MIA_COMPILE_CACHE=0`` (also ``false``/``no``/``off``) or a command's ``--no-compile-cache``.
+The cache is optional: a directory that cannot be used (a regular file in its place, not writable, cannot be
+created) gives one ``warning:`` line on stderr and the command runs without it.
 """
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -37,15 +40,25 @@ def enable_compile_cache(cache_dir=None, *, enabled: bool = True,
     """Point JAX's persistent compilation cache at ``cache_dir`` (default ``<mia cache dir>/xla``); programs that
     took at least ``min_compile_seconds`` to compile are stored.
 
-    Returns the directory, or None when switched off (``enabled`` False or ``$MIA_COMPILE_CACHE=0``). Call it
-    before the first compilation of the process: JAX fixes the cache directory when it first compiles.
+    Returns the directory, or None when switched off (``enabled`` False or ``$MIA_COMPILE_CACHE=0``) or when the
+    directory cannot be used (one ``warning:`` line, see the module docstring). Call it before the first
+    compilation of the process: JAX fixes the cache directory when it first compiles.
     """
     if not compile_cache_wanted(enabled):
         return None
-    import jax  # here, not at the top: the CLI imports this module before it needs jax (fast --help)
+    from ..validate import InputError, output_dir
 
     path = Path(cache_dir) if cache_dir is not None else default_compile_cache_dir()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir(path, "compilation cache directory")
+        path.mkdir(parents=True, exist_ok=True)
+    except (InputError, OSError) as e:
+        reason = str(e) if isinstance(e, InputError) else f"compilation cache directory {path}: {e.strerror or e}"
+        print(f"warning: {reason}; running without the persistent compilation cache "
+              f"(set MIA_CACHE_DIR, or {ENV_SWITCH}=0 to silence this)", file=sys.stderr)
+        return None
+    import jax  # here, not at the top: the CLI imports this module before it needs jax (fast --help)
+
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
     return path

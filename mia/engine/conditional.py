@@ -40,7 +40,7 @@ from ..atomic import save_npz
 from ..models.common import KVCache
 from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows, plan_batches, pow2_ceil, pow2_floor,
                        put_padded)
-from .cache import BackgroundWriter, cache_namespace, cacheable, example_key
+from .cache import BackgroundWriter, cache_namespace, cacheable, example_key, usable_cache_dir
 from .distributed import any_process
 from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_device, show_progress
 from .sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
@@ -190,7 +190,7 @@ class PairCache:
     error, indices out of range) is reported by one ``warning:`` line and its pairs are recomputed.
     """
     def __init__(self, root: Optional[str], namespace: str, writer=None, prefixes=None, targets=None):
-        self.dir = Path(root) / f"condll-{namespace}" if root else None
+        self.dir = usable_cache_dir(Path(root) / f"condll-{namespace}" if root else None)
         self.writer = writer  # a scoring.BackgroundWriter: parts are written off the scoring loop
         self.mem: dict[str, dict[str, float]] = {}
         self.pending: list[tuple[str, str, float]] = []

@@ -45,6 +45,10 @@ def settings_from(coordinator: Optional[str], num_processes: Optional[int], proc
     """Flags first, then JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; None for one process."""
     env = os.environ if env is None else env
     coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
+    if coordinator is None and (num_processes is not None or process_id is not None):
+        flags = " and ".join(f for f, v in (("--num-processes", num_processes), ("--process-id", process_id))
+                             if v is not None)
+        raise DistributedError(f"{flags} given without --coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS)")
     try:
         num_processes = num_processes if num_processes is not None else (
             int(env["JAX_NUM_PROCESSES"]) if env.get("JAX_NUM_PROCESSES") else None)
@@ -58,8 +62,10 @@ def settings_from(coordinator: Optional[str], num_processes: Optional[int], proc
         raise DistributedError("several processes need all of --coordinator HOST:PORT, --num-processes N and "
                                "--process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
     host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not (port.isascii() and port.isdigit()):
         raise DistributedError(f"--coordinator {coordinator}: expected HOST:PORT")
+    if not 1 <= int(port) <= 65535:
+        raise DistributedError(f"--coordinator {coordinator}: port {int(port)} is out of range (1..65535)")
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise DistributedError(f"--process-id {process_id} must be in 0..{num_processes - 1} "
                                f"(--num-processes {num_processes})")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 from pathlib import Path
@@ -41,7 +40,8 @@ import numpy as np
 
 from ..attacks.mope import build_mope_step
 from ..models.common import ConfigError
-from ..models.hub import Model, _dtypes, abstract_params, family
+from ..models.hub import Model, _dtypes, abstract_params, config_from_hf, family, read_config_json
+from ..validate import check_hf_config
 from .loop import build_token_stats_step
 from .sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
 
@@ -114,23 +114,31 @@ def parse_bytes(text: str) -> int:
     value, unit, binary, b = m.groups()
     power = " kmgt".index(unit) if unit else 0
     base = 1024 if (binary or not b) else 1000
-    return int(float(value) * base ** power)
+    try:
+        n = int(float(value) * base ** power)
+    except ValueError:  # "." or "1.2.3"
+        raise PlanError(f"--device-memory {text!r}: expected a size such as 80GiB, 80GB or 16g") from None
+    if n < 1:
+        raise PlanError(f"--device-memory {text!r}: must be more than 0 bytes")
+    return n
+
+
+def config_source(model: str) -> str:
+    """What errors about ``--model``'s config name: the named shape, or the config.json path."""
+    if model in NAMED_SHAPES:
+        return model
+    return str(Path(model) / "config.json") if Path(model).is_dir() else model
 
 
 def read_hf_config(model: str) -> dict:
     """The HF config dict of a model directory, a config.json file, or a name in NAMED_SHAPES."""
     if model in NAMED_SHAPES:
         return dict(NAMED_SHAPES[model])
-    path = Path(model)
-    if path.is_dir():
-        path = path / "config.json"
+    path = Path(config_source(model))
     if not path.exists():
         raise PlanError(f"--model {model}: no such directory or config.json "
                         f"(or a named shape: {', '.join(NAMED_SHAPES)})")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{path}: invalid JSON ({e})") from None
+    hf = read_config_json(path)  # the checks ``mia score`` runs: JSON, then every known field's type and range
     if "model_type" not in hf:
         raise PlanError(f"{path}: field 'model_type' is missing")
     return hf
@@ -210,15 +218,16 @@ def mope_group_bytes(model, shapes, shardings) -> int:
     return max(top_bytes, stack // n_layers)
 
 
-def abstract_model(hf: dict, dtype: str):
-    """(Model with no params, abstract params pytree) of an HF config dict; nothing is allocated."""
-    fam = family(hf["model_type"])
+def abstract_model(hf: dict, dtype: str, source: str = "config"):
+    """(Model with no params, abstract params pytree) of an HF config dict; nothing is allocated. The config is
+    checked as ``mia score`` checks it (``mia.models.hub.config_from_hf``); errors name ``source``."""
     try:
-        cfg = fam.config_cls.from_hf(hf)
+        fam = family(hf["model_type"])
+        cfg = config_from_hf(fam.config_cls, check_hf_config(hf, source, error=ConfigError), source, fam.harmless)
     except KeyError as e:
-        raise PlanError(f"config: required field {e} is missing") from None
+        raise PlanError(f"{source}: required field {e} is missing") from None
     except ConfigError as e:
-        raise PlanError(f"config: {e}") from None
+        raise PlanError(f"{source}: {e}" if source not in str(e) else str(e)) from None
     act, param = _dtypes(dtype)  # the loader's policy (float16: fp16 parameters, float32 compute)
     module, shapes = abstract_params(fam, cfg, act, param)
     return Model(module, None, None, cfg, fam.model_type, None, "plan"), shapes
@@ -227,7 +236,7 @@ def abstract_model(hf: dict, dtype: str):
 def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: int = 2048,
                  mesh_axes: Optional[dict] = None, devices=None, fsdp: Optional[bool] = None,
                  device_bytes: Optional[int] = None, attack: str = "stats", mope_n: int = 10,
-                 mope_chunk: int = 2) -> PlanResult:
+                 mope_chunk: int = 2, source: str = "config") -> PlanResult:
     """Compile a scoring step ahead of time and read its memory.
 
     ``attack``: "stats" (the token-statistics pass every attack shares) or "mope" (MoPe's step with ``mope_n``
@@ -235,7 +244,8 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
 
     ``devices``: the devices to compile for (default: the local ones; a TPU topology's abstract devices work).
     ``mesh_axes``: {"data": n, "model": m} (default: all devices on data). ``fsdp`` defaults to True when a mesh is
-    given and False without one, as ``mia score`` does.
+    given and False without one, as ``mia score`` does. ``source`` names the config in errors; ``length`` may not
+    exceed the model's context (``max_position_embeddings``).
     """
     devices = list(jax.devices() if devices is None else devices)
     mesh = make_mesh(mesh_axes, devices)
@@ -243,7 +253,10 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     n_data = dict(mesh.shape)["data"]
     if batch % n_data:
         raise PlanError(f"--batch {batch} must be a multiple of the mesh's data axis ({n_data})")
-    model, shapes = abstract_model(hf, dtype)
+    model, shapes = abstract_model(hf, dtype, source)
+    if length > model.max_length:
+        raise PlanError(f"--length {length} is beyond the model's context: {source} has max_position_embeddings "
+                        f"{model.max_length}")
     shardings = param_shardings(shapes, mesh, fsdp=fsdp)
     params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     rows = batch_sharding(mesh)

@@ -351,14 +351,25 @@ def _leaf_paths(tree, prefix=()):
 
 
 # ----------------------------------------------------------------------------------------------- public API
-def _dtype(x):
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _dtype(x, what: str = "dtype"):
+    """A dtype mode name (``DTYPES``) or a floating dtype object -> the dtype; anything else is one ``ConfigError``
+    line listing the supported names."""
     if x is None:
         return None
-    return (
-        {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(x, x)
-        if isinstance(x, str)
-        else x
-    )
+    if isinstance(x, str):
+        if x not in DTYPES:
+            raise ConfigError(f"{what} {x!r} is not supported; supported: {', '.join(DTYPES)}")
+        return DTYPES[x]
+    try:
+        ok = jnp.issubdtype(jnp.dtype(x), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{what} {x!r} is not a floating dtype; supported: {', '.join(DTYPES)}")
+    return x
 
 
 def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
@@ -373,7 +384,7 @@ def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
     ``param_dtype`` overrides the parameter dtype.
     """
     activations = _dtype(dtype)
-    params = _dtype(param_dtype) or activations
+    params = _dtype(param_dtype, "param_dtype") or activations
     if jnp.dtype(activations) == jnp.float16:
         activations = jnp.float32
     return activations, params
@@ -440,8 +451,31 @@ def load_tokenizer(path, tokenizer_class: Optional[str] = None):
     try:
         return cls.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001  (corrupt tokenizer files raise many types; the user gets one line)
+        bad = _bad_tokenizer_file(root)
+        if bad is not None:
+            raise CheckpointError(bad) from None
         msg = (str(e).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(f"{root}: tokenizer files could not be loaded ({type(e).__name__}: {msg})") from None
+
+
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                        "added_tokens.json")
+
+
+def _bad_tokenizer_file(root: Path) -> Optional[str]:
+    """After the tokenizer failed to load: a one-line message naming the first JSON tokenizer file of ``root`` that
+    is not a UTF-8 JSON object, or None (then the directory is named)."""
+    for name in TOKENIZER_JSON_FILES:
+        f = root / name
+        if not f.exists():
+            continue
+        try:
+            obj = json.loads(f.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            return f"{f}: tokenizer file is not valid JSON ({str(e)[:120]})"
+        if not isinstance(obj, dict):
+            return f"{f}: tokenizer file must hold a JSON object, got {type(obj).__name__}"
+    return None
 
 
 def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None,
@@ -456,10 +490,10 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     computed from them in float32 whatever ``dtype`` is; in ``"bfloat16"`` the weights, hidden states and matmul
     operands feeding them are bf16 (docs/models.md#precision).
     """
+    dtype, param_dtype = _dtypes(dtype, param_dtype)  # a bad dtype is refused before anything is read
     root = hf_cache.model_dir(path, error=CheckpointError)
     fam, cfg, raw = load_config(root)
     layout = native_layout(raw)
-    dtype, param_dtype = _dtypes(dtype, param_dtype)
     files = _weight_files(root)
     tensors: dict = {}
     for f in files:

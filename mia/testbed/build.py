@@ -38,7 +38,8 @@ from ..models import from_config, load, save
 from ..models.gpt_neox import GPTNeoXConfig
 from ..models.hub import family
 from .canaries import CANARY_FILE, make_canaries, read_canaries, write_canaries
-from .config import DATA_FIELDS, FORMAT, TestbedConfig, TestbedError, preset as get_preset
+from .config import (DATA_FIELDS, FORMAT, TESTBED_FIELDS, TestbedConfig, TestbedError, config_of_manifest,
+                     preset as get_preset, read_manifest)
 from .dp import accountant_epsilon, privacy_record
 from .init import init_params
 from .packing import dedup_rows, pack_rows, row_permutation, write_order
@@ -278,15 +279,14 @@ def open_testbed(path) -> Testbed:
     mf = root / MANIFEST
     if not mf.exists():
         raise TestbedError(f"{root}: not a testbed (no {MANIFEST}); build one with python -m mia.testbed")
-    m = json.loads(mf.read_text())
+    m = read_manifest(mf, TESTBED_FIELDS)
     if not m.get("complete"):
         raise TestbedError(f"{root}: testbed build is incomplete; rerun python -m mia.testbed --out {root} to finish "
                            "it")
     if m.get("format") != FORMAT:
         raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, now "
                            f"{FORMAT}); rebuild it (delete the directory, or build into another --out)")
-    cfg = TestbedConfig(**{**m["config"], "checkpoints": tuple(m["config"]["checkpoints"])})
-    return Testbed(root, cfg, m)
+    return Testbed(root, config_of_manifest(m, mf), m)
 
 
 def _check_complete(root: Path, m: dict) -> Optional[str]:
@@ -327,10 +327,10 @@ def share_data(src_root, cfg: TestbedConfig, root) -> None:
     :data:`~mia.testbed.config.DATA_FIELDS` as the source's config. A ``root`` that already has its data is left as
     it is (the build checks it)."""
     src_root, root = Path(src_root), Path(root)
-    src = json.loads((src_root / MANIFEST).read_text())
+    src = read_manifest(src_root / MANIFEST, TESTBED_FIELDS)
     if any(k not in src for k in DATA_RECORDS):
         raise TestbedError(f"{src_root}: its data stages are not built yet")
-    src_cfg = TestbedConfig(**{**src["config"], "checkpoints": tuple(src["config"]["checkpoints"])})
+    src_cfg = config_of_manifest(src, src_root / MANIFEST)
     diff = [k for k in DATA_FIELDS if getattr(src_cfg, k) != getattr(cfg, k)]
     if diff:
         raise TestbedError(f"cannot share {src_root}'s data: the configs differ in {', '.join(diff)}")
@@ -341,7 +341,7 @@ def share_data(src_root, cfg: TestbedConfig, root) -> None:
             raise TestbedError(f"{src_root}: its canaries are not built yet")
         files, records = files + (CANARY_FILE,), records + (CANARY_RECORD,)
     mf = root / MANIFEST
-    if mf.exists() and all(k in json.loads(mf.read_text()) for k in records):
+    if mf.exists() and all(k in read_manifest(mf, TESTBED_FIELDS) for k in records):
         return
     for rel in files:
         _link_or_copy(src_root / rel, root / rel)
@@ -359,10 +359,10 @@ def build_twin(src, out_dir, *, progress: bool = True, save_every: int = 50, sto
     be built). Runs that differ only by privacy: ``build_twin(tb, out, dp_noise=1.0)``. ``stop_after``: as for
     :func:`build_testbed`."""
     src_root = Path(src.root if isinstance(src, Testbed) else src)
-    src_m = json.loads((src_root / MANIFEST).read_text()) if (src_root / MANIFEST).exists() else None
+    src_m = read_manifest(src_root / MANIFEST, TESTBED_FIELDS) if (src_root / MANIFEST).exists() else None
     if src_m is None:
         raise TestbedError(f"{src_root}: not a testbed (no {MANIFEST})")
-    base = TestbedConfig(**{**src_m["config"], "checkpoints": tuple(src_m["config"]["checkpoints"])})
+    base = config_of_manifest(src_m, src_root / MANIFEST)
     bad = sorted(set(overrides) & set(DATA_FIELDS))
     if bad:
         raise TestbedError(f"a twin shares its source's data; it cannot change {', '.join(bad)}")
@@ -402,7 +402,7 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     mf_path = root / MANIFEST
     m: dict = {}
     if mf_path.exists():
-        m = json.loads(mf_path.read_text())
+        m = read_manifest(mf_path, TESTBED_FIELDS)
         if m.get("format") != FORMAT:
             raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, "
                                f"now {FORMAT}); delete it to rebuild, or use another --out")

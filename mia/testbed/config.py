@@ -52,6 +52,40 @@ class TestbedError(ValueError):
     __test__ = False  # not a pytest class
 
 
+# the fields of testbed.json / suite.json that are read, and their JSON types (a field may be absent)
+TESTBED_FIELDS = {"format": str, "complete": bool, "config": dict, "config_hash": str, "checkpoints": dict,
+                  "data": dict, "corpus": dict, "tokenizer": dict, "timings": dict}
+SUITE_FIELDS = {"format": str, "name": str, "complete": bool, "members": list, "data": dict}
+
+
+def read_manifest(path, fields: dict) -> dict:
+    """The JSON object in the manifest ``path`` (``testbed.json`` or ``suite.json``), each of ``fields``
+    ({name: type}) that is present of that type; otherwise one ``TestbedError`` line naming the file."""
+    try:
+        m = json.loads(open(path, "rb").read().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise TestbedError(f"{path}: not valid JSON ({str(e)[:120]}); delete the directory to rebuild") from None
+    except OSError as e:
+        raise TestbedError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if not isinstance(m, dict):
+        raise TestbedError(f"{path}: expected a JSON object, got {type(m).__name__}")
+    for k, typ in fields.items():
+        if k in m and not isinstance(m[k], typ):
+            raise TestbedError(f"{path}: field {k!r} must be a JSON {typ.__name__.replace('dict', 'object')}, "
+                               f"got {type(m[k]).__name__}")
+    return m
+
+
+def config_of_manifest(m: dict, path) -> "TestbedConfig":
+    """The TestbedConfig recorded in a testbed manifest ``m`` (read from ``path``), or one line naming the file."""
+    try:
+        c = m["config"]
+        return TestbedConfig(**{**c, "checkpoints": tuple(c["checkpoints"])})
+    except (KeyError, TypeError, ValueError) as e:
+        raise TestbedError(f"{path}: field 'config' is not a testbed config ({type(e).__name__}: {str(e)[:120]})") \
+            from None
+
+
 @dataclasses.dataclass(frozen=True)
 class TestbedConfig:
     """Everything that determines the trained checkpoints (and so enters ``config_hash``)."""

@@ -18,12 +18,11 @@ hashes the files it wrote or linked); ``open_suite`` refuses a suite whose membe
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Optional
 
 from .build import DEFAULT_ROOT, Testbed, _write_json, build_from_config, open_testbed, share_data
-from .config import DATA_FIELDS, PRESETS, TestbedConfig, TestbedError
+from .config import DATA_FIELDS, PRESETS, SUITE_FIELDS, TestbedConfig, TestbedError, read_manifest
 
 SUITE_FORMAT = "mia-suite/1"
 SUITE_MANIFEST = "suite.json"
@@ -146,7 +145,7 @@ def build_suite(name: str, out_dir=None, *, progress: bool = True, save_every: i
     entries = [{"name": _member_dir_name(c), "dir": _member_dir_name(c), "config_hash": c.config_hash} for c in configs]
     mf = root / SUITE_MANIFEST
     if mf.exists():
-        old = json.loads(mf.read_text())
+        old = read_manifest(mf, SUITE_FIELDS)
         if old.get("format") != SUITE_FORMAT or old.get("name") != name or \
                 [e["config_hash"] for e in old.get("members", [])] != [e["config_hash"] for e in entries]:
             raise TestbedError(f"{root} holds another suite ({old.get('name')}, {old.get('format')}) or one built by "
@@ -179,12 +178,16 @@ def open_suite(path) -> Suite:
     if not mf.exists():
         raise TestbedError(f"{root}: not a testbed suite (no {SUITE_MANIFEST}); build one with "
                            f"python -m mia.testbed --suite NAME --out {root}")
-    m = json.loads(mf.read_text())
+    m = read_manifest(mf, SUITE_FIELDS)
     if m.get("format") != SUITE_FORMAT:
         raise TestbedError(f"{root}: a suite of another version ({m.get('format')}, now {SUITE_FORMAT}); rebuild it")
     if not m.get("complete"):
         raise TestbedError(f"{root}: suite build is incomplete; rerun python -m mia.testbed --suite {m.get('name')} "
                            f"--out {root} to finish it")
+    if not all(isinstance(e, dict) and isinstance(e.get("dir"), str) and isinstance(e.get("config_hash"), str)
+               for e in m.get("members", [])) or not isinstance(m.get("data"), dict):
+        raise TestbedError(f"{mf}: 'members' must be objects with 'dir' and 'config_hash' strings, and 'data' an "
+                           "object; delete the directory to rebuild")
     members = []
     for e in m["members"]:
         tb = open_testbed(root / e["dir"])
