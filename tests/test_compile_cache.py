@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import mia.cli
 import mia.engine.compile_cache as cc
 
 # Compiles one small jitted function with the cache on and prints JAX's cache events as JSON.

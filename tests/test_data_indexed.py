@@ -187,7 +187,8 @@ def test_a_directory_is_named_as_one(tmp_path, capsys):
         IndexedDataset(tmp_path / "d")
     with pytest.raises(IndexedDataError, match=r"/d: is a directory, expected a \.idx index file"):
         IndexedDataset(bins[0], tmp_path / "d")
-    for extra, flag in ((["--data", tmp_path / "d"], "--data"), (["--data", bins[0], "--idx", tmp_path / "d"], "--idx")):
+    for extra, flag in ((["--data", tmp_path / "d"], "--data"),
+                        (["--data", bins[0], "--idx", tmp_path / "d"], "--idx")):
         capsys.readouterr()
         assert main(["split", "pythia", *map(str, extra), "--step", "1", "--n-members", "1", "--n-nonmembers", "1",
                      "--out", str(tmp_path / "s.jsonl")]) == 2
