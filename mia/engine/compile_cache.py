@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..file_hash import default_cache_dir
+from ..validate import InputError, output_dir
 
 ENV_SWITCH = "MIA_COMPILE_CACHE"
 # JAX's default (1 s) skips most scoring programs of small models on CPU; below ~0.2 s reading an entry back
@@ -46,8 +47,6 @@ def enable_compile_cache(cache_dir=None, *, enabled: bool = True,
     """
     if not compile_cache_wanted(enabled):
         return None
-    from ..validate import InputError, output_dir
-
     path = Path(cache_dir) if cache_dir is not None else default_compile_cache_dir()
     try:
         output_dir(path, "compilation cache directory")
