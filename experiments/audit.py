@@ -75,7 +75,7 @@ class Preset:
 
 
 PRESETS = {
-    # about a minute on 2 CPU cores: a 40-step testbed of 32-token rows, 96 canaries, two private twins
+    # about 90 s on 2 CPU cores: a 40-step testbed of 32-token rows, 96 canaries, two private twins
     "smoke": Preset("smoke", (("max_corpus_bytes", 200_000), ("seq_len", 32), ("train_steps", 40),
                               ("checkpoints", ()), ("warmup_steps", 4)),
                     canaries=96, canary_reps=(1, 4, 16), noises=(0.8189, 0.4078), attacks="loss,zlib,mink:k=0.2",

@@ -52,6 +52,8 @@ def fmt(key: str, value) -> str:
             return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
         if key.startswith("p_"):
             return f"{v:.2g}"
+        if key == "delta":  # 1/records: fixed decimals would print 0.000625 as 0.001
+            return f"{v:.3g}"
         if key.endswith("_se"):
             return f"{v:.4f}"
         return f"{v:.{_DIGITS.get(key, 3)}f}"
