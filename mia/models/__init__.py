@@ -9,9 +9,10 @@ import pkgutil as _pkgutil
 from .common import ConfigError, KVCache
 from .family import FAMILIES, Family, family
 from .hub import CheckpointError, Model, from_config, load, load_config, place, save
+from .inspect import check_checkpoint
 
 __all__ = ["ConfigError", "CheckpointError", "KVCache", "Model", "Family", "FAMILIES", "family", "load", "load_config",
-           "save", "from_config", "place"]
+           "save", "from_config", "place", "check_checkpoint"]
 
 for _mod in _pkgutil.iter_modules(__path__):  # the family modules register themselves on import
     _importlib.import_module(f"{__name__}.{_mod.name}")
