@@ -44,7 +44,7 @@ from experiments import curves
 from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
                                 draw_olmo_split, draw_pythia_split, draw_testbed_split, drop_learned_duplicates,
-                                experiment_parser,
+                                experiment_parser, add_identical_flag, check_checkpoints, identical_note,
                                 olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,
                                 score_split, select_attacks, select_pythia, sha_file, size_name, write_json,
                                 write_manifest, write_tables)
@@ -223,6 +223,7 @@ class Setup:
     hashes: dict
     end_step: Optional[int] = None
     notes: list = dataclasses.field(default_factory=list)
+    identical: list = dataclasses.field(default_factory=list)  # [[path, path]] allowed with identical weights
 
 
 def _saved_steps(tb) -> list:
@@ -280,12 +281,16 @@ def _pick_steps(spec, available: Sequence[int], where: str) -> list:
 
 
 def pythia_setup(root, data: Sequence, idx, *, sizes: Sequence[str], steps: Sequence[int], split_sizes: SplitSizes,
-                 seed: int, gap: int, end_step: int, batch_size: int, allow_fewer: bool) -> Setup:
-    """Real Pythia: ``root/pythia-SIZE-deduped/stepN`` and the deduplicated Pile order (``--data``/``--idx``)."""
+                 seed: int, gap: int, end_step: int, batch_size: int, allow_fewer: bool,
+                 allow_identical: bool = False) -> Setup:
+    """Real Pythia: ``root/pythia-SIZE-deduped/stepN`` and the deduplicated Pile order (``--data``/``--idx``).
+    Every checkpoint is opened and checked (``check_checkpoints``) before anything else is read."""
     from mia.models import load_config
 
     require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
     chosen = select_pythia(root, sizes or None, steps)
+    records, identical = check_checkpoints({f"{size}-step{s}": path for size, by_step in chosen.items()
+                                            for s, path in by_step.items()}, allow_identical=allow_identical)
     targets = [Target(size, count_params(path), c, path, None) for c in steps for size, by_step in chosen.items()
                   for s, path in by_step.items() if s == c]
     tokenizer_dir = str(targets[0].path.resolve())
@@ -300,16 +305,20 @@ def pythia_setup(root, data: Sequence, idx, *, sizes: Sequence[str], steps: Sequ
 
     return Setup("pythia", f"Pythia (deduped) {', '.join(chosen)} from {root}; order {len(data)} .bin shard(s) + "
                            f"{Path(idx).name}, batch {batch_size}, gap {gap}, non-members up to step {end_step}",
-                 targets, sorted(steps), draw, f"--data/--idx ({Path(data[0]).name}, ...)", {}, end_step)
+                 targets, sorted(steps), draw, f"--data/--idx ({Path(data[0]).name}, ...)", {"checkpoints": records},
+                 end_step, identical=identical)
 
 
 def olmo_setup(root, global_indices, data_paths, *, steps: Sequence[int], split_sizes: SplitSizes, seed: int,
-               gap: int, end_step: Optional[int], batch_size: int, seq_len: int, allow_fewer: bool) -> Setup:
-    """Real OLMo: a checkpoint directory (or ``root/stepN[-tokens...]``) with ``global_indices`` + data paths."""
+               gap: int, end_step: Optional[int], batch_size: int, seq_len: int, allow_fewer: bool,
+               allow_identical: bool = False) -> Setup:
+    """Real OLMo: a checkpoint directory (or ``root/stepN[-tokens...]``) with ``global_indices`` + data paths. Every
+    checkpoint is opened and checked (``check_checkpoints``) before anything else is read."""
     require_order("--olmo", {"--global-indices": global_indices, "--data-paths": data_paths})
+    paths = {c: olmo_checkpoint(root, c) for c in sorted(steps)}
+    records, identical = check_checkpoints({f"step{c}": p for c, p in paths.items()}, allow_identical=allow_identical)
     targets = []
-    for c in sorted(steps):
-        path = olmo_checkpoint(root, c)
+    for c, path in paths.items():
         n = count_params(path)
         name = "7b" if 6e9 <= n <= 8e9 else size_name(n)
         targets.append(Target(name, n, c, path, None))
@@ -324,8 +333,8 @@ def olmo_setup(root, global_indices, data_paths, *, steps: Sequence[int], split_
 
     return Setup("olmo", f"OLMo {targets[0].model} from {root}; order {Path(global_indices).name} + "
                          f"{Path(data_paths).name}, batch {batch_size}, non-members from step + {gap}",
-                 targets, sorted(steps), draw, f"--global-indices/--data-paths ({Path(global_indices).name})", {},
-                 end_step)
+                 targets, sorted(steps), draw, f"--global-indices/--data-paths ({Path(global_indices).name})",
+                 {"checkpoints": records}, end_step, identical=identical)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -354,9 +363,11 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         n_train: Optional[int] = None, n_prefix: Optional[int] = None, n_calib: Optional[int] = None,
         gap: Optional[int] = None, end_step: Optional[int] = None, batch_size: Optional[int] = None,
         seq_len: int = 2048, bins: Optional[int] = None, memorize_epochs: int = 0, seed: int = 0,
-        bootstrap: Optional[int] = None, delta: Optional[float] = None, progress: bool = True, argv=None) -> dict:
+        bootstrap: Optional[int] = None, delta: Optional[float] = None, progress: bool = True,
+        allow_identical_checkpoints: bool = False, argv=None) -> dict:
     """Run CheckMIABench; returns the summary dict (also ``out/summary.json``). ``delta``: the attack table gets
-    ``eps_lower``, the DP epsilon each attack rules out at that delta with 95% confidence (docs/auditing.md)."""
+    ``eps_lower``, the DP epsilon each attack rules out at that delta with 95% confidence (docs/auditing.md).
+    ``allow_identical_checkpoints``: run even when two real checkpoints hold identical weights (recorded)."""
     if preset not in PRESETS:
         raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -394,11 +405,13 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
             setup = pythia_setup(pythia, list(data or ()), idx, sizes=sizes, steps=list(steps or [97_000]),
                                  split_sizes=split_sizes, seed=seed, gap=gap,
                                  end_step=98_500 if end_step is None else end_step,
-                                 batch_size=batch_size or 1024, allow_fewer=p.allow_fewer)
+                                 batch_size=batch_size or 1024, allow_fewer=p.allow_fewer,
+                                 allow_identical=allow_identical_checkpoints)
         elif olmo:
             setup = olmo_setup(olmo, global_indices, data_paths, steps=list(steps or [400_000]),
                                split_sizes=split_sizes, seed=seed, gap=gap, end_step=end_step,
-                               batch_size=batch_size or 2160, seq_len=seq_len, allow_fewer=p.allow_fewer)
+                               batch_size=batch_size or 2160, seq_len=seq_len, allow_fewer=p.allow_fewer,
+                               allow_identical=allow_identical_checkpoints)
         else:
             setup = testbed_setup(p, testbeds=testbeds, suite=suite, suite_dir=suite_dir, sizes=sizes, steps=steps,
                                   split_sizes=split_sizes, seed=seed, progress=progress, allow_fewer=p.allow_fewer)
@@ -406,7 +419,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
     say(setup.description)
 
     blind_best, blind_runs, verdicts, attack_rows, recency, targets_out = [], [], {}, [], [], []
-    notes = list(setup.notes)
+    notes = list(setup.notes) + ([identical_note(setup.identical)] if setup.identical else [])
     split_info = {}
     for c in setup.steps:
         with timings("splits"):
@@ -522,6 +535,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
             "blind_verdicts": {str(c): v for c, v in verdicts.items()},
             "attacks": [_keep(r) for r in attack_rows], "recency": recency, "scale": scale,
             "recency_trends": rec_trends, "scale_trends": scale_trends, "findings": findings,
+            "allow_identical_checkpoints": bool(allow_identical_checkpoints),
+            "identical_checkpoints": setup.identical,
             "skipped": skipped, "notes": notes + ([p.note] if p.note else []) +
             ([PAPER_BLIND_NOT_SAME] if show_paper else []),
         }
@@ -536,7 +551,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
                            "split_sizes": dataclasses.asdict(split_sizes), "steps": setup.steps, "models": models,
                            "attacks": [label for label, _, _ in to_run],
                            "attacks_last_checkpoint_only": sorted(last_only), "blind_features": blind_cfg, "gap": gap,
-                           "bins": bins, "memorize_epochs": memorize_epochs, "bootstrap": bootstrap},
+                           "bins": bins, "memorize_epochs": memorize_epochs, "bootstrap": bootstrap,
+                           "allow_identical_checkpoints": bool(allow_identical_checkpoints)},
                    seeds={"split": seed, "partitions": [seed, 0x5B1], "bootstrap": seed, "blind": seed},
                    hashes={**setup.hashes, "splits_sha256": {c: sha_file(out / "splits" / f"step{c}.jsonl")
                                                              for c in setup.steps}},
@@ -626,6 +642,7 @@ def build_parser():
     r.add_argument("--end-step", type=V.arg_int(1), default=None, help="non-members up to this step (Pythia: 98500)")
     r.add_argument("--batch-size", type=V.arg_int(1), default=None, help="rows per step (Pythia 1024, OLMo 2160)")
     r.add_argument("--seq-len", type=V.arg_int(2), default=2048, help="OLMo instance length (2048)")
+    add_identical_flag(r)
     s = p.add_argument_group("what to run")
     s.add_argument("--sizes", default=None, help="model sizes to evaluate, comma-separated (default: all)")
     s.add_argument("--steps", type=arg_int_list(1), default=None,
@@ -660,7 +677,8 @@ def main(argv=None) -> int:
                     n_train=args.n_train, n_prefix=args.n_prefix, n_calib=args.n_calib, gap=args.gap,
                     end_step=args.end_step, batch_size=args.batch_size, seq_len=args.seq_len, bins=args.bins,
                     memorize_epochs=args.memorize_epochs, seed=args.seed, bootstrap=args.bootstrap, delta=args.delta,
-                    progress=not args.no_progress, argv=argv),
+                    progress=not args.no_progress,
+                    allow_identical_checkpoints=args.allow_identical_checkpoints, argv=argv),
         debug=args.debug, compile_cache=not args.no_compile_cache)
     if status:
         return status

@@ -370,6 +370,50 @@ def select_pythia(root, sizes: Optional[Sequence[str]], steps: Sequence[int]) ->
     return {s: {int(x): pythia_checkpoint(root, s, x) for x in steps} for s in sorted(chosen, key=_size_key)}
 
 
+IDENTICAL_FLAG = "--allow-identical-checkpoints"
+
+
+def check_checkpoints(checkpoints: Mapping[str, Path], *, allow_identical: bool = False) -> tuple:
+    """``(records, identical)`` for ``{label: checkpoint dir}``: every checkpoint a run will use opened before any
+    work (``mia.models.inspect.check_checkpoint``: config, tensor names, shapes and dtypes, no weights read) and its
+    sampled weights digest; ``records``: ``{label: record dict}`` for the manifest, ``identical``: ``[[path_a,
+    path_b]]`` of checkpoints with the same digest. A bad checkpoint is one ``ExperimentError`` line naming its path;
+    two with identical weights are refused naming both, unless ``allow_identical`` (then the caller records the
+    pairs: published repositories serve one step's weights under other steps' names, and a member would silently
+    be scored as a non-member)."""
+    from mia.models import ConfigError
+    from mia.models.hub import CheckpointError
+    from mia.models.inspect import check_checkpoint, identical_pairs
+
+    found = {}
+    for label, path in checkpoints.items():
+        try:
+            found[label] = check_checkpoint(path)
+        except (CheckpointError, ConfigError) as e:
+            msg = str(e)
+            raise ExperimentError(msg if str(Path(path)) in msg or str(Path(path).resolve()) in msg
+                                  else f"{path}: {msg}") from None
+    same = identical_pairs(found)
+    pairs = [[str(checkpoints[a]), str(checkpoints[b])] for a, b in same]
+    if pairs and not allow_identical:
+        (a, b), digest = pairs[0], found[same[0][0]].digest
+        raise ExperimentError(f"checkpoints {a} and {b} hold identical weights (sampled digest {digest}): one would "
+                              f"be scored as the other's step; {IDENTICAL_FLAG} overrides")
+    return {label: r.to_json() for label, r in found.items()}, pairs
+
+
+def add_identical_flag(parser) -> None:
+    """``--allow-identical-checkpoints`` (``check_checkpoints``)."""
+    parser.add_argument(IDENTICAL_FLAG, action="store_true",
+                        help="run even when two checkpoints hold identical weights (recorded in the report)")
+
+
+def identical_note(pairs: Sequence) -> str:
+    """The report's line for checkpoints allowed with identical weights (``IDENTICAL_FLAG``)."""
+    return (f"{IDENTICAL_FLAG}: identical weights allowed under different checkpoints: "
+            + "; ".join(f"{a} = {b}" for a, b in pairs))
+
+
 def olmo_checkpoint(root, step: int) -> Path:
     """The OLMo checkpoint of ``step``: ``root`` itself when it is a model directory (``config.json``), else
     ``root/stepN`` or ``root/stepN-tokens...`` (HF revision names), or, for a repository folder of the Hugging Face

@@ -420,3 +420,75 @@ def test_olmo_layout_end_to_end(tiny_neox_dir, tmp_path):
     assert cmb.main(["--olmo", str(tmp_path / "olmo"), "--global-indices", str(tmp_path / "global_indices.npy"),
                      "--data-paths", str(tmp_path / "paths.txt"), "--steps", "7", "--no-progress",
                      "--out", str(tmp_path / "o2")]) == 2
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints first
+def _layout_argv(models, shards, idx, out, steps) -> list:
+    return ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", steps, "--batch-size", str(LAYOUT_B),
+            "--end-step", str(LAYOUT_END), "--n-members", "10", "--n-train", "0", "--n-prefix", "0", "--attacks",
+            "loss", "--no-blind", "--bootstrap", "10", "--no-progress", "--out", str(out)]
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_pythia_identical_checkpoints_refused_unless_allowed(tiny_neox_dir, tmp_path, capsys):
+    """A step whose weights are a copy of another step's (published repositories serve one step's weights under
+    other steps' names) is refused naming both paths, before any split is drawn; --allow-identical-checkpoints runs
+    and records the pair in the summary, the report and the manifest."""
+    import transformers
+
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
+    models, shards, idx, _ = pythia_layout(tmp_path, tiny_neox_dir, vocab)
+    a, b = models / "pythia-70m-deduped" / f"step{LAYOUT_STEP}", models / "pythia-70m-deduped" / "step110"
+    shutil.copytree(a, b)
+    out = tmp_path / "out"
+    argv = _layout_argv(models, shards, idx, out, f"{LAYOUT_STEP},110")
+    assert cmb.main(argv) == 2
+    e = _one_error_line(capsys)
+    assert str(a) in e and str(b) in e and "identical weights" in e and "--allow-identical-checkpoints" in e
+    assert not (out / "splits").exists()
+    assert cmb.main(argv + ["--allow-identical-checkpoints"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["allow_identical_checkpoints"] is True and s["identical_checkpoints"] == [[str(a), str(b)]]
+    assert any("--allow-identical-checkpoints" in n and str(b) in n for n in s["notes"])
+    assert "--allow-identical-checkpoints" in (out / "report.md").read_text()
+    m = json.loads((out / "manifest.json").read_text())
+    recs = m["hashes"]["checkpoints"]
+    assert recs["70m-step100"]["digest"] == recs["70m-step110"]["digest"] and recs["70m-step100"]["n_params"] > 0
+    assert m["config"]["allow_identical_checkpoints"] is True
+
+
+def test_pythia_bad_checkpoint_fails_before_the_split(tiny_neox_dir, tmp_path, capsys):
+    """A step with a missing tensor, a step with only a pickled file no reader applies to, and a config the family
+    refuses: each one error line naming the checkpoint, and no split file written."""
+    from safetensors.numpy import load_file, save_file
+
+    import transformers
+
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
+    models, shards, idx, _ = pythia_layout(tmp_path, tiny_neox_dir, vocab)
+    ckpt = models / "pythia-70m-deduped" / f"step{LAYOUT_STEP}"
+    out = tmp_path / "out"
+    argv = _layout_argv(models, shards, idx, out, str(LAYOUT_STEP))
+    weights = ckpt / "model.safetensors"
+    tensors = load_file(str(weights))
+    gone = "gpt_neox.layers.1.mlp.dense_h_to_4h.weight"
+    save_file({k: v for k, v in tensors.items() if k != gone}, str(weights))
+    assert cmb.main(argv) == 2
+    e = _one_error_line(capsys)
+    assert str(ckpt) in e and gone in e and "missing" in e
+    assert not (out / "splits").exists()
+    weights.rename(ckpt / "model.bin")  # a .bin-only step under a name no reader applies to
+    assert cmb.main(argv) == 2
+    e = _one_error_line(capsys)
+    assert str(ckpt) in e and "never loaded" in e and not (out / "splits").exists()
+    save_file(tensors, str(weights))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads=5)))
+    assert cmb.main(argv) == 2
+    e = _one_error_line(capsys)
+    assert "config.json" in e and str(ckpt) in e and not (out / "splits").exists()
