@@ -50,7 +50,8 @@ from mia.atomic import write_text
 from mia.data.splits import DROPPED_ROWS, partition_counts, read_split
 from mia.metrics import metric_rows
 
-from experiments.common import (ExperimentError, SplitSizes, Timings, check_paths, check_suite_steps, check_token_ids,
+from experiments.common import (ExperimentError, SplitSizes, Timings, add_identical_flag, check_checkpoints,
+                                check_paths, check_suite_steps, check_token_ids, identical_note,
                                 draw_testbed_split, experiment_parser, olmo_checkpoint, open_members,
                                 pick_members, run_blind_baselines, run_main, say_fn, score_split, select_attacks,
                                 sha_file, write_json, write_manifest, write_tables)
@@ -379,8 +380,11 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
         nonmember_steps: str = "400000:450000", ref_model=None, eos: int = 50279, batch_size: int = 2160,
         seq_len: int = 2048, pool: Optional[int] = None, size: Optional[int] = None, k: Optional[int] = None,
         threshold: Optional[float] = None, doc_len: Optional[int] = None, encoder=None, embeddings=None,
-        blind: bool = True, seed: int = 0, bootstrap: int = 1000, progress: bool = True, argv=None) -> dict:
-    """Run the experiment; returns the summary (also written to ``out/summary.json``)."""
+        blind: bool = True, seed: int = 0, bootstrap: int = 1000, progress: bool = True,
+        allow_identical_checkpoints: bool = False, argv=None) -> dict:
+    """Run the experiment; returns the summary (also written to ``out/summary.json``). With ``--olmo``, the
+    checkpoint and ``--ref-model`` are opened and checked (``check_checkpoints``) before the pool is drawn;
+    ``allow_identical_checkpoints``: run even when the two hold identical weights (recorded)."""
     from mia.data.difficulty import build_difficulty_splits
     from mia.data.splits import Split, write_split
 
@@ -400,9 +404,12 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
     check_paths(out=out, files=[("--embeddings", embeddings)], dirs=[("--testbed", list(testbeds)),
                                                                     ("--olmo", olmo), ("--encoder", encoder)],
                 model_dirs=[("--ref-model", ref_model)], output_dirs=[("--suite-dir", suite_dir)])
+    ckpt_records, identical = {}, []
     if olmo is not None:
         ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)
         check_olmo_request(model_step, ms, ns, global_indices, data_paths)
+        ckpts = {"model": olmo_checkpoint(olmo, model_step), **({"ref_model": Path(ref_model)} if ref_model else {})}
+        ckpt_records, identical = check_checkpoints(ckpts, allow_identical=allow_identical_checkpoints)
     elif ref_model is not None:
         raise ExperimentError("--ref-model goes with --olmo; on the testbed the suite's smallest member is the "
                               "reference model")
@@ -412,7 +419,7 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
     timings = Timings()
     t0 = time.perf_counter()
     (out / "splits").mkdir(parents=True, exist_ok=True)
-    notes: list = [why_preset] if why_preset else []
+    notes: list = ([why_preset] if why_preset else []) + ([identical_note(identical)] if identical else [])
     with timings("pool"):
         if olmo is not None:
             targets, header, drawn, pool_ex, prefix, shots, info = _olmo_setup(
@@ -463,14 +470,17 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
                         "nonmembers": sum(e["label"] == 0 for e in pool_ex), "doc_len": doc_len,
                         "prefix_shots": shots, "prefix_pool": len(prefix)},
                "difficulty": difficulty, "table_auc": t_auc, "table_tpr": t_tpr, "blind": blind_res,
-               "results": results, "skipped": skipped, "notes": notes}
+               "results": results, "allow_identical_checkpoints": bool(allow_identical_checkpoints),
+               "identical_checkpoints": identical, "skipped": skipped, "notes": notes}
     write_json(out / "summary.json", summary)
     write_text(out / "report.md", report_markdown(summary))
     write_manifest(out, module="experiments.em_mia", argv=argv, config={
-        "preset": preset, "settings": dataclasses.asdict(p), "bootstrap": bootstrap, **info["config"]},
+        "preset": preset, "settings": dataclasses.asdict(p), "bootstrap": bootstrap, **info["config"],
+        "allow_identical_checkpoints": bool(allow_identical_checkpoints)},
         seeds={"pool": seed, "kmeans": 42, "medium": [43, 44], "random": [42, 43], "blind_halves": [seed, 0xB1D],
                "bootstrap": seed},
-        hashes={**info["hashes"], "pool_sha256": sha_file(pool_path),
+        hashes={**info["hashes"], **({"checkpoints": ckpt_records} if ckpt_records else {}),
+                "pool_sha256": sha_file(pool_path),
                 **{f"split_{s}_sha256": sha_file(paths[s]) for s in SPLITS}},
         paths={**info["paths"], "splits": str((out / "splits").resolve())},
         outputs=["report.md", "table_auc.*", "table_tpr.*", "values.*", "summary.json", "splits/", "scores/"])
@@ -592,6 +602,7 @@ def build_parser():
     o.add_argument("--eos", type=V.arg_int(0, V.INT32_MAX), default=50279, help="end-of-text token id (50279)")
     o.add_argument("--batch-size", type=V.arg_int(1), default=2160, help="instances per step (2160)")
     o.add_argument("--seq-len", type=V.arg_int(2), default=2048, help="tokens per instance (2048)")
+    add_identical_flag(o)
     d = ap.add_argument_group("difficulty splits (default per preset)")
     d.add_argument("--pool", type=V.arg_int(1), default=None, help="pool texts per class")
     d.add_argument("--size", type=V.arg_int(2), default=None, help="texts per split (half members)")
@@ -614,7 +625,8 @@ def main(argv=None) -> int:
         nonmember_steps=a.nonmember_steps, ref_model=a.ref_model, eos=a.eos, batch_size=a.batch_size,
         seq_len=a.seq_len, pool=a.pool, size=a.size, k=a.k, threshold=a.threshold, doc_len=a.doc_len,
         encoder=a.encoder, embeddings=a.embeddings, blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap,
-        progress=not a.no_progress, argv=argv), debug=a.debug, compile_cache=not a.no_compile_cache)
+        progress=not a.no_progress, allow_identical_checkpoints=a.allow_identical_checkpoints, argv=argv),
+        debug=a.debug, compile_cache=not a.no_compile_cache)
     if status:
         return status
     print(report_markdown(s))

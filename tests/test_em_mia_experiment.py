@@ -230,3 +230,33 @@ def test_olmo_tokens_beyond_the_model_vocabulary(tmp_path, tiny_neox_dir, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --data-paths") and "the vocabulary size" in err[0], err
     assert not (tmp_path / "o" / "splits" / "random.jsonl").exists()
+
+
+def test_olmo_checkpoints_checked_before_the_pool(tmp_path, tiny_neox_dir, capsys):
+    """--olmo and --ref-model are opened and checked before the pool is drawn: identical weights are refused naming
+    both (--allow-identical-checkpoints passes on to the order's own error), a missing tensor is one line."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    gi, paths = _fake_order(tmp_path, n_indices=10, n_tokens=7 * 64)
+    ref = tmp_path / "ref"
+    shutil.copytree(tiny_neox_dir, ref)
+    argv = ["--olmo", str(tiny_neox_dir), "--ref-model", str(ref), "--global-indices", str(gi), "--data-paths",
+            str(paths), "--seq-len", "64", "--batch-size", "2", "--member-steps", "0:1", "--nonmember-steps", "2:4",
+            "--step", "1", "--out", str(tmp_path / "o"), "--no-progress"]
+
+    def error(extra=()):
+        assert exp.main(argv + list(extra)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        return err[0]
+
+    e = error()
+    assert "identical weights" in e and str(tiny_neox_dir) in e and str(ref) in e
+    assert not (tmp_path / "o" / "splits").exists()
+    assert "10 entries but the 1 token files hold 7 instances" in error(["--allow-identical-checkpoints"])
+    tensors = load_file(str(ref / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != "embed_out.weight"}, str(ref / "model.safetensors"))
+    e = error()
+    assert str(ref) in e and "'embed_out.weight' is missing" in e
