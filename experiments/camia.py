@@ -53,7 +53,8 @@ from mia.atomic import save_npz, write_text
 from mia.attacks import camia
 from mia.report import csv_text
 
-from experiments.common import (ExperimentError, Timings, check_model_dir, check_paths, check_suite_steps,
+from experiments.common import (ExperimentError, Timings, add_identical_flag, check_checkpoints, identical_note,
+                                check_model_dir, check_paths, check_suite_steps,
                                 check_token_ids, experiment_parser, open_members, pick_members, run_blind_baselines,
                                 run_main, say_fn, score_split, select_attacks, sha_file, write_json, write_manifest,
                                 write_tables)
@@ -554,8 +555,10 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
         n_nonmembers: Optional[int] = None, draws: Optional[int] = None, memorize_epochs: int = 0,
         mimir=None, model_dir=None, ref_model=None, mlm=None, split: str = "ngram_7_0.2",
         table2_domains=None, max_per_class: Optional[int] = None, blind: bool = True, seed: int = 0,
-        bootstrap: int = 200, progress: bool = True, argv=None) -> dict:
-    """Run the experiment; returns the summary (also written to ``out/summary.json``)."""
+        bootstrap: int = 200, progress: bool = True, allow_identical_checkpoints: bool = False, argv=None) -> dict:
+    """Run the experiment; returns the summary (also written to ``out/summary.json``). With ``--mimir``, ``--model``
+    and ``--ref-model`` are opened and checked (``check_checkpoints``) before any file is read or hashed;
+    ``allow_identical_checkpoints``: run even when the two hold identical weights (recorded)."""
     if preset not in PRESETS:
         raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     p = dataclasses.replace(PRESETS[preset], **{k: v for k, v in (
@@ -579,12 +582,16 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
         check_suite_steps(p.suite, step)
     if mimir is None and (model_dir is not None or ref_model is not None):
         raise ExperimentError("--model/--ref-model go with --mimir; on the testbed the model is a suite member")
+    ckpt_records, identical = {}, []
+    if mimir is not None:
+        ckpts = {"model": Path(model_dir), **({"ref_model": Path(ref_model)} if ref_model is not None else {})}
+        ckpt_records, identical = check_checkpoints(ckpts, allow_identical=allow_identical_checkpoints)
     say = say_fn(progress)
     timings = Timings()
     t0 = time.perf_counter()
     for sub in ("scores", "signals", "splits"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    notes: list = []
+    notes: list = [identical_note(identical)] if identical else []
     if mimir is not None:
         s = _run_mimir(p, out, mimir=mimir, model_dir=model_dir, ref_model=ref_model, mlm=mlm, split=split,
                        domains=domains, table2_domains=table2_domains, max_per_class=max_per_class, blind=blind,
@@ -594,6 +601,10 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
                          memorize_epochs=memorize_epochs, mlm=mlm, blind=blind, seed=seed, bootstrap=bootstrap,
                          progress=progress, timings=timings)
     s["notes"] = notes + s["notes"]
+    if mimir is not None:
+        s.update(allow_identical_checkpoints=bool(allow_identical_checkpoints), identical_checkpoints=identical)
+        s["_config"]["allow_identical_checkpoints"] = bool(allow_identical_checkpoints)
+        s["_hashes"]["checkpoints"] = ckpt_records
     write_json(out / "summary.json", {k: v for k, v in s.items() if not k.startswith("_")})
     write_text(out / "report.md", report_markdown(s))
     write_manifest(out, module="experiments.camia", argv=argv, config=s["_config"], seeds={
@@ -806,6 +817,7 @@ def build_parser():
     r.add_argument("--split", default="ngram_7_0.2", help="MIMIR split of Table 1 (default ngram_7_0.2)")
     r.add_argument("--table2-domains", default=None, help="domains whose other n-gram splits make Table 2 "
                                                           "(default: every Table 1 domain; comma list)")
+    add_identical_flag(r)
     r.add_argument("--max-per-class", type=V.arg_int(1), default=None, help="subsample each MIMIR file to N texts")
     ap.add_argument("--domains", default=None,
                     help="comma list of domains (testbed: top-level names; MIMIR: arxiv, ...)")
@@ -827,7 +839,8 @@ def main(argv=None) -> int:
         domains=_csv(a.domains), n_domains=a.n_domains, n_members=a.n_members, n_nonmembers=a.n_nonmembers,
         draws=a.draws, memorize_epochs=a.memorize_epochs, mimir=a.mimir, model_dir=a.model, ref_model=a.ref_model,
         mlm=a.mlm, split=a.split, table2_domains=_csv(a.table2_domains), max_per_class=a.max_per_class,
-        blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap, progress=not a.no_progress, argv=argv),
+        blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap, progress=not a.no_progress,
+        allow_identical_checkpoints=a.allow_identical_checkpoints, argv=argv),
         debug=a.debug, compile_cache=not a.no_compile_cache)
     if status:
         return status

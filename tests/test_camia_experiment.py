@@ -239,3 +239,25 @@ def test_mimir_bad_input_is_one_line(tmp_path, tiny_neox_dir, capsys):
         assert exp.main(argv + ["--out", str(tmp_path / "o"), "--no-progress"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and want in err[0], err
+
+
+def test_mimir_model_and_ref_checked_first(tmp_path, tiny_neox_dir, capsys):
+    """--model and --ref-model are opened and checked before any MIMIR file is read: identical weights refused
+    naming both; a config the family refuses is one line naming the checkpoint; nothing is written."""
+    import shutil
+
+    root = _fake_mimir(tmp_path / "mimir", {"arxiv_ngram_7_0.2": (2, 2)})
+    ref = tmp_path / "ref"
+    shutil.copytree(tiny_neox_dir, ref)
+    out = tmp_path / "o"
+    argv = ["--mimir", str(root), "--model", str(tiny_neox_dir), "--ref-model", str(ref), "--out", str(out),
+            "--no-progress"]
+    assert exp.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "identical weights" in err[0] and str(tiny_neox_dir) in err[0] and str(ref) in err[0]
+    assert "--allow-identical-checkpoints" in err[0] and not out.exists()
+    cfg = json.loads((ref / "config.json").read_text())
+    (ref / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads=5)))
+    assert exp.main(argv + ["--allow-identical-checkpoints"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(ref / "config.json") in err[0] and not out.exists()
