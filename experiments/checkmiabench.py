@@ -22,6 +22,10 @@ sizes of a suite (like Pythia's) train on the identical data order. Then:
 * ``report.md`` (tables, verdicts and trend sentences computed from the numbers), ``summary.json``,
   ``scores/<model>-step<c>.jsonl``, ``splits/step<c>.jsonl``, ``manifest.json``, ``timings.json``.
 
+Real checkpoints are opened first (config, tensor names, shapes and dtypes; no weights read), before any split is
+drawn; each one's sampled weights digest goes to ``manifest.json``, and two steps with identical weights are refused
+naming both unless ``--allow-identical-checkpoints`` (recorded in the summary and report).
+
 Same seed, same inputs: every table and the report are the same byte for byte (timings are only in timings.json).
 """
 from __future__ import annotations
