@@ -322,3 +322,105 @@ def test_no_cache_never_hashes_the_weights(tiny_neox_dir, tmp_path, monkeypatch,
     monkeypatch.setattr(fh, "sha256_of_file", real)
     monkeypatch.setattr(fh, "file_sha256", real_memoised)
     assert model.fingerprint == fingerprint(tiny_neox_dir)
+
+
+# ----------------------------------------------------------------------------------------------- sampled digest
+def test_sampled_weights_digest_rule(tmp_path):
+    """``mia.models.inspect.weights_digest``: a byte-identical copy gives the same digest; one byte changed in a
+    sampled block (or the header) gives another; a byte outside the sample is, as documented, not seen."""
+    from mia.models.hub import write_safetensors
+    from mia.models.inspect import SAMPLE_BLOCK, SAMPLE_WHOLE, sample_ranges, weights_digest
+
+    a = tmp_path / "a" / "model.safetensors"
+    a.parent.mkdir()
+    write_safetensors({"w": np.arange(3 * 2**20, dtype=np.float32)}, a)  # 12 MiB: sampled, not hashed whole
+    size = a.stat().st_size
+    ranges = sample_ranges(size)
+    assert size > SAMPLE_WHOLE and sum(hi - lo for lo, hi in ranges) == SAMPLE_WHOLE
+    assert ranges[0][0] == 0 and ranges[-1][1] == size and all(r[1] <= s[0] for r, s in zip(ranges, ranges[1:]))
+    b = tmp_path / "b" / "model.safetensors"
+    b.parent.mkdir()
+    shutil.copyfile(a, b)
+    assert weights_digest([a]) == weights_digest([b])
+
+    def flipped(offset: int) -> str:
+        raw = bytearray(a.read_bytes())
+        raw[offset] ^= 1
+        b.write_bytes(bytes(raw))
+        return weights_digest([b])
+
+    lo, _ = ranges[len(ranges) // 2]  # a block in the middle of the weights
+    assert flipped(lo + SAMPLE_BLOCK // 2) != weights_digest([a])
+    assert flipped(size - 3) != weights_digest([a])  # the tail
+    gap = ranges[len(ranges) // 2][1] + 10  # between two sampled blocks
+    assert all(not lo_ <= gap < hi_ for lo_, hi_ in ranges)
+    assert flipped(gap) == weights_digest([a])
+    small = tmp_path / "small.safetensors"  # at most SAMPLE_WHOLE bytes: every byte counts
+    write_safetensors({"w": np.zeros(1000, np.float32)}, small)
+    before = weights_digest([small])
+    raw = bytearray(small.read_bytes())
+    raw[-1000] ^= 1
+    small.write_bytes(bytes(raw))
+    assert weights_digest([small]) != before
+
+
+def test_check_checkpoint_reads_headers_not_weights(tiny_neox_dir, tmp_path, monkeypatch):
+    """``check_checkpoint`` checks the config, tensor names, shapes and dtypes from the headers; without the digest no
+    byte of the data region is read (every read of the weight file counted)."""
+    import builtins
+
+    from safetensors.numpy import load_file, save_file
+
+    from mia.models import CheckpointError, ConfigError, check_checkpoint
+
+    weights, read, real_open = tiny_neox_dir / "model.safetensors", [], builtins.open
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def read(self, n=-1):
+            out = self.f.read(n)
+            read.append(len(out))
+            return out
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def counting_open(path, *args, **kw):
+        f = real_open(path, *args, **kw)
+        return Counting(f) if str(path) == str(weights) else f
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    header_bytes = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    assert check_checkpoint(tiny_neox_dir, digest=False).n_params > 0
+    assert 0 < sum(read) <= header_bytes < weights.stat().st_size
+    monkeypatch.undo()
+    r = check_checkpoint(tiny_neox_dir)
+    assert r.model_type == "gpt_neox" and r.dtypes == ("float32",) and r.files == ("model.safetensors",)
+    assert r.digest and check_checkpoint(tiny_neox_dir, digest=False).digest == ""
+    ckpt = tmp_path / "c"
+    shutil.copytree(tiny_neox_dir, ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    short = tensors["embed_out.weight"][:, :-1]
+    save_file(dict(tensors, **{"embed_out.weight": short}), str(ckpt / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="'embed_out.weight' has shape"):
+        check_checkpoint(ckpt)
+    save_file(dict(tensors, extra=np.zeros(2, np.float32)), str(ckpt / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="unexpected tensor"):
+        check_checkpoint(ckpt)
+    save_file(dict(tensors, **{"embed_out.weight": tensors["embed_out.weight"].astype(np.int32)}),
+              str(ckpt / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="int32 unsupported"):
+        check_checkpoint(ckpt)
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(dict(cfg, hidden_size=30)))
+    with pytest.raises((CheckpointError, ConfigError), match="config.json"):
+        check_checkpoint(ckpt)
