@@ -352,6 +352,7 @@ def test_sampled_weights_digest_rule(tmp_path):
     lo, _ = ranges[len(ranges) // 2]  # a block in the middle of the weights
     assert flipped(lo + SAMPLE_BLOCK // 2) != weights_digest([a])
     assert flipped(size - 3) != weights_digest([a])  # the tail
+    assert flipped(10) != weights_digest([a])  # the header
     gap = ranges[len(ranges) // 2][1] + 10  # between two sampled blocks
     assert all(not lo_ <= gap < hi_ for lo_, hi_ in ranges)
     assert flipped(gap) == weights_digest([a])
