@@ -761,6 +761,49 @@ def test_config_accepted_values(tiny_neox_dir, tmp_path):
     assert cfg.rotary_pct == 1.0
 
 
+def _damaged_weights(tmp: Path, model: Path, name: str, value: float) -> Path:
+    """{tmp}/m: the tiny model with element [1, 2] of tensor ``name`` set to ``value`` (rewritten safetensors)."""
+    from mia.models.hub import read_safetensors, write_safetensors
+
+    tensors = {k: np.array(v) for k, v in read_safetensors(model / "model.safetensors").items()}
+    tensors[name][1, 2] = value
+    m = _model_copy(tmp, model)
+    write_safetensors(tensors, m / "model.safetensors")
+    return m
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_weight_is_named(value, tiny_neox_dir, tmp_path, capsys):
+    """A NaN or inf in one weight: ``mia.load`` refuses the checkpoint naming the tensor (its checkpoint name) and
+    the file, and ``mia score`` stops with that one line instead of writing non-finite scores."""
+    import mia
+    from mia.cli import main
+    from mia.models.hub import CheckpointError
+
+    name = "gpt_neox.layers.0.attention.dense.weight"
+    m = _damaged_weights(tmp_path, tiny_neox_dir, name, value)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{name}' holds 1 non-finite") as e:
+        mia.load(m)
+    assert "\n" not in str(e.value)
+    (tmp_path / "d.jsonl").write_text(GOOD)
+    code, lines, _ = run_main(main, ["score", "--model", m, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl", "--no-progress", "--no-cache"], capsys)
+    assert_one_error(code, lines, name, str(m / "model.safetensors"), "non-finite")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_weight_overflowing_the_param_dtype_is_named(tiny_neox_dir, tmp_path):
+    """A finite float32 weight beyond float16's range (1e6) loads in float32 but not with ``param_dtype="float16"``,
+    where it would become inf: refused naming the parameter and the dtype."""
+    import mia
+    from mia.models.hub import CheckpointError
+
+    m = _damaged_weights(tmp_path, tiny_neox_dir, "embed_out.weight", 1e6)
+    mia.load(m, tokenizer=False)
+    with pytest.raises(CheckpointError, match=r"parameter .*embed_out.* non-finite once converted to float16"):
+        mia.load(m, tokenizer=False, param_dtype="float16")
+
+
 def test_validated_safetensors_round_trip(tmp_path):
     from mia.models.hub import read_safetensors, write_safetensors
 
