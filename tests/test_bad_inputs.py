@@ -125,6 +125,13 @@ SCORE_CASES = [
     score_case("id-surrogate", '{"id": "\\udc80", "text": "a b c"}\n', ("d.jsonl:1", "'id'", "surrogate")),
     score_case("id-duplicate", _jsonl({"id": 1, "text": "a b"}, {"id": "1", "text": "c d"}),
                ("d.jsonl:2", "duplicate id")),
+    score_case("label-conflict-text", _jsonl({"id": "a", "text": "x = 1", "label": 1},
+                                             {"id": 7, "text": "y = 2", "label": 0},
+                                             {"id": "b", "text": "x = 1", "label": 0}),
+               ("d.jsonl:3", "'b'", "d.jsonl:1", "'a'", "same text", "both a member and a non-member")),
+    score_case("label-conflict-tokens", _jsonl({"id": 1, "tokens": [5, 9, 11], "label": 0},
+                                               {"id": 2, "tokens": [5, 9, 11], "label": 1}),
+               ("d.jsonl:2", "d.jsonl:1", "same token ids")),
     score_case("label-2", _jsonl({"id": 1, "text": "a b", "label": 2}), ("d.jsonl:1", "'label'")),
     score_case("label-bool", _jsonl({"id": 1, "text": "a b", "label": True}), ("d.jsonl:1", "'label'")),
     score_case("label-string", _jsonl({"id": 1, "text": "a b", "label": "1"}), ("d.jsonl:1", "'label'")),
@@ -686,6 +693,28 @@ def test_accepted_data_scores_right(tiny_neox_dir, tmp_path, capsys):
     assert got[0]["n_tokens"] == 3 and got[0]["truncated"]
     ref = _torch_mean_nll(tiny_neox_dir, np.array([5, 9, 11]))
     assert got[0]["scores"]["loss"] == pytest.approx(-ref, abs=1e-4)
+
+
+def test_member_and_nonmember_of_one_input(tiny_neox_dir, tmp_path, capsys):
+    """A text labelled 1 and its token ids labelled 0: refused naming both lines. Texts that are only identical
+    once truncated to --max-length are scored with a note; the same input twice with the same label is not a
+    label conflict."""
+    from mia.cli import main
+    from mia.models.hub import load_tokenizer
+
+    text = "def f(x):\n    return x + 1\n"
+    ids = [int(i) for i in load_tokenizer(tiny_neox_dir)(text)["input_ids"]]
+    data, out = tmp_path / "d.jsonl", tmp_path / "o.jsonl"
+    argv = ["score", "--model", tiny_neox_dir, "--data", data, "--out", out, "--no-progress", "--no-cache"]
+    data.write_text(_jsonl({"id": "t", "text": text, "label": 1}, {"id": "k", "tokens": ids, "label": 0}))
+    code, lines, _ = run_main(main, argv, capsys)
+    assert_one_error(code, lines, "d.jsonl:2", "'k'", "d.jsonl:1", "'t'", "same token ids")
+    data.write_text(_jsonl({"id": 1, "text": text + "a = 1", "label": 1}, {"id": 2, "text": text + "b = 2", "label": 0},
+                           {"id": 3, "text": text, "label": 1}, {"id": 4, "text": "import os", "label": 0},
+                           {"id": 5, "text": "import os", "label": 0}))
+    code, lines, _ = run_main(main, argv + ["--max-length", "4"], capsys)
+    assert code == 0, lines
+    assert any(l.startswith("note:") and "identical to it once truncated" in l and "d.jsonl:2" in l for l in lines)
 
 
 def test_long_line_is_cut_before_tokenizing(tiny_neox_dir, tmp_path, capsys):
