@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from ..atomic import atomic_write, write_text
-from ..engine.sharding import make_mesh, param_shardings, put_params
+from ..engine.sharding import make_mesh, param_shardings, put_params, replicated
 from .. import file_hash  # called through the module so that tests can stand in for the hash
 from ..validate import check_config, check_hf_config, safetensors_header
 from . import hf_cache
@@ -346,23 +346,25 @@ def nonfinite_tensor(tensors: dict[str, np.ndarray]) -> Optional[tuple[str, int,
     return None
 
 
-def _finite_flags(params) -> np.ndarray:
+def _finite_flags(params, mesh=None) -> np.ndarray:
     """bool [n_leaves]: whether each floating leaf of ``params`` is finite throughout (one ``isfinite().all()``
-    reduction per leaf, on the devices holding it, fetched together); non-floating leaves count as finite."""
+    reduction per leaf, on the devices holding it, fetched together, replicated over ``mesh`` when given so that
+    every process can read it); non-floating leaves count as finite."""
     leaves = jax.tree_util.tree_leaves(params)
-    flags = jax.jit(lambda ls: jnp.stack([jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact)
-                                          else jnp.bool_(True) for x in ls]))(leaves)
+    reduce = lambda ls: jnp.stack([jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+                                   else jnp.bool_(True) for x in ls])
+    flags = jax.jit(reduce, out_shardings=None if mesh is None else replicated(mesh))(leaves)
     return np.asarray(jax.device_get(flags))
 
 
 def check_finite(params, tensors: dict[str, np.ndarray], origin: dict[str, Path], source: str,
-                 param_dtype=None) -> None:
+                 param_dtype=None, mesh=None) -> None:
     """Refuse a checkpoint whose weights hold a NaN or an inf: one ``CheckpointError`` line naming the tensor (its
     checkpoint name) and its file (``origin``: tensor name -> file; ``source`` when unknown). The check runs on the
     placed ``params`` (one reduction per leaf, so it also catches a value that overflows ``param_dtype``, e.g. a
     float32 weight beyond 65504 loaded in float16); only when a leaf fails are the host ``tensors`` searched for the
     culprit."""
-    flags = _finite_flags(params)
+    flags = _finite_flags(params, mesh)
     if flags.all():
         return
     found = nonfinite_tensor(tensors)
@@ -557,7 +559,7 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
     placed_on = make_mesh() if mesh is None else mesh
     params = put_params(views, param_shardings(shapes, placed_on, fsdp=fsdp), dtype=param_dtype)
-    check_finite(params, by_name, origin, str(root), param_dtype)
+    check_finite(params, by_name, origin, str(root), param_dtype, placed_on)
     tok = load_tokenizer(root, layout.tokenizer_class if layout else None) if tokenizer else None
     return Model(module, params, tok, cfg, fam.model_type, str(root), functools.partial(fingerprint, root), placed_on,
                  fsdp)
