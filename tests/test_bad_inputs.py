@@ -832,7 +832,7 @@ def test_weight_overflowing_the_param_dtype_is_named(tiny_neox_dir, tmp_path):
     m = _damaged_weights(tmp_path, tiny_neox_dir, "embed_out.weight", 1e6)
     mia.load(m, tokenizer=False)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # the overflow is reported once, as the error, not also as a numpy warning
+        warnings.simplefilter("error", RuntimeWarning)  # the overflow is one error, not also a numpy warning
         with pytest.raises(CheckpointError, match=r"parameter .*embed_out.* non-finite once converted to float16"):
             mia.load(m, tokenizer=False, param_dtype="float16")
 
