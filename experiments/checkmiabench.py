@@ -47,8 +47,9 @@ from mia.validate import arg_int_list
 from experiments import curves
 from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
-                                draw_olmo_split, draw_pythia_split, draw_testbed_split, drop_learned_duplicates,
-                                experiment_parser, add_identical_flag, check_checkpoints, identical_note,
+                                draw_olmo_split, draw_pythia_split, draw_testbed_split, drop_label_conflicts,
+                                drop_learned_duplicates, experiment_parser, add_identical_flag, check_checkpoints,
+                                identical_note,
                                 olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,
                                 score_split, select_attacks, select_pythia, sha_file, size_name, write_json,
                                 write_manifest, write_tables)
@@ -430,6 +431,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
             header, examples, note = setup.draw(c)
             drawn_parts = header["partitions"]
             header, examples, dropped = drop_learned_duplicates(header, examples)
+            header, examples, conflicts = drop_label_conflicts(header, examples)
             split_path = write_split(out / "splits" / f"step{c}.jsonl", header, examples)
         if note:
             notes.append(note)
@@ -437,10 +439,14 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
             shown = ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else "")
             notes.append(f"step{c} split: {len(dropped)} evaluated row(s) with the same tokens as a learned-from row "
                          f"dropped, the learned-from copy kept ({shown})")
+        if conflicts:
+            shown = ", ".join(conflicts[:5]) + (" ..." if len(conflicts) > 5 else "")
+            notes.append(f"step{c} split: {len(conflicts)} evaluated non-member row(s) with the same tokens as an "
+                         f"evaluated member dropped, the member kept ({shown})")
         prm = header["params"]
         split_info[c] = {"member_steps": prm.get("member_steps"), "nonmember_steps": prm.get("nonmember_steps"),
                          "partitions": header["partitions"], "seed": seed, "file": f"splits/step{c}.jsonl",
-                         "duplicates_dropped": len(dropped)}
+                         "duplicates_dropped": len(dropped), "label_conflicts_dropped": len(conflicts)}
         say(f"step{c}: split {header['counts']['members']} members, {header['counts']['nonmembers']} non-members")
         # the paper's numbers stand beside ours only where the setting is the paper's (else a note says what differs)
         parts = {k: (v["members"], v["nonmembers"]) for k, v in drawn_parts.items()}

@@ -504,20 +504,43 @@ def drop_learned_duplicates(header: dict, examples: list, scored: Sequence[str] 
     re-draws the file from its seed. Nothing dropped: the inputs unchanged."""
     from mia.api import LEARNED_PARTITIONS
     from mia.attacks.context import disjointness_keys
-    from mia.data.splits import DROPPED_ROWS
 
     learned = {k for e in examples if e.get("partition") in LEARNED_PARTITIONS for k in disjointness_keys(e)}
     gone = [e for e in examples if e.get("partition", "eval") in scored
             and any(k in learned for k in disjointness_keys(e))]
+    return _drop_rows(header, examples, gone)
+
+
+def _drop_rows(header: dict, examples: list, gone: list) -> tuple:
+    """(header, kept examples, dropped ids): ``gone`` left out, the header's counts and partitions the kept rows',
+    the dropped positions appended to ``params.dropped_rows`` (``mia.data.splits.DROPPED_ROWS``)."""
+    from mia.data.splits import DROPPED_ROWS
+
     if not gone:
         return header, examples, []
     ids = {id(e) for e in gone}
     kept = [e for e in examples if id(e) not in ids]
     header = {**header, **partition_counts(kept), "params": dict(header.get("params") or {})}
-    header["params"][DROPPED_ROWS] = [{"label": e["label"], "index": e["index"],
-                                       **({"segment": e["segment"]} if e.get("segment") is not None else {})}
-                                      for e in gone if e.get("index") is not None]
+    header["params"][DROPPED_ROWS] = list(header["params"].get(DROPPED_ROWS) or []) + [
+        {"label": e["label"], "index": e["index"],
+         **({"segment": e["segment"]} if e.get("segment") is not None else {})}
+        for e in gone if e.get("index") is not None]
     return header, kept, [str(e["id"]) for e in gone]
+
+
+def drop_label_conflicts(header: dict, examples: list, scored: Sequence[str] = ("eval",)) -> tuple:
+    """(header, examples, dropped ids): every scored non-member row with the same token ids or text as a scored
+    member row left out, the member kept (``mia.score`` refuses one input labelled both; a real order's exact
+    duplicate rows can put one copy before the checkpoint and one after, and the model has seen it). Recorded in
+    ``params.dropped_rows`` as ``drop_learned_duplicates`` does, so ``mia split check`` still re-draws the file."""
+    from mia.attacks.context import disjointness_keys
+
+    content = lambda e: [k for k in disjointness_keys(e) if k[0] != "id"]  # noqa: E731
+    members = {k for e in examples if e.get("partition", "eval") in scored and e.get("label") == 1
+               for k in content(e)}
+    gone = [e for e in examples if e.get("partition", "eval") in scored and e.get("label") == 0
+            and any(k in members for k in content(e))]
+    return _drop_rows(header, examples, gone)
 
 
 def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Optional[int] = None, *,

@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from .attacks.context import AttackContext, assert_disjoint
 from .attacks.registry import AttackError, AttackInputs, check_attack_inputs, check_params, get, parse_attacks
-from .data.examples import DataError, Example, examples_from_records, read_examples, tokenize_examples
+from .data.examples import (DataError, Example, check_label_conflicts, examples_from_records, read_examples,
+                            tokenize_examples)
 from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
@@ -153,11 +154,13 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
         for e in whole:
             e.doc_id = e.id if e.doc_id is None else e.doc_id
         tokenize_examples(whole, model.tokenizer, None, skip_invalid, model.vocab_size, notes=notes)
+        check_label_conflicts(whole, notes)
         rest = [e for e in examples if e.partition not in scored]
         tokenize_examples(rest, model.tokenizer, max_length, skip_invalid, model.vocab_size, notes=notes)
         examples = chunk_examples(examples, seq_tokens, scored)
     else:
         tokenize_examples(examples, model.tokenizer, max_length, skip_invalid, model.vocab_size, notes=notes)
+        check_label_conflicts([e for e in examples if e.partition in scored], notes)
     rows = [e for e in examples if e.partition in scored]
     evaluated = [e for e in rows if e.invalid is None]
     if not evaluated:

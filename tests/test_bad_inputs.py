@@ -125,6 +125,13 @@ SCORE_CASES = [
     score_case("id-surrogate", '{"id": "\\udc80", "text": "a b c"}\n', ("d.jsonl:1", "'id'", "surrogate")),
     score_case("id-duplicate", _jsonl({"id": 1, "text": "a b"}, {"id": "1", "text": "c d"}),
                ("d.jsonl:2", "duplicate id")),
+    score_case("label-conflict-text", _jsonl({"id": "a", "text": "x = 1", "label": 1},
+                                             {"id": 7, "text": "y = 2", "label": 0},
+                                             {"id": "b", "text": "x = 1", "label": 0}),
+               ("d.jsonl:3", "'b'", "d.jsonl:1", "'a'", "same text", "both a member and a non-member")),
+    score_case("label-conflict-tokens", _jsonl({"id": 1, "tokens": [5, 9, 11], "label": 0},
+                                               {"id": 2, "tokens": [5, 9, 11], "label": 1}),
+               ("d.jsonl:2", "d.jsonl:1", "same token ids")),
     score_case("label-2", _jsonl({"id": 1, "text": "a b", "label": 2}), ("d.jsonl:1", "'label'")),
     score_case("label-bool", _jsonl({"id": 1, "text": "a b", "label": True}), ("d.jsonl:1", "'label'")),
     score_case("label-string", _jsonl({"id": 1, "text": "a b", "label": "1"}), ("d.jsonl:1", "'label'")),
@@ -688,6 +695,28 @@ def test_accepted_data_scores_right(tiny_neox_dir, tmp_path, capsys):
     assert got[0]["scores"]["loss"] == pytest.approx(-ref, abs=1e-4)
 
 
+def test_member_and_nonmember_of_one_input(tiny_neox_dir, tmp_path, capsys):
+    """A text labelled 1 and its token ids labelled 0: refused naming both lines. Texts that are only identical
+    once truncated to --max-length are scored with a note; the same input twice with the same label is not a
+    label conflict."""
+    from mia.cli import main
+    from mia.models.hub import load_tokenizer
+
+    text = "def f(x):\n    return x + 1\n"
+    ids = [int(i) for i in load_tokenizer(tiny_neox_dir)(text)["input_ids"]]
+    data, out = tmp_path / "d.jsonl", tmp_path / "o.jsonl"
+    argv = ["score", "--model", tiny_neox_dir, "--data", data, "--out", out, "--no-progress", "--no-cache"]
+    data.write_text(_jsonl({"id": "t", "text": text, "label": 1}, {"id": "k", "tokens": ids, "label": 0}))
+    code, lines, _ = run_main(main, argv, capsys)
+    assert_one_error(code, lines, "d.jsonl:2", "'k'", "d.jsonl:1", "'t'", "same token ids")
+    data.write_text(_jsonl({"id": 1, "text": text + "a = 1", "label": 1}, {"id": 2, "text": text + "b = 2", "label": 0},
+                           {"id": 3, "text": text, "label": 1}, {"id": 4, "text": "import os", "label": 0},
+                           {"id": 5, "text": "import os", "label": 0}))
+    code, lines, _ = run_main(main, argv + ["--max-length", "4"], capsys)
+    assert code == 0, lines
+    assert any(l.startswith("note:") and "identical to it once truncated" in l and "d.jsonl:2" in l for l in lines)
+
+
 def test_long_line_is_cut_before_tokenizing(tiny_neox_dir, tmp_path, capsys):
     """A very long line is cut to max_length * 16 characters before tokenizing; the ids kept equal those of the
     whole text, and a note says so."""
@@ -759,6 +788,53 @@ def test_config_accepted_values(tiny_neox_dir, tmp_path):
                                                           rope_parameters=None, partial_rotary_factor=None))
     _, cfg, _ = load_config(m)
     assert cfg.rotary_pct == 1.0
+
+
+def _damaged_weights(tmp: Path, model: Path, name: str, value: float) -> Path:
+    """{tmp}/m: the tiny model with element [1, 2] of tensor ``name`` set to ``value`` (rewritten safetensors)."""
+    from mia.models.hub import read_safetensors, write_safetensors
+
+    tensors = {k: np.array(v) for k, v in read_safetensors(model / "model.safetensors").items()}
+    tensors[name][1, 2] = value
+    m = _model_copy(tmp, model)
+    write_safetensors(tensors, m / "model.safetensors")
+    return m
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_weight_is_named(value, tiny_neox_dir, tmp_path, capsys):
+    """A NaN or inf in one weight: ``mia.load`` refuses the checkpoint naming the tensor (its checkpoint name) and
+    the file, and ``mia score`` stops with that one line instead of writing non-finite scores."""
+    import mia
+    from mia.cli import main
+    from mia.models.hub import CheckpointError
+
+    name = "gpt_neox.layers.0.attention.dense.weight"
+    m = _damaged_weights(tmp_path, tiny_neox_dir, name, value)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{name}' holds 1 non-finite") as e:
+        mia.load(m)
+    assert "\n" not in str(e.value)
+    (tmp_path / "d.jsonl").write_text(GOOD)
+    code, lines, _ = run_main(main, ["score", "--model", m, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl", "--no-progress", "--no-cache"], capsys)
+    assert_one_error(code, lines, name, str(m / "model.safetensors"), "non-finite")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_weight_overflowing_the_param_dtype_is_named(tiny_neox_dir, tmp_path):
+    """A finite float32 weight beyond float16's range (1e6) loads in float32 but not with ``param_dtype="float16"``,
+    where it would become inf: refused naming the parameter and the dtype."""
+    import warnings
+
+    import mia
+    from mia.models.hub import CheckpointError
+
+    m = _damaged_weights(tmp_path, tiny_neox_dir, "embed_out.weight", 1e6)
+    mia.load(m, tokenizer=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the overflow is one error, not also a numpy warning
+        with pytest.raises(CheckpointError, match=r"parameter .*embed_out.* non-finite once converted to float16"):
+            mia.load(m, tokenizer=False, param_dtype="float16")
 
 
 def test_validated_safetensors_round_trip(tmp_path):

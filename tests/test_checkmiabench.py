@@ -328,6 +328,40 @@ def test_pythia_duplicate_of_a_learned_row_is_dropped_not_fatal(tiny_neox_dir, t
     assert check_split(path) == []  # the dropped row is in the header, so the re-draw from the seed still agrees
 
 
+def test_pythia_member_copy_among_nonmembers_is_dropped_not_fatal(tiny_neox_dir, tmp_path):
+    """An evaluated non-member row equal to an evaluated member row (a real order's duplicate on both sides of the
+    checkpoint): ``mia.score`` refuses one input labelled both, so the draw leaves the non-member copy out (the
+    member kept), notes it, and the split still checks clean."""
+    import transformers
+
+    from experiments.common import draw_pythia_split
+    from mia.data.splits import read_split
+    from mia.data.verify import check_split
+
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
+    models, shards, idx, _ = pythia_layout(tmp_path / "clean", tiny_neox_dir, vocab)
+    sizes = cmb.PRESETS["default"].sizes.replace(eval=20, train=20, prefix=0)
+    _, drawn, _ = draw_pythia_split(shards, idx, LAYOUT_STEP, sizes, 0, end_step=LAYOUT_END, batch_size=LAYOUT_B)
+    member = next(e for e in drawn if e["partition"] == "eval" and e["label"] == 1)
+    nonmember = next(e for e in drawn if e["partition"] == "eval" and e["label"] == 0)
+    models, shards, idx, _ = pythia_layout(tmp_path / "dup", tiny_neox_dir, vocab,
+                                           copies=[(nonmember["index"], member["index"])])
+    out = tmp_path / "out"
+    argv = ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP),
+            "--batch-size", str(LAYOUT_B), "--end-step", str(LAYOUT_END), "--n-members", "20", "--n-train", "20",
+            "--n-prefix", "0", "--attacks", "loss", "--no-blind", "--bootstrap", "20", "--no-progress",
+            "--out", str(out)]
+    assert cmb.main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["splits"][str(LAYOUT_STEP)]["label_conflicts_dropped"] == 1
+    assert any("1 evaluated non-member row(s) with the same tokens as an evaluated member dropped" in n
+               and nonmember["id"] in n for n in s["notes"])
+    path = out / "splits" / f"step{LAYOUT_STEP}.jsonl"
+    ids = [e["id"] for e in read_split(path).examples]
+    assert nonmember["id"] not in ids and member["id"] in ids
+    assert check_split(path) == []
+
+
 def test_count_params_skips_buffers_of_old_pythia_checkpoints(tiny_neox_dir, tiny_neox_torch, tmp_path):
     """Old Pythia checkpoints carry the causal masks and rotary inv_freq as tensors: they are not parameters."""
     from safetensors.numpy import load_file, save_file

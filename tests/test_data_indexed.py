@@ -119,13 +119,42 @@ def test_shards_read_as_one_concatenation(tmp_path):
     with pytest.raises(IndexedDataError, match="pass the single .idx"):
         IndexedDataset(bins)
     # numbered shards in the wrong order would read other bytes as well-formed rows: refused, naming the shard
-    with pytest.raises(IndexedDataError, match=r"doc-00003\.bin: shard given after doc-00004\.bin .* numbered order"):
+    with pytest.raises(IndexedDataError, match=r"doc-00003\.bin: shard given after \S*doc-00004\.bin .* numbered"):
         IndexedDataset(list(reversed(bins)), idx_path=idx)
     # shards named without a common numbered pattern are read in the order given
     renamed = [os.path.join(tmp_path, n) for n in ("e.bin", "d.bin", "c.bin", "b.bin", "a.bin")]
     for b, r in zip(bins, renamed):
         os.rename(b, r)
     np.testing.assert_array_equal(IndexedDataset(renamed, idx_path=idx)[9], rows[9])
+
+
+def test_shards_out_of_order_by_number_gap_or_size(tmp_path, capsys):
+    """Shards given out of order are refused in one line naming both files: numbered names with a gap (a shard
+    missing or moved), and renamed equal parts of a cut file whose short last part is not last (the .idx geometry:
+    every part but the last is the same size). The same from ``mia split pythia``."""
+    from mia.cli import main
+
+    rows = grid(12, 7)  # 168 bytes, cut into 50 + 50 + 50 + 18 as `split -b 50` does
+    bins, idx = raw_write(tmp_path, rows, cuts=(50, 100, 150))
+    ds = IndexedDataset(bins, idx_path=idx)
+    np.testing.assert_array_equal(ds.get_rows(range(12)), rows)
+    with pytest.raises(IndexedDataError, match=rf"{bins[2]}: shard given after {bins[0]}, but their numbers are not "
+                                               r"consecutive \(shard\(s\) 1\.\.1 missing\)"):
+        IndexedDataset([bins[0], bins[2], bins[1], bins[3]], idx_path=idx)
+    renamed = [str(tmp_path / n) for n in ("w.bin", "x.bin", "y.bin", "z.bin")]
+    for b, r in zip(bins, renamed):
+        os.rename(b, r)
+    np.testing.assert_array_equal(IndexedDataset(renamed, idx_path=idx)[11], rows[11])  # in order: read
+    swapped = [renamed[0], renamed[3], renamed[1], renamed[2]]
+    with pytest.raises(IndexedDataError, match=rf"{renamed[3]}: shard of 18 bytes given before {renamed[1]}, but every "
+                                               "other shard is 50 bytes"):
+        IndexedDataset(swapped, idx_path=idx)
+    capsys.readouterr()
+    assert main(["split", "pythia", "--data", *swapped, "--idx", idx, "--step", "1", "--batch-size", "2",
+                 "--n-members", "1", "--n-nonmembers", "1", "--out", str(tmp_path / "s.jsonl")]) == 2
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and renamed[3] in lines[0] and renamed[1] in lines[0]
+    assert not (tmp_path / "s.jsonl").exists()
 
 
 def test_int64_offsets_past_4gib(tmp_path):

@@ -229,7 +229,7 @@ def test_shards_in_the_wrong_order(tmp_path, capsys):
     argv = ["split", "pythia", "--data", bins[1], bins[0], "--idx", idx, "--step", "5", "--end-step", "10",
             "--batch-size", str(B), "--n-members", "6", "--n-nonmembers", "6", "--out", str(tmp_path / "x.jsonl")]
     code, _, err = cli(argv, capsys)
-    assert (code, err) == (2, f"error: {bins[0]}: shard given after document-00001-of-00001.bin but numbered before "
+    assert (code, err) == (2, f"error: {bins[0]}: shard given after {bins[1]} but numbered before "
                               "or equal to it: shards are read as one byte stream in the order given, so they must "
                               "be in numbered order\n")
     # a split drawn before this check with the shards swapped: check names it

@@ -68,12 +68,16 @@ def test_open_suite_verifies_members(smoke_suite, tmp_path):
     assert s.names == smoke_suite.names and s.sizes == smoke_suite.sizes
     with pytest.raises(TestbedError, match=r"suite smoke has no member 'big'; members: "):
         s.member("big")
-    # a member whose recorded order differs is refused, by name
+    # a member whose order differs (its file and its record agree, but not with the others) is refused, by name
     copy = tmp_path / "suite"
     shutil.copytree(smoke_suite.root, copy, ignore=shutil.ignore_patterns("checkpoints", "resume"))
     big = copy / s.names[-1] / "testbed.json"
+    order = copy / s.names[-1] / "data" / "order.bin"
+    data = bytearray(order.read_bytes())
+    data[0] ^= 1
+    order.write_bytes(bytes(data))
     m = json.loads(big.read_text())
-    m["data"]["bin"]["sha256"] = "0" * 64
+    m["data"]["bin"]["sha256"] = _sha(order)
     big.write_text(json.dumps(m))
     for tb_dir in copy.iterdir():  # the checkpoints are not needed to open, only to be complete
         if tb_dir.is_dir():
@@ -84,6 +88,12 @@ def test_open_suite_verifies_members(smoke_suite, tmp_path):
         open_suite(copy)
     with pytest.raises(TestbedError, match="not a testbed suite"):
         open_suite(tmp_path)
+    # a member's order file damaged behind its manifest (the record unchanged): refused naming the file
+    m["data"]["bin"]["sha256"] = smoke_suite.members[-1].manifest["data"]["bin"]["sha256"]
+    big.write_text(json.dumps(m))
+    with pytest.raises(TestbedError, match=rf"{order}: damaged: sha256 {_sha(order)[:12]}, testbed.json records "
+                                           rf"{m['data']['bin']['sha256'][:12]}"):
+        open_suite(copy)
 
 
 def test_suite_configs_and_cli_errors(tmp_path, capsys):

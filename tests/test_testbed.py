@@ -146,6 +146,40 @@ def test_reuse_does_not_retrain(smoke_testbed):
         build_testbed("smoke", smoke_testbed.root, progress=False, train_steps=70)
 
 
+@pytest.mark.parametrize("damage", ["order-bit-flipped", "tokenizer-emptied"])
+def test_damaged_data_files_are_refused(damage, smoke_testbed, tmp_path, capsys):
+    """One bit flipped in data/order.bin (same size), or tokenizer.json emptied: opening the testbed, building over
+    it again and the CLI refuse it in one line naming the file with the recorded and actual sha256 prefixes,
+    instead of reporting it done (nothing is retrained)."""
+    import shutil
+
+    from mia.testbed import TestbedError, build_testbed, open_testbed
+    from mia.testbed.__main__ import main
+
+    copy = Path(shutil.copytree(smoke_testbed.root, tmp_path / "tb", ignore=shutil.ignore_patterns("*-mem*")))
+    open_testbed(copy)  # the intact copy opens
+    rel = "data/order.bin" if damage == "order-bit-flipped" else "tokenizer.json"
+    m = json.loads((copy / "testbed.json").read_text())
+    want = (m["data"]["bin"] if rel == "data/order.bin" else m["tokenizer"])["sha256"][:12]
+    if damage == "order-bit-flipped":
+        data = bytearray((copy / rel).read_bytes())
+        data[len(data) // 2] ^= 1
+        (copy / rel).write_bytes(bytes(data))
+    else:
+        (copy / rel).write_text("")
+    pattern = rf"{copy / rel}: damaged: sha256 [0-9a-f]{{12}}, testbed.json records {want}; .*delete it"
+    with pytest.raises(TestbedError, match=pattern):
+        open_testbed(copy)
+    log = (copy / "train_log.jsonl").stat().st_mtime_ns
+    with pytest.raises(TestbedError, match=pattern):
+        build_testbed("smoke", copy, progress=False)
+    capsys.readouterr()
+    assert main(["--preset", "smoke", "--out", str(copy), "--no-progress"]) == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and err[0].startswith("error:") and str(copy / rel) in err[0] and "damaged" in err[0], err
+    assert (copy / "train_log.jsonl").stat().st_mtime_ns == log  # nothing retrained
+
+
 def test_resume_equals_uninterrupted(tmp_path):
     from mia.models.hub import read_safetensors
     from mia.testbed import build_testbed

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..models.bert import BertLayer, Encoder, load_encoder
 from ..models.common import LayerNorm, activation
-from ..models.hub import CheckpointError, fingerprint, read_safetensors, resolve_lazy
+from ..models.hub import CheckpointError, fingerprint, nonfinite_tensor, read_safetensors, resolve_lazy
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -80,6 +80,11 @@ def load_mlm(path) -> MaskedLM:
         "bias": f32(bias),
     }
     dec = t.get(pre + "decoder.weight")
+    head_tensors = {k: v for k, v in t.items() if k.startswith(pre)}
+    damaged = nonfinite_tensor(head_tensors)
+    if damaged is not None:
+        raise CheckpointError(f"{weights / 'model.safetensors'}: tensor {damaged[0]!r} holds {damaged[1]} non-finite "
+                              "value(s) (NaN or inf); the weights are damaged")
     word = np.asarray(enc.params["word_embeddings"]["embedding"])
     if dec is not None and not np.array_equal(np.asarray(dec, np.float32), word):
         head["decoder"] = f32(dec)

