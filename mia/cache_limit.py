@@ -1,0 +1,315 @@
+"""A size limit on the mia cache directory, with least-recently-used eviction of whole entries.
+
+The cache root (``$MIA_CACHE_DIR`` or ``~/.cache/mia``; ``mia.file_hash.default_cache_dir``) holds, one level down:
+
+  ``<namespace>/part-<name>.{f32,json}``   score parts (``mia.engine.cache.StatsCache``; the pair is one entry)
+  ``condll-<namespace>/part-<name>.npz``   conditional log-likelihood parts (``mia.engine.conditional.PairCache``)
+  ``neighbors-<tag>/<hash>.json``          neighbour texts (the ``neighbor`` attack)
+  ``file-sha256/<hash>.json``              file-hash memos (``mia.file_hash``)
+  ``xla/<key>-cache`` (+ ``-atime``)       compiled programs (JAX's persistent compilation cache)
+
+An entry's recency is the newest mtime of its files: writers create them, readers touch them (``touch``) when an
+entry is served, and JAX records its own reads in ``-atime`` files. The limit (``max_bytes``: ``set_max_gb``, else
+``$MIA_CACHE_MAX_GB``, else ``DEFAULT_MAX_GB``; GB = 10^9 bytes) is kept by ``evict``: whole entries are deleted
+oldest first until the total is under it, then namespace directories left empty are removed.
+
+Safety with several processes: eviction holds an exclusive ``fcntl.flock`` on ``<root>/.evict.lock`` (two evictors
+do not fight); temporary files of ``mia.atomic`` (``.<name>.*.tmp``) are never counted or deleted; a score part
+whose index is not written yet is left alone for ``INCOMPLETE_GRACE_S``; files vanishing during a scan are skipped.
+A reader that finds its entry gone recomputes it (the score cache checks every block's CRC, so nothing partial is
+served). Writers call ``note_write`` after each write: it runs ``evict`` when this process's estimate of the total
+passes the limit, and once more when the writer closes (``flush``) or the process exits, so a run ends under it.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from .atomic import write_json
+from .validate import InputError
+
+ENV_MAX_GB = "MIA_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 5.0
+GB = 10 ** 9
+LOCK_NAME = ".evict.lock"
+LABEL_NAME = "namespace.json"  # what a namespace holds (the model, dtype, ...), for ``mia cache info`` / ``prune``
+INCOMPLETE_GRACE_S = 600.0  # a score part's data file without its index is being written unless older than this
+_XLA_SUFFIXES = ("-cache", "-atime")
+
+
+# ------------------------------------------------------------------------------------------------ the limit
+_override_gb: Optional[float] = None
+_warned_env = False
+
+
+def parse_max_gb(text, where: str) -> float:
+    """``text`` as a positive, finite number of GB, or ``InputError`` naming ``where`` (the flag or variable)."""
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise InputError(f"{where}: expected a number of GB, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise InputError(f"{where}: must be a positive finite number of GB, got {text!r}")
+    return v
+
+
+def set_max_gb(gb: Optional[float]) -> None:
+    """The limit for this process (``--cache-max-gb``); None goes back to ``$MIA_CACHE_MAX_GB`` or the default."""
+    global _override_gb
+    _override_gb = None if gb is None else parse_max_gb(gb, "--cache-max-gb")
+
+
+def check_env() -> None:
+    """``InputError`` naming ``MIA_CACHE_MAX_GB`` when it is set to something that is not a positive number."""
+    raw = os.environ.get(ENV_MAX_GB, "").strip()
+    if raw:
+        parse_max_gb(raw, ENV_MAX_GB)
+
+
+def max_bytes() -> int:
+    """The limit in bytes (see the module docstring). A bad ``$MIA_CACHE_MAX_GB`` outside the CLI (which refuses it
+    up front) gives one ``warning:`` line and the default."""
+    global _warned_env
+    if _override_gb is not None:
+        return int(_override_gb * GB)
+    try:
+        check_env()
+        raw = os.environ.get(ENV_MAX_GB, "").strip()
+        return int((parse_max_gb(raw, ENV_MAX_GB) if raw else DEFAULT_MAX_GB) * GB)
+    except InputError as e:
+        if not _warned_env:
+            _warned_env = True
+            print(f"warning: {e}; using {DEFAULT_MAX_GB} GB", file=sys.stderr)
+        return int(DEFAULT_MAX_GB * GB)
+
+
+# ------------------------------------------------------------------------------------------------ entries
+@dataclasses.dataclass
+class Entry:
+    """One evictable unit: its files (deleted in this order), total bytes, newest mtime (s), kind and namespace."""
+    kind: str  # "scores", "condll", "neighbors", "hashes", "xla"
+    namespace: str  # the directory under the root
+    files: list
+    size: int
+    mtime: float
+
+
+def kind_of(dirname: str) -> str:
+    if dirname == "xla":
+        return "xla"
+    if dirname == "file-sha256":
+        return "hashes"
+    if dirname.startswith("condll-"):
+        return "condll"
+    if dirname.startswith("neighbors-"):
+        return "neighbors"
+    return "scores"
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _entry_key(kind: str, name: str) -> str:
+    """Files with the same key form one entry: a score part's .f32 and .json, a compiled program and its atime."""
+    if kind == "xla":
+        for s in _XLA_SUFFIXES:
+            if name.endswith(s):
+                return name[: -len(s)]
+        return name
+    if kind == "scores" and name.startswith("part-"):
+        return name.rsplit(".", 1)[0]
+    return name
+
+
+def scan(root) -> Iterator[Entry]:
+    """Every entry under ``root`` (temporary files, the lock and namespace labels are not entries); a file that
+    vanishes while it is looked at is skipped."""
+    root = Path(root)
+    try:
+        dirs = sorted(d for d in os.scandir(root) if d.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    now = time.time()
+    for d in dirs:
+        kind = kind_of(d.name)
+        groups: dict[str, Entry] = {}
+        try:
+            files = list(os.scandir(d.path))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for f in files:
+            if _is_temp(f.name) or f.name in (LABEL_NAME, ".lockfile"):
+                continue
+            try:
+                st = f.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            e = groups.setdefault(_entry_key(kind, f.name), Entry(kind, d.name, [], 0, 0.0))
+            e.files.append(Path(f.path))
+            e.size += st.st_size
+            e.mtime = max(e.mtime, st.st_mtime)
+        for e in groups.values():
+            if kind == "scores":
+                if not any(p.suffix == ".json" for p in e.files) and now - e.mtime < INCOMPLETE_GRACE_S:
+                    continue  # its index is still to be written by another process
+                e.files.sort(key=lambda p: p.suffix != ".json")  # the index first: readers then skip the part
+            yield e
+
+
+def total_size(root) -> int:
+    return sum(e.size for e in scan(root))
+
+
+@contextlib.contextmanager
+def _locked(root: Path):
+    """An exclusive ``fcntl.flock`` on ``<root>/.evict.lock`` for the block (waits for another evictor)."""
+    import fcntl  # here: POSIX only, and only an evicting process needs it
+
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def delete_entry(e: Entry) -> int:
+    """Remove ``e``'s files (already gone: fine); the bytes freed."""
+    freed = 0
+    for p in e.files:
+        try:
+            size = p.stat().st_size
+            p.unlink()
+            freed += size
+        except FileNotFoundError:
+            pass
+    return freed
+
+
+def remove_empty_namespaces(root: Path) -> None:
+    """Remove namespace directories that hold nothing but their label (a writer's temp file keeps one)."""
+    for d in list(root.iterdir()) if root.is_dir() else ():
+        if not d.is_dir() or d.name == "xla":
+            continue
+        try:
+            names = os.listdir(d)
+            if set(names) <= {LABEL_NAME}:
+                for n in names:
+                    (d / n).unlink()
+                d.rmdir()
+        except OSError:  # refilled or removed meanwhile
+            pass
+
+
+def evict(root, limit: Optional[int] = None, select: Optional[Callable[[Entry], bool]] = None) -> list[Entry]:
+    """Under the lock: delete the entries ``select`` picks (all entries when None), oldest first, while the total
+    is above ``limit`` bytes (None: every picked entry). Returns the deleted entries."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    with _locked(root):
+        entries = sorted(scan(root), key=lambda e: e.mtime)
+        total = sum(e.size for e in entries)
+        gone = []
+        for e in entries:
+            if limit is not None and total <= limit:
+                break
+            if select is not None and not select(e):
+                continue
+            delete_entry(e)
+            total -= e.size
+            gone.append(e)
+        if gone:
+            remove_empty_namespaces(root)
+    _estimates[str(root)] = total
+    return gone
+
+
+def enforce(root) -> list[Entry]:
+    """``evict(root, max_bytes())``: the cache back under the limit. An OSError (unwritable root) is ignored: the
+    cache is optional."""
+    try:
+        return evict(root, max_bytes())
+    except OSError:
+        return []
+
+
+# ------------------------------------------------------------------------------------------------ writers' hooks
+_estimates: dict[str, int] = {}  # root -> this process's estimate of its total size
+_unflushed: set = set()
+_lock = threading.Lock()
+
+
+def note_write(root, nbytes: int) -> None:
+    """Record ``nbytes`` written under ``root`` by this process; evict when the estimate passes the limit."""
+    key = str(root)
+    with _lock:
+        _unflushed.add(key)
+        est = _estimates.get(key)
+        _estimates[key] = (est or 0) + nbytes
+        due = est is None or _estimates[key] > max_bytes()
+    if due:
+        enforce(key)
+
+
+def flush() -> None:
+    """Evict once under every root this process wrote to since the last flush (the end of a run)."""
+    with _lock:
+        roots = sorted(_unflushed)
+        _unflushed.clear()
+    for root in roots:
+        enforce(root)
+
+
+atexit.register(flush)
+
+
+def touch(*paths) -> None:
+    """Mark files as just used (their mtime set to now); a file gone meanwhile is fine."""
+    for p in paths:
+        with contextlib.suppress(OSError):
+            os.utime(p)
+
+
+def write_in(directory: Path, write: Callable[[], None], attempts: int = 3) -> None:
+    """``directory.mkdir`` then ``write()``; again when an evictor removed the emptied directory in between."""
+    for i in range(attempts):
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            return write()
+        except FileNotFoundError:
+            if i == attempts - 1 or directory.is_dir():
+                raise
+
+
+def file_size(path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def write_label(directory: Path, label: dict) -> None:
+    """Write ``<directory>/namespace.json`` (what the namespace holds: model, dtype, ...) when it is missing."""
+    if directory is None or (directory / LABEL_NAME).exists():
+        return
+    with contextlib.suppress(OSError):
+        write_in(directory, lambda: write_json(directory / LABEL_NAME, label, sort_keys=True))
+
+
+def read_label(directory: Path) -> dict:
+    try:
+        out = json.loads((Path(directory) / LABEL_NAME).read_text())
+        return out if isinstance(out, dict) else {}
+    except (OSError, ValueError):
+        return {}
