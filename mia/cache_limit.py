@@ -42,6 +42,7 @@ GB = 10 ** 9
 LOCK_NAME = ".evict.lock"
 LABEL_NAME = "namespace.json"  # what a namespace holds (the model, dtype, ...), for ``mia cache info`` / ``prune``
 INCOMPLETE_GRACE_S = 600.0  # a score part's data file without its index is being written unless older than this
+LOW_WATER = 0.9  # eviction goes down to this fraction of the limit
 _XLA_SUFFIXES = ("-cache", "-atime")
 
 
@@ -211,9 +212,11 @@ def remove_empty_namespaces(root: Path) -> None:
             pass
 
 
-def evict(root, limit: Optional[int] = None, select: Optional[Callable[[Entry], bool]] = None) -> list[Entry]:
-    """Under the lock: delete the entries ``select`` picks (all entries when None), oldest first, while the total
-    is above ``limit`` bytes (None: every picked entry). Returns the deleted entries."""
+def evict(root, limit: Optional[int] = None, select: Optional[Callable[[Entry], bool]] = None,
+          target: Optional[int] = None) -> list[Entry]:
+    """Under the lock: when the total is above ``limit`` bytes (None: always), delete the entries ``select`` picks
+    (all when None), oldest first, until the total is at most ``target`` (default ``limit``; None: every picked
+    entry). Returns the deleted entries."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -221,8 +224,11 @@ def evict(root, limit: Optional[int] = None, select: Optional[Callable[[Entry], 
         entries = sorted(scan(root), key=lambda e: e.mtime)
         total = sum(e.size for e in entries)
         gone = []
+        if limit is not None and total <= limit:
+            entries = []
+        target = limit if target is None else target
         for e in entries:
-            if limit is not None and total <= limit:
+            if target is not None and total <= target:
                 break
             if select is not None and not select(e):
                 continue
@@ -236,10 +242,11 @@ def evict(root, limit: Optional[int] = None, select: Optional[Callable[[Entry], 
 
 
 def enforce(root) -> list[Entry]:
-    """``evict(root, max_bytes())``: the cache back under the limit. An OSError (unwritable root) is ignored: the
-    cache is optional."""
+    """When the cache is above the limit, evict down to ``LOW_WATER`` of it (so that the next scan is due only after
+    that much more was written). An OSError (unwritable root) is ignored: the cache is optional."""
     try:
-        return evict(root, max_bytes())
+        limit = max_bytes()
+        return evict(root, limit, target=int(LOW_WATER * limit))
     except OSError:
         return []
 
@@ -313,3 +320,72 @@ def read_label(directory: Path) -> dict:
         return out if isinstance(out, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+# ------------------------------------------------------------------------------------------------ mia cache
+def fmt_bytes(n: int) -> str:
+    for unit, scale in (("GB", GB), ("MB", 10 ** 6), ("kB", 10 ** 3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def describe_namespace(root: Path, namespace: str) -> str:
+    """A namespace's label in a few words: the model's path, dtype and attention kernel ('' when unlabelled)."""
+    lab = read_label(root / namespace)
+    return " ".join(str(lab[k]) for k in ("path", "dtype", "attention") if lab.get(k)) if lab else ""
+
+
+def info_table(root) -> str:
+    """``mia cache info``: the total, then size by kind, then by namespace (newest use first), as text tables."""
+    root = Path(root)
+    entries = list(scan(root))
+    total = sum(e.size for e in entries)
+    lines = [f"cache {root}: {fmt_bytes(total)} in {len(entries)} entries (limit {fmt_bytes(max_bytes())})"]
+    by_kind: dict[str, list] = {}
+    by_ns: dict[str, list] = {}
+    for e in entries:
+        by_kind.setdefault(e.kind, []).append(e)
+        by_ns.setdefault(e.namespace, []).append(e)
+    lines += ["", f"{'kind':<10} {'entries':>8} {'size':>10}"]
+    for kind in ("scores", "condll", "neighbors", "hashes", "xla"):
+        es = by_kind.get(kind, [])
+        lines.append(f"{kind:<10} {len(es):>8} {fmt_bytes(sum(e.size for e in es)):>10}")
+    lines += ["", f"{'namespace':<42} {'kind':<10} {'entries':>8} {'size':>10}  {'last used':<16}  model"]
+    for ns, es in sorted(by_ns.items(), key=lambda kv: -max(e.mtime for e in kv[1])):
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(max(e.mtime for e in es)))
+        lines.append(f"{ns:<42} {es[0].kind:<10} {len(es):>8} {fmt_bytes(sum(e.size for e in es)):>10}  {used:<16}  "
+                     f"{describe_namespace(root, ns)}".rstrip())
+    return "\n".join(lines)
+
+
+def prune(root, *, older_than_days: Optional[float] = None, model: Optional[str] = None,
+          max_gb: Optional[float] = None) -> list[Entry]:
+    """``mia cache prune``: delete the entries last used more than ``older_than_days`` ago and/or whose namespace
+    (its name or label: model path, fingerprint, dtype ...) contains ``model``; with ``max_gb``, only the least
+    recently used of those until the cache is under ``max_gb``. Returns the deleted entries."""
+    root = Path(root)
+    cutoff = None if older_than_days is None else time.time() - older_than_days * 86400
+    labels: dict[str, str] = {}
+
+    def select(e: Entry) -> bool:
+        if cutoff is not None and e.mtime >= cutoff:
+            return False
+        if model is not None:
+            if e.namespace not in labels:
+                labels[e.namespace] = e.namespace + " " + json.dumps(read_label(root / e.namespace), sort_keys=True)
+            return model.lower() in labels[e.namespace].lower()
+        return True
+
+    return evict(root, None if max_gb is None else int(max_gb * GB), select)
+
+
+def prune_report(gone: list[Entry], root) -> str:
+    """What ``prune`` freed: the total, then one line per namespace."""
+    lines = [f"freed {fmt_bytes(sum(e.size for e in gone))} in {len(gone)} entries under {root}"]
+    by_ns: dict[str, list] = {}
+    for e in gone:
+        by_ns.setdefault(e.namespace, []).append(e)
+    for ns, es in sorted(by_ns.items()):
+        lines.append(f"  {ns:<42} {es[0].kind:<10} {len(es):>6} entries {fmt_bytes(sum(e.size for e in es)):>10}")
+    return "\n".join(lines)
