@@ -136,7 +136,7 @@ def scan(root) -> Iterator[Entry]:
     vanishes while it is looked at is skipped."""
     root = Path(root)
     try:
-        dirs = sorted(d for d in os.scandir(root) if d.is_dir(follow_symlinks=False))
+        dirs = sorted((d for d in os.scandir(root) if d.is_dir(follow_symlinks=False)), key=lambda d: d.name)
     except (FileNotFoundError, NotADirectoryError):
         return
     now = time.time()
