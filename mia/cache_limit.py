@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from .atomic import write_json
+from .atomic import is_temporary, write_json
 from .validate import InputError
 
 ENV_MAX_GB = "MIA_CACHE_MAX_GB"
@@ -42,6 +42,7 @@ GB = 10 ** 9
 LOCK_NAME = ".evict.lock"
 LABEL_NAME = "namespace.json"  # what a namespace holds (the model, dtype, ...), for ``mia cache info`` / ``prune``
 INCOMPLETE_GRACE_S = 600.0  # a score part's data file without its index is being written unless older than this
+STALE_TEMP_S = 86400.0  # a temporary file older than this is left over from a killed writer
 LOW_WATER = 0.9  # eviction goes down to this fraction of the limit
 _XLA_SUFFIXES = ("-cache", "-atime")
 
@@ -115,10 +116,6 @@ def kind_of(dirname: str) -> str:
     return "scores"
 
 
-def _is_temp(name: str) -> bool:
-    return name.startswith(".") and name.endswith(".tmp")
-
-
 def _entry_key(kind: str, name: str) -> str:
     """Files with the same key form one entry: a score part's .f32 and .json, a compiled program and its atime."""
     if kind == "xla":
@@ -148,12 +145,14 @@ def scan(root) -> Iterator[Entry]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         for f in files:
-            if _is_temp(f.name) or f.name in (LABEL_NAME, ".lockfile"):
+            if f.name in (LABEL_NAME, ".lockfile"):
                 continue
             try:
                 st = f.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
+            if is_temporary(f.name) and now - st.st_mtime < STALE_TEMP_S:
+                continue  # a write in progress; an older one was left by a killed writer and is evicted
             e = groups.setdefault(_entry_key(kind, f.name), Entry(kind, d.name, [], 0, 0.0))
             e.files.append(Path(f.path))
             e.size += st.st_size

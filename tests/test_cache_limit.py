@@ -115,6 +115,10 @@ def test_files_being_written_and_the_lock_are_never_touched(tmp_path, limit):
     os.utime(ns / "part-y.f32", (old, old))  # an orphan left by a killed writer
     cache_limit.enforce(tmp_path)
     assert not (ns / "part-y.f32").exists() and (ns / ".part-x.f32.abc.tmp").exists()
+    old = time.time() - 2 * cache_limit.STALE_TEMP_S
+    os.utime(ns / ".part-x.f32.abc.tmp", (old, old))  # left by a killed writer a day ago
+    cache_limit.enforce(tmp_path)
+    assert not (ns / ".part-x.f32.abc.tmp").exists()
 
 
 WRITER = textwrap.dedent("""
