@@ -10,12 +10,14 @@ The cache root (``$MIA_CACHE_DIR`` or ``~/.cache/mia``; ``mia.file_hash.default_
 
 An entry's recency is the newest mtime of its files: writers create them, readers touch them (``touch``) when an
 entry is served, and JAX records its own reads in ``-atime`` files. The limit (``max_bytes``: ``set_max_gb``, else
-``$MIA_CACHE_MAX_GB``, else ``DEFAULT_MAX_GB``; GB = 10^9 bytes) is kept by ``evict``: whole entries are deleted
-oldest first until the total is under it, then namespace directories left empty are removed.
+``$MIA_CACHE_MAX_GB``, else ``DEFAULT_MAX_GB``; GB = 10^9 bytes) is kept by ``enforce``: above it, whole entries
+are deleted oldest first until the total is at most ``LOW_WATER`` of it, then namespace directories left empty
+are removed.
 
 Safety with several processes: eviction holds an exclusive ``fcntl.flock`` on ``<root>/.evict.lock`` (two evictors
 do not fight); temporary files of ``mia.atomic`` (``.<name>.*.tmp``) are never counted or deleted; a score part
-whose index is not written yet is left alone for ``INCOMPLETE_GRACE_S``; files vanishing during a scan are skipped.
+whose index is not written yet is left alone for ``INCOMPLETE_GRACE_S``; files vanishing during a scan are skipped;
+a writer re-creates a namespace directory removed under it (``write_in``).
 A reader that finds its entry gone recomputes it (the score cache checks every block's CRC, so nothing partial is
 served). Writers call ``note_write`` after each write: it runs ``evict`` when this process's estimate of the total
 passes the limit, and once more when the writer closes (``flush``) or the process exits, so a run ends under it.

@@ -117,6 +117,10 @@ class StatsCache:
     requested example that is there, copied into arrays of exactly its length. A damaged part (unreadable index,
     missing or truncated data, a CRC mismatch) is reported by one ``warning:`` line on stderr and its examples are
     recomputed; nothing from a damaged block is served. ``bytes_read`` counts the bytes read from disk.
+
+    The cache directory has a size limit (``mia.cache_limit``): a part that serves an example is touched (its
+    recency), every write is noted and may evict the least recently used entries; a part evicted while it is read
+    is recomputed without a warning.
     """
 
     def __init__(self, root: Optional[str], namespace: str, writer: Optional[BackgroundWriter] = None,
