@@ -221,3 +221,30 @@ def test_a_bad_environment_limit_is_one_error_line_naming_it(tmp_path, capsys, m
     assert main(["score", "--model", "m", "--data", "d", "--out", "o"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "MIA_CACHE_MAX_GB" in err[0]
+
+
+def test_mia_score_keeps_its_cache_under_cache_max_gb_and_labels_it(tiny_neox_dir, tmp_path, capsys, limit):
+    """End to end: ``mia score --cache-max-gb`` scores, its namespace is labelled with the model's path, and the
+    directory (scores and hash memos) ends under the limit; ``mia cache info`` names the model."""
+    import json
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "tokens": list(range(3, 40 + i)), "label": i % 2}) + "\n"
+                            for i in range(8)))
+    cache = tmp_path / "cache"
+    argv = ["score", "--model", str(tiny_neox_dir), "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
+            "--no-progress", "--cache-dir", str(cache), "--batch-tokens", "64", "--bootstrap", "0"]
+    assert main(argv) == 0
+    full = cache_limit.total_size(cache)
+    (ns,) = [d for d in cache.iterdir() if (d / cache_limit.LABEL_NAME).exists()]
+    assert cache_limit.read_label(ns)["path"] == str(tiny_neox_dir)
+    capsys.readouterr()
+    for d in cache.iterdir():
+        if d.is_dir():
+            for f in d.iterdir():
+                f.unlink()
+    assert main(argv + ["--cache-max-gb", str(full / 2 / cache_limit.GB)]) == 0
+    assert 0 < cache_limit.total_size(cache) <= full / 2
+    capsys.readouterr()
+    assert main(["cache", "info", "--cache-dir", str(cache)]) == 0
+    assert str(tiny_neox_dir) in capsys.readouterr().out
