@@ -172,12 +172,11 @@ def total_size(root) -> int:
 
 
 @contextlib.contextmanager
-def _locked(root: Path):
-    """An exclusive ``fcntl.flock`` on ``<root>/.evict.lock`` for the block (waits for another evictor)."""
+def _locked(lock_file: Path):
+    """An exclusive ``fcntl.flock`` on ``lock_file`` for the block (waits for its holder)."""
     import fcntl  # here: POSIX only, and only an evicting process needs it
 
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -221,7 +220,10 @@ def evict(root, limit: Optional[int] = None, select: Optional[Callable[[Entry], 
     root = Path(root)
     if not root.is_dir():
         return []
-    with _locked(root):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_locked(root / LOCK_NAME))  # one evictor at a time
+        if (root / "xla").is_dir():  # JAX's own lock (filelock's flock): no program vanishes while JAX reads it
+            stack.enter_context(_locked(root / "xla" / ".lockfile"))
         entries = sorted(scan(root), key=lambda e: e.mtime)
         total = sum(e.size for e in entries)
         gone = []

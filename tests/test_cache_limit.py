@@ -248,3 +248,24 @@ def test_mia_score_keeps_its_cache_under_cache_max_gb_and_labels_it(tiny_neox_di
     capsys.readouterr()
     assert main(["cache", "info", "--cache-dir", str(cache)]) == 0
     assert str(tiny_neox_dir) in capsys.readouterr().out
+
+
+def test_eviction_waits_for_jax_lock_on_the_compiled_programs(tmp_path, limit):
+    """While JAX holds its cache lock (``xla/.lockfile``, taken around each read when it has a size limit), no
+    program is deleted under it; eviction goes on once the lock is released."""
+    import threading
+
+    filelock = pytest.importorskip("filelock")
+    limit(10)
+    (tmp_path / "xla").mkdir()
+    prog = tmp_path / "xla" / "prog-cache"
+    prog.write_bytes(b"x" * 100)
+    jax_lock = filelock.FileLock(str(tmp_path / "xla" / ".lockfile"))
+    jax_lock.acquire()
+    t = threading.Thread(target=cache_limit.enforce, args=(tmp_path,))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and prog.exists()
+    jax_lock.release()
+    t.join(10)
+    assert not t.is_alive() and not prog.exists()
