@@ -315,7 +315,8 @@ def main(argv=None) -> int:
         cache_limit.set_max_gb(args.cache_max_gb)  # before the compilation cache is set up (it gets the limit too)
     if getattr(args, "topology", None) and "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the topology; do not look for a local TPU
-    status, result = run_for_user(lambda: args.func(args), debug=args.debug, compile_cache=not args.no_compile_cache,
+    status, result = run_for_user(lambda: args.func(args), debug=args.debug,
+                                  compile_cache=not args.no_compile_cache and args.command != "cache",  # compiles none
                                   on_interrupt="interrupted; finished batches are cached and will be reused",
                                   check_first=(lambda: check_score_cache(args)) if args.command == "score" else None)
     return status or int(result or 0)

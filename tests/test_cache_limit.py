@@ -269,3 +269,16 @@ def test_eviction_waits_for_jax_lock_on_the_compiled_programs(tmp_path, limit):
     jax_lock.release()
     t.join(10)
     assert not t.is_alive() and not prog.exists()
+
+
+def test_cache_commands_start_without_jax(tmp_path):
+    """``mia cache info`` / ``prune`` need no jax (the CLI's fast start) and set up no compilation cache."""
+    _fill(tmp_path)
+    code = ("import sys; from mia.cli import main; "
+            f"assert main(['cache', 'info', '--cache-dir', {str(tmp_path)!r}]) == 0; "
+            f"assert main(['cache', 'prune', '--all', '--cache-dir', {str(tmp_path)!r}]) == 0; "
+            "print('jax' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MIA_COMPILE_CACHE": "1", "MIA_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "False", out.stderr
+    assert not (tmp_path / "xla").exists() and cache_limit.total_size(tmp_path) == 0

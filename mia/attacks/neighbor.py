@@ -74,6 +74,8 @@ def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
                 out.append(entry["neighbors"])
                 cache_limit.touch(f)  # recency for LRU eviction
                 continue
+            except FileNotFoundError:
+                pass  # evicted since it was looked for: recomputed below
             except (OSError, ValueError, KeyError, TypeError) as e:  # recomputed and rewritten below
                 print(f"warning: cache file {f} is damaged ({type(e).__name__}: {e}); its entries are recomputed",
                       file=sys.stderr)
