@@ -106,16 +106,20 @@ class Entry:
     mtime: float
 
 
-def kind_of(dirname: str) -> str:
-    if dirname == "xla":
-        return "xla"
-    if dirname == "file-sha256":
-        return "hashes"
-    if dirname.startswith("condll-"):
+def _hex(text: str, n: int) -> bool:
+    return len(text) == n and all(c in "0123456789abcdef" for c in text)
+
+
+def kind_of(dirname: str) -> Optional[str]:
+    """The kind of a directory under the cache root, or None for one mia did not make (never counted or touched:
+    a ``--cache-dir`` that holds other files loses none of them)."""
+    if dirname in ("xla", "file-sha256"):
+        return {"xla": "xla", "file-sha256": "hashes"}[dirname]
+    if dirname.startswith("condll-") and _hex(dirname[7:], 32):
         return "condll"
-    if dirname.startswith("neighbors-"):
+    if dirname.startswith("neighbors-") and _hex(dirname[10:], 20):
         return "neighbors"
-    return "scores"
+    return "scores" if _hex(dirname, 32) else None
 
 
 def _entry_key(kind: str, name: str) -> str:
@@ -141,6 +145,8 @@ def scan(root) -> Iterator[Entry]:
     now = time.time()
     for d in dirs:
         kind = kind_of(d.name)
+        if kind is None:
+            continue
         groups: dict[str, Entry] = {}
         try:
             files = list(os.scandir(d.path))
@@ -200,7 +206,7 @@ def delete_entry(e: Entry) -> int:
 def remove_empty_namespaces(root: Path) -> None:
     """Remove namespace directories that hold nothing but their label (a writer's temp file keeps one)."""
     for d in list(root.iterdir()) if root.is_dir() else ():
-        if not d.is_dir() or d.name == "xla":
+        if not d.is_dir() or d.name == "xla" or kind_of(d.name) is None:
             continue
         try:
             names = os.listdir(d)

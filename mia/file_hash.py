@@ -67,7 +67,8 @@ def file_sha256(path, memo_dir: Optional[str] = None) -> str:
         try:
             cache_limit.write_in(memo.parent, lambda: write_json(memo, {"path": str(path), "stat": _stat_key(before),
                                                                         "sha256": digest}))
-            cache_limit.note_write(memo.parent.parent, cache_limit.file_size(memo))
+            if memo_dir is None:  # in the mia cache dir: counts towards its size limit
+                cache_limit.note_write(memo.parent.parent, cache_limit.file_size(memo))
         except OSError:
             pass
     return digest

@@ -17,6 +17,7 @@ from mia import file_hash
 from mia.file_hash import file_sha256
 
 ROOT = Path(__file__).resolve().parent.parent
+NS, OLD, NEW, SHARED = "0123456789abcdef" * 2, "a" * 32, "b" * 32, "c" * 32  # namespaces: 32 hex, as mia names them
 
 
 def _stats(key: str, n: int = 200) -> dict:
@@ -46,11 +47,11 @@ def test_filling_beyond_the_limit_keeps_the_cache_under_it(tmp_path, limit, monk
     monkeypatch.setattr(cache_limit, "_override_gb", None)
     monkeypatch.setattr(cache_limit, "_estimates", {})
     assert cache_limit.max_bytes() == 100_000
-    cache = StatsCache(str(tmp_path), "ns")
+    cache = StatsCache(str(tmp_path), NS)
     for i in range(60):  # ~3.4 kB each: 200 kB written
         cache.put_many({f"k{i}": _stats(f"k{i}")})
         assert cache_limit.total_size(tmp_path) <= 100_000
-    kept = StatsCache(str(tmp_path), "ns").lookup([f"k{i}" for i in range(60)])
+    kept = StatsCache(str(tmp_path), NS).lookup([f"k{i}" for i in range(60)])
     assert 20 < len(kept) < 60 and "k59" in kept and "k0" not in kept  # the newest are kept
     for k, v in kept.items():
         np.testing.assert_array_equal(v["logprob"], _stats(k)["logprob"])
@@ -59,16 +60,16 @@ def test_filling_beyond_the_limit_keeps_the_cache_under_it(tmp_path, limit, monk
 def test_the_least_recently_read_entry_goes_first_across_kinds(tmp_path, limit, monkeypatch, capsys):
     """A, B, C written long ago (A oldest), A read since; a compiled program and a hash memo older still: over the
     limit, the program and memo go first, then B (the oldest unread); A (read) stays."""
-    cache = StatsCache(str(tmp_path), "ns")
+    cache = StatsCache(str(tmp_path), NS)
     for k in "ABC":
         cache.put_many({k: _stats(k)})
-    part = {k: next(p.stem for p in (tmp_path / "ns").glob("part-*.json")
+    part = {k: next(p.stem for p in (tmp_path / NS).glob("part-*.json")
                     if f'"{k}"' in p.read_text()) for k in "ABC"}
     one = cache_limit.total_size(tmp_path) // 3
     now = time.time()
     for age, k in ((300, "A"), (200, "B"), (100, "C")):
         for suffix in (".json", ".f32"):
-            os.utime(tmp_path / "ns" / (part[k] + suffix), (now - age, now - age))
+            os.utime(tmp_path / NS / (part[k] + suffix), (now - age, now - age))
     (tmp_path / "xla").mkdir()
     (tmp_path / "xla" / "prog-cache").write_bytes(b"x" * 100)
     os.utime(tmp_path / "xla" / "prog-cache", (now - 1000, now - 1000))
@@ -78,20 +79,20 @@ def test_the_least_recently_read_entry_goes_first_across_kinds(tmp_path, limit, 
     file_sha256(model, memo_dir=str(tmp_path / "file-sha256"))
     memo = next((tmp_path / "file-sha256").glob("*.json"))
     os.utime(memo, (now - 900, now - 900))
-    assert set(StatsCache(str(tmp_path), "ns").lookup(["A"])) == {"A"}  # A read: touched
+    assert set(StatsCache(str(tmp_path), NS).lookup(["A"])) == {"A"}  # A read: touched
     limit(int(3.5 * one) + 100)  # room for 3 parts and the small files, not 4 parts
     cache.put_many({"D": _stats("D")})
     assert not (tmp_path / "xla" / "prog-cache").exists() and not memo.exists()
-    assert _parts(tmp_path, "ns") & set(part.values()) == {part["A"], part["C"]}
-    assert set(StatsCache(str(tmp_path), "ns").lookup(list("ABCD"))) == {"A", "C", "D"}  # B recomputed
+    assert _parts(tmp_path, NS) & set(part.values()) == {part["A"], part["C"]}
+    assert set(StatsCache(str(tmp_path), NS).lookup(list("ABCD"))) == {"A", "C", "D"}  # B recomputed
     assert capsys.readouterr().err == ""  # an evicted entry is no warning
 
 
 def test_a_part_evicted_while_it_is_read_is_recomputed_silently(tmp_path, capsys):
-    cache = StatsCache(str(tmp_path), "ns")
+    cache = StatsCache(str(tmp_path), NS)
     cache.put_many({"a": _stats("a")})
-    index = next((tmp_path / "ns").glob("part-*.json"))
-    reader = StatsCache(str(tmp_path), "ns")
+    index = next((tmp_path / NS).glob("part-*.json"))
+    reader = StatsCache(str(tmp_path), NS)
     real = reader._read_rows
 
     def evicted_meanwhile(data_file, index_obj, todo):  # the index was read, then both files were evicted
@@ -105,7 +106,7 @@ def test_a_part_evicted_while_it_is_read_is_recomputed_silently(tmp_path, capsys
 
 def test_files_being_written_and_the_lock_are_never_touched(tmp_path, limit):
     limit(10)
-    ns = tmp_path / "ns"
+    ns = tmp_path / NS
     ns.mkdir()
     (ns / ".part-x.f32.abc.tmp").write_bytes(b"t" * 1000)  # another process's write in progress
     (ns / "part-y.f32").write_bytes(b"d" * 1000)  # its index not written yet
@@ -125,7 +126,7 @@ WRITER = textwrap.dedent("""
     import sys, numpy as np
     from mia.engine.cache import StatsCache, STAT_NAMES
     root, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    cache = StatsCache(root, "shared")
+    cache = StatsCache(root, "cccccccccccccccccccccccccccccccc")
     for i in range(n):
         k = f"{who}{i}"
         base = float(sum(map(ord, k)))
@@ -146,8 +147,8 @@ def test_two_processes_filling_the_cache_at_once_end_under_the_limit(tmp_path, c
     assert 0 < total <= 100_000
     assert not list(tmp_path.rglob("*.tmp"))
     keys = [f"{w}{i}" for w in "ab" for i in range(n)]
-    kept = StatsCache(str(tmp_path), "shared").lookup(keys)
-    assert len(kept) == len(list((tmp_path / "shared").glob("part-*.json")))  # every remaining entry is intact
+    kept = StatsCache(str(tmp_path), SHARED).lookup(keys)
+    assert len(kept) == len(list((tmp_path / SHARED).glob("part-*.json")))  # every remaining entry is intact
     for k, v in kept.items():
         for stat in STAT_NAMES:
             np.testing.assert_array_equal(v[stat], _stats(k)[stat])
@@ -155,12 +156,12 @@ def test_two_processes_filling_the_cache_at_once_end_under_the_limit(tmp_path, c
 
 
 def _fill(root: Path) -> None:
-    StatsCache(str(root), "nsold", label={"path": "/models/old-pythia", "dtype": "float32"}).put_many(
+    StatsCache(str(root), OLD, label={"path": "/models/old-pythia", "dtype": "float32"}).put_many(
         {"x": _stats("x")})
-    StatsCache(str(root), "nsnew", label={"path": "/models/new-llama", "dtype": "bfloat16"}).put_many(
+    StatsCache(str(root), NEW, label={"path": "/models/new-llama", "dtype": "bfloat16"}).put_many(
         {"y": _stats("y"), "z": _stats("z")})
     old = time.time() - 3 * 86400
-    for p in (root / "nsold").glob("part-*"):
+    for p in (root / OLD).glob("part-*"):
         os.utime(p, (old, old))
 
 
@@ -172,26 +173,26 @@ def test_cache_info_shows_sizes_by_kind_and_namespace(tmp_path, capsys):
     assert out.splitlines()[0].startswith(f"cache {tmp_path}: {cache_limit.fmt_bytes(total)} in 2 entries")
     row = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     assert row["scores"][1] == "2" and row["xla"][1] == "0" and row["hashes"][1] == "0"
-    assert "/models/old-pythia" in " ".join(row["nsold"]) and "bfloat16" in " ".join(row["nsnew"])
+    assert "/models/old-pythia" in " ".join(row[OLD]) and "bfloat16" in " ".join(row[NEW])
 
 
 def test_prune_by_age_and_by_model_deletes_and_says_what_it_freed(tmp_path, capsys):
     _fill(tmp_path)
-    size_old = sum(p.stat().st_size for p in (tmp_path / "nsold").glob("part-*"))
+    size_old = sum(p.stat().st_size for p in (tmp_path / OLD).glob("part-*"))
     assert main(["cache", "prune", "--older-than", "2", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"freed {cache_limit.fmt_bytes(size_old)} in 1 entries under {tmp_path}"
-    assert "nsold" in out and not (tmp_path / "nsold").exists() and (tmp_path / "nsnew").is_dir()
+    assert OLD in out and not (tmp_path / OLD).exists() and (tmp_path / NEW).is_dir()
     assert main(["cache", "prune", "--model", "LLAMA", "--cache-dir", str(tmp_path)]) == 0
-    assert "nsnew" in capsys.readouterr().out and cache_limit.total_size(tmp_path) == 0
-    assert not (tmp_path / "nsnew").exists()
+    assert NEW in capsys.readouterr().out and cache_limit.total_size(tmp_path) == 0
+    assert not (tmp_path / NEW).exists()
 
 
 def test_prune_max_gb_keeps_the_most_recent(tmp_path, capsys):
     _fill(tmp_path)
-    keep = sum(p.stat().st_size for p in (tmp_path / "nsnew").glob("part-*"))
+    keep = sum(p.stat().st_size for p in (tmp_path / NEW).glob("part-*"))
     assert main(["cache", "prune", "--max-gb", str(keep / cache_limit.GB), "--cache-dir", str(tmp_path)]) == 0
-    assert "nsold" in capsys.readouterr().out and cache_limit.total_size(tmp_path) == keep
+    assert OLD in capsys.readouterr().out and cache_limit.total_size(tmp_path) == keep
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -282,3 +283,15 @@ def test_cache_commands_start_without_jax(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "False", out.stderr
     assert not (tmp_path / "xla").exists() and cache_limit.total_size(tmp_path) == 0
+
+
+def test_files_mia_did_not_make_are_never_counted_or_deleted(tmp_path, limit):
+    """A --cache-dir that also holds other things: only mia's own directories (32-hex namespaces, condll-,
+    neighbors-, file-sha256, xla) count towards the limit or are evicted."""
+    limit(10)
+    (tmp_path / "my-data").mkdir()
+    (tmp_path / "my-data" / "big.bin").write_bytes(b"d" * 5000)
+    (tmp_path / "notes.txt").write_text("mine")
+    StatsCache(str(tmp_path), NS).put_many({"a": _stats("a")})
+    assert cache_limit.total_size(tmp_path) == 0 and not (tmp_path / NS).exists()  # evicted at once (limit 10 B)
+    assert (tmp_path / "my-data" / "big.bin").stat().st_size == 5000 and (tmp_path / "notes.txt").exists()
