@@ -128,7 +128,7 @@ class StatsCache:
         self.dir = usable_cache_dir(Path(root) / namespace if root else None)
         self.writer = writer
         self.bytes_read = 0
-        self.label = label  # written to <namespace>/namespace.json with the first part (``mia cache info``)
+        self.label = label  # <namespace>/namespace.json, written when missing at a write (``mia cache info``)
 
     def lookup(self, keys: Sequence[str]) -> dict[str, dict]:
         """{key: {stat: float32 [n]}} for those of ``keys`` found intact on disk (the others are absent)."""
@@ -187,9 +187,8 @@ class StatsCache:
         """Store {key: {stat: [n]}} as one part (in the background when a writer was given)."""
         if self.dir is None or not items:
             return
-        if self.label is not None:
-            label, self.label = self.label, None
-            cache_limit.write_label(self.dir, label)
+        if self.label is not None:  # again when eviction emptied the namespace and removed it
+            cache_limit.write_label(self.dir, self.label)
         items = dict(items)
         job = lambda: self._write(items)  # noqa: E731
         self.writer.submit(job) if self.writer is not None else job()

@@ -192,7 +192,7 @@ class PairCache:
     """
     def __init__(self, root: Optional[str], namespace: str, writer=None, prefixes=None, targets=None, label=None):
         self.dir = usable_cache_dir(Path(root) / f"condll-{namespace}" if root else None)
-        self.label = label  # written to <dir>/namespace.json with the first part (``mia cache info``)
+        self.label = label  # <dir>/namespace.json, written when missing at a flush (``mia cache info``)
         self.writer = writer  # a scoring.BackgroundWriter: parts are written off the scoring loop
         self.mem: dict[str, dict[str, float]] = {}
         self.pending: list[tuple[str, str, float]] = []
@@ -233,9 +233,8 @@ class PairCache:
         pending, self.pending = self.pending, []
         if self.dir is None or not pending:
             return
-        if self.label is not None:
-            label, self.label = self.label, None
-            cache_limit.write_label(self.dir, label)
+        if self.label is not None:  # again when eviction emptied the directory and removed it
+            cache_limit.write_label(self.dir, self.label)
         job = lambda: self._write(pending)  # noqa: E731
         self.writer.submit(job) if self.writer is not None else job()
 
