@@ -295,3 +295,33 @@ def test_files_mia_did_not_make_are_never_counted_or_deleted(tmp_path, limit):
     StatsCache(str(tmp_path), NS).put_many({"a": _stats("a")})
     assert cache_limit.total_size(tmp_path) == 0 and not (tmp_path / NS).exists()  # evicted at once (limit 10 B)
     assert (tmp_path / "my-data" / "big.bin").stat().st_size == 5000 and (tmp_path / "notes.txt").exists()
+
+
+def test_a_pair_part_that_serves_the_run_is_marked_used(tmp_path):
+    from mia.engine.conditional import PairCache
+
+    ns = "d" * 32
+    for pk in ("p1", "p2"):
+        store = PairCache(str(tmp_path), ns)
+        store.put(pk, "t", 1.5)
+        store.flush()
+    parts = sorted((tmp_path / f"condll-{ns}").glob("part-*.npz"))
+    old = time.time() - 1000
+    for p in parts:
+        os.utime(p, (old, old))
+    assert PairCache(str(tmp_path), ns, prefixes={"p1"}).get("p1", "t") == 1.5
+    used = [p for p in parts if p.stat().st_mtime > old + 500]
+    assert len(used) == 1 and {e.kind for e in cache_limit.scan(tmp_path)} == {"condll"}
+
+
+def test_a_writer_recreates_a_namespace_removed_under_it(tmp_path):
+    d = tmp_path / NS
+    calls = []
+
+    def write():
+        if not calls:  # an evictor removed the emptied directory between mkdir and the write
+            calls.append(1)
+            d.rmdir()
+        (d / "part-x.json").write_text("{}")
+    cache_limit.write_in(d, write)
+    assert (d / "part-x.json").exists()
