@@ -27,6 +27,7 @@ from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
 from .engine.sharding import make_mesh, parse_mesh
+from . import cache_limit
 from .file_hash import default_cache_dir
 from .models.hub import Model
 from .models.hub import load as load_checkpoint
@@ -116,7 +117,7 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
           max_length: Optional[int] = None, skip_invalid: bool = False, seq_tokens: Optional[int] = None,
           scored: Sequence[str] = ("eval",), seed: int = 0, batch_tokens: int = 16384, cache: bool = True,
           cache_dir: Optional[str] = None, progress: bool = True, ref_model=None, mlm=None, freq_corpus=None,
-          on_error: str = "raise", options: Optional[dict] = None) -> ScoreRun:
+          on_error: str = "raise", options: Optional[dict] = None, cache_max_gb: Optional[float] = None) -> ScoreRun:
     """Score the examples of ``data`` with ``attacks``; higher = more likely member.
 
     ``model``      a ``Model`` (``mia.load``) or a checkpoint directory
@@ -130,6 +131,8 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     ``seq_tokens`` cut each scored line into sequences of this many tokens (document-level inference)
     ``batch_tokens``  padded tokens per batch per data-parallel device (speed and memory only)
     ``cache`` / ``cache_dir``  the on-disk score cache (default ``$MIA_CACHE_DIR`` or ``~/.cache/mia``)
+    ``cache_max_gb``  the cache's size limit for this process (default ``$MIA_CACHE_MAX_GB`` or 5; least recently
+                   used entries are evicted, ``mia.cache_limit``)
     ``ref_model`` / ``mlm`` / ``freq_corpus``  the extra inputs of ``ref``, ``neighbor``, ``dcpdd``
     ``on_error``   "raise" (default): a missing input or failing attack stops the run; "skip": it is recorded
                    in ``ScoreRun.skipped`` with its reason and the others go on
@@ -137,6 +140,8 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     Every learned-from example is checked disjoint from the scored ones (same id, tokens or text) before any
     attack runs. With several processes (``jax.distributed``), every process calls this with the same arguments.
     """
+    if cache_max_gb is not None:
+        cache_limit.set_max_gb(cache_max_gb)
     chosen, skipped = check_request(attacks, ref_model=ref_model, mlm=mlm, freq_corpus=freq_corpus,
                                     on_error=on_error)
     if not isinstance(model, Model):

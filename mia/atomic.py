@@ -44,6 +44,12 @@ def atomic_write(path, mode: str = "w", encoding: str = "utf-8") -> Iterator:
         raise
 
 
+def is_temporary(name: str) -> bool:
+    """Whether a file name is a temporary of ``atomic_write`` or ``temporary_sibling`` (``.<name>.*.tmp``): a write
+    in progress (or left by a killed writer), which cache eviction must not count or delete."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 def write_bytes(path, data: bytes) -> None:
     with atomic_write(path, "wb") as f:
         f.write(data)

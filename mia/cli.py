@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+from . import cache_limit
 from . import validate as V
 from .blind.cli import add_blind_parser
 from .commands import add_compile_cache_flag, run_for_user
@@ -59,6 +60,9 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--init-timeout", type=V.arg_float(0, lo_open=True), default=60.0,
                    help="seconds for all processes to reach the coordinator (default 60)")
     p.add_argument("--cache-dir", default=None, help="on-disk cache of model outputs (default: ~/.cache/mia)")
+    p.add_argument("--cache-max-gb", type=V.arg_float(0, lo_open=True), default=None, metavar="GB",
+                   help="size limit of the cache directory in GB (10^9 bytes; default $MIA_CACHE_MAX_GB or 5): the "
+                        "least recently used entries are evicted")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk cache")
     p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
     p.add_argument("--delta", type=V.arg_float(0, 1, hi_open=True), default=None,
@@ -108,7 +112,7 @@ def cmd_score(args) -> int:
                     skip_invalid=args.skip_invalid, seq_tokens=args.seq_tokens, scored=scored, seed=args.seed,
                     batch_tokens=args.batch_tokens, cache=not args.no_cache, cache_dir=args.cache_dir,
                     progress=not args.no_progress, ref_model=args.ref_model, mlm=args.mlm,
-                    freq_corpus=args.freq_corpus)
+                    freq_corpus=args.freq_corpus, cache_max_gb=args.cache_max_gb)
     if args.documents:
         check_documents(run.examples, args.data)  # again, without the lines --skip-invalid set aside
     if distributed.is_main():  # every process holds every score; process 0 alone writes and prints
@@ -173,6 +177,7 @@ def check_score_cache(args) -> None:
     """The score cache's directory (``--cache-dir``, else ``$MIA_CACHE_DIR`` or ~/.cache/mia) exists and is
     writable or can be created, unless ``--no-cache``. ``main`` runs it before anything else (before the
     compilation cache, which shares the directory, is set up)."""
+    cache_limit.check_env()  # a bad MIA_CACHE_MAX_GB is one error line, before any work
     if not args.no_cache and args.cache_dir:
         V.output_dir(args.cache_dir, "--cache-dir")
     elif not args.no_cache:
@@ -246,6 +251,49 @@ def cmd_attacks(args) -> int:
     return 0
 
 
+def _add_cache_parser(sub) -> None:
+    c = sub.add_parser("cache", help="show or prune the on-disk cache (scores, file hashes, compiled programs)",
+                       description="The mia cache directory ($MIA_CACHE_DIR or ~/.cache/mia) is kept under a size "
+                                   "limit ($MIA_CACHE_MAX_GB, default 5 GB) by evicting the least recently used "
+                                   "entries; `info` shows what it holds, `prune` deletes entries now.")
+    csub = c.add_subparsers(dest="cache_command", required=True)
+    i = csub.add_parser("info", help="total size, size by kind and by namespace")
+    i.add_argument("--cache-dir", default=None, help="the cache directory (default: $MIA_CACHE_DIR or ~/.cache/mia)")
+    i.set_defaults(func=cmd_cache_info)
+    p = csub.add_parser("prune", help="delete matching entries and print what was freed")
+    p.add_argument("--cache-dir", default=None, help="the cache directory (default: $MIA_CACHE_DIR or ~/.cache/mia)")
+    p.add_argument("--older-than", type=V.arg_float(0), default=None, metavar="DAYS",
+                   help="only entries last used more than DAYS days ago")
+    p.add_argument("--model", default=None, metavar="SUBSTRING",
+                   help="only namespaces whose name or model (path, fingerprint, dtype, ...) contains SUBSTRING")
+    p.add_argument("--max-gb", type=V.arg_float(0), default=None, metavar="GB",
+                   help="only the least recently used of those, until the cache is under GB (10^9 bytes)")
+    p.add_argument("--all", action="store_true", help="every entry (when no other option is given)")
+    p.set_defaults(func=cmd_cache_prune)
+
+
+def _cache_root(args) -> str:
+    root = args.cache_dir or default_cache_dir()
+    V.input_dir(root, "--cache-dir" if args.cache_dir else "the cache directory (MIA_CACHE_DIR or ~/.cache/mia)")
+    return root
+
+
+def cmd_cache_info(args) -> int:
+    """``mia cache info``: ``mia.cache_limit.info_table``."""
+    print(cache_limit.info_table(_cache_root(args)))
+    return 0
+
+
+def cmd_cache_prune(args) -> int:
+    """``mia cache prune``: ``mia.cache_limit.prune``, then what it freed."""
+    if args.older_than is None and args.model is None and args.max_gb is None and not args.all:
+        raise V.InputError("mia cache prune: give --older-than, --model, --max-gb or --all")
+    root = _cache_root(args)
+    gone = cache_limit.prune(root, older_than_days=args.older_than, model=args.model, max_gb=args.max_gb)
+    print(cache_limit.prune_report(gone, root))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = V.OneLineParser(prog="mia", description="Membership inference attacks on language models.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -257,14 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_split_parser(sub)
     add_blind_parser(sub)
     _add_plan_parser(sub)
+    _add_cache_parser(sub)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "cache_max_gb", None) is not None:
+        cache_limit.set_max_gb(args.cache_max_gb)  # before the compilation cache is set up (it gets the limit too)
     if getattr(args, "topology", None) and "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the topology; do not look for a local TPU
-    status, result = run_for_user(lambda: args.func(args), debug=args.debug, compile_cache=not args.no_compile_cache,
+    status, result = run_for_user(lambda: args.func(args), debug=args.debug,
+                                  compile_cache=not args.no_compile_cache and args.command != "cache",  # compiles none
                                   on_interrupt="interrupted; finished batches are cached and will be reused",
                                   check_first=(lambda: check_score_cache(args)) if args.command == "score" else None)
     return status or int(result or 0)

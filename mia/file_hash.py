@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from . import cache_limit
 from .atomic import write_json
 
 SETTLE_NS = 2_000_000_000  # a file must be this old (mtime and ctime) before its digest is memoised
@@ -56,6 +57,7 @@ def file_sha256(path, memo_dir: Optional[str] = None) -> str:
     try:
         rec = json.loads(memo.read_text())
         if rec.get("path") == str(path) and rec.get("stat") == _stat_key(before) and len(rec.get("sha256", "")) == 64:
+            cache_limit.touch(memo)  # recency for LRU eviction
             return rec["sha256"]
     except (OSError, ValueError, AttributeError):
         pass
@@ -63,8 +65,10 @@ def file_sha256(path, memo_dir: Optional[str] = None) -> str:
     digest = sha256_of_file(path)
     if settled and _stat_key(os.stat(path)) == _stat_key(before):
         try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            write_json(memo, {"path": str(path), "stat": _stat_key(before), "sha256": digest})
+            cache_limit.write_in(memo.parent, lambda: write_json(memo, {"path": str(path), "stat": _stat_key(before),
+                                                                        "sha256": digest}))
+            if memo_dir is None:  # in the mia cache dir: counts towards its size limit
+                cache_limit.note_write(memo.parent.parent, cache_limit.file_size(memo))
         except OSError:
             pass
     return digest

@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from .. import cache_limit
 from ..atomic import write_json
 from ..engine.loop import compute_token_stats
 from ..validate import Range
@@ -71,15 +72,18 @@ def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
                 if entry["text"] != text or not all(isinstance(x, str) for x in entry["neighbors"]):
                     raise ValueError("entry is for another text or not a list of texts")
                 out.append(entry["neighbors"])
+                cache_limit.touch(f)  # recency for LRU eviction
                 continue
+            except FileNotFoundError:
+                pass  # evicted since it was looked for: recomputed below
             except (OSError, ValueError, KeyError, TypeError) as e:  # recomputed and rewritten below
                 print(f"warning: cache file {f} is damaged ({type(e).__name__}: {e}); its entries are recomputed",
                       file=sys.stderr)
         # the text's hash picks the dropout stream, so a text's neighbours do not depend on its position in the data
         nb = neighbours(mlm, text, jax.random.fold_in(key, int(h[:7], 16)), n=n, k=k, p=p)
         if f is not None:
-            root.mkdir(parents=True, exist_ok=True)
-            write_json(f, {"text": text, "neighbors": nb})
+            cache_limit.write_in(root, lambda: write_json(f, {"text": text, "neighbors": nb}))
+            cache_limit.note_write(root.parent, cache_limit.file_size(f))
         out.append(nb)
     return out
 

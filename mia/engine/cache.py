@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import cache_limit
 from ..atomic import write_bytes, write_json
 from ..models.attention import requested_kernel
 from ..validate import InputError, output_dir
@@ -60,6 +61,7 @@ class BackgroundWriter:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+            cache_limit.flush()  # the run's writes are done: the cache back under its size limit
         self._raise()
 
     def _raise(self):
@@ -115,12 +117,18 @@ class StatsCache:
     requested example that is there, copied into arrays of exactly its length. A damaged part (unreadable index,
     missing or truncated data, a CRC mismatch) is reported by one ``warning:`` line on stderr and its examples are
     recomputed; nothing from a damaged block is served. ``bytes_read`` counts the bytes read from disk.
+
+    The cache directory has a size limit (``mia.cache_limit``): a part that serves an example is touched (its
+    recency), every write is noted and may evict the least recently used entries; a part evicted while it is read
+    is recomputed without a warning.
     """
 
-    def __init__(self, root: Optional[str], namespace: str, writer: Optional[BackgroundWriter] = None):
+    def __init__(self, root: Optional[str], namespace: str, writer: Optional[BackgroundWriter] = None,
+                 label: Optional[dict] = None):
         self.dir = usable_cache_dir(Path(root) / namespace if root else None)
         self.writer = writer
         self.bytes_read = 0
+        self.label = label  # <namespace>/namespace.json, written when missing at a write (``mia cache info``)
 
     def lookup(self, keys: Sequence[str]) -> dict[str, dict]:
         """{key: {stat: float32 [n]}} for those of ``keys`` found intact on disk (the others are absent)."""
@@ -134,12 +142,17 @@ class StatsCache:
                 raw = index_file.read_bytes()
                 self.bytes_read += len(raw)
                 index = _checked_index(json.loads(raw))
+            except FileNotFoundError:
+                continue  # evicted since the directory was listed: recomputed
             except (OSError, ValueError, TypeError, KeyError) as e:
                 _warn_damaged(index_file, f"unreadable index: {e}")
                 continue
             todo = [(j, k) for j, k in enumerate(index["keys"]) if k in wanted and k not in found]
             if todo:
-                found.update(self._read_rows(index_file.with_suffix(".f32"), index, todo))
+                rows = self._read_rows(index_file.with_suffix(".f32"), index, todo)
+                if rows:
+                    cache_limit.touch(index_file, index_file.with_suffix(".f32"))  # recency for LRU eviction
+                found.update(rows)
         return found
 
     def _read_rows(self, data_file: Path, index: dict, todo: list) -> dict[str, dict]:
@@ -161,6 +174,10 @@ class StatsCache:
                         raise ValueError(f"example {k}: checksum mismatch")
                     rows = np.frombuffer(block, "<f4").reshape(hi - lo, len(STAT_NAMES))
                     out[k] = {s: np.array(rows[:, c], np.float32) for c, s in enumerate(STAT_NAMES)}  # own copies
+        except FileNotFoundError as e:
+            if data_file.with_suffix(".json").exists():  # an index without its data: damaged
+                _warn_damaged(data_file, str(e))
+            return {}  # else evicted (index first, then data) since the index was read: recomputed
         except (OSError, ValueError) as e:
             _warn_damaged(data_file, str(e))
             return {}
@@ -170,6 +187,8 @@ class StatsCache:
         """Store {key: {stat: [n]}} as one part (in the background when a writer was given)."""
         if self.dir is None or not items:
             return
+        if self.label is not None:  # again when eviction emptied the namespace and removed it
+            cache_limit.write_label(self.dir, self.label)
         items = dict(items)
         job = lambda: self._write(items)  # noqa: E731
         self.writer.submit(job) if self.writer is not None else job()
@@ -179,11 +198,15 @@ class StatsCache:
         blocks = [np.stack([np.asarray(items[k][s], "<f4") for s in STAT_NAMES], axis=1).tobytes() for k in keys]
         offsets = np.cumsum([0] + [len(items[k]["logprob"]) for k in keys]).tolist()
         name = hashlib.sha256("".join(keys).encode()).hexdigest()[:16]
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_bytes(self.dir / f"part-{name}.f32", b"".join(blocks))
-        write_json(self.dir / f"part-{name}.json",
-                   {"stats": list(STAT_NAMES), "keys": keys, "offsets": offsets, "rows": offsets[-1],
-                    "crc32": [zlib.crc32(b, zlib.crc32(k.encode())) for k, b in zip(keys, blocks)]})
+        index = {"stats": list(STAT_NAMES), "keys": keys, "offsets": offsets, "rows": offsets[-1],
+                 "crc32": [zlib.crc32(b, zlib.crc32(k.encode())) for k, b in zip(keys, blocks)]}
+
+        def write():
+            write_bytes(self.dir / f"part-{name}.f32", b"".join(blocks))
+            write_json(self.dir / f"part-{name}.json", index)
+
+        cache_limit.write_in(self.dir, write)  # again if an evictor removed the emptied namespace meanwhile
+        cache_limit.note_write(self.dir.parent, sum(map(len, blocks)) + len(json.dumps(index)))
 
 
 def _checked_index(index) -> dict:
@@ -227,6 +250,12 @@ def cache_key(model, extra: str = "") -> dict:
             "param_leaf_dtypes": sorted({str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(model.params)}),
             "precision": getattr(model, "matmul_precision", None), "attention": requested_kernel(),
             "backend": jax.default_backend(), "stats_version": STATS_VERSION, "extra": extra}
+
+
+def cache_label(model, extra: str = "") -> dict:
+    """What a namespace holds, for people (``mia cache info`` / ``prune --model``): ``cache_key`` and the model's
+    path."""
+    return {**cache_key(model, extra), "path": getattr(model, "path", None) or "(in memory)"}
 
 
 def cacheable(model, params) -> bool:

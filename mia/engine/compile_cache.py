@@ -7,17 +7,22 @@ keys
 each entry by the program, the compile options, the backend and the jax/jaxlib versions, so an entry is never used
 for another program or another jax.
 
+Its files count towards the mia cache's size limit (``mia.cache_limit``): JAX is given the limit too, so that it
+records when an entry is read (``<key>-atime``), and mia evicts the least recently used programs with the rest.
+
 Opt out with ``MIA_COMPILE_CACHE=0`` (also ``false``/``no``/``off``) or a command's ``--no-compile-cache``.
 The cache is optional: a directory that cannot be used (a regular file in its place, not writable, cannot be
 created) gives one ``warning:`` line on stderr and the command runs without it.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
 from typing import Optional
 
+from .. import cache_limit
 from ..file_hash import default_cache_dir
 from ..validate import InputError, output_dir
 
@@ -60,4 +65,6 @@ def enable_compile_cache(cache_dir=None, *, enabled: bool = True,
 
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    if importlib.util.find_spec("filelock") is not None:  # JAX records reads (``-atime`` files) only with a size
+        jax.config.update("jax_compilation_cache_max_size", cache_limit.max_bytes())  # limit; it needs filelock
     return path

@@ -36,11 +36,12 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from .. import cache_limit
 from ..atomic import save_npz
 from ..models.common import KVCache
 from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows, plan_batches, pow2_ceil, pow2_floor,
                        put_padded)
-from .cache import BackgroundWriter, cache_namespace, cacheable, example_key, usable_cache_dir
+from .cache import BackgroundWriter, cache_label, cache_namespace, cacheable, example_key, usable_cache_dir
 from .distributed import any_process
 from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_device, show_progress
 from .sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
@@ -189,8 +190,9 @@ class PairCache:
     the parts are read, so memory is bounded by the run, not by the cache. A damaged part (unreadable zip, a CRC
     error, indices out of range) is reported by one ``warning:`` line and its pairs are recomputed.
     """
-    def __init__(self, root: Optional[str], namespace: str, writer=None, prefixes=None, targets=None):
+    def __init__(self, root: Optional[str], namespace: str, writer=None, prefixes=None, targets=None, label=None):
         self.dir = usable_cache_dir(Path(root) / f"condll-{namespace}" if root else None)
+        self.label = label  # <dir>/namespace.json, written when missing at a flush (``mia cache info``)
         self.writer = writer  # a scoring.BackgroundWriter: parts are written off the scoring loop
         self.mem: dict[str, dict[str, float]] = {}
         self.pending: list[tuple[str, str, float]] = []
@@ -206,14 +208,19 @@ class PairCache:
             if not (pi.shape == ti.shape == v.shape and pi.ndim == 1 and v.dtype == np.float32
                     and ((pi >= 0) & (pi < len(pk))).all() and ((ti >= 0) & (ti < len(tk))).all()):
                 raise ValueError("arrays do not fit together")
+        except FileNotFoundError:
+            return  # evicted since the directory was listed: recomputed
         except Exception as e:  # zipfile, json and numpy raise many types; a damaged part is recomputed
             print(f"warning: cache file {f} is damaged ({type(e).__name__}: {e}); its entries are recomputed",
                   file=sys.stderr)
             return
         keep_p = np.array([prefixes is None or k in prefixes for k in pk], bool)
         keep_t = np.array([targets is None or k in targets for k in tk], bool)
-        for n in np.flatnonzero(keep_p[pi] & keep_t[ti]):
+        kept = np.flatnonzero(keep_p[pi] & keep_t[ti])
+        for n in kept:
             self.mem.setdefault(pk[pi[n]], {}).setdefault(tk[ti[n]], float(v[n]))
+        if len(kept):
+            cache_limit.touch(f)  # recency for LRU eviction
 
     def get(self, pk: str, tk: str) -> Optional[float]:
         return self.mem.get(pk, {}).get(tk)
@@ -226,6 +233,8 @@ class PairCache:
         pending, self.pending = self.pending, []
         if self.dir is None or not pending:
             return
+        if self.label is not None:  # again when eviction emptied the directory and removed it
+            cache_limit.write_label(self.dir, self.label)
         job = lambda: self._write(pending)  # noqa: E731
         self.writer.submit(job) if self.writer is not None else job()
 
@@ -239,8 +248,8 @@ class PairCache:
                       ti=np.array([ti[t] for _, t, _ in pending], np.int32),
                       v=np.array([v for _, _, v in pending], np.float32))
         name = hashlib.sha256(("".join(pkeys) + "|" + "".join(tkeys) + str(len(pending))).encode()).hexdigest()[:16]
-        self.dir.mkdir(parents=True, exist_ok=True)
-        save_npz(self.dir / f"part-{name}.npz", **arrays)
+        cache_limit.write_in(self.dir, lambda: save_npz(self.dir / f"part-{name}.npz", **arrays))
+        cache_limit.note_write(self.dir.parent, cache_limit.file_size(self.dir / f"part-{name}.npz"))
 
 
 def condll_namespace(model, include_first: bool, cache_tag: str = "") -> str:
@@ -300,7 +309,8 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
     with BackgroundWriter() as writer:
         cache_dir = settings.cache_dir if settings.cache_dir and cacheable(model, params) else None  # no cache, no hash
         store = PairCache(cache_dir, condll_namespace(model, include_first, cache_tag) if cache_dir else "", writer,
-                          set(pkeys), set(tkeys))
+                          set(pkeys), set(tkeys), label=cache_label(model, f"condll|first={int(include_first)}|"
+                                                                            f"{cache_tag}") if cache_dir else None)
         have_not = np.array([[store.get(pk, tk) is None for tk in ut] for pk in up], bool).reshape(len(up), len(ut))
         missing = any_process(have_not)
         todo = {up[a]: {ut[b] for b in np.flatnonzero(missing[a])} for a in range(len(up)) if missing[a].any()}

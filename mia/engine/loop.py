@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .batching import Batch, ScoringSettings, plan_batches, put_padded
-from .cache import BackgroundWriter, StatsCache, cacheable, cache_namespace, example_key
+from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
 from .distributed import any_process
 from .sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, make_mesh,
                        param_shardings, put_params, replicated, start_fetch)
@@ -136,7 +136,8 @@ def compute_token_stats(
     params = placed_params(model, params)
     keys = [example_key(t) for t in token_lists]
     with BackgroundWriter() as writer:
-        cache = StatsCache(cache_dir, cache_namespace(model, cache_tag) if cache_dir else "", writer)
+        cache = StatsCache(cache_dir, cache_namespace(model, cache_tag) if cache_dir else "", writer,
+                           label=cache_label(model, cache_tag) if cache_dir else None)
         cached = cache.lookup(keys)
         results: list[Optional[dict]] = [cached.get(k) for k in keys]
         del cached
