@@ -1,6 +1,6 @@
 """Benchmark: padding and speed of the scoring engine's length buckets, power-of-two vs multiple-of-step buckets.
 
-    python -m experiments.bench_padding [--rows 96] [--plan-rows 10000] [--step 128] [--hidden 64 --layers 2]
+    python -m experiments.bench_padding [--rows 128 --budget 2048] [--plan-rows 1000 10000] [--step 128]
 
 Two rules side by side on the same synthetic corpora (``ScoringSettings``, everything else at its default):
 
@@ -16,14 +16,16 @@ Corpora (token counts per text; seeded):
 
 Printed per corpus and rule: compiled programs (distinct batch shapes of the plan = length buckets), the padding
 factor (padded tokens / real tokens, by the row lengths alone, and as computed: batches x rows x length, which also
-counts the empty rows of a bucket's last batch), the first run (compiling included) and the best of ``--repeats``
-warm runs of ``compute_token_stats`` with a tiny random GPT-NeoX on this machine, real tokens/s, and the ratio
-baseline / mia. The plan-only columns are also printed for ``--plan-rows`` rows (no model). The two rules' log-probs
-are compared (max |difference|).
+counts the empty rows of each bucket: a bucket's row count is a power of two), the first run (compiling included)
+and the best of ``--repeats`` warm runs of ``compute_token_stats`` with a tiny random GPT-NeoX (hidden 32, 1 layer,
+vocab 256: cheap enough that 2 CPU cores finish in about 2 minutes) at ``--budget`` padded tokens per batch, real
+tokens/s, and the ratio baseline / mia. The two rules' log-probs are compared (max |difference|). The plan-only
+table (no model) gives the same padding columns at the default token budget for ``--plan-rows`` texts.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 
@@ -93,14 +95,16 @@ def timed_runs(model, seqs, settings, repeats: int):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=96, help="texts per corpus for the timed runs")
-    ap.add_argument("--plan-rows", type=int, default=10000, help="texts per corpus for the plan-only table")
+    ap.add_argument("--rows", type=int, default=128, help="texts per corpus for the timed runs")
+    ap.add_argument("--budget", type=int, default=2048, help="token_budget of the timed runs")
+    ap.add_argument("--plan-rows", type=int, nargs="+", default=[1000, 10000],
+                    help="texts per corpus for the plan-only table")
     ap.add_argument("--step", type=int, default=128, help="bucket_step of the mia side")
     ap.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=CORPORA)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args(argv)
 
     import jax
@@ -109,19 +113,23 @@ def main(argv=None):
 
     rules = {"baseline (powers of two)": ScoringSettings(progress=False, bucket_step=0),
              f"mia (step {args.step})": ScoringSettings(progress=False, bucket_step=args.step)}
+    timed = {k: dataclasses.replace(s, token_budget=args.budget) for k, s in rules.items()}
 
-    print(f"plan only, {args.plan_rows} texts per corpus, token budget {ScoringSettings().token_budget}, one device")
-    print(f"{'corpus':<15} {'rule':<26} {'programs':>8} {'pad (rows)':>10} {'pad (computed)':>14}")
+    print(f"plan only, default token budget {ScoringSettings().token_budget}, one device")
+    print(f"{'corpus':<15} {'texts':>6} {'rule':<26} {'programs':>8} {'pad (rows)':>10} {'pad (computed)':>14}")
     for name in args.corpora:
-        lengths = corpus_lengths(name, args.plan_rows, seed=1)
-        for label, s in rules.items():
-            p = plan_numbers(lengths, s)
-            print(f"{name:<15} {label:<26} {p['programs']:8d} {p['pad_rows']:10.3f} {p['pad_computed']:14.3f}")
+        for n in args.plan_rows:
+            lengths = corpus_lengths(name, n, seed=1)
+            for label, s in rules.items():
+                p = plan_numbers(lengths, s)
+                print(f"{name:<15} {n:6d} {label:<26} {p['programs']:8d} {p['pad_rows']:10.3f} "
+                      f"{p['pad_computed']:14.3f}")
 
     model = tiny_model(args.hidden, args.layers, args.vocab)
     print(f"\ntoken stats, random GPT-NeoX hidden={args.hidden} layers={args.layers} vocab={args.vocab}, "
-          f"{args.rows} texts per corpus, jax {jax.__version__} on {jax.devices()[0].platform} "
-          f"({len(jax.devices())} device), first run compiles, warm = best of {args.repeats}")
+          f"{args.rows} texts per corpus, token budget {args.budget},\njax {jax.__version__} on "
+          f"{jax.devices()[0].platform} ({len(jax.devices())} device), first run compiles, "
+          f"warm = best of {args.repeats}")
     print(f"{'corpus':<15} {'rule':<26} {'programs':>8} {'pad':>6} {'first s':>8} {'warm s':>7} {'tok/s':>8}")
     for name in args.corpora:
         lengths = corpus_lengths(name, args.rows, seed=0)
@@ -129,7 +137,7 @@ def main(argv=None):
         seqs = [rng.integers(0, args.vocab, int(n)).astype(np.int32) for n in lengths]
         real = int(lengths.sum())
         rows = {}
-        for label, s in rules.items():
+        for label, s in timed.items():
             cold, warm, out = timed_runs(model, seqs, s, args.repeats)
             p = plan_numbers(lengths, s)
             rows[label] = (cold, warm, out)
