@@ -104,7 +104,7 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
 
     import jax
