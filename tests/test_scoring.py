@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from hf_tiny import padded_batch, torch_logits
-from mia.engine.batching import plan_batches, ScoringSettings
+from mia.engine.batching import BUCKETS_PER_OCTAVE, bucket_length, plan_batches, pow2_ceil, ScoringSettings
 from mia.engine.loop import compute_token_stats
 from mia.engine.stats import token_stats
 
@@ -59,17 +59,53 @@ def test_scores_do_not_depend_on_batch_padding_or_bucket(tiny_model):
             np.testing.assert_allclose(a[k], c[k], atol=1e-5, rtol=0)
 
 
-def test_plan_batches_one_shape_per_length_bucket_and_a_per_device_budget():
+def test_scores_do_not_depend_on_the_bucket_rule(tiny_model):
+    """Power-of-two buckets (``bucket_step=0``) and multiple-of-step buckets pad rows over 16 to other lengths
+    (150 -> 256 or 160, 40 -> 64 or 48, 90 -> 128 or 96); the token stats agree within float tolerance."""
+    seqs = _random_lists(tiny_model.vocab_size, [150, 40, 90, 17, 3, 129], seed=2)
+    lengths = [len(s) for s in seqs]
+    pow2, fine = ScoringSettings(progress=False, bucket_step=0), ScoringSettings(progress=False, bucket_step=16)
+    assert {b.length for b in plan_batches(lengths, pow2)} == {16, 32, 64, 128, 256}
+    assert {b.length for b in plan_batches(lengths, fine)} == {16, 32, 48, 96, 144, 160}
+    a, b = (compute_token_stats(tiny_model, seqs, s) for s in (pow2, fine))
+    for x, y in zip(a, b):
+        for k in x:
+            np.testing.assert_allclose(x[k], y[k], atol=1e-5, rtol=0, err_msg=k)
+
+
+@pytest.mark.parametrize("step", [0, 16, 100, 128])
+def test_bucket_length_covers_the_row_and_bounds_buckets_and_padding(step):
+    lengths = range(1, 5000)
+    got = {n: bucket_length(n, 16, step) for n in lengths}
+    assert all(got[n] >= n for n in lengths)
+    assert all(got[n] == pow2_ceil(n, 16) for n in lengths if step == 0 or pow2_ceil(n, 16) <= step)
+    assert all(got[m] <= got[n] for m, n in zip(lengths, lengths[1:]))  # sorted rows stay sorted by bucket
+    if step:
+        for p in (256, 512, 1024, 2048, 4096):  # at most BUCKETS_PER_OCTAVE buckets in each octave (p/2, p]
+            assert len({got[n] for n in range(p // 2 + 1, min(p, 4999) + 1)}) <= BUCKETS_PER_OCTAVE
+        assert all(got[n] - n < max(step, n / 8) for n in lengths if n > step)
+    if step == 128:  # the documented bound: 19 buckets up to 2048 at the defaults, 8 more per doubling
+        assert len({got[n] for n in range(1, 2049)}) == 19 and len({got[n] for n in range(1, 4097)}) == 27
+        assert bucket_length(129, 16, 128) == 256 and bucket_length(300, 16, 128) == 384
+        assert bucket_length(2049, 16, 128) == 2304
+
+
+@pytest.mark.parametrize("step", [0, 128])
+def test_plan_batches_one_shape_per_length_bucket_and_a_per_device_budget(step):
     lengths = list(range(2, 600, 7))
     for n_data in (1, 8):
-        plan = plan_batches(lengths, ScoringSettings(token_budget=2048), n_data)
+        plan = plan_batches(lengths, ScoringSettings(token_budget=2048, bucket_step=step), n_data)
         assert sorted(i for b in plan for i in b.members) == list(range(len(lengths)))
-        assert len({(b.length, b.rows) for b in plan}) == len({b.length for b in plan}) <= 7  # 16 ... 1024
+        n_buckets = len({bucket_length(n, 16, step) for n in lengths})  # 16 ... 1024, or 16 ... 128, 256 ... 640
+        assert len({(b.length, b.rows) for b in plan}) == len({b.length for b in plan}) == n_buckets
+        assert n_buckets == (7 if step == 0 else 8)
         for b in plan:
             assert all(lengths[i] <= b.length for i in b.members) and len(b.members) <= b.rows
             assert b.rows % n_data == 0 and (b.rows // n_data) * b.length <= max(2048, b.length)
-    one, eight = (plan_batches([300] * 64, ScoringSettings(token_budget=2048), n) for n in (1, 8))
+    one, eight = (plan_batches([300] * 64, ScoringSettings(token_budget=2048, bucket_step=0), n) for n in (1, 8))
     assert [b.rows for b in one] == [4] * 16 and [b.rows for b in eight] == [32, 32]  # 8 devices: 8x the rows
+    one = plan_batches([300] * 64, ScoringSettings(token_budget=2048), 1)  # bucket 384: 5 rows -> 4 (a power of 2)
+    assert [(b.length, b.rows) for b in one] == [(384, 4)] * 16
 
 
 def test_disk_cache_is_reused_and_resumes(tiny_model, tmp_path, monkeypatch):

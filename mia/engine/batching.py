@@ -1,8 +1,9 @@
 """Batching: length buckets, one row count per bucket, padded rows placed on the mesh.
 
-Every number here changes speed and memory, never a score (tests check it): rows are padded to a power-of-two
-length bucket and every batch of a bucket has the same row count, so a dataset compiles at most one program per
-bucket. ``token_budget`` and ``max_batch`` count per data-parallel device.
+Every number here changes speed and memory, never a score (tests check it): rows are padded to a length bucket
+(``bucket_length``: powers of two up to ``bucket_step``, multiples of it above) and every batch of a bucket has the
+same row count, so a dataset compiles at most one program per bucket. ``token_budget`` and ``max_batch`` count per
+data-parallel device.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ScoringSettings:
 
     token_budget: int = 16384  # padded tokens per batch per data-parallel device
     min_bucket: int = 16  # lengths are padded up to a power of two >= this
+    bucket_step: int = 128  # above this length, buckets are multiples of it (0: powers of two only); bucket_length
     max_batch: int = 256  # rows per batch per data-parallel device
     cache_dir: Optional[str] = None  # None: no on-disk cache
     progress: bool = True
@@ -38,9 +40,27 @@ def pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def bucket_length(n: int, min_bucket: int = 16) -> int:
-    """The padded length of an n-token row: a power of two >= ``min_bucket``."""
-    return pow2_ceil(n, min_bucket)
+BUCKETS_PER_OCTAVE = 8  # above bucket_step: at most this many buckets between a power of two and its double
+
+
+def bucket_length(n: int, min_bucket: int = 16, step: int = 0) -> int:
+    """The padded length of an n-token row.
+
+    ``step`` 0 (or n <= ``step``): the power of two >= n and >= ``min_bucket``. Above ``step``: n rounded up to a
+    multiple of max(``step``, p / 16), p the power of two >= n, so an octave (p/2, p] holds at most
+    ``BUCKETS_PER_OCTAVE`` buckets however long the rows, and a row of n > 2 ``step`` tokens is padded by less than
+    max(``step``, n / 8) tokens.
+
+    Buckets for lengths up to L > ``step`` (a bound on compiled programs; ``step`` a power of two >= ``min_bucket``):
+    log2(``step`` / ``min_bucket``) + 1 powers of two, plus at most min(p / (2 ``step``), 8) per octave (p/2, p]
+    above ``step``: 4 + 1 + 2 + 4 + 8 = 19 up to 2048 at the defaults (16, 128), 8 more per doubling of L,
+    against 8 powers of two (16 ... 2048).
+    """
+    p = pow2_ceil(n, min_bucket)
+    if step <= 0 or p <= step:
+        return p
+    g = max(step, p // (2 * BUCKETS_PER_OCTAVE))
+    return -(-n // g) * g
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +79,16 @@ def bucket_rows(n_examples: int, cap_per_device: int, n_data: int) -> int:
 
 
 def plan_batches(lengths: Sequence[int], settings: ScoringSettings, n_data: int = 1) -> list[Batch]:
-    """Group example indices into batches: sorted by length, power-of-two length buckets, and ONE row count per
-    bucket (a multiple of the ``data`` size), so a dataset compiles at most one program per length bucket.
+    """Group example indices into batches: sorted by length, length buckets (``bucket_length`` with
+    ``settings.min_bucket`` and ``settings.bucket_step``), and ONE row count per bucket (a multiple of the ``data``
+    size), so a dataset compiles at most one program per length bucket.
 
     Rows per bucket: min(token_budget // length, max_batch) per device (rounded down to a power of two), or fewer
     when the whole bucket fits (the power of two holding it), times the ``data`` size.
     """
     buckets: dict[int, list[int]] = {}
     for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        buckets.setdefault(bucket_length(lengths[i], settings.min_bucket), []).append(i)
+        buckets.setdefault(bucket_length(lengths[i], settings.min_bucket, settings.bucket_step), []).append(i)
     batches = []
     for blen, members in sorted(buckets.items()):
         cap = max(1, min(settings.max_batch, settings.token_budget // blen))

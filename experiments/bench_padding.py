@@ -1,0 +1,153 @@
+"""Benchmark: padding and speed of the scoring engine's length buckets, power-of-two vs multiple-of-step buckets.
+
+    python -m experiments.bench_padding [--rows 128 --budget 2048] [--plan-rows 1000 10000] [--step 128]
+
+Two rules side by side on the same synthetic corpora (``ScoringSettings``, everything else at its default):
+
+  baseline  ``bucket_step=0``: every row padded to the power of two >= its length (>= ``min_bucket`` 16)
+  mia       ``bucket_step=--step``: powers of two up to the step, multiples of it above (at most 8 per octave)
+
+Corpora (token counts per text; seeded):
+
+  log-uniform   lengths log-uniform in [32, 2048]
+  wikimia+mimir half WikiMIA-like (a length split L in {32, 64, 128, 256} words at random, L x U(1.0, 1.5) tokens),
+                half MIMIR-like (normal around 200 tokens, sd 40, clipped to [64, 400])
+  long          lengths uniform in [512, 2048] (long-row mixes: whole documents, long MIMIR/pile chunks)
+
+Printed per corpus and rule: compiled programs (distinct batch shapes of the plan = length buckets), the padding
+factor (padded tokens / real tokens, by the row lengths alone, and as computed: batches x rows x length, which also
+counts the empty rows of each bucket: a bucket's row count is a power of two), the first run (compiling included)
+and the best of ``--repeats`` warm runs of ``compute_token_stats`` with a tiny random GPT-NeoX (hidden 32, 1 layer,
+vocab 256: cheap enough that 2 CPU cores finish in about 2 minutes) at ``--budget`` padded tokens per batch, real
+tokens/s, and the ratio baseline / mia. The two rules' log-probs are compared (max |difference|). The plan-only
+table (no model) gives the same padding columns at the default token budget for ``--plan-rows`` texts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+
+import numpy as np
+
+CORPORA = ("log-uniform", "wikimia+mimir", "long")
+
+
+def corpus_lengths(name: str, n: int, seed: int = 0) -> np.ndarray:
+    """Token counts of ``n`` synthetic texts of corpus ``name`` (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    if name == "log-uniform":
+        return np.exp(rng.uniform(np.log(32), np.log(2048), n)).round().astype(int)
+    if name == "wikimia+mimir":
+        wiki = rng.choice([32, 64, 128, 256], n - n // 2) * rng.uniform(1.0, 1.5, n - n // 2)
+        mimir = np.clip(rng.normal(200, 40, n // 2), 64, 400)
+        return rng.permutation(np.concatenate([wiki, mimir])).round().astype(int)
+    if name == "long":
+        return rng.integers(512, 2049, n)
+    raise ValueError(f"unknown corpus {name!r}; one of {', '.join(CORPORA)}")
+
+
+def plan_numbers(lengths, settings) -> dict:
+    """Programs, padding factor by row lengths, padding factor as computed (batches x rows x length)."""
+    from mia.engine.batching import bucket_length, plan_batches
+
+    lengths = [int(n) for n in lengths]
+    plan = plan_batches(lengths, settings)
+    real = int(np.sum(lengths))
+    by_row = sum(bucket_length(int(n), settings.min_bucket, settings.bucket_step) for n in lengths)
+    return {"programs": len({(b.length, b.rows) for b in plan}), "pad_rows": by_row / real,
+            "pad_computed": sum(b.rows * b.length for b in plan) / real}
+
+
+def tiny_model(hidden: int, layers: int, vocab: int):
+    import torch
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    import mia.models as mm
+
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                        intermediate_size=4 * hidden, max_position_embeddings=2048, rotary_pct=0.25)
+    with tempfile.TemporaryDirectory() as d:
+        AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(d)
+        return mm.load(d)
+
+
+def timed_runs(model, seqs, settings, repeats: int):
+    """(first run s with compiling, best warm s, results) of ``compute_token_stats`` from empty jit caches."""
+    import jax
+
+    from mia.engine import loop
+
+    jax.clear_caches()
+    loop.jitted_token_stats.cache_clear()
+    t0 = time.perf_counter()
+    out = loop.compute_token_stats(model, seqs, settings)
+    cold = time.perf_counter() - t0
+    warm = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        loop.compute_token_stats(model, seqs, settings)
+        warm.append(time.perf_counter() - t0)
+    return cold, min(warm), out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=128, help="texts per corpus for the timed runs")
+    ap.add_argument("--budget", type=int, default=2048, help="token_budget of the timed runs")
+    ap.add_argument("--plan-rows", type=int, nargs="+", default=[1000, 10000],
+                    help="texts per corpus for the plan-only table")
+    ap.add_argument("--step", type=int, default=128, help="bucket_step of the mia side")
+    ap.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=CORPORA)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from mia.engine.batching import ScoringSettings
+
+    rules = {"baseline (powers of two)": ScoringSettings(progress=False, bucket_step=0),
+             f"mia (step {args.step})": ScoringSettings(progress=False, bucket_step=args.step)}
+    timed = {k: dataclasses.replace(s, token_budget=args.budget) for k, s in rules.items()}
+
+    print(f"plan only, default token budget {ScoringSettings().token_budget}, one device")
+    print(f"{'corpus':<15} {'texts':>6} {'rule':<26} {'programs':>8} {'pad (rows)':>10} {'pad (computed)':>14}")
+    for name in args.corpora:
+        for n in args.plan_rows:
+            lengths = corpus_lengths(name, n, seed=1)
+            for label, s in rules.items():
+                p = plan_numbers(lengths, s)
+                print(f"{name:<15} {n:6d} {label:<26} {p['programs']:8d} {p['pad_rows']:10.3f} "
+                      f"{p['pad_computed']:14.3f}")
+
+    model = tiny_model(args.hidden, args.layers, args.vocab)
+    print(f"\ntoken stats, random GPT-NeoX hidden={args.hidden} layers={args.layers} vocab={args.vocab}, "
+          f"{args.rows} texts per corpus, token budget {args.budget},\njax {jax.__version__} on "
+          f"{jax.devices()[0].platform} ({len(jax.devices())} device), first run compiles, "
+          f"warm = best of {args.repeats}")
+    print(f"{'corpus':<15} {'rule':<26} {'programs':>8} {'pad':>6} {'first s':>8} {'warm s':>7} {'tok/s':>8}")
+    for name in args.corpora:
+        lengths = corpus_lengths(name, args.rows, seed=0)
+        rng = np.random.default_rng(0)
+        seqs = [rng.integers(0, args.vocab, int(n)).astype(np.int32) for n in lengths]
+        real = int(lengths.sum())
+        rows = {}
+        for label, s in timed.items():
+            cold, warm, out = timed_runs(model, seqs, s, args.repeats)
+            p = plan_numbers(lengths, s)
+            rows[label] = (cold, warm, out)
+            print(f"{name:<15} {label:<26} {p['programs']:8d} {p['pad_computed']:6.3f} {cold:8.2f} {warm:7.2f} "
+                  f"{real / warm:8.0f}")
+        (b_cold, b_warm, b_out), (m_cold, m_warm, m_out) = rows.values()
+        diff = max(float(np.abs(a["logprob"] - b["logprob"]).max()) for a, b in zip(b_out, m_out))
+        print(f"{name:<15} ratio baseline / mia: warm {b_warm / m_warm:.2f}x, first run {b_cold / m_cold:.2f}x; "
+              f"{real} real tokens; max |logprob difference| {diff:.1e}")
+
+
+if __name__ == "__main__":
+    main()
