@@ -208,6 +208,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert la == lb
 
 
+@pytest.mark.slow  # (15 s) the default run keeps the dial on a suite member (test_checkmiabench)
 def test_memorization_dial_gives_real_signal(smoke_testbed, tmp_path):
     from experiments.checkmia import draw_split
     from mia.attacks.loss import mean_loglik
