@@ -188,6 +188,14 @@ def _x(epsilon: Optional[float], largest: float) -> float:
     return 4 * largest if epsilon is None else epsilon
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Lay out, save as PNG (no software stamp: same inputs, same bytes) and close."""
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
 def plot_vs_epsilon(rows: Sequence[dict], path: Path) -> Path:
     """AUC (canaries, natural) and TPR@1%FPR (canaries) against the accountant epsilon, log scale; the non-private
     model is drawn at 4x the largest epsilon (marked "inf")."""
@@ -206,10 +214,7 @@ def plot_vs_epsilon(rows: Sequence[dict], path: Path) -> Path:
         ax.axvline(2 * largest, color="grey", lw=0.5)
         ax.set(title=title, xlabel="accountant epsilon (rightmost: non-private)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_eps_lower(rows: Sequence[dict], path: Path) -> Path:
@@ -226,10 +231,7 @@ def plot_eps_lower(rows: Sequence[dict], path: Path) -> Path:
     ax.set(xlabel="accountant epsilon (upper bound)", ylabel="eps_lower (one run, 95%)",
            title="what the attacks prove")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_exposure(exposure: Sequence[dict], path: Path) -> Path:
@@ -246,10 +248,7 @@ def plot_exposure(exposure: Sequence[dict], path: Path) -> Path:
     ax.set(xscale="log", xlabel="repetitions r", ylabel="mean exposure (bits, skew-normal)",
            title="exposure vs repetitions")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 # ============================================================================================ report

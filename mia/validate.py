@@ -197,6 +197,20 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 # ============================================================================================== paths
+def utf8_lines(path, error: type = InputError):
+    """Yield ``(lineno, line)`` for every non-blank line of the file at ``path`` (1-based line numbers, the newline
+    kept). A line that is not UTF-8 stops with one ``error`` naming ``path:lineno``, the bad byte and its offset."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise error(f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at byte {e.start} "
+                            "of the line)") from None
+            if line.strip():
+                yield lineno, line
+
+
 def input_file(path, what: str, *, error=InputError) -> Path:
     """An existing regular file (``what`` names the option or role, e.g. ``--data``)."""
     p = Path(path)

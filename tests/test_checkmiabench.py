@@ -293,30 +293,41 @@ def test_pythia_layout_end_to_end(tiny_neox_dir, tmp_path):
     assert len(s["recency"]) == 2 * 8 and (out / "attacks.tex").exists()
 
 
-def test_pythia_duplicate_of_a_learned_row_is_dropped_not_fatal(tiny_neox_dir, tmp_path):
-    """Real orders hold exact duplicate rows: an evaluated row equal to a training row is left out (the training
-    copy kept), counted in the summary and the report, and the run goes on; the split still checks clean."""
+def _run_with_planted_copy(tiny_neox_dir, tmp_path, copy_of, original) -> tuple:
+    """Draw the tiny Pythia layout's split once, then write the layout again with the row of the drawn example
+    picked by ``copy_of`` overwritten by the one picked by ``original`` (each: (partition, label)), and run
+    checkmiabench on it -> (copy, original, results dir, summary)."""
     import transformers
 
     from experiments.common import draw_pythia_split
-    from mia.data.splits import read_split
-    from mia.data.verify import check_split
 
     vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
-    models, shards, idx, _ = pythia_layout(tmp_path / "clean", tiny_neox_dir, vocab)
+    _, shards, idx, _ = pythia_layout(tmp_path / "clean", tiny_neox_dir, vocab)
     sizes = cmb.PRESETS["default"].sizes.replace(eval=20, train=20, prefix=0)
     _, drawn, _ = draw_pythia_split(shards, idx, LAYOUT_STEP, sizes, 0, end_step=LAYOUT_END, batch_size=LAYOUT_B)
-    train = next(e for e in drawn if e["partition"] == "train" and e["label"] == 1)
-    ev = next(e for e in drawn if e["partition"] == "eval" and e["label"] == 1)
+
+    def pick(partition, label):
+        return next(e for e in drawn if e["partition"] == partition and e["label"] == label)
+
+    copy, orig = pick(*copy_of), pick(*original)
     models, shards, idx, _ = pythia_layout(tmp_path / "dup", tiny_neox_dir, vocab,
-                                           copies=[(ev["index"], train["index"])])
+                                           copies=[(copy["index"], orig["index"])])
     out = tmp_path / "out"
     argv = ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP),
             "--batch-size", str(LAYOUT_B), "--end-step", str(LAYOUT_END), "--n-members", "20", "--n-train", "20",
             "--n-prefix", "0", "--attacks", "loss", "--no-blind", "--bootstrap", "20", "--no-progress",
             "--out", str(out)]
     assert cmb.main(argv) == 0
-    s = json.loads((out / "summary.json").read_text())
+    return copy, orig, out, json.loads((out / "summary.json").read_text())
+
+
+def test_pythia_duplicate_of_a_learned_row_is_dropped_not_fatal(tiny_neox_dir, tmp_path):
+    """Real orders hold exact duplicate rows: an evaluated row equal to a training row is left out (the training
+    copy kept), counted in the summary and the report, and the run goes on; the split still checks clean."""
+    from mia.data.splits import read_split
+    from mia.data.verify import check_split
+
+    ev, train, out, s = _run_with_planted_copy(tiny_neox_dir, tmp_path, ("eval", 1), ("train", 1))
     assert s["splits"][str(LAYOUT_STEP)]["duplicates_dropped"] == 1
     assert any("1 evaluated row(s) with the same tokens as a learned-from row dropped" in n and ev["id"] in n
                for n in s["notes"])
@@ -332,27 +343,10 @@ def test_pythia_member_copy_among_nonmembers_is_dropped_not_fatal(tiny_neox_dir,
     """An evaluated non-member row equal to an evaluated member row (a real order's duplicate on both sides of the
     checkpoint): ``mia.score`` refuses one input labelled both, so the draw leaves the non-member copy out (the
     member kept), notes it, and the split still checks clean."""
-    import transformers
-
-    from experiments.common import draw_pythia_split
     from mia.data.splits import read_split
     from mia.data.verify import check_split
 
-    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
-    models, shards, idx, _ = pythia_layout(tmp_path / "clean", tiny_neox_dir, vocab)
-    sizes = cmb.PRESETS["default"].sizes.replace(eval=20, train=20, prefix=0)
-    _, drawn, _ = draw_pythia_split(shards, idx, LAYOUT_STEP, sizes, 0, end_step=LAYOUT_END, batch_size=LAYOUT_B)
-    member = next(e for e in drawn if e["partition"] == "eval" and e["label"] == 1)
-    nonmember = next(e for e in drawn if e["partition"] == "eval" and e["label"] == 0)
-    models, shards, idx, _ = pythia_layout(tmp_path / "dup", tiny_neox_dir, vocab,
-                                           copies=[(nonmember["index"], member["index"])])
-    out = tmp_path / "out"
-    argv = ["--pythia", str(models), "--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP),
-            "--batch-size", str(LAYOUT_B), "--end-step", str(LAYOUT_END), "--n-members", "20", "--n-train", "20",
-            "--n-prefix", "0", "--attacks", "loss", "--no-blind", "--bootstrap", "20", "--no-progress",
-            "--out", str(out)]
-    assert cmb.main(argv) == 0
-    s = json.loads((out / "summary.json").read_text())
+    nonmember, member, out, s = _run_with_planted_copy(tiny_neox_dir, tmp_path, ("eval", 0), ("eval", 1))
     assert s["splits"][str(LAYOUT_STEP)]["label_conflicts_dropped"] == 1
     assert any("1 evaluated non-member row(s) with the same tokens as an evaluated member dropped" in n
                and nonmember["id"] in n for n in s["notes"])

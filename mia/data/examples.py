@@ -52,25 +52,18 @@ def read_examples(path, partitions: Optional[tuple] = SCORE_PARTITIONS,
     header: dict = {}
     out: list[Example] = []
     seen: dict[str, str] = {}
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 (byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except (ValueError, RecursionError) as e:
-                raise DataError(f"{where}: invalid JSON ({getattr(e, 'msg', type(e).__name__)})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if obj.get("type") == "header":
-                header = obj
-                continue
-            out.append(_example(obj, where, seen, partitions))
+    for lineno, line in V.utf8_lines(path, DataError):
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{where}: invalid JSON ({getattr(e, 'msg', type(e).__name__)})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if obj.get("type") == "header":
+            header = obj
+            continue
+        out.append(_example(obj, where, seen, partitions))
     if not out:
         raise DataError(f"{path}: no examples")
     return header, out

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 
 from ..atomic import atomic_write
+from ..validate import utf8_lines
 
 FORMAT = "mia-split/1"
 
@@ -86,23 +87,16 @@ def _split_lines(path: Path):
         raise SplitError(f"split file not found: {path}")
     if path.is_dir():
         raise SplitError(f"{path}: is a directory, not a split file")
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise SplitError(f"{path}:{lineno}: not UTF-8 text (byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SplitError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            except RecursionError:
-                raise SplitError(f"{path}:{lineno}: JSON nested too deeply") from None
-            if not isinstance(obj, dict):
-                raise SplitError(f"{path}:{lineno}: expected a JSON object")
-            yield lineno, obj, line
+    for lineno, line in utf8_lines(path, SplitError):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SplitError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+        except RecursionError:
+            raise SplitError(f"{path}:{lineno}: JSON nested too deeply") from None
+        if not isinstance(obj, dict):
+            raise SplitError(f"{path}:{lineno}: expected a JSON object")
+        yield lineno, obj, line
 
 
 def hash_matches(line: str, obj: dict, field: str) -> bool:

@@ -26,6 +26,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from ..offline import force_offline
+from ..validate import utf8_lines
 from .splits import SplitError, assign_partitions, file_record, partition_counts
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv", ".txt": "text"}
@@ -113,24 +114,16 @@ def _jsonl_strings(f: Path) -> Optional[list]:
     """The lines of a JSONL file when every non-blank line is a JSON string (MIMIR's cache layout), else None.
     A line that is not UTF-8 is one ``TextDataError`` naming the file and line."""
     out = []
-    with open(f, "rb") as fh:
-        for i, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise TextDataError(f"{f}:{i}: not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at byte "
-                                    f"{e.start} of the line)") from None
-            if not line.strip():
-                continue
-            if not line.lstrip().startswith('"'):
-                return None
-            try:
-                v = json.loads(line)
-            except json.JSONDecodeError:
-                return None
-            if not isinstance(v, str):
-                return None
-            out.append(v)
+    for i, line in utf8_lines(f, TextDataError):
+        if not line.lstrip().startswith('"'):
+            return None
+        try:
+            v = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(v, str):
+            return None
+        out.append(v)
     return out or None
 
 
