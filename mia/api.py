@@ -36,11 +36,12 @@ from .results import ScoreRun
 LEARNED_PARTITIONS = ("prefix", "member_prefix", "calib", "train")  # what attacks learn from; never scored
 
 
-def load(path, *, dtype: str = "float32", param_dtype: Optional[str] = None, mesh=None, fsdp: Optional[bool] = None,
+def load(path, *, dtype: str = "auto", param_dtype: Optional[str] = None, mesh=None, fsdp: Optional[bool] = None,
          tokenizer: bool = True) -> Model:
     """A local checkpoint directory (config.json, safetensors, tokenizer.json) as a ``Model``.
 
-    ``dtype``: the activations' dtype ("float32", "bfloat16", "float16"; log-probs are float32 whatever it is);
+    ``dtype``: "auto" (float32 on a CPU, bfloat16 on a GPU/TPU), "float32", "bfloat16" or "float16"
+    (docs/models.md#precision; log-probs are float32 whatever it is);
     ``mesh``: None (every device on ``data``, parameters replicated), a ``jax.sharding.Mesh``, or a string such as
     ``"data=2,model=4"``; ``fsdp``: shard parameters over ``data`` too (default: with an explicit mesh).
     """
@@ -154,6 +155,9 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     scored = tuple(scored)
     examples = read_data(data, partitions=scored + LEARNED_PARTITIONS)
     notes: list = []
+    if model.compute_dtype != "float32":
+        notes.append(f"the model computes in {model.compute_dtype} (float32 log-probs from {model.compute_dtype} "
+                     "layers; load it with dtype='float32' / --dtype float32 for float32 throughout)")
     if seq_tokens:  # whole lines first, then the pieces
         whole = [e for e in examples if e.partition in scored]
         for e in whole:

@@ -43,8 +43,8 @@ def _add_score_parser(sub) -> None:
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
     p.add_argument("--freq-corpus", help="local corpus (.jsonl with text|tokens, or plain text, one document a line) "
                                          "for the `dcpdd` token frequencies (default: the calib partition)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="precision (docs/models.md#precision)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="precision (docs/models.md#precision); auto: float32 on a CPU, bfloat16 on a GPU/TPU")
     p.add_argument("--batch-tokens", type=V.arg_int(1), default=16384,
                    help="padded tokens per batch per data-parallel device (8 devices on `data`: 8x the rows)")
     p.add_argument("--mesh", default=None, metavar="AXES",
@@ -191,7 +191,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--model", required=True,
                    help="model directory, config.json, or a named shape such as pythia-12b (the list: an unknown name "
                         "prints it)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): what `mia score` runs there, bfloat16 for a TPU topology or a GPU, float32 "
+                        "on a CPU")
     p.add_argument("--batch", type=int, default=8, help="rows per step (global, over the mesh's data axis)")
     p.add_argument("--length", type=int, default=2048, help="tokens per row")
     p.add_argument("--mesh", default=None,
@@ -212,6 +214,7 @@ def _fmt(n) -> str:
 def cmd_plan(args) -> int:
     """``mia plan``: ``mia.engine.plan.plan_scoring`` and its figures, one per line, then one JSON line."""
     from .engine import plan, sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
+    from .models.hub import resolve_dtype  # (the same)
 
     if args.batch < 1 or args.length < 2:
         raise plan.PlanError(f"--batch must be >= 1 and --length >= 2, got {args.batch} and {args.length}")
@@ -221,6 +224,7 @@ def cmd_plan(args) -> int:
     n_devices = len(devices) if devices is not None else plan.local_device_count()
     axes = sharding.parse_mesh(args.mesh, n_devices) if args.mesh else None
     attack, opts = plan.parse_plan_attack(args.attack)
+    args.dtype = resolve_dtype(args.dtype, "tpu" if args.topology else None)
     r = plan.plan_scoring(hf, dtype=args.dtype, batch=args.batch, length=args.length, mesh_axes=axes, devices=devices,
                           device_bytes=device_bytes, attack=attack, source=plan.config_source(args.model), **opts)
     where = f"TPU topology {args.topology}" if args.topology else "local devices"

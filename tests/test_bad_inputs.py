@@ -861,7 +861,7 @@ def test_python_api_dtype_error_lists_the_supported_dtypes(kw, tiny_neox_dir):
     import mia
 
     for path in (tiny_neox_dir, "/no/such/model"):
-        with pytest.raises(ValueError, match="supported: float32, bfloat16, float16") as e:
+        with pytest.raises(ValueError, match="supported: auto, float32, bfloat16, float16") as e:
             mia.load(path, **kw)
         assert "\n" not in str(e.value) and next(iter(kw)) in str(e.value)
 

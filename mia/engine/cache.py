@@ -26,7 +26,8 @@ from ..models.attention import requested_kernel
 from ..validate import InputError, output_dir
 from .stats import STAT_NAMES
 
-STATS_VERSION = "2"  # bump when the meaning or the numerics of cached statistics change (2: precision policy)
+STATS_VERSION = "3"  # bump when the meaning or the numerics of cached statistics change (2: precision policy;
+# 3: one attention rounding rule)
 
 
 class BackgroundWriter:

@@ -47,7 +47,8 @@ from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_devic
 from .sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
 from .stats import chunk_size, logprob_from_hidden
 
-CONDLL_VERSION = "2"  # bump when the meaning or numerics of cached conditional LLs change (2: precision policy)
+CONDLL_VERSION = "3"  # bump when the meaning or numerics of cached conditional LLs change (2: precision policy;
+# 3: one attention rounding rule)
 
 # Tests replace this with ``chex.assert_max_traces(n=...)`` to count compilations; identity otherwise.
 _TRACE_WRAP = lambda f: f  # noqa: E731

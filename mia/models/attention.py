@@ -10,7 +10,10 @@ Masking by position id makes right-padded targets, left-padded prefixes and a ca
 whose token is valid always has at least one allowed key (itself); a fully masked row (an all-padding batch row)
 yields some finite value (uniform attention in ``exact``), never NaN. Rows of padding queries are not used downstream.
 
-Kernels (all return [B, T, H, E] in v's dtype; scores, softmax and accumulation in float32 for any input dtype):
+Kernels (all return [B, T, H, E] in v's dtype; scores, softmax and accumulation in float32 for any input dtype).
+exact and blocked share one rounding rule (``_weights``): unnormalised weights 2^(score*log2(e) - M) with M the
+row maximum rounded up to an integer, rounded to v's dtype for the weighted sum (float32 accumulation), divided by
+their float32 sum at the end. In bf16 the two then agree to float32 summation order, not bf16 rounding.
   exact    materialises the float32 scores [B, K, G, T, S]: the reference the tests compare against; used for
            short keys.
   blocked  flash-style online softmax in plain JAX: for each block of queries, a scan over key blocks keeps the
@@ -67,19 +70,48 @@ def allowed_mask(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array, window) ->
     return allowed
 
 
+# ------------------------------------------------------------------------------------------------ rounding rule
+LOG2E = 1.4426950408889634
+
+
+def _log2_scores(spec: str, q: Array, k: Array, scale: float) -> Array:
+    """Scores in base-2 units, float32: (q . k) * scale * log2(e), products of the inputs summed in float32."""
+    return jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * (scale * LOG2E)
+
+
+def _integer_max(scores: Array) -> Array:
+    """[..., 1] the row maximum of base-2 scores rounded up to an integer (float32)."""
+    return jnp.ceil(jnp.max(scores, axis=-1, keepdims=True))
+
+
+def _weights(scores: Array, row_max: Array) -> Array:
+    """Unnormalised float32 softmax weights 2^(score - max) in (0, 1].
+
+    The one rounding rule of every kernel we own: these weights are rounded to v's dtype for the weighted sum of
+    values (accumulated in float32) and normalised afterwards by their float32 sum. Because the maximum is an
+    integer, the online softmax's rescaling between key blocks is a power of two, which commutes with rounding to
+    bf16/fp16: the blocked kernel rounds exactly the weights the exact kernel rounds, and the two differ only by
+    float32 summation order, in any dtype (a plain softmax rounded to bf16 differs from the blocked recurrence by up
+    to ~1e-2 nats per token).
+    """
+    return jnp.exp2(scores - row_max)
+
+
 # ------------------------------------------------------------------------------------------------ exact
 def exact_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
                     window: Window = None) -> Array:
-    """The reference: full float32 scores [B, K, G, T, S], softmax, probabilities in v's dtype, float32 sums."""
+    """The reference: full float32 scores [B, K, G, T, S], the shared rounding rule (:func:`_weights`), float32
+    sums."""
     b, t, h, e = q_bthe.shape
     kv_heads = k_bske.shape[2]
     q = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e)
-    scores = jnp.einsum("btkge,bske->bkgts", q.astype(jnp.float32), k_bske.astype(jnp.float32)) * scale
+    scores = _log2_scores("btkge,bske->bkgts", q, k_bske, scale)
     allowed = allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window)
     scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bske.dtype)
-    out = jnp.einsum("bkgts,bske->btkge", probs, v_bske, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, e).astype(v_bske.dtype)
+    p = _weights(scores, _integer_max(scores))
+    out = jnp.einsum("bkgts,bske->btkge", p.astype(v_bske.dtype), v_bske, preferred_element_type=jnp.float32)
+    l = jnp.sum(p, axis=-1).transpose(0, 3, 1, 2)[..., None]  # [B, T, K, G, 1]
+    return (out / l).reshape(b, t, h, e).astype(v_bske.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ blocked
@@ -110,18 +142,19 @@ def _pad_axis1(x: Array, n: int, value=0) -> Array:
 
 
 def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_valid_bs, *, scale, window):
-    """Fold one key block into the running (max m, sum l, weighted values acc) of one query block, all float32.
+    """Fold one key block into the running (integer max m of base-2 scores, sum l, weighted values acc) of one
+    query block, all float32.
 
     m, l: [B, K, G, Q]; acc: [B, K, G, Q, E]. Masked scores are MASK_VALUE (finite), so m is finite after the
     first block and a row that later sees a real key forgets its masked entries (their weight exp(MASK - m) is 0).
     """
     m, l, acc = carry
-    s = jnp.einsum("bqkge,bske->bkgqs", q_bqkge, k_bske, preferred_element_type=jnp.float32) * scale
+    s = _log2_scores("bqkge,bske->bkgqs", q_bqkge, k_bske, scale)
     allowed = allowed_mask(q_pos_bq, k_pos_bs, k_valid_bs, window)
     s = jnp.where(allowed[:, None, None, :, :], s, MASK_VALUE)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    p = jnp.exp(s - m_new[..., None])
-    correction = jnp.exp(m - m_new)
+    m_new = jnp.maximum(m, _integer_max(s)[..., 0])
+    p = _weights(s, m_new[..., None])
+    correction = jnp.exp2(m - m_new)  # an exact power of two (or 0 from the initial -inf)
     l = l * correction + jnp.sum(p, axis=-1)
     pv = jnp.einsum("bkgqs,bske->bkgqe", p.astype(v_bske.dtype), v_bske, preferred_element_type=jnp.float32)
     return m_new, l, acc * correction[..., None] + pv

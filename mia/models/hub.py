@@ -66,6 +66,11 @@ class Model:
         on first use only: a run without the on-disk cache never hashes the weight files."""
         return resolve_lazy(self, "content_address")
 
+    @property
+    def compute_dtype(self) -> str:
+        """The activations' dtype name ("float32", "bfloat16"); float16 mode computes in float32."""
+        return jnp.dtype(self.module.dtype).name
+
     def hidden(self, params, tokens, valid=None, positions=None, cache=None, layer_transform=None):
         """Pure: (params, tokens [B,T], valid [B,T]) -> (final hidden [B,T,D], KVCache of these tokens).
 
@@ -401,6 +406,20 @@ def _leaf_paths(tree, prefix=()):
 
 # ----------------------------------------------------------------------------------------------- public API
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+AUTO = "auto"  # the default mode: float32 on a CPU, bfloat16 on an accelerator (``default_dtype``)
+
+
+def default_dtype(platform: Optional[str] = None) -> str:
+    """The mode ``"auto"`` stands for on ``platform`` (default: jax's default backend): ``"float32"`` on a CPU (exact,
+    and what the parity tests hold to 1e-4), ``"bfloat16"`` on a GPU or TPU, where float32 at "highest" precision
+    runs about 16x below the bf16 peak (docs/models.md#precision has the measured cost in scores)."""
+    platform = (platform or jax.default_backend()).lower()
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+def resolve_dtype(dtype, platform: Optional[str] = None):
+    """``"auto"`` -> ``default_dtype(platform)``; any other value unchanged (checked later by ``_dtype``)."""
+    return default_dtype(platform) if isinstance(dtype, str) and dtype == AUTO else dtype
 
 
 def _dtype(x, what: str = "dtype"):
@@ -409,21 +428,23 @@ def _dtype(x, what: str = "dtype"):
     if x is None:
         return None
     if isinstance(x, str):
+        x = resolve_dtype(x)
         if x not in DTYPES:
-            raise ConfigError(f"{what} {x!r} is not supported; supported: {', '.join(DTYPES)}")
+            raise ConfigError(f"{what} {x!r} is not supported; supported: {AUTO}, {', '.join(DTYPES)}")
         return DTYPES[x]
     try:
         ok = jnp.issubdtype(jnp.dtype(x), jnp.floating)
     except TypeError:
         ok = False
     if not ok:
-        raise ConfigError(f"{what} {x!r} is not a floating dtype; supported: {', '.join(DTYPES)}")
+        raise ConfigError(f"{what} {x!r} is not a floating dtype; supported: {AUTO}, {', '.join(DTYPES)}")
     return x
 
 
 def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
     """A dtype mode -> (activation dtype, parameter dtype); docs/models.md#precision.
 
+    auto      float32 on a CPU, bfloat16 on a GPU/TPU (``default_dtype``)
     float32   float32 parameters and activations (matmuls at "highest" precision, see Model.matmul_precision).
     bfloat16  bfloat16 parameters and activations; norms, softmax, attention sums and the LM head in float32.
     float16   float16 parameters, exactly as an fp16 checkpoint (Pythia) stores them, and float32 activations:
@@ -527,10 +548,11 @@ def _bad_tokenizer_file(root: Path) -> Optional[str]:
     return None
 
 
-def load(path, dtype="float32", param_dtype=None, tokenizer: bool = True, mesh=None,
+def load(path, dtype=AUTO, param_dtype=None, tokenizer: bool = True, mesh=None,
          fsdp: Optional[bool] = None) -> Model:
     """Load a local HF-layout checkpoint directory, or ``ORG/NAME[@REVISION]`` from the Hugging Face cache (offline,
-    ``hf_cache``). ``dtype``: activations; ``param_dtype`` defaults to ``dtype``.
+    ``hf_cache``). ``dtype``: activations (``"auto"``: float32 on a CPU, bfloat16 on an accelerator);
+    ``param_dtype`` defaults to ``dtype``.
 
     Parameters are placed once, with their shardings over ``mesh`` (``mia.engine.sharding``: FSDP over ``data`` when
     ``fsdp``, the default with an explicit mesh; tensor parallel over ``model``); without a mesh, replicated on
@@ -573,7 +595,7 @@ def place(model: Model, mesh=None, fsdp: Optional[bool] = None) -> Model:
     return dataclasses.replace(model, params=params, mesh=mesh, fsdp=fsdp)
 
 
-def from_config(cfg, params=None, tokenizer=None, key=None, dtype="float32", param_dtype=None) -> Model:
+def from_config(cfg, params=None, tokenizer=None, key=None, dtype=AUTO, param_dtype=None) -> Model:
     """Build a Model from a config object (random init when ``params`` is None)."""
     fam = family_of_config(cfg)
     model_type = fam.model_type

@@ -182,7 +182,7 @@ class Testbed:
         step = self.train_steps if step is None else int(step)
         return accountant_epsilon(self.config, delta=delta, steps=step, accountant=accountant)
 
-    def load_model(self, step: Optional[int] = None, dtype: str = "float32"):
+    def load_model(self, step: Optional[int] = None, dtype: str = "auto"):
 
         return load(self.checkpoint_dir(step), dtype=dtype)
 

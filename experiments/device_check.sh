@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The accelerator checks in one command, most important first; each step's output goes to $OUT (default ./results/
+# device-check) as it finishes, so a run cut short still leaves the steps it completed.
+#
+#   bash experiments/device_check.sh [SUITE_DIR]      # SUITE_DIR: a built default testbed suite (testbeds/suite-default)
+#
+# 1. speed: Pythia-1B-shaped token stats in bf16, mia vs transformers on the same device (tokens/s, MFU, ratio)
+# 2. attention kernels in bf16 (exact, blocked, xla = cuDNN on a GPU) against float32, per-token log-probs
+# 3. what bf16 costs in scores: every attack in float32 and bf16 on the suite's largest member
+# 4. speed in float32 (what --dtype float32 costs there)
+# 5. step 3 on the memorization dial's checkpoint
+set -u
+SUITE=${1:-testbeds/suite-default}
+OUT=${OUT:-results/device-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+py=${PYTHON:-python3}
+largest=$($py -c "from mia.testbed import open_suite; print(open_suite('$SUITE').members[-1].root)" 2>/dev/null)
+step() {
+  local t=$SECONDS
+  echo "== $1" | tee -a "$OUT/log.txt"; shift
+  "$@" 2>&1 | tee -a "$OUT/log.txt"
+  echo "   ($((SECONDS - t)) s)" | tee -a "$OUT/log.txt"
+}
+$py -c "import jax, torch; print(jax.devices(), torch.__version__, torch.cuda.is_available())" 2>&1 | tee "$OUT/log.txt"
+step "1 bench_device bf16" $py -m experiments.bench_device --dtype bfloat16
+[ -n "$largest" ] && step "2 bench_kernels bf16" $py -m experiments.bench_kernels --testbed "$largest" --rows 64 --length 600
+[ -d "$SUITE" ] && step "3 bench_precision" $py -m experiments.bench_precision --suite-dir "$SUITE" --no-progress --out "$OUT/precision"
+step "4 bench_device float32" $py -m experiments.bench_device --dtype float32
+[ -d "$SUITE" ] && step "5 bench_precision dial" $py -m experiments.bench_precision --suite-dir "$SUITE" --memorize-epochs 4 --no-progress --out "$OUT/precision-dial"
+exit 0
