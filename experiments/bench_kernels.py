@@ -1,7 +1,7 @@
 """Do the attention kernels agree in bf16? Per-token log-probs of one model under each kernel, side by side.
 
     python -m experiments.bench_kernels --model DIR [--dtype bfloat16] [--rows 64 --length 512]
-    python -m experiments.bench_kernels --testbed DIR [--steps 100]
+    python -m experiments.bench_kernels --testbed DIR [--steps 100] [--block 32]
 
 Each kernel (``exact``, ``blocked``, ``xla``: cuDNN flash attention on a CUDA GPU, jax's own elsewhere) runs in a
 fresh process with ``MIA_ATTENTION`` set (the kernel is chosen when a function is traced), on the same rows: the
@@ -45,11 +45,15 @@ def model_dir(args) -> str:
     return str(tb.checkpoint_dir(args.steps or tb.train_steps))
 
 
-def one_kernel(path: str, tokens_file: str, dtype: str, out_file: str) -> None:
-    """Child process: per-token log-probs [rows, length - 1] of the model at ``path`` (MIA_ATTENTION already set)."""
+def one_kernel(path: str, tokens_file: str, dtype: str, out_file: str, block: str) -> None:
+    """Child process: per-token log-probs [rows, length - 1] of the model at ``path`` (MIA_ATTENTION already set;
+    ``block``: the blocked kernel's query/key block size)."""
     import mia
     from mia.engine.batching import ScoringSettings
     from mia.engine.loop import compute_token_stats
+    from mia.models import attention
+
+    attention.BLOCK_Q = attention.BLOCK_K = int(block)
 
     tokens = np.load(tokens_file)
     model = mia.load(path, dtype=dtype, tokenizer=False)
@@ -66,7 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--length", type=int, default=512)
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--block", type=int, default=256, help="the blocked kernel's block size (smaller: more blocks "
+                                                            "on short rows)")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         one_kernel(*args.child)
@@ -81,7 +87,7 @@ def main(argv=None) -> int:
             f = str(Path(tmp) / f"{name.replace(' ', '_')}.npy")
             env = dict(os.environ, MIA_ATTENTION=kernel)
             cmd = [sys.executable, "-m", "experiments.bench_kernels", "--model", path, "--child", path, tokens_file,
-                   dtype, f]
+                   dtype, f, str(args.block)]
             r = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if r.returncode:
                 print(f"{name}: failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")

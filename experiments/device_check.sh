@@ -2,7 +2,8 @@
 # The accelerator checks in one command, most important first; each step's output goes to $OUT (default ./results/
 # device-check) as it finishes, so a run cut short still leaves the steps it completed.
 #
-#   bash experiments/device_check.sh [SUITE_DIR]      # SUITE_DIR: a built default testbed suite (testbeds/suite-default)
+#   bash experiments/device_check.sh [DIR]   # DIR: a built testbed suite (default testbeds/suite-default; its largest
+#                                            # member is used) or one built testbed directory
 #
 # 1. speed: Pythia-1B-shaped token stats in bf16, mia vs transformers on the same device (tokens/s, MFU, ratio)
 # 2. attention kernels in bf16 (exact, blocked, xla = cuDNN on a GPU) against float32, per-token log-probs
@@ -15,7 +16,11 @@ OUT=${OUT:-results/device-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 py=${PYTHON:-python3}
-largest=$($py -c "from mia.testbed import open_suite; print(open_suite('$SUITE').members[-1].root)" 2>/dev/null)
+if [ -f "$SUITE/testbed.json" ]; then
+  largest=$SUITE
+else
+  largest=$($py -c "from mia.testbed import open_suite; print(open_suite('$SUITE').members[-1].root)" 2>/dev/null)
+fi
 step() {
   local t=$SECONDS
   echo "== $1" | tee -a "$OUT/log.txt"; shift
@@ -24,8 +29,10 @@ step() {
 }
 $py -c "import jax, torch; print(jax.devices(), torch.__version__, torch.cuda.is_available())" 2>&1 | tee "$OUT/log.txt"
 step "1 bench_device bf16" $py -m experiments.bench_device --dtype bfloat16
-[ -n "$largest" ] && step "2 bench_kernels bf16" $py -m experiments.bench_kernels --testbed "$largest" --rows 64 --length 600
-[ -d "$SUITE" ] && step "3 bench_precision" $py -m experiments.bench_precision --suite-dir "$SUITE" --no-progress --out "$OUT/precision"
+[ -n "$largest" ] && step "2 bench_kernels bf16" $py -m experiments.bench_kernels --testbed "$largest" --rows 256 --length 129 --block 32
+[ -n "$largest" ] && step "3 bench_precision" $py -m experiments.bench_precision --testbed "$largest" --no-progress \
+  --out "$OUT/precision"
 step "4 bench_device float32" $py -m experiments.bench_device --dtype float32
-[ -d "$SUITE" ] && step "5 bench_precision dial" $py -m experiments.bench_precision --suite-dir "$SUITE" --memorize-epochs 4 --no-progress --out "$OUT/precision-dial"
+[ -n "$largest" ] && step "5 bench_precision dial" $py -m experiments.bench_precision --testbed "$largest" \
+  --memorize-epochs 4 --no-progress --out "$OUT/precision-dial"
 exit 0
