@@ -56,8 +56,12 @@ def test_rebuilding_a_built_suite_reuses_it(smoke_suite):
 
     logs = [tb.root / "train_log.jsonl" for tb in smoke_suite.members]
     before = [p.stat().st_mtime_ns for p in logs]
+    manifest = smoke_suite.root / "suite.json"
+    inode = manifest.stat().st_ino
     again = build_suite("smoke", smoke_suite.root, progress=False)
     assert [p.stat().st_mtime_ns for p in logs] == before  # nothing retrained
+    # nor rewritten: the suite never showed "incomplete" to another process opening it meanwhile
+    assert manifest.stat().st_ino == inode
     assert again.sizes == smoke_suite.sizes and again.manifest["data"] == smoke_suite.manifest["data"]
 
 
@@ -70,7 +74,7 @@ def test_open_suite_verifies_members(smoke_suite, tmp_path):
         s.member("big")
     # a member whose order differs (its file and its record agree, but not with the others) is refused, by name
     copy = tmp_path / "suite"
-    shutil.copytree(smoke_suite.root, copy, ignore=shutil.ignore_patterns("checkpoints", "resume"))
+    shutil.copytree(smoke_suite.root, copy, ignore=shutil.ignore_patterns("checkpoints", "resume", "cache", ".*.tmp"))
     big = copy / s.names[-1] / "testbed.json"
     order = copy / s.names[-1] / "data" / "order.bin"
     data = bytearray(order.read_bytes())
