@@ -94,13 +94,30 @@ def tiny_model(tiny_neox_dir):
     return mm.load(tiny_neox_dir)
 
 
+def shared_run_dir(tmp_path_factory) -> Path:
+    """A directory shared by every process of this pytest run: under pytest-xdist, the run's base temporary
+    directory that holds each worker's own (``pytest-N/popen-gwK`` -> ``pytest-N``), else this session's own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def smoke_suite(tmp_path_factory):
-    """The smoke suite (mia.testbed.suite): three sizes on the smoke preset's data order, built once per session
-    (~40 s on 2 busy cores). Every experiment's smoke test runs on it."""
+    """The smoke suite (mia.testbed.suite): three sizes on the smoke preset's data order, built once per run
+    (~40 s on 2 busy cores). Every experiment's smoke test runs on it.
+
+    Under pytest-xdist the workers share one build: the first to ask builds it under a file lock in the run's shared
+    directory, the others wait for the lock and reuse the built suite (``build_suite`` on a built suite retrains
+    nothing). Tests read the shared suite and may add to it only what mia itself adds concurrently-safely (cache
+    files, checkpoints re-created on demand, the memorization dial's checkpoints); a test that damages or changes a
+    suite's files works on its own copy."""
+    from filelock import FileLock
+
     from mia.testbed import build_suite
 
-    return build_suite("smoke", tmp_path_factory.mktemp("suite_smoke"), progress=False)
+    root = shared_run_dir(tmp_path_factory) / "suite_smoke"
+    with FileLock(str(root) + ".lock"):
+        return build_suite("smoke", root, progress=False)
 
 
 @pytest.fixture(scope="session")

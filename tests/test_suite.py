@@ -51,13 +51,18 @@ def test_suite_parameter_counts_and_context_are_the_models(smoke_suite):
         assert json.loads((tb.checkpoint_dir(0) / "config.json").read_text())["max_position_embeddings"] == 64
 
 
-def test_rebuilding_a_built_suite_reuses_it(smoke_suite):
+def test_rebuilding_a_built_suite_reuses_it(smoke_suite, monkeypatch):
+    import mia.testbed.suite as suite
     from mia.testbed import build_suite
 
     logs = [tb.root / "train_log.jsonl" for tb in smoke_suite.members]
     before = [p.stat().st_mtime_ns for p in logs]
+    real, written = suite._write_json, []
+    monkeypatch.setattr(suite, "_write_json", lambda path, obj: (written.append(path), real(path, obj)))
     again = build_suite("smoke", smoke_suite.root, progress=False)
     assert [p.stat().st_mtime_ns for p in logs] == before  # nothing retrained
+    # nor rewritten: the suite never showed "incomplete" to another process opening it meanwhile
+    assert written == []
     assert again.sizes == smoke_suite.sizes and again.manifest["data"] == smoke_suite.manifest["data"]
 
 
@@ -70,7 +75,7 @@ def test_open_suite_verifies_members(smoke_suite, tmp_path):
         s.member("big")
     # a member whose order differs (its file and its record agree, but not with the others) is refused, by name
     copy = tmp_path / "suite"
-    shutil.copytree(smoke_suite.root, copy, ignore=shutil.ignore_patterns("checkpoints", "resume"))
+    shutil.copytree(smoke_suite.root, copy, ignore=shutil.ignore_patterns("checkpoints", "resume", "cache", ".*.tmp"))
     big = copy / s.names[-1] / "testbed.json"
     order = copy / s.names[-1] / "data" / "order.bin"
     data = bytearray(order.read_bytes())

@@ -135,6 +135,48 @@ def test_checkpoint_has_trained_on_rows_in_order(smoke_testbed):
     assert len((tb.root / "train_log.jsonl").read_text().splitlines()) == tb.train_steps
 
 
+def test_a_checkpoint_placed_first_by_another_process_is_kept(smoke_testbed, tmp_path, monkeypatch):
+    """Two processes re-creating the same checkpoint, or the same dial checkpoint, of one testbed: the copy placed
+    first stays (never removed under its readers), the later one is dropped and no temporary is left; a stale
+    directory of another run at that step is still replaced."""
+    import shutil
+
+    from mia.models import load
+    from mia.testbed import build, open_testbed
+    from mia.testbed.train import make_optimizer, save_checkpoint
+
+    root = tmp_path / "tb"
+    m0 = load(smoke_testbed.checkpoint_dir(0))
+    opt_state = make_optimizer(smoke_testbed.config).init(m0.params)
+    h = smoke_testbed.config.config_hash
+    first = save_checkpoint(m0, m0.params, opt_state, 0, root, h)
+    ino = (first / "model.safetensors").stat().st_ino
+    assert save_checkpoint(m0, m0.params, opt_state, 0, root, h) == first
+    assert (first / "model.safetensors").stat().st_ino == ino
+    assert [p.name for p in (root / "checkpoints").iterdir()] == ["step0"]
+    stale = save_checkpoint(m0, m0.params, opt_state, 0, root, "another-run")
+    assert (stale / "model.safetensors").stat().st_ino != ino
+
+    # the dial: while this process trains, "another process" places the same dial checkpoint first
+    copy = Path(shutil.copytree(smoke_testbed.root, tmp_path / "copy",
+                                ignore=shutil.ignore_patterns("*-mem*", "cache", ".*.tmp")))
+    tb = open_testbed(copy)
+    calls = []
+
+    def other_process_first(base, params, cfg, rows, epochs, **kw):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            placed.append(tb.memorize([0], 1, progress=False))
+        return params, []
+
+    placed = []
+    monkeypatch.setattr(build, "run_memorize", other_process_first)
+    path = tb.memorize([0], 1, progress=False)
+    assert calls == [0, 1] and placed == [path]
+    assert (path / "memorize.json").exists()
+    assert not [p.name for p in (copy / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+
+
 def test_reuse_does_not_retrain(smoke_testbed):
     from mia.testbed import TestbedError, build_testbed
 
@@ -156,7 +198,10 @@ def test_damaged_data_files_are_refused(damage, smoke_testbed, tmp_path, capsys)
     from mia.testbed import TestbedError, build_testbed, open_testbed
     from mia.testbed.__main__ import main
 
-    copy = Path(shutil.copytree(smoke_testbed.root, tmp_path / "tb", ignore=shutil.ignore_patterns("*-mem*")))
+    # the session's testbed is shared with other test processes, which may be adding dial checkpoints and score
+    # caches to it meanwhile: those (and their temporaries) are not copied
+    copy = Path(shutil.copytree(smoke_testbed.root, tmp_path / "tb",
+                                ignore=shutil.ignore_patterns("*-mem*", "cache", ".*.tmp")))
     open_testbed(copy)  # the intact copy opens
     rel = "data/order.bin" if damage == "order-bit-flipped" else "tokenizer.json"
     m = json.loads((copy / "testbed.json").read_text())

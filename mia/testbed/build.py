@@ -45,7 +45,7 @@ from .dp import accountant_epsilon, privacy_record
 from .init import init_params
 from .packing import dedup_rows, pack_rows, row_permutation, write_order
 from .tokenizer import EOD_ID, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
-from .train import checkpoint_dir, memorize as run_memorize, plot_losses, saved_steps, train
+from .train import checkpoint_dir, memorize as run_memorize, place_dir, plot_losses, saved_steps, train
 
 MANIFEST = "testbed.json"
 DEFAULT_ROOT = "testbeds"
@@ -244,7 +244,7 @@ class Testbed:
         save(dataclasses.replace(base, params=params), tmp)
         _write_json(tmp / "memorize.json", {"base_step": step, "epochs": int(epochs), "seed": int(seed), "lr": lr,
                                             "n_rows": int(idx.size), "rows": idx.tolist(), "log": log})
-        os.replace(tmp, out)
+        place_dir(tmp, out)
         return out
 
     def default_memorize_rows(self, n: int, step: Optional[int] = None, seed: int = 0) -> np.ndarray:

@@ -144,6 +144,7 @@ def build_suite(name: str, out_dir=None, *, progress: bool = True, save_every: i
     root.mkdir(parents=True, exist_ok=True)
     entries = [{"name": _member_dir_name(c), "dir": _member_dir_name(c), "config_hash": c.config_hash} for c in configs]
     mf = root / SUITE_MANIFEST
+    old = None
     if mf.exists():
         old = read_manifest(mf, SUITE_FIELDS)
         if old.get("format") != SUITE_FORMAT or old.get("name") != name or \
@@ -151,7 +152,10 @@ def build_suite(name: str, out_dir=None, *, progress: bool = True, save_every: i
             raise TestbedError(f"{root} holds another suite ({old.get('name')}, {old.get('format')}) or one built by "
                                f"another version; delete it to rebuild, or use another --out")
     m = {"format": SUITE_FORMAT, "name": name, "complete": False, "members": entries}
-    _write_json(mf, m)
+    if not (old and old.get("complete")):
+        # an unfinished build is marked as such; a complete suite stays complete while it is checked and reused, so
+        # that another process opening it meanwhile (open_suite) is not refused
+        _write_json(mf, m)
 
     members = []
     for i, (cfg, e) in enumerate(zip(configs, entries)):
@@ -167,7 +171,8 @@ def build_suite(name: str, out_dir=None, *, progress: bool = True, save_every: i
         e["n_params"] = tb.n_params
         e["timings"] = {k: v for k, v in tb.manifest["timings"].items() if k.endswith("_s")}
     m["complete"] = True
-    _write_json(mf, m)
+    if m != old:  # a reused suite is left as it is (nothing rewritten)
+        _write_json(mf, m)
     return Suite(name, root, members, m)
 
 

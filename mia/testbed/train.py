@@ -270,10 +270,33 @@ def save_checkpoint(model, params, opt_state, step: int, root, config_hash: str)
     tmp = temporary_sibling(final)
     save(dataclasses.replace(model, params=params), tmp)
     save_train_state(tmp / STATE_FILE, params, opt_state, step, config_hash)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if final.exists() and not _same_state(final / STATE_FILE, step, config_hash):
+        shutil.rmtree(final)  # a stale or partial directory of another run
+    place_dir(tmp, final)
     return final
+
+
+def _same_state(path: Path, step: int, config_hash: str) -> bool:
+    """Whether ``path`` is a training state of step ``step`` of the run of ``config_hash``."""
+    try:
+        meta = read_state_meta(path)
+    except (OSError, ValueError, KeyError):
+        return False
+    return meta.get("format") == STATE_FORMAT and meta.get("config_hash") == config_hash and \
+        str(meta.get("step")) == str(step)
+
+
+def place_dir(tmp: Path, final: Path) -> None:
+    """Rename the finished directory ``tmp`` to ``final``; when ``final`` is already there (another process, e.g. a
+    second reader of the same testbed re-creating the same checkpoint, placed it first), keep that one and remove
+    ``tmp``. Both hold the same result: training is deterministic, so the one already in place is never swapped
+    under a reader."""
+    try:
+        os.replace(tmp, final)  # atomic: final is absent (or an empty directory)
+    except OSError:
+        if not final.is_dir() or not any(final.iterdir()):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def latest_state(root, config_hash: str, upto: int) -> Optional[tuple]:
