@@ -27,9 +27,16 @@ class ScoringSettings:
     min_bucket: int = 16  # lengths are padded up to a power of two >= this
     bucket_step: int = 128  # above this length, buckets are multiples of it (0: powers of two only); bucket_length
     max_batch: int = 256  # rows per batch per data-parallel device
-    pack: bool = True  # token stats: several texts per row (segment ids), see pack_rows
+    pack: Optional[bool] = None  # token stats: several texts per row (segment ids, pack_rows); None: packs_rows()
+    pack_length: int = 512  # packed rows are at least this long (shorter texts share them)
     cache_dir: Optional[str] = None  # None: no on-disk cache
     progress: bool = True
+
+
+def packs_rows(settings: ScoringSettings, backend: str) -> bool:
+    """Whether token stats pack several texts per row: ``settings.pack``, or by default everywhere but on a GPU,
+    where unpacked rows keep cuDNN's causal flash attention (packed rows need an explicit mask there)."""
+    return settings.pack if settings.pack is not None else backend != "gpu"
 
 
 def pow2_ceil(n: int, minimum: int = 1) -> int:
@@ -112,8 +119,10 @@ class PackedBatch:
 
 def _first_fit_rows(lengths: Sequence[int], settings: ScoringSettings) -> list:
     """[(row length, [example indices in row order])]: longest first, each text into the open row with the most
-    room left if it fits there, else into a new row of its own bucket length (``bucket_length``). A new row's room
-    is under one bucket step, so short texts fill the tails of longer rows and then rows of their own length."""
+    room left if it fits there, else into a new row of ``bucket_length`` of max(its length, ``pack_length``). Long
+    texts get rows of about their own length whose tails shorter texts fill; short texts share rows of
+    ``pack_length`` (attention then runs over ``pack_length`` keys, masked per text, instead of over each text's
+    own length: a little more attention work for much less padding)."""
     rows: list = []
     room: list = []  # max-heap of (-room left, row index)
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -123,7 +132,7 @@ def _first_fit_rows(lengths: Sequence[int], settings: ScoringSettings) -> list:
             rows[r][1].append(i)
             left = -left - n
         else:
-            length = bucket_length(n, settings.min_bucket, settings.bucket_step)
+            length = bucket_length(max(n, settings.pack_length), settings.min_bucket, settings.bucket_step)
             rows.append((length, [i]))
             r, left = len(rows) - 1, length - n
         if left >= 2:  # a text needs at least 2 tokens

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from .batching import Batch, PackedBatch, ScoringSettings, pack_rows, plan_batches, put_packed, put_padded
+from .batching import (Batch, PackedBatch, ScoringSettings, pack_rows, packs_rows, plan_batches, put_packed,
+                       put_padded)
 from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
 from .distributed import any_process
 from .sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, make_mesh,
@@ -145,7 +146,8 @@ def compute_token_stats(
         fn = jitted_token_stats(model)
         rows_sharding = batch_sharding(mesh)
         lengths = [len(token_lists[i]) for i in todo]
-        plan = (pack_rows if settings.pack else plan_batches)(lengths, settings, data_size(mesh))
+        pack = packs_rows(settings, mesh.devices.flat[0].platform)
+        plan = (pack_rows if pack else plan_batches)(lengths, settings, data_size(mesh))
         total = sum(lengths)
 
         def dispatch(batch):

@@ -145,6 +145,18 @@ def reachable_blocks(q_pos_bnq: Array, k_pos_bnk: Array, k_valid_bnk: Array, win
     return jnp.any(reach, axis=0)
 
 
+def same_segment_blocks(q_seg_bnq: Array, k_seg_bnk: Array) -> Array:
+    """[n_q_blocks, n_k_blocks] bool for packed rows: False only where, in every row, the key block's segments
+    (ids > 0) and the query block's lie in disjoint ranges, so no query may see any key of the block."""
+    big = jnp.iinfo(jnp.int32).max // 4
+    k_lo = jnp.min(jnp.where(k_seg_bnk > 0, k_seg_bnk, big), axis=-1)  # [B, nk]
+    k_hi = jnp.max(jnp.where(k_seg_bnk > 0, k_seg_bnk, -big), axis=-1)
+    q_lo = jnp.min(jnp.where(q_seg_bnq > 0, q_seg_bnq, big), axis=-1)  # [B, nq]
+    q_hi = jnp.max(jnp.where(q_seg_bnq > 0, q_seg_bnq, -big), axis=-1)
+    overlap = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])
+    return jnp.any(overlap, axis=0)
+
+
 def _pad_axis1(x: Array, n: int, value=0) -> Array:
     if n == 0:
         return x
@@ -204,6 +216,8 @@ def blocked_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *,
     packed = q_seg is not None
     q_seg_blocks = _pad_axis1(q_seg, nq * bq - t).reshape(b, nq, bq) if packed else jnp.zeros((b, nq, 0), jnp.int32)
     reach = reachable_blocks(q_pos_blocks, k_pos_blocks, k_valid_blocks != 0, window)  # [nq, nk]
+    if packed:  # texts are contiguous and numbered along the row: a key block wholly of other texts is skipped
+        reach = reach & same_segment_blocks(q_seg_blocks, k_valid_blocks)
     step = partial(_online_softmax_step, scale=scale, window=window)
 
     def one_query_block(args):
