@@ -1,11 +1,15 @@
-"""Benchmark: padding and speed of the scoring engine's length buckets, power-of-two vs multiple-of-step buckets.
+"""Benchmark: padding and speed of the scoring engine's rows: power-of-two buckets, multiple-of-step buckets, packing.
 
     python -m experiments.bench_padding [--rows 128 --budget 2048] [--plan-rows 1000 10000] [--step 128]
 
-Two rules side by side on the same synthetic corpora (``ScoringSettings``, everything else at its default):
+Three rules side by side on the same synthetic corpora (``ScoringSettings``, everything else at its default):
 
-  baseline  ``bucket_step=0``: every row padded to the power of two >= its length (>= ``min_bucket`` 16)
-  mia       ``bucket_step=--step``: powers of two up to the step, multiples of it above (at most 8 per octave)
+  baseline  ``bucket_step=0, pack=False``: every text in its own row padded to the power of two >= its length
+            (>= ``min_bucket`` 16)
+  buckets   ``bucket_step=--step, pack=False``: powers of two up to the step, multiples of it above (at most 8 per
+            octave), one text per row (the default on a GPU)
+  packed    ``bucket_step=--step, pack=True``: several texts per row (segment ids), rows of those bucket lengths
+            (the default elsewhere)
 
 Corpora (token counts per text; seeded):
 
@@ -50,12 +54,15 @@ def corpus_lengths(name: str, n: int, seed: int = 0) -> np.ndarray:
 
 def plan_numbers(lengths, settings) -> dict:
     """Programs, padding factor by row lengths, padding factor as computed (batches x rows x length)."""
-    from mia.engine.batching import bucket_length, plan_batches
+    from mia.engine.batching import _first_fit_rows, bucket_length, pack_rows, plan_batches
 
     lengths = [int(n) for n in lengths]
-    plan = plan_batches(lengths, settings)
+    plan = (pack_rows if settings.pack else plan_batches)(lengths, settings)
     real = int(np.sum(lengths))
-    by_row = sum(bucket_length(int(n), settings.min_bucket, settings.bucket_step) for n in lengths)
+    if settings.pack:
+        by_row = sum(length for length, _ in _first_fit_rows(lengths, settings))
+    else:
+        by_row = sum(bucket_length(int(n), settings.min_bucket, settings.bucket_step) for n in lengths)
     return {"programs": len({(b.length, b.rows) for b in plan}), "pad_rows": by_row / real,
             "pad_computed": sum(b.rows * b.length for b in plan) / real}
 
@@ -111,8 +118,9 @@ def main(argv=None):
 
     from mia.engine.batching import ScoringSettings
 
-    rules = {"baseline (powers of two)": ScoringSettings(progress=False, bucket_step=0),
-             f"mia (step {args.step})": ScoringSettings(progress=False, bucket_step=args.step)}
+    rules = {"baseline (powers of two)": ScoringSettings(progress=False, bucket_step=0, pack=False),
+             f"buckets (step {args.step})": ScoringSettings(progress=False, bucket_step=args.step, pack=False),
+             f"packed (step {args.step})": ScoringSettings(progress=False, bucket_step=args.step, pack=True)}
     timed = {k: dataclasses.replace(s, token_budget=args.budget) for k, s in rules.items()}
 
     print(f"plan only, default token budget {ScoringSettings().token_budget}, one device")
@@ -143,10 +151,11 @@ def main(argv=None):
             rows[label] = (cold, warm, out)
             print(f"{name:<15} {label:<26} {p['programs']:8d} {p['pad_computed']:6.3f} {cold:8.2f} {warm:7.2f} "
                   f"{real / warm:8.0f}")
-        (b_cold, b_warm, b_out), (m_cold, m_warm, m_out) = rows.values()
-        diff = max(float(np.abs(a["logprob"] - b["logprob"]).max()) for a, b in zip(b_out, m_out))
-        print(f"{name:<15} ratio baseline / mia: warm {b_warm / m_warm:.2f}x, first run {b_cold / m_cold:.2f}x; "
-              f"{real} real tokens; max |logprob difference| {diff:.1e}")
+        (b_cold, b_warm, b_out), *others = rows.values()
+        for label, (m_cold, m_warm, m_out) in zip(list(rows)[1:], others):
+            diff = max(float(np.abs(a["logprob"] - b["logprob"]).max()) for a, b in zip(b_out, m_out))
+            print(f"{name:<15} baseline / {label.split()[0]}: warm {b_warm / m_warm:.2f}x, first run "
+                  f"{b_cold / m_cold:.2f}x; {real} real tokens; max |logprob difference| {diff:.1e}")
 
 
 if __name__ == "__main__":

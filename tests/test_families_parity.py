@@ -152,3 +152,34 @@ def test_every_registered_family_has_tiny_configs():
     assert set(FAMILIES) <= covered, sorted(set(FAMILIES) - covered)
     for family in FAMILIES:
         assert shardable(family)["model_type"] == family
+
+
+def test_packed_rows_score_as_separate_rows(case, monkeypatch):
+    """Token stats with several texts per row (segment ids, positions restarting per text) equal one text per row,
+    per family and for every attention kernel: a text never sees its row neighbours."""
+    import dataclasses
+
+    from mia.engine.batching import ScoringSettings, pack_rows
+    from mia.engine import loop
+    from mia.engine.stats import STAT_NAMES
+    from mia.models import attention as A
+
+    name, _, _, model = case
+    if model.module.POSITION_EMBED is not None:
+        pytest.skip("learned position embeddings: packing is not used for this family (packs_rows)")
+    rng = np.random.default_rng(6)
+    texts = [rng.integers(0, V, n).astype(np.int32) for n in (13, 7, 2, 10, 5, 3, 9)]
+    plain = ScoringSettings(progress=False, pack=False)
+    packed = dataclasses.replace(plain, pack=True)
+    assert any(len({r for r, _ in b.slots}) < len(b.members) for b in pack_rows([len(t) for t in texts], packed))
+    want = loop.compute_token_stats(model, texts, plain)
+    monkeypatch.setattr(A, "BLOCK_Q", 4)  # several query and key blocks per row
+    monkeypatch.setattr(A, "BLOCK_K", 4)
+    for kernel in ("exact", "blocked"):
+        monkeypatch.setenv(A.ENV_VAR, kernel)  # read when traced: a fresh jitted step per kernel
+        loop.jitted_token_stats.cache_clear()
+        got = loop.compute_token_stats(model, texts, packed)
+        for g, w in zip(got, want):
+            for s in STAT_NAMES:
+                np.testing.assert_allclose(g[s], w[s], atol=2e-5, rtol=0, err_msg=f"{name} {kernel} {s}")
+    loop.jitted_token_stats.cache_clear()

@@ -8,6 +8,7 @@ data-parallel device.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Optional, Sequence
 
 import numpy as np
@@ -26,8 +27,18 @@ class ScoringSettings:
     min_bucket: int = 16  # lengths are padded up to a power of two >= this
     bucket_step: int = 128  # above this length, buckets are multiples of it (0: powers of two only); bucket_length
     max_batch: int = 256  # rows per batch per data-parallel device
+    pack: Optional[bool] = None  # token stats: several texts per row (segment ids, pack_rows); see packs_rows
+    pack_length: int = 512  # packed rows are at least this long (shorter texts share them)
     cache_dir: Optional[str] = None  # None: no on-disk cache
     progress: bool = True
+
+
+def packs_rows(settings: ScoringSettings, backend: str, learned_positions: bool = False) -> bool:
+    """Whether token stats pack several texts per row: only when ``settings.pack`` is True (opt-in for now: the
+    default stays one text per row until packing is measured on an accelerator; on a GPU unpacked rows also keep
+    cuDNN's causal flash attention), and never for models with learned position embeddings (GPT-2, GPT-Neo:
+    their packed rows do not yet match one text per row)."""
+    return bool(settings.pack) and not learned_positions
 
 
 def pow2_ceil(n: int, minimum: int = 1) -> int:
@@ -95,6 +106,82 @@ def plan_batches(lengths: Sequence[int], settings: ScoringSettings, n_data: int 
         rows = bucket_rows(len(members), cap, n_data)
         batches.extend(Batch(blen, rows, tuple(members[k:k + rows])) for k in range(0, len(members), rows))
     return batches
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """One call of the token-stats step on packed rows: ``rows`` x ``length`` tokens; example ``members[j]`` sits in
+    row ``slots[j][0]`` from column ``slots[j][1]`` (its segment id there is its rank within the row, from 1)."""
+
+    length: int
+    rows: int
+    members: tuple
+    slots: tuple
+
+
+def _first_fit_rows(lengths: Sequence[int], settings: ScoringSettings) -> list:
+    """[(row length, [example indices in row order])]: longest first, each text into the open row with the most
+    room left if it fits there, else into a new row of ``bucket_length`` of max(its length, ``pack_length``). Long
+    texts get rows of about their own length whose tails shorter texts fill; short texts share rows of
+    ``pack_length`` (attention then runs over ``pack_length`` keys, masked per text, instead of over each text's
+    own length: a little more attention work for much less padding)."""
+    rows: list = []
+    room: list = []  # max-heap of (-room left, row index)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = int(lengths[i])
+        if room and -room[0][0] >= n:
+            left, r = heapq.heappop(room)
+            rows[r][1].append(i)
+            left = -left - n
+        else:
+            length = bucket_length(max(n, settings.pack_length), settings.min_bucket, settings.bucket_step)
+            rows.append((length, [i]))
+            r, left = len(rows) - 1, length - n
+        if left >= 2:  # a text needs at least 2 tokens
+            heapq.heappush(room, (-left, r))
+    return rows
+
+
+def pack_rows(lengths: Sequence[int], settings: ScoringSettings, n_data: int = 1) -> list[PackedBatch]:
+    """Batches of packed rows: several texts per row, each text attending only to itself (segment ids), so a
+    mixed-length set pads only the tail of each row. Rows of one length form batches of one row count (``bucket_rows``
+    as in ``plan_batches``), so a dataset compiles at most one program per row length. Deterministic."""
+    by_length: dict = {}
+    for length, members in _first_fit_rows(lengths, settings):
+        by_length.setdefault(length, []).append(members)
+    batches = []
+    for length, rows in sorted(by_length.items()):
+        cap = max(1, min(settings.max_batch, settings.token_budget // length))
+        per = bucket_rows(len(rows), cap, n_data)
+        for k in range(0, len(rows), per):
+            members, slots = [], []
+            for r, row in enumerate(rows[k:k + per]):
+                offset = 0
+                for m in row:
+                    members.append(m)
+                    slots.append((r, offset))
+                    offset += int(lengths[m])
+            batches.append(PackedBatch(length, per, tuple(members), tuple(slots)))
+    return batches
+
+
+def packed_rows(seqs: Sequence[np.ndarray], batch: PackedBatch) -> tuple[np.ndarray, np.ndarray]:
+    """tokens [rows, length] int32 and segment ids [rows, length] int32 (0 padding, 1.. the texts of each row in
+    order) of a packed batch; ``seqs[j]`` is the text of ``batch.members[j]``."""
+    tokens = np.zeros((batch.rows, batch.length), np.int32)
+    segments = np.zeros((batch.rows, batch.length), np.int32)
+    for t, (r, off) in zip(seqs, batch.slots):
+        t = np.asarray(t)
+        tokens[r, off:off + len(t)] = t
+        segments[r, off:off + len(t)] = segments[r, off - 1] + 1 if off else 1
+    return tokens, segments
+
+
+def put_packed(seqs: Sequence[np.ndarray], batch: PackedBatch, sharding):
+    """(tokens, segment ids) global [rows, length] arrays of a packed batch placed with ``sharding``."""
+    tokens, segments = packed_rows(seqs, batch)
+    return (put_rows(tokens.shape, sharding, lambda r: tokens[r]),
+            put_rows(segments.shape, sharding, lambda r: segments[r]))
 
 
 def padded_rows(seqs: Sequence[np.ndarray], length: int, row_ids: np.ndarray, left: bool = False):

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from .batching import Batch, ScoringSettings, plan_batches, put_padded
+from .batching import (Batch, PackedBatch, ScoringSettings, pack_rows, packs_rows, plan_batches, put_packed,
+                       put_padded)
 from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
 from .distributed import any_process
 from .sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, make_mesh,
@@ -144,21 +145,27 @@ def compute_token_stats(
         todo = np.flatnonzero(any_process(np.array([r is None for r in results], bool)))
         fn = jitted_token_stats(model)
         rows_sharding = batch_sharding(mesh)
-        plan = plan_batches([len(token_lists[i]) for i in todo], settings, data_size(mesh))
-        total = sum(len(token_lists[i]) for i in todo)
+        lengths = [len(token_lists[i]) for i in todo]
+        pack = packs_rows(settings, mesh.devices.flat[0].platform,
+                          getattr(model.module, "POSITION_EMBED", None) is not None)
+        plan = (pack_rows if pack else plan_batches)(lengths, settings, data_size(mesh))
+        total = sum(lengths)
 
-        def dispatch(batch: Batch):
+        def dispatch(batch):
             seqs = [token_lists[todo[m]] for m in batch.members]
+            if isinstance(batch, PackedBatch):
+                return fn(params, *put_packed(seqs, batch, rows_sharding))
             return fn(params, *put_padded(seqs, batch.rows, batch.length, rows_sharding))
 
         with tqdm(total=total, desc=desc, unit="tok", disable=not show_progress(settings) or total == 0,
                   leave=False) as bar:
             def consume(batch: Batch, out: dict):
                 fresh = {}
-                for r, m in enumerate(batch.members):
+                slots = getattr(batch, "slots", None) or [(r, 0) for r in range(len(batch.members))]
+                for (r, off), m in zip(slots, batch.members):
                     i = todo[m]
                     n = len(token_lists[i]) - 1
-                    results[i] = {s: np.asarray(out[s][r, :n], np.float32) for s in STAT_NAMES}
+                    results[i] = {s: np.asarray(out[s][r, off:off + n], np.float32) for s in STAT_NAMES}
                     fresh[keys[i]] = results[i]
                 cache.put_many(fresh)
                 bar.update(sum(len(token_lists[todo[m]]) for m in batch.members))

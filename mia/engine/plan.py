@@ -42,6 +42,7 @@ from ..attacks.mope import build_mope_step
 from ..models.common import ConfigError
 from ..models.hub import Model, _dtypes, abstract_params, config_from_hf, family, read_config_json
 from ..validate import check_hf_config
+from .batching import ScoringSettings, packs_rows
 from .loop import build_token_stats_step
 from .sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
 
@@ -263,6 +264,8 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=rows)
     valid = jax.ShapeDtypeStruct((batch, length), jnp.bool_, sharding=rows)
     if attack == "stats":
+        if packs_rows(ScoringSettings(), devices[0].platform):  # segment ids, as mia score packs rows there
+            valid = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=rows)
         lowered = build_token_stats_step(model, mesh, shardings).lower(params, tokens, valid)
     elif attack == "mope":
         key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))

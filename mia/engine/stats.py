@@ -99,13 +99,17 @@ def logprob_from_hidden(unembed: Callable, params, h_bnd: jax.Array, next_bn: ja
 
 def token_stats(model, params, tokens_bt: jax.Array, valid_bt: jax.Array, *, chunk: Optional[int] = None,
                 layer_transform: Optional[Callable] = None) -> dict:
-    """Pure: (params, tokens [B, T], valid [B, T]) -> {stat: [B, T-1] float32, "mask": [B, T-1] bool}.
+    """Pure: (params, tokens [B, T], valid [B, T]) -> {stat: [B, T-1] float32, "mask": [B, T-1] bool}. ``valid``:
+    bool, or int32 segment ids of packed rows (``mia.models.common.is_packed``).
     ``layer_transform``: see ``Model.hidden`` (the engine gathers FSDP shards one layer at a time with it)."""
     b, t = tokens_bt.shape
     chunk = chunk or chunk_size(b, t - 1, model.vocab_size)
     h, _ = model.hidden(params, tokens_bt, valid_bt, layer_transform=layer_transform)
     out = stats_from_hidden(model.unembed, params, h[:, :-1], tokens_bt[:, 1:], chunk)
-    out["mask"] = valid_bt[:, 1:] & valid_bt[:, :-1]
+    if jnp.issubdtype(valid_bt.dtype, jnp.integer):  # packed rows: a target in the same text as its context
+        out["mask"] = (valid_bt[:, 1:] == valid_bt[:, :-1]) & (valid_bt[:, 1:] > 0)
+    else:
+        out["mask"] = valid_bt[:, 1:] & valid_bt[:, :-1]
     return out
 
 

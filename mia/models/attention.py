@@ -59,12 +59,24 @@ BLOCK_K = 256
 
 
 # ------------------------------------------------------------------------------------------------ masks
-def allowed_mask(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array, window) -> Array:
+def query_segments(k_valid_bs: Array, t: int) -> Optional[Array]:
+    """[B, T] segment ids of the queries (the last T keys) for packed rows (integer ``k_valid``), else None."""
+    return k_valid_bs[:, k_valid_bs.shape[1] - t:] if jnp.issubdtype(k_valid_bs.dtype, jnp.integer) else None
+
+
+def allowed_mask(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array, window,
+                 q_seg_bt: Optional[Array] = None) -> Array:
     """[B, T, S] bool: may query t attend to key s (position-id causal, valid keys, optional local window).
 
     ``window``: None, an int, or a traced int32 scalar (a per-layer table entry; a huge value means global).
+    Packed rows: ``k_valid`` holds segment ids (0 = padding) and ``q_seg_bt`` the queries' ids; a key is allowed
+    only within the query's own segment.
     """
-    allowed = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]
+    if q_seg_bt is not None:
+        live = (k_valid_bs[:, None, :] == q_seg_bt[:, :, None]) & (k_valid_bs[:, None, :] > 0)
+    else:
+        live = k_valid_bs[:, None, :]
+    allowed = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & live
     if window is not None:
         allowed = allowed & (q_pos_bt[:, :, None] - k_pos_bs[:, None, :] < window)
     return allowed
@@ -106,7 +118,7 @@ def exact_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, s
     kv_heads = k_bske.shape[2]
     q = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e)
     scores = _log2_scores("btkge,bske->bkgts", q, k_bske, scale)
-    allowed = allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window)
+    allowed = allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window, query_segments(k_valid_bs, t))
     scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
     p = _weights(scores, _integer_max(scores))
     out = jnp.einsum("bkgts,bske->btkge", p.astype(v_bske.dtype), v_bske, preferred_element_type=jnp.float32)
@@ -133,6 +145,18 @@ def reachable_blocks(q_pos_bnq: Array, k_pos_bnk: Array, k_valid_bnk: Array, win
     return jnp.any(reach, axis=0)
 
 
+def same_segment_blocks(q_seg_bnq: Array, k_seg_bnk: Array) -> Array:
+    """[n_q_blocks, n_k_blocks] bool for packed rows: False only where, in every row, the key block's segments
+    (ids > 0) and the query block's lie in disjoint ranges, so no query may see any key of the block."""
+    big = jnp.iinfo(jnp.int32).max // 4
+    k_lo = jnp.min(jnp.where(k_seg_bnk > 0, k_seg_bnk, big), axis=-1)  # [B, nk]
+    k_hi = jnp.max(jnp.where(k_seg_bnk > 0, k_seg_bnk, -big), axis=-1)
+    q_lo = jnp.min(jnp.where(q_seg_bnq > 0, q_seg_bnq, big), axis=-1)  # [B, nq]
+    q_hi = jnp.max(jnp.where(q_seg_bnq > 0, q_seg_bnq, -big), axis=-1)
+    overlap = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])
+    return jnp.any(overlap, axis=0)
+
+
 def _pad_axis1(x: Array, n: int, value=0) -> Array:
     if n == 0:
         return x
@@ -141,7 +165,8 @@ def _pad_axis1(x: Array, n: int, value=0) -> Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_valid_bs, *, scale, window):
+def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_valid_bs, q_seg_bq=None, *, scale,
+                         window):
     """Fold one key block into the running (integer max m of base-2 scores, sum l, weighted values acc) of one
     query block, all float32.
 
@@ -150,7 +175,7 @@ def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_v
     """
     m, l, acc = carry
     s = _log2_scores("bqkge,bske->bkgqs", q_bqkge, k_bske, scale)
-    allowed = allowed_mask(q_pos_bq, k_pos_bs, k_valid_bs, window)
+    allowed = allowed_mask(q_pos_bq, k_pos_bs, k_valid_bs, window, q_seg_bq)
     s = jnp.where(allowed[:, None, None, :, :], s, MASK_VALUE)
     m_new = jnp.maximum(m, _integer_max(s)[..., 0])
     p = _weights(s, m_new[..., None])
@@ -187,26 +212,32 @@ def blocked_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *,
     v_blocks = v.reshape(b, nk, bk, kv_heads, e).swapaxes(0, 1)
     k_pos_blocks = k_pos.reshape(b, nk, bk)
     k_valid_blocks = k_valid.reshape(b, nk, bk)
-    reach = reachable_blocks(q_pos_blocks, k_pos_blocks, k_valid_blocks, window)  # [nq, nk]
+    q_seg = query_segments(k_valid_bs, t)
+    packed = q_seg is not None
+    q_seg_blocks = _pad_axis1(q_seg, nq * bq - t).reshape(b, nq, bq) if packed else jnp.zeros((b, nq, 0), jnp.int32)
+    reach = reachable_blocks(q_pos_blocks, k_pos_blocks, k_valid_blocks != 0, window)  # [nq, nk]
+    if packed:  # texts are contiguous and numbered along the row: a key block wholly of other texts is skipped
+        reach = reach & same_segment_blocks(q_seg_blocks, k_valid_blocks)
     step = partial(_online_softmax_step, scale=scale, window=window)
 
     def one_query_block(args):
-        q_blk, q_pos_blk, reach_row = args
+        q_blk, q_pos_blk, q_seg_blk, reach_row = args
+        q_seg_blk = q_seg_blk if packed else None
         init = (jnp.full((b, kv_heads, g, bq), -jnp.inf, jnp.float32),
                 jnp.zeros((b, kv_heads, g, bq), jnp.float32),
                 jnp.zeros((b, kv_heads, g, bq, e), jnp.float32))
 
         def body(carry, xs):
             k_blk, v_blk, k_pos_blk, k_valid_blk, reachable = xs
-            carry = jax.lax.cond(reachable, lambda c: step(c, q_blk, k_blk, v_blk, q_pos_blk, k_pos_blk, k_valid_blk),
-                                 lambda c: c, carry)
+            carry = jax.lax.cond(reachable, lambda c: step(c, q_blk, k_blk, v_blk, q_pos_blk, k_pos_blk, k_valid_blk,
+                                                           q_seg_blk), lambda c: c, carry)
             return carry, None
 
         xs = (k_blocks, v_blocks, k_pos_blocks.swapaxes(0, 1), k_valid_blocks.swapaxes(0, 1), reach_row)
         (_, l, acc), _ = jax.lax.scan(body, init, xs)
         return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(v_bske.dtype)  # [B, K, G, bq, E]
 
-    out = jax.lax.map(one_query_block, (q_blocks, q_pos_blocks.swapaxes(0, 1), reach))  # [nq, B, K, G, bq, E]
+    out = jax.lax.map(one_query_block, (q_blocks, q_pos_blocks.swapaxes(0, 1), q_seg_blocks.swapaxes(0, 1), reach))
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, h, e)
     return out[:, :t]
 
@@ -244,10 +275,13 @@ def _jax_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sc
     attend = partial(jax.nn.dot_product_attention, q_bthe, k_bske.astype(dtype), v_bske.astype(dtype), scale=scale,
                      implementation=implementation)
 
-    def general(_):
-        return attend(mask=allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window)[:, None])
+    q_seg = query_segments(k_valid_bs, q_bthe.shape[1])
 
-    if q_bthe.shape[1] != k_bske.shape[1] or not is_static(window):  # a cache or a per-layer window table
+    def general(_):
+        return attend(mask=allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window, q_seg)[:, None])
+
+    # a cache, a per-layer window table, or packed rows (segments): the mask
+    if q_bthe.shape[1] != k_bske.shape[1] or not is_static(window) or q_seg is not None:
         return general(None)
 
     def plain(_):

@@ -174,9 +174,27 @@ def join_cache(
     )
 
 
+def is_packed(valid_bt: Array) -> bool:
+    """Integer ``valid`` arrays are segment ids of packed rows (0 = padding, 1, 2, ... = the texts of a row in
+    order); boolean ones are plain validity. Decided when traced, from the dtype."""
+    return jnp.issubdtype(valid_bt.dtype, jnp.integer)
+
+
+def segment_positions(segments_bt: Array) -> Array:
+    """[B, T] int32 positions that restart at 0 where the segment id changes (each packed text starts at 0)."""
+    t = segments_bt.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segments_bt.shape)
+    starts = jnp.concatenate([jnp.ones_like(segments_bt[:, :1], bool), segments_bt[:, 1:] != segments_bt[:, :-1]], 1)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
 def default_positions(tokens_bt: Array, valid_bt: Array, cache: Optional[KVCache]) -> Array:
     """Position ids: count of valid tokens before each one (so left pads do not shift positions), offset by the
-    cache."""
+    cache; for packed rows (integer segment ids, no cache) the index within each text."""
+    if is_packed(valid_bt):
+        if cache is not None:
+            raise ValueError("packed rows (integer segment ids) cannot follow a cached prefix")
+        return segment_positions(valid_bt)
     pos = jnp.cumsum(valid_bt.astype(jnp.int32), axis=1) - 1
     pos = jnp.maximum(pos, 0)
     if cache is not None:
@@ -294,12 +312,18 @@ class DecoderLM(nn.Module):
                layer_transform: Optional[Callable] = None):
         """tokens [B, T] int -> (final normed hidden states [B, T, D], KVCache of this call's tokens only).
 
+        ``valid_bt``: [B, T] bool (padding False), or int32 segment ids of packed rows (0 padding; a token attends
+        only to earlier tokens of its own segment, and positions restart per segment; see ``is_packed``).
+
         ``layer_transform(layer_index, layer_params) -> layer_params``: optional pure function applied inside the
         scan body to each layer's params (one layer's subtree, no [L] axis; ``layer_index`` a traced int32 scalar)
         before that layer runs; it must return a subtree of the same structure and shapes. Only one layer's
         transformed copy exists at a time (e.g. MoPe noise drawn per layer).
         """
-        valid_bt = jnp.ones(tokens_bt.shape, bool) if valid_bt is None else valid_bt.astype(bool)
+        if valid_bt is None:
+            valid_bt = jnp.ones(tokens_bt.shape, bool)
+        elif not is_packed(valid_bt):
+            valid_bt = valid_bt.astype(bool)
         if positions_bt is None:
             positions_bt = default_positions(tokens_bt, valid_bt, cache)
         x = getattr(self, self.EMBED)(tokens_bt)
