@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -242,3 +245,66 @@ def test_attack_bad_input_is_one_line_exit_2(args, message, run_plan):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], lines
+
+
+# ------------------------------------------------------------------------------------------------ libtpu's lock
+# libtpu's own text when another process holds /tmp/libtpu_lockfile (its TryAcquireTpuLock), as jax raises it
+LOCKED_TEXT = "ABORTED: The TPU is already in use by process with pid 4242. Not attempting to load libtpu.so in this " \
+              "process."
+
+
+@pytest.fixture
+def fake_libtpu(monkeypatch, tmp_path):
+    """libtpu 'installed', its lock file under tmp_path, and the topology call raising ``fake_libtpu.error``."""
+    import jax
+    from jax.experimental import topologies
+
+    from mia.engine import plan
+
+    class Fake:
+        lock = tmp_path / "libtpu_lockfile"
+        error = jax.errors.JaxRuntimeError("INVALID_ARGUMENT: unknown topology")
+
+    def raise_(*a, **k):
+        raise Fake.error
+
+    monkeypatch.setattr(plan, "libtpu_installed", lambda: True)
+    monkeypatch.setattr(plan, "LIBTPU_LOCK", str(Fake.lock))
+    monkeypatch.setattr(topologies, "get_topology_desc", raise_)
+    return Fake
+
+
+def _one_error_line(r):
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_topology_locked_by_libtpu_text_names_the_lock_file(fake_libtpu, run_plan):
+    import jax
+
+    fake_libtpu.error = jax.errors.JaxRuntimeError(LOCKED_TEXT)
+    line = _one_error_line(run_plan("--model", "pythia-70m", "--topology", "v5e:2x4"))
+    assert str(fake_libtpu.lock) in line and "held by another process" in line and "does not know" not in line
+    assert "ALLOW_MULTIPLE_LIBTPU_LOAD=1" in line
+
+
+def test_topology_with_a_held_lock_file_says_so(fake_libtpu, run_plan):
+    """A lock file another process holds (a child process takes libtpu's kind of lock, lockf) is reported even
+    when the libtpu error text does not mention it; a free or absent file is not."""
+    line = _one_error_line(run_plan("--model", "pythia-70m", "--topology", "v5e:2x4"))
+    assert "does not know it" in line  # no lock file
+    fake_libtpu.lock.write_text("")
+    line = _one_error_line(run_plan("--model", "pythia-70m", "--topology", "v5e:2x4"))
+    assert "does not know it" in line  # a file nobody holds: libtpu would take it
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+                               "os.lockf(fd, os.F_LOCK, 0); print('held', flush=True); time.sleep(120)",
+                               str(fake_libtpu.lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = _one_error_line(run_plan("--model", "pythia-70m", "--topology", "v5e:2x4"))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"libtpu's lock file {fake_libtpu.lock} is held by another process" in line, line

@@ -150,9 +150,57 @@ def read_hf_config(model: str) -> dict:
     return hf
 
 
+# libtpu's multi-process lock: the path is fixed in libtpu (TMPDIR does not move it); a process that loads libtpu
+# takes a POSIX lock on it for its whole life, and a second one fails with "The TPU is already in use by process ..."
+LIBTPU_LOCK = "/tmp/libtpu_lockfile"
+_LOCK_WORDS = ("already in use", "libtpu_lockfile", "multi-process lockfile")
+
+
+def libtpu_installed() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def libtpu_lock_state(path: Optional[str] = None) -> Optional[str]:
+    """"held" when another process holds a lock on libtpu's lock file, "unopenable" when the file exists but this
+    user cannot open it (another user's, perhaps stale), None when it is absent or free. Tests the lock only
+    (``os.lockf(F_TEST)``): nothing is acquired."""
+    path = LIBTPU_LOCK if path is None else path
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        return "unopenable"
+    try:
+        os.lockf(fd, os.F_TEST, 0)
+    except OSError:
+        return "held"
+    finally:
+        os.close(fd)
+    return None
+
+
+def lock_message(name: str, error_text: str, path: Optional[str] = None) -> Optional[str]:
+    """The one-line error for ``--topology name`` when libtpu failed on its lock file (by libtpu's error text or
+    the file's state); None when the failure is something else."""
+    path = LIBTPU_LOCK if path is None else path
+    state = libtpu_lock_state(path)
+    if state is None and not any(w in error_text for w in _LOCK_WORDS):
+        return None
+    if state == "unopenable":
+        how = (f"libtpu's lock file {path} exists but cannot be opened by this user (another user's TPU program, or "
+               f"a stale file): wait for it, or remove it (sudo rm {path})")
+    else:
+        how = (f"libtpu's lock file {path} is held by another process (a TPU program or another `mia plan "
+               f"--topology`; `fuser {path}` names it): wait for it to finish, or run this plan with "
+               f"ALLOW_MULTIPLE_LIBTPU_LOAD=1 (planning compiles only and uses no TPU chip); if no process holds it, "
+               f"remove the stale file (rm {path}; TMPDIR does not move it)")
+    return f"--topology {name!r}: {how}"
+
+
 def topology_devices(name: str):
     """Abstract devices of a TPU topology (e.g. 'v5e:2x4'), compiled for by libtpu without a TPU."""
-    if importlib.util.find_spec("libtpu") is None:
+    if not libtpu_installed():
         raise PlanError("--topology needs the libtpu wheel (pip install libtpu, ideally in a separate venv); "
                         "it is not installed in this environment")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -160,7 +208,10 @@ def topology_devices(name: str):
 
     try:
         return list(topologies.get_topology_desc(name, platform="tpu").devices)
-    except Exception as e:  # libtpu's INVALID_ARGUMENT for a name it does not know
+    except Exception as e:  # libtpu's INVALID_ARGUMENT for a name it does not know; ABORTED when it is locked
+        locked = lock_message(name, str(e))
+        if locked:
+            raise PlanError(locked) from None
         dims = re.fullmatch(r"[^:]+:(\d+)x(\d+)(?:x(\d+))?", name)
         if dims and "chips_per_host_bounds" in str(e):  # a slice smaller than one host, e.g. v5e:1x1
             bounds = tuple(int(d or 1) for d in dims.groups())
