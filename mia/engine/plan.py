@@ -1,7 +1,8 @@
 """``mia plan``: will a scoring run fit? Compile the step ahead of time on abstract parameters and read XLA's memory.
 
     mia plan --model DIR|CONFIG.json|pythia-12b --dtype bfloat16 --batch 8 --length 2048 \
-        [--mesh data=1,model=8] [--topology v5e:2x4] [--attack stats|mope|condll] [--device-memory 80GiB]
+        [--mesh data=1,model=8] [--topology v5e:2x4] [--device-memory 80GiB]
+        [--attack stats|camia|mope[:n=10,chunk=2]|recall[:prefix_len=N]|em_mia[:group=G]]
 
 Nothing is allocated: parameters are ``jax.ShapeDtypeStruct``s (from ``jax.eval_shape`` of the module's init)
 carrying the shardings ``mia.engine.sharding`` would give them on the mesh, the step is
@@ -22,6 +23,12 @@ run it with networking disabled, e.g. under ``unshare -n``, since libtpu otherwi
 server; we set ``TPU_SKIP_MDS_QUERY=1`` and ``JAX_PLATFORMS=cpu`` when jax is not imported yet). Without it, the step
 is compiled for the local devices. XLA:CPU's memory analysis is NOT representative of bf16 on accelerators (it
 upcasts bf16 arithmetic to float32 and fuses differently); use it for float32, or as an estimate only.
+
+Each attack's steps are built by the same functions the engine jits them with (``build_token_stats_step``,
+``build_mope_step``, ``conditional.build_prefix_step`` / ``build_cond_step``), so a plan lowers the very programs
+``mia score`` runs (tests compare the StableHLO text). ReCaLL / EM-MIA plan two steps, the prefix pass and the
+conditional-LL call, at the padded shapes ``loglik_matrix`` uses (``conditional_shapes``); CAMIA plans the token-stats
+pass over its repeated text (``camia_length``).
 
 The last line printed is one JSON object ``{"params_bytes", "peak_bytes", "device_bytes", "fits", ...}``.
 """
