@@ -200,8 +200,10 @@ def _add_plan_parser(sub) -> None:
                    help="e.g. data=1,model=8 (default: every device on data, params replicated)")
     p.add_argument("--topology", default=None, help="TPU topology to compile for without a TPU, e.g. v5e:2x4 "
                                                     "(needs the libtpu wheel)")
-    p.add_argument("--attack", default="stats", help="the step to plan: stats (the pass every attack shares) or "
-                                                      "mope[:n=10,chunk=2]")
+    p.add_argument("--attack", default="stats",
+                   help="the step(s) to plan: stats (the pass every attack shares), camia (that pass over the 6x "
+                        "repeated text), mope[:n=10,chunk=2], recall[:prefix_len=INT] or em_mia[:group=INT] (the "
+                        "prefix pass and the conditional-LL call; --batch target rows, --length tokens per target)")
     p.add_argument("--device-memory", default=None, help="memory of one device, e.g. 80GiB (default: the TPU "
                                                          "chip's HBM, or what the local device reports)")
     p.set_defaults(func=cmd_plan)
@@ -228,9 +230,13 @@ def cmd_plan(args) -> int:
     r = plan.plan_scoring(hf, dtype=args.dtype, batch=args.batch, length=args.length, mesh_axes=axes, devices=devices,
                           device_bytes=device_bytes, attack=attack, source=plan.config_source(args.model), **opts)
     where = f"TPU topology {args.topology}" if args.topology else "local devices"
-    step = "token stats" if attack == "stats" else f"MoPe (n={opts['mope_n']}, chunk={opts['mope_chunk']})"
+    step = {"stats": "token stats", "camia": "CAMIA repeated-text token stats",
+            "mope": f"MoPe (n={opts.get('mope_n')}, chunk={opts.get('mope_chunk')})",
+            "recall": "ReCaLL conditional LL", "em_mia": "EM-MIA conditional LL"}[attack]
     print(f"mia plan: {args.model} {args.dtype}, {step} of {args.batch} x {args.length}, {r.devices} x "
           f"{r.device_kind} ({where}), mesh {','.join(f'{k}={v}' for k, v in r.mesh.items())}")
+    for name, f in (r.steps or {}).items():
+        print(f"  step {name:<21}{' x '.join(map(str, f['shape'])):>12}   peak {_fmt(f['peak_bytes']).strip()}")
     print(f"  parameters per device     {_fmt(r.params_bytes)}")
     print(f"  XLA arguments / temps     {_fmt(r.argument_bytes)} / {_fmt(r.temp_bytes).strip()}")
     print(f"  peak per device           {_fmt(r.peak_bytes)}   ({r.peak_source})")

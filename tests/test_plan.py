@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -132,3 +135,176 @@ def test_mope_plan_reports_its_perturbed_group():
     # the largest group: the embedding + head + final norm of TINY (2 x 512 x 64 + 2 x 64 floats) vs one layer
     assert r.group_bytes == 4 * (2 * 512 * 64 + 2 * 64)
     assert r.params_bytes == stats.params_bytes and r.peak_bytes > stats.peak_bytes
+
+
+# ------------------------------------------------------------------------------------------------ attacks' own steps
+def _spy(seen: dict, name: str, make):
+    """Wrap a jit factory so that each call records the lowered text and argument shapes of what it runs."""
+    import jax
+
+    def factory(*a):
+        fn = make(*a)
+
+        def call(*args):
+            seen[name] = (fn.lower(*args).as_text(), [x.shape for x in jax.tree_util.tree_leaves(args[-2:])])
+            return fn(*args)
+        return call
+    return factory
+
+
+@pytest.mark.parametrize("attack, prefix_len, target_len, n_targets, opts", [
+    ("recall", 40, 30, 2, {"prefix_len": 40}),   # one 40-token prefix (bucket 64), targets of 30 (bucket 32)
+    ("em_mia", 30, 30, 4, {"group": 4}),        # every text a prefix: a group of 4
+])
+def test_conditional_plan_lowers_the_programs_scoring_runs(attack, prefix_len, target_len, n_targets, opts,
+                                                           tiny_model, tiny_neox_dir, monkeypatch):
+    """The plan's prefix pass and conditional-LL call are the StableHLO programs loglik_matrix runs, same shapes."""
+    from mia.engine import conditional as C
+    from mia.engine.batching import ScoringSettings
+    from mia.engine.plan import lowered_steps, read_hf_config
+
+    seen = {}
+    monkeypatch.setattr(C, "_jit_prefix", _spy(seen, "prefix", C._jit_prefix))
+    monkeypatch.setattr(C, "_jit_cond", _spy(seen, "conditional", C._jit_cond))
+    rng = np.random.default_rng(0)
+    texts = [rng.integers(0, tiny_model.vocab_size, target_len).astype(np.int32) for _ in range(n_targets)]
+    prefixes = [t[-prefix_len:] for t in texts] if attack == "em_mia" else [rng.integers(0, 50, prefix_len)]
+    C.loglik_matrix(tiny_model, prefixes, texts, include_first=attack == "recall",
+                    settings=ScoringSettings(progress=False))
+    rows = seen["conditional"][1][0][0]
+    *_, steps = lowered_steps(read_hf_config(str(tiny_neox_dir)), dtype="float32", batch=rows, length=target_len,
+                              attack=attack, **opts)
+    planned = {name: (lowered.as_text(), shape) for name, shape, lowered in steps}
+    assert planned["prefix"][1] == seen["prefix"][1][0] and planned["conditional"][1] == seen["conditional"][1][0]
+    assert planned["prefix"][0] == seen["prefix"][0]
+    assert planned["conditional"][0] == seen["conditional"][0]
+
+
+@pytest.mark.parametrize("attack", ["stats", "camia"])
+def test_stats_and_camia_plans_lower_the_program_scoring_runs(attack, tiny_model, tiny_neox_dir, monkeypatch):
+    """stats: the pass over --length rows; camia: the pass over the 6x repeated text (``repeated_logprobs``)."""
+    from mia.attacks.camia import REPEATS, repeated_logprobs
+    from mia.engine import loop
+    from mia.engine.batching import ScoringSettings
+    from mia.engine.plan import lowered_steps, read_hf_config
+
+    seen = {}
+    monkeypatch.setattr(loop, "jitted_token_stats", _spy(seen, "stats", loop.jitted_token_stats))
+    rng = np.random.default_rng(1)
+    length, settings = 30, ScoringSettings(progress=False)
+    rows = [rng.integers(0, tiny_model.vocab_size, length).astype(np.int32) for _ in range(2)]
+    if attack == "camia":
+        repeated_logprobs(tiny_model, [np.tile(r, REPEATS) for r in rows], settings, tiny_model.max_length)
+    else:
+        loop.compute_token_stats(tiny_model, [np.pad(r, (0, 2)) for r in rows], settings)  # 32 tokens: a bucket
+        length = 32
+    shape = seen["stats"][1][0]
+    *_, steps = lowered_steps(read_hf_config(str(tiny_neox_dir)), dtype="float32", batch=shape[0], length=length,
+                              attack=attack)
+    [(_, planned_shape, lowered)] = steps
+    assert planned_shape == shape and lowered.as_text() == seen["stats"][0]
+
+
+@pytest.mark.parametrize("attack", ["recall", "em_mia:group=2", "camia"])
+def test_attack_plans_are_sane_on_the_cli(attack, run_plan, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(TINY, max_position_embeddings=256)))
+    r = run_plan("--model", str(cfg), "--dtype", "float32", "--batch", "2", "--length", "200", "--attack", attack,
+                 "--device-memory", "1GiB")
+    assert r.returncode == 0, r.stderr
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last["peak_bytes"] >= last["params_bytes"] > 0 and last["fits"] is True
+    steps = last["steps"]
+    assert last["peak_bytes"] == max(s["peak_bytes"] for s in steps.values())
+    assert all(s["peak_bytes"] >= last["params_bytes"] for s in steps.values())
+    if attack == "camia":  # 6 x 200 tokens, windowed at the 256-token context
+        assert steps["camia"]["shape"] == [2, 256]
+    else:  # the context rule: prefix max(256 - 200, 128) = 128 tokens, targets cut to 128
+        assert steps["prefix"]["shape"] == [1 if attack == "recall" else 2, 128]
+        assert steps["conditional"]["shape"] == [2, 128]
+        assert "step conditional" in r.stdout
+
+
+def test_em_mia_prefix_group_costs_memory():
+    small = plan_scoring(TINY, dtype="float32", batch=2, length=512, attack="em_mia", group=1)
+    big = plan_scoring(TINY, dtype="float32", batch=2, length=512, attack="em_mia", group=8)
+    assert big.steps["prefix"]["output_bytes"] >= 7.9 * small.steps["prefix"]["output_bytes"]  # the group's KV
+    assert big.steps["conditional"]["argument_bytes"] > small.steps["conditional"]["argument_bytes"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--attack", "recall:shots=3"], "recall takes prefix_len=INT"),
+    (["--attack", "em_mia:group=0"], "em_mia takes group=INT"),
+    (["--attack", "pac"], "expected stats, camia, mope"),
+    (["--attack", "recall", "--length", "4096"], "--length 4096 is beyond the model's context"),
+    (["--attack", "em_mia", "--length", "4096"], "--length 4096 is beyond the model's context"),
+    (["--attack", "camia", "--length", "4096"], "--length 4096 is beyond the model's context"),
+])
+def test_attack_bad_input_is_one_line_exit_2(args, message, run_plan):
+    r = run_plan("--model", "pythia-70m", *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+# ------------------------------------------------------------------------------------------------ libtpu's lock
+# libtpu's own text when another process holds /tmp/libtpu_lockfile (its TryAcquireTpuLock), as jax raises it
+LOCKED_TEXT = "ABORTED: The TPU is already in use by process with pid 4242. Not attempting to load libtpu.so in this " \
+              "process."
+
+
+@pytest.fixture
+def fake_libtpu(monkeypatch, tmp_path):
+    """libtpu 'installed', its lock file under tmp_path, and the topology call raising ``fake_libtpu.error``."""
+    import jax
+    from jax.experimental import topologies
+
+    from mia.engine import plan
+
+    class Fake:
+        lock = tmp_path / "libtpu_lockfile"
+        error = jax.errors.JaxRuntimeError("INVALID_ARGUMENT: unknown topology")
+
+    def raise_(*a, **k):
+        raise Fake.error
+
+    monkeypatch.setattr(plan, "libtpu_installed", lambda: True)
+    monkeypatch.setattr(plan, "LIBTPU_LOCK", str(Fake.lock))
+    monkeypatch.setattr(topologies, "get_topology_desc", raise_)
+    return Fake
+
+
+def _one_error_line(r):
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_topology_locked_by_libtpu_text_names_the_lock_file(fake_libtpu, run_plan):
+    import jax
+
+    fake_libtpu.error = jax.errors.JaxRuntimeError(LOCKED_TEXT)
+    line = _one_error_line(run_plan("--model", "pythia-70m", "--topology", "v5e:2x4"))
+    assert str(fake_libtpu.lock) in line and "held by another process" in line and "does not know" not in line
+    assert "ALLOW_MULTIPLE_LIBTPU_LOAD=1" in line
+
+
+def test_topology_with_a_held_lock_file_says_so(fake_libtpu, run_plan):
+    """A lock file another process holds (a child process takes libtpu's kind of lock, lockf) is reported even
+    when the libtpu error text does not mention it; a free or absent file is not."""
+    line = _one_error_line(run_plan("--model", "pythia-70m", "--topology", "v5e:2x4"))
+    assert "does not know it" in line  # no lock file
+    fake_libtpu.lock.write_text("")
+    line = _one_error_line(run_plan("--model", "pythia-70m", "--topology", "v5e:2x4"))
+    assert "does not know it" in line  # a file nobody holds: libtpu would take it
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+                               "os.lockf(fd, os.F_LOCK, 0); print('held', flush=True); time.sleep(120)",
+                               str(fake_libtpu.lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = _one_error_line(run_plan("--model", "pythia-70m", "--topology", "v5e:2x4"))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"libtpu's lock file {fake_libtpu.lock} is held by another process" in line, line

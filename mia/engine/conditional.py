@@ -132,11 +132,13 @@ def token_logprobs(model, params, tokens, valid, *, chunk: Optional[int] = None,
     )
 
 
-def prefix_shardings(model, mesh):
+def prefix_shardings(model, mesh, params=None):
     """Shardings of a PrefixCache on ``mesh``: keys/values [L, G, S, K, E] split over ``model`` by kv heads when K
-    divides, everything else replicated (every device holds every prefix of a group; targets are split by rows)."""
+    divides, everything else replicated (every device holds every prefix of a group; targets are split by rows).
+    ``params``: the parameters' pytree or its ``jax.ShapeDtypeStruct``s (default ``model.params``)."""
     model_size = dict(mesh.shape).get("model", 1)
-    shapes = jax.eval_shape(lambda: prefix_cache(model, model.params, jnp.zeros((1, 2), jnp.int32)))
+    params = model.params if params is None else params
+    shapes = jax.eval_shape(lambda p: prefix_cache(model, p, jnp.zeros((1, 2), jnp.int32)), params)
     heads = jax.tree_util.tree_leaves(shapes.kv.keys)[0].shape[-2]
     kv = (NamedSharding(mesh, PartitionSpec(*([None] * (shapes.kv.keys.ndim - 2)), "model", None))
           if model_size > 1 and heads % model_size == 0 else replicated(mesh))
@@ -144,23 +146,24 @@ def prefix_shardings(model, mesh):
     return PrefixCache(KVCache(kv, kv, rep, rep), rep)
 
 
-@functools.lru_cache(maxsize=32)
-def _jit_prefix(model):
-    """The prefix pass on the engine's layout: every device computes the whole (small) prefix group."""
-    mesh, shardings = engine_layout(model)
+def build_prefix_step(model, mesh, shardings, cache_shardings: PrefixCache):
+    """jit of the prefix pass with explicit shardings: (params [``shardings``], tokens [G, S] and valid [G, S],
+    replicated, LEFT padded) -> PrefixCache [``cache_shardings``]; every device computes the whole (small) group.
+
+    Like ``loop.build_token_stats_step``, it can be ``.lower()``ed on ``jax.ShapeDtypeStruct``s for abstract devices
+    (``mia plan``): the engine (``_jit_prefix``) and the planner build the step here, so they cannot differ."""
     layers = model.module.LAYERS
     gather = layer_gather(shardings, layers)
     fn = lambda params, tokens, valid: prefix_cache(  # noqa: E731
         model, gather_outside_layers(params, shardings, layers), tokens, valid, gather)
     return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, replicated(mesh), replicated(mesh)),
-                   out_shardings=prefix_shardings(model, mesh))
+                   out_shardings=cache_shardings)
 
 
-@functools.lru_cache(maxsize=32)
-def _jit_cond(model, include_first: bool):
-    """(params, prefix group, p_idx, targets [B, T], valid [B, T]) -> [B] LL(target | prefix p_idx), target rows
-    over ``data``, the result replicated."""
-    mesh, shardings = engine_layout(model)
+def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, include_first: bool):
+    """jit of one conditional-LL call: (params, prefix group [G, S] [``cache_shardings``], p_idx int32 scalar,
+    targets [B, T], valid [B, T]) -> [B] LL(target | prefix p_idx), target rows over ``data`` (B must divide by it),
+    the result replicated. Shared by the engine (``_jit_cond``) and ``mia plan``, as ``build_prefix_step``."""
     rows = batch_sharding(mesh)
     layers = model.module.LAYERS
     gather = layer_gather(shardings, layers)
@@ -172,9 +175,22 @@ def _jit_cond(model, include_first: bool):
         return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid,
                                   include_first=include_first, chunk=chunk, layer_transform=gather)
 
-    return jax.jit(_TRACE_WRAP(fn),
-                   in_shardings=(shardings, prefix_shardings(model, mesh), replicated(mesh), rows, rows),
+    return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, cache_shardings, replicated(mesh), rows, rows),
                    out_shardings=replicated(mesh))
+
+
+@functools.lru_cache(maxsize=32)
+def _jit_prefix(model):
+    """The prefix pass on the engine's layout (``build_prefix_step``)."""
+    mesh, shardings = engine_layout(model)
+    return build_prefix_step(model, mesh, shardings, prefix_shardings(model, mesh))
+
+
+@functools.lru_cache(maxsize=32)
+def _jit_cond(model, include_first: bool):
+    """The conditional-LL call on the engine's layout (``build_cond_step``)."""
+    mesh, shardings = engine_layout(model)
+    return build_cond_step(model, mesh, shardings, prefix_shardings(model, mesh), include_first)
 
 
 @functools.lru_cache(maxsize=32)

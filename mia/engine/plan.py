@@ -1,7 +1,8 @@
 """``mia plan``: will a scoring run fit? Compile the step ahead of time on abstract parameters and read XLA's memory.
 
     mia plan --model DIR|CONFIG.json|pythia-12b --dtype bfloat16 --batch 8 --length 2048 \
-        [--mesh data=1,model=8] [--topology v5e:2x4] [--attack stats|mope|condll] [--device-memory 80GiB]
+        [--mesh data=1,model=8] [--topology v5e:2x4] [--device-memory 80GiB]
+        [--attack stats|camia|mope[:n=10,chunk=2]|recall[:prefix_len=N]|em_mia[:group=G]]
 
 Nothing is allocated: parameters are ``jax.ShapeDtypeStruct``s (from ``jax.eval_shape`` of the module's init)
 carrying the shardings ``mia.engine.sharding`` would give them on the mesh, the step is
@@ -23,6 +24,12 @@ server; we set ``TPU_SKIP_MDS_QUERY=1`` and ``JAX_PLATFORMS=cpu`` when jax is no
 is compiled for the local devices. XLA:CPU's memory analysis is NOT representative of bf16 on accelerators (it
 upcasts bf16 arithmetic to float32 and fuses differently); use it for float32, or as an estimate only.
 
+Each attack's steps are built by the same functions the engine jits them with (``build_token_stats_step``,
+``build_mope_step``, ``conditional.build_prefix_step`` / ``build_cond_step``), so a plan lowers the very programs
+``mia score`` runs (tests compare the StableHLO text). ReCaLL / EM-MIA plan two steps, the prefix pass and the
+conditional-LL call, at the padded shapes ``loglik_matrix`` uses (``conditional_shapes``); CAMIA plans the token-stats
+pass over its repeated text (``camia_length``).
+
 The last line printed is one JSON object ``{"params_bytes", "peak_bytes", "device_bytes", "fits", ...}``.
 """
 from __future__ import annotations
@@ -38,11 +45,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..attacks.camia import REPEATS
+from ..attacks.fit import prefix_room
 from ..attacks.mope import build_mope_step
 from ..models.common import ConfigError
 from ..models.hub import Model, _dtypes, abstract_params, config_from_hf, family, read_config_json
 from ..validate import check_hf_config
-from .batching import ScoringSettings, packs_rows
+from .batching import ScoringSettings, bucket_length, pow2_floor
+from .conditional import build_cond_step, build_prefix_step, prefix_shardings
 from .loop import build_token_stats_step
 from .sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
 
@@ -94,6 +104,7 @@ class PlanResult:
     mesh: dict
     peak_source: str
     group_bytes: Optional[int] = None  # MoPe: the largest leaf group perturbed at once (per device)
+    steps: Optional[dict] = None  # several compiled steps (ReCaLL, EM-MIA): {name: {"shape", "peak_bytes", ...}}
 
     @property
     def fits(self) -> Optional[bool]:
@@ -103,7 +114,8 @@ class PlanResult:
         return {"params_bytes": self.params_bytes, "peak_bytes": self.peak_bytes, "device_bytes": self.device_bytes,
                 "fits": self.fits, "temp_bytes": self.temp_bytes, "argument_bytes": self.argument_bytes,
                 "output_bytes": self.output_bytes, "devices": self.devices, "device_kind": self.device_kind,
-                "mesh": self.mesh, "peak_source": self.peak_source, "group_bytes": self.group_bytes}
+                "mesh": self.mesh, "peak_source": self.peak_source, "group_bytes": self.group_bytes,
+                "steps": self.steps}
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -145,9 +157,57 @@ def read_hf_config(model: str) -> dict:
     return hf
 
 
+# libtpu's multi-process lock: the path is fixed in libtpu (TMPDIR does not move it); a process that loads libtpu
+# takes a POSIX lock on it for its whole life, and a second one fails with "The TPU is already in use by process ..."
+LIBTPU_LOCK = "/tmp/libtpu_lockfile"
+_LOCK_WORDS = ("already in use", "libtpu_lockfile", "multi-process lockfile")
+
+
+def libtpu_installed() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def libtpu_lock_state(path: Optional[str] = None) -> Optional[str]:
+    """"held" when another process holds a lock on libtpu's lock file, "unopenable" when the file exists but this
+    user cannot open it (another user's, perhaps stale), None when it is absent or free. Tests the lock only
+    (``os.lockf(F_TEST)``): nothing is acquired."""
+    path = LIBTPU_LOCK if path is None else path
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        return "unopenable"
+    try:
+        os.lockf(fd, os.F_TEST, 0)
+    except OSError:
+        return "held"
+    finally:
+        os.close(fd)
+    return None
+
+
+def lock_message(name: str, error_text: str, path: Optional[str] = None) -> Optional[str]:
+    """The one-line error for ``--topology name`` when libtpu failed on its lock file (by libtpu's error text or
+    the file's state); None when the failure is something else."""
+    path = LIBTPU_LOCK if path is None else path
+    state = libtpu_lock_state(path)
+    if state is None and not any(w in error_text for w in _LOCK_WORDS):
+        return None
+    if state == "unopenable":
+        how = (f"libtpu's lock file {path} exists but cannot be opened by this user (another user's TPU program, or "
+               f"a stale file): wait for it, or remove it (sudo rm {path})")
+    else:
+        how = (f"libtpu's lock file {path} is held by another process (a TPU program or another `mia plan "
+               f"--topology`; `fuser {path}` names it): wait for it to finish, or run this plan with "
+               f"ALLOW_MULTIPLE_LIBTPU_LOAD=1 (planning compiles only and uses no TPU chip); if no process holds it, "
+               f"remove the stale file (rm {path}; TMPDIR does not move it)")
+    return f"--topology {name!r}: {how}"
+
+
 def topology_devices(name: str):
     """Abstract devices of a TPU topology (e.g. 'v5e:2x4'), compiled for by libtpu without a TPU."""
-    if importlib.util.find_spec("libtpu") is None:
+    if not libtpu_installed():
         raise PlanError("--topology needs the libtpu wheel (pip install libtpu, ideally in a separate venv); "
                         "it is not installed in this environment")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -155,7 +215,10 @@ def topology_devices(name: str):
 
     try:
         return list(topologies.get_topology_desc(name, platform="tpu").devices)
-    except Exception as e:  # libtpu's INVALID_ARGUMENT for a name it does not know
+    except Exception as e:  # libtpu's INVALID_ARGUMENT for a name it does not know; ABORTED when it is locked
+        locked = lock_message(name, str(e))
+        if locked:
+            raise PlanError(locked) from None
         dims = re.fullmatch(r"[^:]+:(\d+)x(\d+)(?:x(\d+))?", name)
         if dims and "chips_per_host_bounds" in str(e):  # a slice smaller than one host, e.g. v5e:1x1
             bounds = tuple(int(d or 1) for d in dims.groups())
@@ -234,14 +297,103 @@ def abstract_model(hf: dict, dtype: str, source: str = "config"):
     return Model(module, None, None, cfg, fam.model_type, None, "plan"), shapes
 
 
+ATTACKS = ("stats", "mope", "camia", "recall", "em_mia")
+CONDITIONAL = ("recall", "em_mia")
+
+
+def conditional_shapes(attack: str, context: int, length: int, prefix_len: Optional[int] = None,
+                       group: Optional[int] = None, settings: ScoringSettings = ScoringSettings()) -> dict:
+    """Padded shapes of the conditional-LL steps ``mia score`` runs for ReCaLL / EM-MIA on targets of ``length``
+    tokens with a ``context``-token model: {"group": G prefix rows, "prefix": S, "target": T} (S, T powers of two,
+    as ``loglik_matrix`` buckets them), with the attacks' context rule (``mia.attacks.fit.prefix_room``).
+
+    recall: one prefix of ``prefix_len`` tokens (default: the most the rule allows, max(C - L, C // 2)), G = 1.
+    em_mia: every text is a prefix, so prefixes of min(L, max(C - L, C // 2)) tokens; G = ``group`` or the engine's
+    group size when there are many prefixes (``settings.token_budget`` prefix tokens, at most ``max_batch`` rows).
+    Targets longer than C - prefix are cut to it, as the attacks cut them."""
+    wanted = length if attack == "em_mia" else (context if prefix_len is None else prefix_len)
+    plen = prefix_room(context, length, wanted)
+    tlen = min(length, context - plen)
+    need = 1 if attack == "recall" else 2
+    if plen < 1 or tlen < need:
+        raise PlanError(f"--attack {attack}: no room for a prefix and a {need}-token target in the model's "
+                        f"{context}-token context (prefix {plen}, target {tlen} tokens)")
+    s, t = bucket_length(plen, settings.min_bucket), bucket_length(tlen, settings.min_bucket)
+    if attack == "recall":
+        g = 1
+    else:
+        g = group or pow2_floor(max(1, min(settings.max_batch, settings.token_budget // s)))
+    return {"group": int(g), "prefix": int(s), "target": int(t), "prefix_tokens": int(plen),
+            "target_tokens": int(tlen)}
+
+
+def camia_length(context: int, length: int, settings: ScoringSettings = ScoringSettings()) -> int:
+    """Padded row length of CAMIA's repeated-text pass: ``REPEATS`` copies of an ``length``-token text (about
+    REPEATS x length tokens), scored in windows of the model context when longer, padded to the engine's bucket."""
+    return bucket_length(min(REPEATS * length, context), settings.min_bucket, settings.bucket_step)
+
+
+def lowered_steps(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: int = 2048,
+                  mesh_axes: Optional[dict] = None, devices=None, fsdp: Optional[bool] = None, attack: str = "stats",
+                  mope_n: int = 10, mope_chunk: int = 2, prefix_len: Optional[int] = None,
+                  group: Optional[int] = None, source: str = "config"):
+    """(model, shapes, shardings, mesh, [(step name, shape, jax ``Lowered``)]): the jitted steps ``mia score`` runs
+    for ``attack``, built by the engine's own builders and lowered on abstract parameters. Arguments as
+    ``plan_scoring``."""
+    devices = list(jax.devices() if devices is None else devices)
+    mesh = make_mesh(mesh_axes, devices)
+    fsdp = (mesh_axes is not None) if fsdp is None else fsdp
+    n_data = dict(mesh.shape)["data"]
+    if batch % n_data:
+        raise PlanError(f"--batch {batch} must be a multiple of the mesh's data axis ({n_data})")
+    if attack not in ATTACKS:
+        raise PlanError(f"--attack {attack!r}: expected one of {', '.join(ATTACKS)}")
+    model, shapes = abstract_model(hf, dtype, source)
+    if length > model.max_length:
+        raise PlanError(f"--length {length} is beyond the model's context: {source} has max_position_embeddings "
+                        f"{model.max_length}")
+    shardings = param_shardings(shapes, mesh, fsdp=fsdp)
+    params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    rows, rep = batch_sharding(mesh), replicated(mesh)
+
+    def row_args(b, t, sharding):
+        return (jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=sharding),
+                jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=sharding))
+
+    if attack in ("stats", "camia"):
+        t = length if attack == "stats" else camia_length(model.max_length, length)
+        steps = [(attack, (batch, t), build_token_stats_step(model, mesh, shardings).lower(params,
+                                                                                          *row_args(batch, t, rows)))]
+    elif attack == "mope":
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
+        step = build_mope_step(model, mesh, shardings, mope_n, 0.005, mope_chunk)
+        steps = [("mope", (batch, length), step.lower(key, params, *row_args(batch, length, rows)))]
+    else:
+        sh = conditional_shapes(attack, model.max_length, length, prefix_len, group)
+        cache_sh = prefix_shardings(model, mesh, params=shapes)
+        g, s, t = sh["group"], sh["prefix"], sh["target"]
+        prefix = build_prefix_step(model, mesh, shardings, cache_sh).lower(params, *row_args(g, s, rep))
+        cache = jax.tree_util.tree_map(lambda x, sd: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sd),
+                                       prefix.out_info, cache_sh)
+        p_idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+        cond = build_cond_step(model, mesh, shardings, cache_sh, attack == "recall").lower(
+            params, cache, p_idx, *row_args(batch, t, rows))
+        steps = [("prefix", (g, s), prefix), ("conditional", (batch, t), cond)]
+    return model, shapes, shardings, mesh, steps
+
+
 def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: int = 2048,
                  mesh_axes: Optional[dict] = None, devices=None, fsdp: Optional[bool] = None,
                  device_bytes: Optional[int] = None, attack: str = "stats", mope_n: int = 10,
-                 mope_chunk: int = 2, source: str = "config") -> PlanResult:
+                 mope_chunk: int = 2, prefix_len: Optional[int] = None, group: Optional[int] = None,
+                 source: str = "config") -> PlanResult:
     """Compile a scoring step ahead of time and read its memory.
 
-    ``attack``: "stats" (the token-statistics pass every attack shares) or "mope" (MoPe's step with ``mope_n``
-    perturbed models, ``mope_chunk`` of them vmapped at a time).
+    ``attack``: "stats" (the token-statistics pass every attack shares), "mope" (MoPe's step with ``mope_n``
+    perturbed models, ``mope_chunk`` of them vmapped at a time), "camia" (the token-stats pass over the repeated
+    text, ``camia_length``), "recall" / "em_mia" (the prefix pass and the conditional-LL call, shapes from
+    ``conditional_shapes``; ``batch`` target rows; the figures are those of the step with the larger peak, every
+    step's in ``steps``, as for camia).
 
     ``devices``: the devices to compile for (default: the local ones; a TPU topology's abstract devices work).
     ``mesh_axes``: {"data": n, "model": m} (default: all devices on data). ``fsdp`` defaults to True when a mesh is
@@ -249,52 +401,45 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     exceed the model's context (``max_position_embeddings``).
     """
     devices = list(jax.devices() if devices is None else devices)
-    mesh = make_mesh(mesh_axes, devices)
-    fsdp = (mesh_axes is not None) if fsdp is None else fsdp
-    n_data = dict(mesh.shape)["data"]
-    if batch % n_data:
-        raise PlanError(f"--batch {batch} must be a multiple of the mesh's data axis ({n_data})")
-    model, shapes = abstract_model(hf, dtype, source)
-    if length > model.max_length:
-        raise PlanError(f"--length {length} is beyond the model's context: {source} has max_position_embeddings "
-                        f"{model.max_length}")
-    shardings = param_shardings(shapes, mesh, fsdp=fsdp)
-    params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    rows = batch_sharding(mesh)
-    tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=rows)
-    valid = jax.ShapeDtypeStruct((batch, length), jnp.bool_, sharding=rows)
-    if attack == "stats":
-        if packs_rows(ScoringSettings(), devices[0].platform):  # segment ids, as mia score packs rows there
-            valid = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=rows)
-        lowered = build_token_stats_step(model, mesh, shardings).lower(params, tokens, valid)
-    elif attack == "mope":
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))
-        lowered = build_mope_step(model, mesh, shardings, mope_n, 0.005, mope_chunk).lower(key, params, tokens, valid)
-    else:
-        raise PlanError(f"--attack {attack!r}: expected stats or mope")
-    peak, arg, tmp, out, source = memory_figures(lowered.compile())
+    model, shapes, shardings, mesh, steps = lowered_steps(
+        hf, dtype=dtype, batch=batch, length=length, mesh_axes=mesh_axes, devices=devices, fsdp=fsdp, attack=attack,
+        mope_n=mope_n, mope_chunk=mope_chunk, prefix_len=prefix_len, group=group, source=source)
+    figures = {name: (shape, memory_figures(lowered.compile())) for name, shape, lowered in steps}
+    worst = max(figures, key=lambda n: figures[n][1][0])
+    peak, arg, tmp, out, peak_source = figures[worst][1]
+    detail = None
+    if attack in ("camia",) + CONDITIONAL:
+        detail = {n: {"shape": list(sh), "peak_bytes": f[0], "argument_bytes": f[1], "temp_bytes": f[2],
+                      "output_bytes": f[3]} for n, (sh, f) in figures.items()}
     return PlanResult(params_bytes=sharded_bytes(shapes, shardings), peak_bytes=peak,
                       device_bytes=device_memory(devices[0], device_bytes), argument_bytes=arg, temp_bytes=tmp,
                       output_bytes=out, devices=len(devices), device_kind=str(devices[0].device_kind),
-                      mesh={k: int(v) for k, v in dict(mesh.shape).items()}, peak_source=source,
-                      group_bytes=mope_group_bytes(model, shapes, shardings) if attack == "mope" else None)
+                      mesh={k: int(v) for k, v in dict(mesh.shape).items()}, peak_source=peak_source,
+                      group_bytes=mope_group_bytes(model, shapes, shardings) if attack == "mope" else None,
+                      steps=detail)
 
 
 # ----------------------------------------------------------------------------------------------- command line
+_OPTIONS = {"stats": {}, "camia": {}, "mope": {"n": ("mope_n", 10), "chunk": ("mope_chunk", 2)},
+            "recall": {"prefix_len": ("prefix_len", None)}, "em_mia": {"group": ("group", None)}}
+ATTACK_HELP = "stats, camia, mope[:n=10,chunk=2], recall[:prefix_len=INT], em_mia[:group=INT]"
+
+
 def parse_plan_attack(text: str) -> tuple[str, dict]:
-    """'stats' | 'mope' | 'mope:n=10,chunk=2' -> (name, plan_scoring keyword arguments)."""
+    """'stats' | 'camia' | 'mope:n=10,chunk=2' | 'recall:prefix_len=512' | 'em_mia:group=8' -> (name, plan_scoring
+    keyword arguments); every option an integer >= 1."""
     name, _, rest = text.partition(":")
-    if name == "stats" and not rest:
-        return "stats", {}
-    if name != "mope":
-        raise PlanError(f"--attack {text!r}: expected stats or mope[:n=10,chunk=2]")
-    opts = {"mope_n": 10, "mope_chunk": 2}
+    if name not in _OPTIONS:
+        raise PlanError(f"--attack {text!r}: expected {ATTACK_HELP}")
+    known = _OPTIONS[name]
+    opts = {kw: default for kw, default in known.values()}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in ("n", "chunk") or not value.isdigit() or int(value) < 1:
-            raise PlanError(f"--attack {text!r}: expected n=INT,chunk=INT (both >= 1)")
-        opts["mope_" + key] = int(value)
-    return "mope", opts
+        if key not in known or not value.isdigit() or int(value) < 1:
+            allowed = ",".join(f"{k}=INT" for k in known) or "no options"
+            raise PlanError(f"--attack {text!r}: {name} takes {allowed} (integers >= 1)")
+        opts[known[key][0]] = int(value)
+    return name, opts
 
 
 def local_device_count() -> int:
