@@ -317,13 +317,14 @@ def _normalize(index: tuple, shape: Sequence[int]) -> tuple:
 
 
 def read_shard(host, index: tuple, dtype=None, release: Optional[Callable[[], None]] = None,
-               block_bytes: int = BLOCK_BYTES) -> np.ndarray:
+               block_bytes: Optional[int] = None) -> np.ndarray:
     """``host[index]`` in ``dtype`` (``convert``'s bits), built in place in one preallocated array: ``host`` is read
     a block of rows (leading axis) at a time and each block is converted into the result, so a memory map (or a
     stacked view over per-layer maps, ``mia.models.hub.StackedView``) is never copied whole nor widened whole to
     float32. ``release()``, when given, is called after each block (the loader drops the memory-mapped pages just
     read from the process's resident set). ``index``: slices with positive steps (as a sharding gives), one per
-    leading dimension at most; missing trailing dimensions are whole."""
+    leading dimension at most; missing trailing dimensions are whole. ``block_bytes``: the most read at once
+    (default ``BLOCK_BYTES``; at least one row)."""
     shape = tuple(np.shape(host))
     dtype = np.dtype(host.dtype if dtype is None else dtype)
     if not shape:
@@ -335,7 +336,7 @@ def read_shard(host, index: tuple, dtype=None, release: Optional[Callable[[], No
     rest = index[1:]
     out = aligned_empty((len(rows),) + tuple(len(range(n)[i]) for i, n in zip(rest, shape[1:])), dtype)
     row_bytes = max(1, int(np.prod(out.shape[1:], dtype=np.int64)) * max(4, dtype.itemsize))
-    per_block = max(1, block_bytes // row_bytes)
+    per_block = max(1, (BLOCK_BYTES if block_bytes is None else block_bytes) // row_bytes)
     step = index[0].step or 1
     for j in range(0, len(rows), per_block):
         k = min(len(rows), j + per_block)

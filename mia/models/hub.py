@@ -372,17 +372,21 @@ def nonfinite_tensor(tensors: dict[str, np.ndarray]) -> Optional[tuple[str, int,
     return None
 
 
+def finite_leaves(leaves: list) -> jax.Array:
+    """Pure: bool [len(leaves)], whether each leaf is finite throughout (non-floating and empty leaves count as
+    finite). ``max |x| < inf`` is False for an inf and for a NaN (``max`` propagates NaN): one fused reduction per
+    leaf with no temporary, where ``isfinite(x).all()`` over every leaf in one program made XLA hold a bool per
+    parameter (about 1 GB of host memory for a 1B model on a CPU)."""
+    return jnp.stack([jnp.max(jnp.abs(x)) < jnp.inf if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+                      else jnp.bool_(True) for x in leaves])
+
+
 def _finite_flags(params, mesh=None) -> np.ndarray:
     """bool [n_leaves]: whether each floating leaf of ``params`` is finite throughout (one ``isfinite().all()``
     reduction per leaf, on the devices holding it, fetched together, replicated over ``mesh`` when given so that
     every process can read it); non-floating leaves count as finite."""
     leaves = jax.tree_util.tree_leaves(params)
-    # max |x| < inf (False for a NaN, which max propagates): one reduction XLA fuses without a temporary, where
-    # isfinite(x).all() over every leaf in one program held a bool per parameter (~1 GB for a 1B model on a CPU)
-    reduce = lambda ls: jnp.stack([jnp.max(jnp.abs(x)) < jnp.inf  # noqa: E731
-                                   if jnp.issubdtype(x.dtype, jnp.inexact) and x.size else jnp.bool_(True)
-                                   for x in ls])
-    flags = jax.jit(reduce, out_shardings=None if mesh is None else replicated(mesh))(leaves)
+    flags = jax.jit(finite_leaves, out_shardings=None if mesh is None else replicated(mesh))(leaves)
     return np.asarray(jax.device_get(flags))
 
 
