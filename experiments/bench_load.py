@@ -127,7 +127,8 @@ def child(path: str, mode: str, param_dtype: str, mesh: str) -> None:
     h = hashlib.sha256()
     for p, x in sorted(leaves, key=lambda t: jax.tree_util.keystr(t[0])):
         h.update(np.ascontiguousarray(np.asarray(jax.device_get(x))).tobytes())
-    print(json.dumps(dict(mode=mode, base_kib=base, peak_kib=peak, hwm_reset=reset, param_bytes=int(n_bytes),
+    root = str(Path(mm.__file__).resolve().parent.parent.parent)  # the checkout whose mia was imported
+    print(json.dumps(dict(mode=mode, mia=root, base_kib=base, peak_kib=peak, hwm_reset=reset, param_bytes=int(n_bytes),
                           seconds=seconds, digest=h.hexdigest()[:16], devices=len(jax.devices()))))
 
 
@@ -136,13 +137,17 @@ def run_child(path: Path, mode: str, args) -> dict:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(Path(args.baseline).resolve() if mode == "baseline" else ROOT)
-    cmd = [sys.executable, "-m", "experiments.bench_load", "--child", str(path), "--mode",
+    # run as a script from the checkpoint's folder: neither this checkout's root (which ``-m`` would put first on
+    # sys.path) nor its experiments/ holds a ``mia`` that could shadow the baseline's
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(path), "--mode",
            "stream" if mode == "baseline" else mode, "--param-dtype", args.param_dtype, "--mesh", args.mesh]
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(cmd, env=env, cwd=path.parent, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{mode}: the load failed:\n{r.stderr[-3000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["mode"] = mode
+    if Path(out["mia"]) != Path(env["PYTHONPATH"]).resolve():
+        raise SystemExit(f"{mode}: imported mia from {out['mia']}, not {env['PYTHONPATH']}")
     return out
 
 
