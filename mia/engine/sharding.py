@@ -267,6 +267,7 @@ def compose(*transforms: Optional[Callable]) -> Optional[Callable]:
 
 # ------------------------------------------------------------------------------------------------ placement
 BLOCK_BYTES = 64 << 20  # the most a shard is read and converted at once (host memory: about one block past the shard)
+TILE = 256  # side of the tiles a transposed source is copied in
 
 
 def convert(part: np.ndarray, dtype=None) -> np.ndarray:
@@ -290,6 +291,18 @@ def convert_into(out: np.ndarray, part) -> None:
     float32-target copy is one cast; float -> another narrower float goes through float32 (only ``part``'s size is
     ever held in float32)."""
     part = np.asarray(part)
+    if part.ndim >= 2 and not part.flags.c_contiguous and part.size > TILE * TILE:
+        # a transposed source (an HF [out, in] weight read as [in, out]): copy tile by tile, which keeps both sides
+        # in cache (a plain strided copy of a large matrix is several times slower)
+        for i in range(0, part.shape[-2], TILE):
+            for j in range(0, part.shape[-1], TILE):
+                tile = (Ellipsis, slice(i, i + TILE), slice(j, j + TILE))
+                _cast_into(out[tile], part[tile])
+    else:
+        _cast_into(out, part)
+
+
+def _cast_into(out: np.ndarray, part: np.ndarray) -> None:
     src, dst = np.dtype(part.dtype), np.dtype(out.dtype)
     with np.errstate(over="ignore", invalid="ignore"):
         if src == dst or dst == np.float32 or src == np.float32 or not (_is_float(src) and _is_float(dst)):
@@ -316,32 +329,48 @@ def _normalize(index: tuple, shape: Sequence[int]) -> tuple:
                  zip(index, shape))
 
 
+def _outer_axis(host) -> int:
+    """The axis a read should block along: the one with the largest stride of a numpy array (axis 1 of a transposed
+    matrix, so that each block is a run of the file's rows, not a band of columns touching every page), else 0 (a
+    stacked view: one layer per row)."""
+    if isinstance(host, np.ndarray) and host.ndim > 1:
+        return int(np.argmax([abs(st) if n > 1 else 0 for st, n in zip(host.strides, host.shape)]))
+    return 0
+
+
 def read_shard(host, index: tuple, dtype=None, release: Optional[Callable[[], None]] = None,
                block_bytes: Optional[int] = None) -> np.ndarray:
-    """``host[index]`` in ``dtype`` (``convert``'s bits), built in place in one preallocated array: ``host`` is read
-    a block of rows (leading axis) at a time and each block is converted into the result, so a memory map (or a
-    stacked view over per-layer maps, ``mia.models.hub.StackedView``) is never copied whole nor widened whole to
+    """``host[index]`` in ``dtype`` (``convert``'s bits), built in place in one preallocated, 64-byte aligned array:
+    ``host`` is read a block at a time along its outermost axis in memory (the leading axis of a stacked view: a
+    layer; the file's rows of a transposed matrix) and each block is converted into the result, so a memory map (or
+    a stacked view over per-layer maps, ``mia.models.hub.StackedView``) is never copied whole nor widened whole to
     float32. ``release()``, when given, is called after each block (the loader drops the memory-mapped pages just
     read from the process's resident set). ``index``: slices with positive steps (as a sharding gives), one per
     leading dimension at most; missing trailing dimensions are whole. ``block_bytes``: the most read at once
-    (default ``BLOCK_BYTES``; at least one row)."""
+    (default ``BLOCK_BYTES``; at least one row of the blocking axis)."""
     shape = tuple(np.shape(host))
     dtype = np.dtype(host.dtype if dtype is None else dtype)
     if not shape:
         out = np.empty((), dtype)
         convert_into(out, np.asarray(host[()]) if hasattr(host, "__getitem__") else host)
         return out
-    index = _normalize(index, shape)
-    rows = range(shape[0])[index[0]]
-    rest = index[1:]
-    out = aligned_empty((len(rows),) + tuple(len(range(n)[i]) for i, n in zip(rest, shape[1:])), dtype)
-    row_bytes = max(1, int(np.prod(out.shape[1:], dtype=np.int64)) * max(4, dtype.itemsize))
+    index = list(_normalize(index, shape))
+    out = aligned_empty(tuple(len(range(n)[i]) for i, n in zip(index, shape)), dtype)
+    axis = _outer_axis(host)
+    rows = range(shape[axis])[index[axis]]
+    row_bytes = max(1, out.size // max(1, len(rows)) * max(4, dtype.itemsize))
     per_block = max(1, (BLOCK_BYTES if block_bytes is None else block_bytes) // row_bytes)
-    step = index[0].step or 1
+    lead = (slice(None),) * axis
+    layers = getattr(host, "layers", None)  # a StackedView: convert each layer's slice straight from its own map
+    if layers is not None and axis == 0:
+        per_block = 1
     for j in range(0, len(rows), per_block):
         k = min(len(rows), j + per_block)
-        block = slice(rows[j], rows[k - 1] + 1, step)
-        convert_into(out[j:k], host[(block,) + rest])
+        index[axis] = slice(rows[j], rows[k - 1] + 1, rows.step)
+        if layers is not None and axis == 0:
+            convert_into(out[j], layers[rows[j]][tuple(index[1:])])
+        else:
+            convert_into(out[lead + (slice(j, k),)], host[tuple(index)])
         if release is not None:
             release()
     return out
