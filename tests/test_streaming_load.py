@@ -211,3 +211,13 @@ def test_sharded_streamed_load_equals_whole_leaf_load(tmp_path):
     for name, r in report.items():
         assert r["differ"] == [], (name, r["differ"])
         assert r["split_leaves"] >= 4, name  # the mesh really splits the matrices
+
+
+@pytest.mark.slow  # (~15 s: two subprocesses)
+def test_bench_load_runs_small(capsys):
+    """``experiments.bench_load`` on a 1-layer, width-64 model: both rows load the same params (exit 0)."""
+    from experiments import bench_load
+
+    assert bench_load.main(["--layers", "1", "--hidden", "64", "--modes", "stream,whole"]) == 0
+    out = capsys.readouterr().out
+    assert "params identical across rows" in out and "| stream |" in out and "| whole |" in out
