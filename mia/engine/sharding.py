@@ -266,20 +266,120 @@ def compose(*transforms: Optional[Callable]) -> Optional[Callable]:
 
 
 # ------------------------------------------------------------------------------------------------ placement
+BLOCK_BYTES = 64 << 20  # the most a shard is read and converted at once (host memory: about one block past the shard)
+TILE = 256  # side of the tiles a transposed source is copied in
+
+
 def convert(part: np.ndarray, dtype=None) -> np.ndarray:
-    """``part`` in ``dtype`` (floats go through float32, as the unsharded loader does; no copy when it already is).
+    """``part`` in ``dtype`` (no copy when it already is). The result has the bits of ``part.astype(float32)
+    .astype(dtype)`` (the whole-leaf loader's rounding): a float16/bfloat16/float32 source widens to float32 exactly,
+    so a float32 target is one direct cast, and any other float target is rounded once from float32.
     A value beyond ``dtype``'s range becomes inf silently: ``mia.models.hub.check_finite`` names it after placing."""
     if dtype is None or part.dtype == np.dtype(dtype):
         return part
-    if part.dtype.kind == "f" and np.dtype(dtype).kind in "fV":
-        with np.errstate(over="ignore"):
-            return part.astype(np.float32).astype(dtype)
-    return part.astype(dtype)
+    out = np.empty(np.shape(part), dtype)
+    convert_into(out, part)
+    return out
 
 
-def put_array(host, sharding: NamedSharding, dtype=None) -> jax.Array:
-    """Place one array explicitly. ``host``: numpy (a memory map is read slice by slice: each device's shard only)
-    or a jax.Array. Works with several processes: each process transfers the shards of its own devices."""
+def _is_float(dt) -> bool:
+    return np.dtype(dt).kind == "f" or np.dtype(dt).name == "bfloat16"
+
+
+def convert_into(out: np.ndarray, part) -> None:
+    """Write ``part`` into the preallocated ``out`` in ``out``'s dtype, with ``convert``'s rounding: a same-dtype or
+    float32-target copy is one cast; float -> another narrower float goes through float32 (only ``part``'s size is
+    ever held in float32)."""
+    part = np.asarray(part)
+    if part.ndim >= 2 and not part.flags.c_contiguous and part.size > TILE * TILE:
+        # a transposed source (an HF [out, in] weight read as [in, out]): copy tile by tile, which keeps both sides
+        # in cache (a plain strided copy of a large matrix is several times slower)
+        for i in range(0, part.shape[-2], TILE):
+            for j in range(0, part.shape[-1], TILE):
+                tile = (Ellipsis, slice(i, i + TILE), slice(j, j + TILE))
+                _cast_into(out[tile], part[tile])
+    else:
+        _cast_into(out, part)
+
+
+def _cast_into(out: np.ndarray, part: np.ndarray) -> None:
+    src, dst = np.dtype(part.dtype), np.dtype(out.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if src == dst or dst == np.float32 or src == np.float32 or not (_is_float(src) and _is_float(dst)):
+            np.copyto(out, part, casting="unsafe")
+        else:
+            np.copyto(out, part.astype(np.float32), casting="unsafe")
+
+
+def aligned_empty(shape: Sequence[int], dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an ``align``-byte boundary. A CPU device takes such
+    a buffer over without copying it (``jax.device_put`` copies a numpy array whose data is not 64-byte aligned, and
+    numpy's own large allocations are 16-byte aligned), so on a CPU the shard read is the parameter itself."""
+    shape = tuple(int(n) for n in shape)
+    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(size + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + size].view(dtype).reshape(shape)
+
+
+def _normalize(index: tuple, shape: Sequence[int]) -> tuple:
+    """A shard index (slices, from ``addressable_devices_indices_map``) as one slice per dimension."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*i.indices(n)) if isinstance(i, slice) else slice(int(i), int(i) + 1) for i, n in
+                 zip(index, shape))
+
+
+def _outer_axis(host) -> int:
+    """The axis a read should block along: the one with the largest stride of a numpy array (axis 1 of a transposed
+    matrix, so that each block is a run of the file's rows, not a band of columns touching every page), else 0 (a
+    stacked view: one layer per row)."""
+    if isinstance(host, np.ndarray) and host.ndim > 1:
+        return int(np.argmax([abs(st) if n > 1 else 0 for st, n in zip(host.strides, host.shape)]))
+    return 0
+
+
+def read_shard(host, index: tuple, dtype=None, release: Optional[Callable[[], None]] = None,
+               block_bytes: Optional[int] = None) -> np.ndarray:
+    """``host[index]`` in ``dtype`` (``convert``'s bits), built in place in one preallocated, 64-byte aligned array:
+    ``host`` is read a block at a time along its outermost axis in memory (the leading axis of a stacked view: a
+    layer; the file's rows of a transposed matrix) and each block is converted into the result, so a memory map (or
+    a stacked view over per-layer maps, ``mia.models.hub.StackedView``) is never copied whole nor widened whole to
+    float32. ``release()``, when given, is called after each block (the loader drops the memory-mapped pages just
+    read from the process's resident set). ``index``: slices with positive steps (as a sharding gives), one per
+    leading dimension at most; missing trailing dimensions are whole. ``block_bytes``: the most read at once
+    (default ``BLOCK_BYTES``; at least one row of the blocking axis)."""
+    shape = tuple(np.shape(host))
+    dtype = np.dtype(host.dtype if dtype is None else dtype)
+    if not shape:
+        out = np.empty((), dtype)
+        convert_into(out, np.asarray(host[()]) if hasattr(host, "__getitem__") else host)
+        return out
+    index = list(_normalize(index, shape))
+    out = aligned_empty(tuple(len(range(n)[i]) for i, n in zip(index, shape)), dtype)
+    axis = _outer_axis(host)
+    rows = range(shape[axis])[index[axis]]
+    row_bytes = max(1, out.size // max(1, len(rows)) * max(4, dtype.itemsize))
+    per_block = max(1, (BLOCK_BYTES if block_bytes is None else block_bytes) // row_bytes)
+    lead = (slice(None),) * axis
+    layers = getattr(host, "layers", None)  # a StackedView: convert each layer's slice straight from its own map
+    if layers is not None and axis == 0:
+        per_block = 1
+    for j in range(0, len(rows), per_block):
+        k = min(len(rows), j + per_block)
+        index[axis] = slice(rows[j], rows[k - 1] + 1, rows.step)
+        if layers is not None and axis == 0:
+            convert_into(out[j], layers[rows[j]][tuple(index[1:])])
+        else:
+            convert_into(out[lead + (slice(j, k),)], host[tuple(index)])
+        if release is not None:
+            release()
+    return out
+
+
+def put_array(host, sharding: NamedSharding, dtype=None, release: Optional[Callable[[], None]] = None) -> jax.Array:
+    """Place one array explicitly. ``host``: numpy, a memory map or a stacked view (each device's shard is read and
+    converted on its own, block by block: ``read_shard``) or a jax.Array. Works with several processes: each process
+    transfers the shards of its own devices."""
     if isinstance(host, jax.Array):
         if dtype is not None and host.dtype != dtype:
             host = host.astype(dtype)
@@ -288,28 +388,32 @@ def put_array(host, sharding: NamedSharding, dtype=None) -> jax.Array:
         if host.is_fully_addressable and sharding.is_fully_addressable:
             return jax.device_put(host, sharding)
         host = np.asarray(jax.device_get(host))
-    return assemble(tuple(np.shape(host)), sharding, lambda index: convert(np.asarray(host[index]), dtype))
+    return assemble(tuple(np.shape(host)), sharding, lambda index: read_shard(host, index, dtype, release))
 
 
 def assemble(shape: Sequence[int], sharding: NamedSharding, shard: Callable[[tuple], np.ndarray]) -> jax.Array:
     """A global array from ``shard(index) -> np.ndarray``, called once per distinct shard this process's devices
-    hold (a shard replicated on several devices is built once). The copies are explicit ``jax.device_put`` calls,
-    so this works under ``jax.transfer_guard("disallow")`` and with several processes."""
-    built: dict = {}
-    devices, values = [], []
+    hold (a shard replicated on several devices is built once). Each shard is copied to its devices as soon as it is
+    built and its host buffer dropped, so the host holds one shard at a time. The copies are explicit
+    ``jax.device_put`` calls, so this works under ``jax.transfer_guard("disallow")`` and with several processes."""
+    groups: dict = {}
     for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
         key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
-        if key not in built:
-            built[key] = np.ascontiguousarray(shard(index))
-        devices.append(device)
-        values.append(built[key])
-    arrays = jax.device_put(values, devices)
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+        groups.setdefault(key, (index, []))[1].append(device)
+    placed = {}
+    for index, devices in groups.values():
+        value = np.ascontiguousarray(shard(index))
+        for device, array in zip(devices, jax.device_put([value] * len(devices), devices)):
+            placed[device] = array
+        del value
+    order = list(sharding.addressable_devices_indices_map(tuple(shape)))
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [placed[d] for d in order])
 
 
-def put_params(params, shardings, dtype=None):
-    """Place a params pytree with a matching pytree of shardings; already-placed leaves are returned as they are."""
-    return jax.tree_util.tree_map(lambda x, s: put_array(x, s, dtype), params, shardings)
+def put_params(params, shardings, dtype=None, release: Optional[Callable[[], None]] = None):
+    """Place a params pytree with a matching pytree of shardings, leaf by leaf and shard by shard (``put_array``);
+    already-placed leaves are returned as they are. ``release``: see ``read_shard``."""
+    return jax.tree_util.tree_map(lambda x, s: put_array(x, s, dtype, release), params, shardings)
 
 
 def put_rows(shape: Sequence[int], sharding: NamedSharding, make_rows: Callable[[np.ndarray], np.ndarray]) -> jax.Array:

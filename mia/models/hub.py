@@ -15,9 +15,10 @@ import dataclasses
 import functools
 import hashlib
 import json
+import mmap
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +134,28 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
     return {name: data[lo:hi].view(_ST_DTYPES[dtype]).reshape(shape)
             for name, (dtype, shape, (lo, hi)) in header.items()}
+
+
+def mapped_pages_release(arrays) -> Optional[Callable[[], None]]:
+    """A function that drops every page of the memory maps behind ``arrays`` from this process's resident set
+    (``madvise(MADV_DONTNEED)`` on each distinct map: the file stays in the page cache, and a later read maps it
+    again), or None when none of them is a memory map or the platform has no ``madvise``. The loader calls it after
+    each block it reads, so peak host memory is the placed parameters plus about one block, not plus the whole
+    checkpoint file as well."""
+    maps = {}
+    for a in arrays:
+        for layer in getattr(a, "layers", None) or [a]:
+            m = getattr(layer, "_mmap", None)  # np.memmap and its views keep the mmap.mmap they read from
+            if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                maps[id(m)] = m
+    if not maps:
+        return None
+
+    def release() -> None:
+        for m in maps.values():
+            with contextlib.suppress(ValueError, OSError):  # a map closed meanwhile: nothing left to drop
+                m.madvise(mmap.MADV_DONTNEED)
+    return release
 
 
 def read_weights(path: Path) -> dict[str, np.ndarray]:
@@ -279,7 +302,10 @@ class StackedView:
 
 def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, param_dtype, source: str = "checkpoint"):
     """HF-named numpy tensors -> our params pytree (on the default device, ``param_dtype``), strict on names and
-    shapes (see ``host_params_from_hf``)."""
+    shapes (see ``host_params_from_hf``). Each leaf is built whole on the host and widened to float32 before it is
+    converted: simple, and the reference the streaming loader (``load``: ``put_params`` with ``read_shard``) must
+    match bit for bit, but a stacked leaf costs about 3x its float32 size in transient host memory. For small
+    models (a masked-LM head, tests)."""
     views = host_params_from_hf(tensors, fam, cfg, shapes, source)
     return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a).astype(np.float32), dtype=param_dtype), views)
 
@@ -351,14 +377,21 @@ def nonfinite_tensor(tensors: dict[str, np.ndarray]) -> Optional[tuple[str, int,
     return None
 
 
+def finite_leaves(leaves: list) -> jax.Array:
+    """Pure: bool [len(leaves)], whether each leaf is finite throughout (non-floating and empty leaves count as
+    finite). ``max |x| < inf`` is False for an inf and for a NaN (``max`` propagates NaN): one fused reduction per
+    leaf with no temporary, where ``isfinite(x).all()`` over every leaf in one program made XLA hold a bool per
+    parameter (about 1 GB of host memory for a 1B model on a CPU)."""
+    return jnp.stack([jnp.max(jnp.abs(x)) < jnp.inf if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+                      else jnp.bool_(True) for x in leaves])
+
+
 def _finite_flags(params, mesh=None) -> np.ndarray:
     """bool [n_leaves]: whether each floating leaf of ``params`` is finite throughout (one ``isfinite().all()``
     reduction per leaf, on the devices holding it, fetched together, replicated over ``mesh`` when given so that
     every process can read it); non-floating leaves count as finite."""
     leaves = jax.tree_util.tree_leaves(params)
-    reduce = lambda ls: jnp.stack([jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
-                                   else jnp.bool_(True) for x in ls])
-    flags = jax.jit(reduce, out_shardings=None if mesh is None else replicated(mesh))(leaves)
+    flags = jax.jit(finite_leaves, out_shardings=None if mesh is None else replicated(mesh))(leaves)
     return np.asarray(jax.device_get(flags))
 
 
@@ -580,7 +613,8 @@ def load(path, dtype=AUTO, param_dtype=None, tokenizer: bool = True, mesh=None,
     views = host_params_from_hf(tensors, fam, cfg, shapes, source=str(root))
     fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
     placed_on = make_mesh() if mesh is None else mesh
-    params = put_params(views, param_shardings(shapes, placed_on, fsdp=fsdp), dtype=param_dtype)
+    params = put_params(views, param_shardings(shapes, placed_on, fsdp=fsdp), dtype=param_dtype,
+                        release=mapped_pages_release(tensors.values()))
     check_finite(params, by_name, origin, str(root), param_dtype, placed_on)
     tok = load_tokenizer(root, layout.tokenizer_class if layout else None) if tokenizer else None
     return Model(module, params, tok, cfg, fam.model_type, str(root), functools.partial(fingerprint, root), placed_on,
