@@ -42,6 +42,7 @@ JAX_HEARTBEAT = 60  # jax's own heartbeat limit (it aborts with a C++ trace): af
 JAX_SHUTDOWN = 60  # seconds jax's shutdown barrier waits for the other processes
 EXIT_GRACE = 3.0  # seconds process 0 waits for the peers to exit first
 LOST_GRACE = 3.0  # seconds a failed collective waits for the watchdog to name a lost process
+SERVICE_GRACE = 10.0  # seconds the coordination service outlives process 0 (the others exit first)
 
 
 class DistributedError(ValueError):
@@ -439,6 +440,44 @@ class _Watchdog:
 
 _WATCH: Optional[_Watchdog] = None
 
+# The coordination service in a process of its own (process 0's child): when process 0 dies, the service (and the
+# other processes' connections to it) lives on until the watchdog has stopped them with one line each; in-process,
+# its death would reach every other process first as a C++ abort with a stack trace.
+_SERVICE_CODE = """
+import os, sys, time
+from jaxlib import _jax
+address, n, heartbeat, shutdown, parent, grace = sys.argv[1:7]
+service = _jax.get_distributed_runtime_service(address, int(n), heartbeat_timeout=int(heartbeat),
+                                               shutdown_timeout=int(shutdown))
+print("ready", flush=True)
+while os.getppid() == int(parent):
+    time.sleep(0.2)
+time.sleep(float(grace))
+"""
+
+
+class _NoService:
+    """What jax holds as process 0's service when it runs in ``_start_service``'s process."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _start_service(bind: str, num_processes: int, heartbeat: int, shutdown: int, timeout: float):
+    """Start jax's coordination service on ``bind`` in a child process that outlives this one by SERVICE_GRACE s
+    (its own session: Ctrl-C in the terminal does not reach it); the child, once it listens."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", _SERVICE_CODE, bind, str(num_processes), str(heartbeat),
+                              str(shutdown), str(os.getpid()), str(SERVICE_GRACE)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             start_new_session=True, close_fds=True)
+    ready = select.select([child.stdout], [], [], max(10.0, timeout))[0]
+    if not ready or child.stdout.readline().strip() != b"ready":
+        child.kill()
+        raise DistributedError(f"cannot start the coordination service on {bind} (is the port in use?)")
+    return child
+
 
 def initialize(group: Optional[ProcessGroup], timeout: float = 60.0, inputs: Optional[dict] = None,
                peer_timeout: float = PEER_TIMEOUT) -> None:
@@ -460,13 +499,26 @@ def initialize(group: Optional[ProcessGroup], timeout: float = 60.0, inputs: Opt
     else:
         conns = {0: _rendezvous_peer(group, timeout, inputs, token)}
     _WATCH = _Watchdog(group, conns, peer_timeout)
+    heartbeat = max(JAX_HEARTBEAT, int(2 * peer_timeout))
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or group.coordinator
+    from jax._src import distributed as jax_distributed
+
+    own_service = group.process_id == 0 and hasattr(getattr(jax_distributed, "_jax", None),
+                                                    "get_distributed_runtime_service")
+    if own_service:
+        _start_service(bind, group.num_processes, heartbeat, JAX_SHUTDOWN, timeout)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(group.coordinator, num_processes=group.num_processes, process_id=group.process_id,
-                               initialization_timeout=max(10, int(timeout)),
-                               coordinator_bind_address=os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
-                               or group.coordinator,
-                               heartbeat_timeout_seconds=max(JAX_HEARTBEAT, int(2 * peer_timeout)),
-                               shutdown_timeout_seconds=JAX_SHUTDOWN)
+    jax.config.update("jax_enable_preemption_service", False)  # it would only print warnings when a process dies
+    make_service = own_service and jax_distributed._jax.get_distributed_runtime_service
+    try:
+        if own_service:
+            jax_distributed._jax.get_distributed_runtime_service = lambda *a, **k: _NoService()
+        jax.distributed.initialize(group.coordinator, num_processes=group.num_processes, process_id=group.process_id,
+                                   initialization_timeout=max(10, int(timeout)), coordinator_bind_address=bind,
+                                   heartbeat_timeout_seconds=heartbeat, shutdown_timeout_seconds=JAX_SHUTDOWN)
+    finally:
+        if own_service:
+            jax_distributed._jax.get_distributed_runtime_service = make_service
 
 
 def _mia_version() -> str:
