@@ -228,8 +228,12 @@ def _rendezvous_coordinator(group: ProcessGroup, timeout: float, inputs: dict, t
                 conn.settimeout(5.0)
                 _send(conn, {"mia": PROTOCOL, "challenge": nonce})
                 msg = _Lines(conn).read()
-            except (OSError, ValueError) as e:
-                _warn(f"coordinator: ignored a connection from {who} ({e})")
+            except ValueError as e:
+                _reply_and_close(conn, {"reject": f"malformed hello: {e}"})
+                _warn(f"coordinator: ignored a malformed hello from {who}: {e}")
+                continue
+            except OSError as e:
+                _warn(f"coordinator: ignored a connection from {who} ({e.strerror or 'timed out'})")
                 conn.close()
                 continue
             if msg is None:  # connected and left without a word (a port probe)
