@@ -134,7 +134,10 @@ import socket, sys, time
 from mia.engine import distributed as D
 mode = sys.argv[1]
 mine, theirs = socket.socketpair()
-D._Watchdog(D.ProcessGroup("127.0.0.1:1", 3, 1), {0: mine}, peer_timeout=2.0)
+D._WATCH = D._Watchdog(D.ProcessGroup("127.0.0.1:1", 3, 1), {0: mine}, peer_timeout=2.0)
+if mode == "raise":
+    with D.guard(user_errors=(ValueError,)):
+        raise ValueError("bad thing\\nsecond line")
 if mode == "closed":
     theirs.close()
 elif mode == "abort":
@@ -149,15 +152,17 @@ time.sleep(30)
 
 @pytest.mark.parametrize("mode, line", [
     ("closed", "error: process 0 stopped"),
-    ("abort", "error: process 2 stopped"),
-    ("silent", "error: process 0 sent nothing for 2 s"),
-    ("garbage", "error: process 0 stopped"),
+    ("raise", "error: process 1: bad thing"),  # this process's own error (status 2): one line, then the exit
+    # (each case starts jax in a subprocess: ~3 s on 2 busy cores; the default run keeps two)
+    pytest.param("abort", "error: process 2 stopped", marks=pytest.mark.slow),
+    pytest.param("silent", "error: process 0 sent nothing for 2 s", marks=pytest.mark.slow),
+    pytest.param("garbage", "error: process 0 stopped", marks=pytest.mark.slow),
 ])
 def test_the_watchdog_turns_a_lost_process_into_one_line_and_an_exit(mode, line):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-c", WATCHDOG, mode], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and time.monotonic() - start < 25
+    assert r.returncode == (2 if mode == "raise" else 1) and time.monotonic() - start < 25
     err = r.stderr.strip().splitlines()
     if mode == "garbage":  # a malformed line is one warning, then the real loss
         assert err[0].startswith("warning: process 0 sent a malformed watchdog message"), err

@@ -7,10 +7,17 @@ shapes in the same order; each process builds and transfers only the rows its ow
 outputs come back replicated, so every process holds every result; process 0 alone writes the output file.
 
 Start-up. ``jax.distributed.initialize`` aborts the whole process (a C++ fatal error, not an exception) when the
-coordinator cannot be reached in time. So before calling it, the processes meet on the coordinator's port with
-plain sockets: process 0 listens there until the N-1 others have said hello (or ``timeout`` passes), then closes the
-socket and lets jax's coordination service bind the same port. A process that cannot reach the coordinator within
-``timeout`` seconds stops with one line (``cannot reach coordinator HOST:PORT within 60 s``), not a hang.
+coordinator cannot be reached in time. So before calling it, the processes meet on the coordinator's address with
+plain sockets: process 0 listens there (that address only) until the N-1 others have said an authenticated hello
+(an HMAC keyed with the run's token, ``run_token``) carrying the same process count and input digests (or
+``timeout`` passes), then closes the listening socket and lets jax's coordination service bind the same address.
+A process that cannot reach the coordinator within ``timeout`` seconds stops with one line (``cannot reach
+coordinator HOST:PORT within 60 s``), not a hang; processes whose inputs differ all stop with one line naming them.
+
+Failure. The hello connections stay open for the run: a watchdog thread on each process (``_Watchdog``) turns the
+death or silence of another process into one ``error:`` line and an immediate exit, and ``guard`` does the same for
+an exception on this process. jax's coordination service runs in a child of process 0 (``_start_service``) so that
+process 0's death does not reach the others first as jax's C++ abort. Wire format: one JSON object per line.
 """
 from __future__ import annotations
 
@@ -232,8 +239,11 @@ def _rendezvous_coordinator(group: ProcessGroup, timeout: float, inputs: dict, t
                 _reply_and_close(conn, {"reject": f"malformed hello: {e}"})
                 _warn(f"coordinator: ignored a malformed hello from {who}: {e}")
                 continue
-            except OSError as e:
-                _warn(f"coordinator: ignored a connection from {who} ({e.strerror or 'timed out'})")
+            except socket.timeout:
+                _warn(f"coordinator: ignored a connection from {who} (no hello within 5 s)")
+                conn.close()
+                continue
+            except OSError:  # connected and left (a port probe)
                 conn.close()
                 continue
             if msg is None:  # connected and left without a word (a port probe)
