@@ -12,7 +12,7 @@ import sys
 from . import cache_limit
 from . import validate as V
 from .blind.cli import add_blind_parser
-from .commands import add_compile_cache_flag, run_for_user
+from .commands import USER_ERRORS, add_compile_cache_flag, run_for_user
 from .data.cli import add_split_parser
 from .documents import check_document_records, check_train_documents, score_documents, write_document_scores
 from .file_hash import default_cache_dir
@@ -99,34 +99,61 @@ def cmd_score(args) -> int:
     api.check_request(args.attacks, ref_model=args.ref_model, mlm=args.mlm)  # a bad name stops before any loading
     check_score_paths(args)  # every path before any work: a bad --out is not found after all the scoring
     group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
-    distributed.initialize(group, timeout=args.init_timeout)  # before any other jax call
-    scored = ("eval", "train") if args.documents else ("eval",)  # --documents: train documents are scored too
-    examples = api.read_data(args.data, "--data", scored + api.LEARNED_PARTITIONS)
-    if args.documents:
-        for e in examples if args.seq_tokens else ():
-            e.doc_id = e.id if e.doc_id is None else e.doc_id  # one line = one document unless doc_id says otherwise
-        check_documents(examples, args.data)  # before the model is loaded
-    model = api.load(args.model, dtype=args.dtype, mesh=args.mesh, fsdp=None if args.mesh is None else not args.no_fsdp)
-    run = api.score(model, examples, args.attacks, prefix=args.prefix_data, member_prefix=args.member_prefix_data,
-                    calib=args.calib_data, train=args.train_data, max_length=args.max_length,
-                    skip_invalid=args.skip_invalid, seq_tokens=args.seq_tokens, scored=scored, seed=args.seed,
-                    batch_tokens=args.batch_tokens, cache=not args.no_cache, cache_dir=args.cache_dir,
-                    progress=not args.no_progress, ref_model=args.ref_model, mlm=args.mlm,
-                    freq_corpus=args.freq_corpus, cache_max_gb=args.cache_max_gb)
-    if args.documents:
-        check_documents(run.examples, args.data)  # again, without the lines --skip-invalid set aside
-    if distributed.is_main():  # every process holds every score; process 0 alone writes and prints
+    distributed.initialize(group, timeout=args.init_timeout,  # before any other jax call
+                           inputs=score_inputs(args) if group is not None else None)
+    # several processes: a failure on any one stops all of them, one line each
+    with distributed.guard(debug=args.debug, user_errors=USER_ERRORS):
+        scored = ("eval", "train") if args.documents else ("eval",)  # --documents: train documents are scored too
+        examples = api.read_data(args.data, "--data", scored + api.LEARNED_PARTITIONS)
         if args.documents:
-            report_documents(args, run)
-        else:
-            run.write(args.out)
-            for note in run.notes:
-                print(f"note: {note}", file=sys.stderr)
-            if run.labelled:
-                print(run.metrics(n_resamples=args.bootstrap, seed=args.seed, delta=args.delta))
-            print(f"wrote {len(run.examples)} scored example(s) to {args.out}", file=sys.stderr)
-    distributed.barrier("mia score: done")
+            for e in examples if args.seq_tokens else ():
+                e.doc_id = e.id if e.doc_id is None else e.doc_id  # one line = one document unless doc_id says so
+            check_documents(examples, args.data)  # before the model is loaded
+        model = api.load(args.model, dtype=args.dtype, mesh=args.mesh,
+                         fsdp=None if args.mesh is None else not args.no_fsdp)
+        run = api.score(model, examples, args.attacks, prefix=args.prefix_data,
+                        member_prefix=args.member_prefix_data, calib=args.calib_data, train=args.train_data,
+                        max_length=args.max_length,
+                        skip_invalid=args.skip_invalid, seq_tokens=args.seq_tokens, scored=scored, seed=args.seed,
+                        batch_tokens=args.batch_tokens, cache=not args.no_cache, cache_dir=args.cache_dir,
+                        progress=not args.no_progress, ref_model=args.ref_model, mlm=args.mlm,
+                        freq_corpus=args.freq_corpus, cache_max_gb=args.cache_max_gb)
+        if args.documents:
+            check_documents(run.examples, args.data)  # again, without the lines --skip-invalid set aside
+        if distributed.is_main():  # every process holds every score; process 0 alone writes and prints
+            if args.documents:
+                report_documents(args, run)
+            else:
+                run.write(args.out)
+                for note in run.notes:
+                    print(f"note: {note}", file=sys.stderr)
+                if run.labelled:
+                    print(run.metrics(n_resamples=args.bootstrap, seed=args.seed, delta=args.delta))
+                print(f"wrote {len(run.examples)} scored example(s) to {args.out}", file=sys.stderr)
+        distributed.barrier("mia score: done")
+        distributed.finish()
     return 0
+
+
+def score_inputs(args) -> dict:
+    """{flag: digest} of everything every process of a multi-process ``mia score`` must agree on before any work:
+    the content of the model(s) (``mia.models.hub.fingerprint``) and of every input file (``mia.file_hash``,
+    memoised), and the settings that shape the batch plan. Paths, --out and the cache flags may differ."""
+    from . import file_hash
+    from .models.hf_cache import model_dir
+    from .models.hub import fingerprint
+
+    out = {"--model": fingerprint(model_dir(args.model))}
+    for flag in ("ref_model", "mlm"):
+        if getattr(args, flag):
+            out["--" + flag.replace("_", "-")] = fingerprint(model_dir(getattr(args, flag)))
+    for flag in ("data", "prefix_data", "member_prefix_data", "calib_data", "train_data", "freq_corpus"):
+        if getattr(args, flag):
+            out["--" + flag.replace("_", "-")] = file_hash.file_sha256(getattr(args, flag))
+    for flag in ("attacks", "max_length", "skip_invalid", "dtype", "batch_tokens", "mesh", "no_fsdp", "seed",
+                 "documents", "doc_features", "doc_bins", "doc_classifier", "seq_tokens"):
+        out["--" + flag.replace("_", "-")] = json.dumps(getattr(args, flag))
+    return out
 
 
 def check_documents(examples, data_path) -> None:
