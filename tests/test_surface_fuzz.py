@@ -1,0 +1,205 @@
+"""Property-based fuzzing of the command-line surfaces beyond the data files (hypothesis): every input gives either
+one ``error:`` line (exit status 2, no traceback) that names the flag, variable or file at fault, or it is valid
+and the command goes on. Nothing expensive runs: each command stops at a sentinel just after its checks.
+
+* environment: ``MIA_CACHE_DIR``, ``MIA_CACHE_MAX_GB`` (``mia score``, ``mia cache info``) and ``HF_HUB_CACHE``
+  (``mia score --model ORG/NAME``); ``mia score`` is given a data file that labels one text both ways, so a
+  command whose environment is accepted stops at that (cheap, before the model) check;
+* testbed manifests: ``testbed.json`` / ``suite.json`` of a small hand-made testbed and suite (their data files
+  real, their sha256 recorded), mutated, replaced by any JSON or bytes, or a data file's byte flipped:
+  ``open_testbed`` / ``open_suite`` / ``experiments.common.open_members`` open it or refuse it in one line that
+  names the file (a flipped data byte is always refused);
+* ``mia plan``: ``--batch``, ``--length``, ``--mesh``, ``--device-memory``, ``--topology``, ``--attack``,
+  ``--dtype``, ``--model`` (``plan_scoring`` replaced by the sentinel);
+* distributed flags of ``mia score``: ``--coordinator``, ``--process-id``, ``--num-processes``,
+  ``--init-timeout`` (``distributed.initialize`` replaced by the sentinel: no process group is started);
+* the experiments' flags (checkmiabench, em_mia, camia, audit): any of their options with any value, read from
+  their argparse parsers; the first expensive step (opening or building testbeds) is the sentinel.
+
+The default run is derandomized (the same few dozen inputs per surface on every run); ``-m slow`` explores at
+random, ``MIA_FUZZ_EXAMPLES`` (default 2000) inputs per surface.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")  # in setup.py's test extras
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FAST = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+                database=None)
+SLOW_EXAMPLES = int(os.environ.get("MIA_FUZZ_EXAMPLES", "2000"))
+SLOW = settings(max_examples=SLOW_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+ACCEPTED = "both a member and a non-member"  # mia score's answer to the data file when everything else is valid
+
+
+class Accepted(Exception):
+    """Raised by a sentinel put where a command starts its real work: its inputs passed every check."""
+
+
+def sentinel(*a, **k):
+    raise Accepted()
+
+
+# ============================================================================================ the harness
+def run_main(main, argv, capsys) -> tuple:
+    """(exit status or "accepted", non-empty stderr lines) of ``main(argv)`` in-process."""
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    except Accepted:
+        code = "accepted"
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.strip()]
+
+
+def check_outcome(code, lines, names, accepted_line=None) -> str:
+    """The property: accepted (the sentinel, status 0, or ``accepted_line`` the one error), or exit status 2 with
+    exactly one ``error:`` line naming one of ``names``. Returns "accepted" or "refused"."""
+    assert not any("Traceback" in line for line in lines), lines
+    if code in ("accepted", 0) or (accepted_line and code == 2 and len(lines) == 1 and accepted_line in lines[0]):
+        return "accepted"
+    assert code == 2, (code, lines)
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert any(n in lines[0] for n in names), (names, lines[0])
+    return "refused"
+
+
+# characters an environment variable or argv string can hold (no NUL, no lone surrogate)
+env_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=24)
+numbers = st.one_of(st.integers(-10**30, 10**30), st.floats(allow_nan=True, allow_infinity=True)).map(str)
+FUNNY = ["", " ", "0", "-1", "1", "2", "nan", "inf", "-inf", "1e400", "1e-400", "1e-300", "0x10", "1_000", "٣", "²",
+         "１２", "1.5", "-0", "+5", "5 ", "9" * 400, "ten", "1,2", "None", "true"]
+values = st.one_of(st.sampled_from(FUNNY), numbers, env_text)
+
+
+def path_values(tmp: Path) -> st.SearchStrategy:
+    """Path-like strings: relative, missing, a file, under a file, unreadable (/proc/1/root), too long, odd text."""
+    return st.one_of(st.sampled_from([
+        "", " ", ".", "rel/dir", "~", "~/x", "$HOME/x", f"{tmp}/file", f"{tmp}/file/sub", f"{tmp}/newdir",
+        f"{tmp}/dir", f"{tmp}/newdir/a/b", "/proc/1/root/x", "/proc/1/root", "/dev/null", "/dev/null/x", "/",
+        "x" * 300, "a/" * 2100, f"{tmp}/" + "y" * 300 + "/z"]), env_text)
+
+
+@pytest.fixture
+def place(tmp_path, monkeypatch):
+    """A fresh directory (also the working directory: relative paths land there) with ``file`` (a file), ``dir``
+    (a directory), ``d.jsonl`` (one text labelled 1 and 0) and ``m`` (an empty model directory)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # ~ and the default cache directory land here
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "d.jsonl").write_text(json.dumps({"id": 1, "text": "x = 1", "label": 1}) + "\n"
+                                      + json.dumps({"id": 2, "text": "x = 1", "label": 0}) + "\n")
+    return tmp_path
+
+
+def score_argv(tmp: Path, *extra) -> list:
+    return ["score", "--model", tmp / "m", "--data", tmp / "d.jsonl", "--out", tmp / "o.jsonl", "--no-progress",
+            *extra]
+
+
+# ============================================================================================ environment
+ENV = ("MIA_CACHE_DIR", "MIA_CACHE_MAX_GB", "HF_HUB_CACHE")
+
+
+def fake_hub(tmp: Path) -> Path:
+    """A hub cache holding org/name at main (an empty snapshot: enough for ``mia score``'s path checks)."""
+    hub = tmp / "hub"
+    (hub / "models--org--name" / "snapshots" / "abc123").mkdir(parents=True, exist_ok=True)
+    (hub / "models--org--name" / "refs").mkdir(exist_ok=True)
+    (hub / "models--org--name" / "refs" / "main").write_text("abc123")
+    return hub
+
+
+def _env_case(tmp, monkeypatch, capsys, env: dict, command: str, counts: dict):
+    from mia import cache_limit
+    from mia.cli import main
+
+    monkeypatch.setattr(cache_limit, "_warned_env", False)
+    for k in ENV:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v.replace("{tmp}", str(tmp)))
+    if command == "score":
+        argv = score_argv(tmp)
+        names = ("MIA_CACHE_DIR", "MIA_CACHE_MAX_GB", "cache directory")
+    elif command == "score-hub":
+        argv = score_argv(tmp)
+        argv[2] = "org/name"
+        names = ("MIA_CACHE_DIR", "MIA_CACHE_MAX_GB", "cache directory", "--model")
+    else:
+        argv = ["cache", "info"]
+        names = ("MIA_CACHE_DIR", "MIA_CACHE_MAX_GB", "cache directory")
+    code, lines = run_main(main, argv, capsys)
+    verdict = check_outcome(code, lines, names, ACCEPTED)
+    counts[verdict] = counts.get(verdict, 0) + 1
+
+
+def env_cases(tmp):
+    gb = st.one_of(st.sampled_from(FUNNY), numbers, env_text)
+    return st.fixed_dictionaries({}, optional={"MIA_CACHE_DIR": path_values(tmp), "MIA_CACHE_MAX_GB": gb,
+                                               "HF_HUB_CACHE": st.one_of(path_values(tmp), st.just(str(tmp / "hub")))})
+
+
+ENV_COUNTS: dict = {}
+
+
+@pytest.mark.parametrize("command", ["score", "score-hub", "cache-info"])
+def test_environment(place, monkeypatch, capsys, command):
+    fake_hub(place)
+
+    @FAST
+    @given(env=env_cases(place))
+    def inner(env):
+        _env_case(place, monkeypatch, capsys, env, command, ENV_COUNTS)
+
+    inner()
+
+
+def test_environment_accepts_what_is_valid(place, monkeypatch, capsys):
+    """The property's other half: valid values are accepted (the run stops at the data file, not at them)."""
+    from mia.cli import main
+
+    fake_hub(place)
+    for env in ({"MIA_CACHE_DIR": "rel/cache", "MIA_CACHE_MAX_GB": "0.5"}, {"MIA_CACHE_DIR": str(place / "dir")},
+                {"MIA_CACHE_MAX_GB": "1e300", "HF_HUB_CACHE": str(place / "hub")}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        argv = score_argv(place)
+        if "HF_HUB_CACHE" in env:
+            argv[2] = "org/name"
+        code, lines = run_main(main, argv, capsys)
+        assert code == 2 and len(lines) == 1 and ACCEPTED in lines[0], (env, lines)
+
+
+@pytest.mark.parametrize("flag_or_env", ["MIA_CACHE_DIR", "HF_HUB_CACHE", "--cache-dir", "--data", "--out", "--model",
+                                         "--prefix-data"])
+def test_a_path_that_cannot_be_looked_at_is_one_line(place, monkeypatch, capsys, flag_or_env):
+    """A name too long for the system (ENAMETOOLONG from stat) once escaped as an OSError traceback."""
+    from mia.cli import main
+
+    long = str(place / ("x" * 300) / "y")
+    argv = score_argv(place)
+    if flag_or_env == "MIA_CACHE_DIR":
+        monkeypatch.setenv("MIA_CACHE_DIR", long)
+    elif flag_or_env == "HF_HUB_CACHE":
+        monkeypatch.setenv("HF_HUB_CACHE", long)
+        argv[2] = "org/name"
+    elif flag_or_env in argv:
+        argv[argv.index(flag_or_env) + 1] = long
+    else:
+        argv += [flag_or_env, long]
+    code, lines = run_main(main, argv, capsys)
+    assert code == 2 and len(lines) == 1 and "cannot be looked at (File name too long)" in lines[0], lines
+    assert (flag_or_env if flag_or_env != "HF_HUB_CACHE" else "--model org/name") in lines[0], lines
+    assert len(lines[0]) < 600, lines
