@@ -21,7 +21,6 @@ random, ``MIA_FUZZ_EXAMPLES`` (default 2000) inputs per surface.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -203,3 +202,134 @@ def test_a_path_that_cannot_be_looked_at_is_one_line(place, monkeypatch, capsys,
     assert code == 2 and len(lines) == 1 and "cannot be looked at (File name too long)" in lines[0], lines
     assert (flag_or_env if flag_or_env != "HF_HUB_CACHE" else "--model org/name") in lines[0], lines
     assert len(lines[0]) < 600, lines
+
+
+# ============================================================================================ mia plan
+PLAN_FLAGS = {
+    "--batch": st.one_of(st.integers(-3, 10**6).map(str), values),
+    "--length": st.one_of(st.integers(-3, 10**6).map(str), values),
+    "--mesh": st.one_of(st.sampled_from(["data=1", "model=1", "data=1,model=1", "data=2", "data=0", "data=-1",
+                                         "data=1,data=1", "seq=1", "data", "=1", ",", "data=1,,", "data= 1 ",
+                                         "data=" + "9" * 5000, "data=٣", "data=1.0"]), values),
+    "--device-memory": st.one_of(st.sampled_from(["80GiB", "80GB", "16g", "1", "0", "0.1", ".", "1.2.3", "9" * 400,
+                                                  "9" * 400 + "t", "1e9", "-1g", "80 gib", "1kb", "٣g"]), values),
+    "--topology": st.one_of(st.sampled_from(["v5e:2x4", "v5e:1x1", "v4:2x2x1", "x", ""]), values),
+    "--attack": st.one_of(st.sampled_from(["stats", "mope", "mope:n=2", "mope:n=0", "mope:chunk=2,n=3", "mope:n=²",
+                                           "mope:n=" + "9" * 5000, "mope:q=1", "stats:n=1", "mope:n=1,n=2"]), values),
+    "--dtype": st.sampled_from(["float32", "bfloat16", "float16", "float64", "", "int8"]),
+    "--model": st.sampled_from(["pythia-70m", "pythia-nosuch", "{tmp}/m", "{tmp}/file", "{tmp}/none", "{tmp}/cfg",
+                                "{tmp}/cfg/config.json", "x" * 300]),
+}
+
+
+def _plan_case(tmp, capsys, monkeypatch, flags: dict, counts: dict):
+    from mia.cli import main
+    from mia.engine import plan
+
+    monkeypatch.setattr(plan, "plan_scoring", sentinel)
+    flags = {"--model": "pythia-70m", **flags}
+    argv = ["plan"] + [x.replace("{tmp}", str(tmp)) for k, v in flags.items() for x in (k, v)]
+    code, lines = run_main(main, argv, capsys)
+    names = tuple(flags) + ("config.json", str(tmp / "cfg"), str(tmp / "file"), str(tmp / "m"), "x" * 100)
+    verdict = check_outcome(code, lines, names)
+    counts[verdict] = counts.get(verdict, 0) + 1
+
+
+def plan_cases():
+    return st.dictionaries(st.sampled_from(sorted(PLAN_FLAGS)), st.just(None), min_size=1, max_size=3).flatmap(
+        lambda d: st.fixed_dictionaries({k: PLAN_FLAGS[k] for k in d}))
+
+
+@pytest.fixture
+def plan_place(place):
+    (place / "cfg").mkdir()
+    (place / "cfg" / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 32,
+                                                           "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                           "intermediate_size": 64, "vocab_size": 100,
+                                                           "max_position_embeddings": 64}))
+    return place
+
+
+PLAN_COUNTS: dict = {}
+
+
+@FAST
+@given(flags=plan_cases())
+def test_plan_flags(plan_place, capsys, monkeypatch, flags):
+    _plan_case(plan_place, capsys, monkeypatch, flags, PLAN_COUNTS)
+
+
+# ============================================================================================ distributed flags
+DIST_FLAGS = {
+    "--coordinator": st.one_of(st.sampled_from(["localhost:1234", "localhost:0", "localhost:70000", ":1234", "host:",
+                                                "host", "[::1]:1234", "host:１２", "host:٣", "a:b:c", "host:-1",
+                                                "host:" + "9" * 5000, "host:00080"]), env_text),
+    "--process-id": st.one_of(st.integers(-2, 5).map(str), values),
+    "--num-processes": st.one_of(st.integers(-2, 5).map(str), values),
+    "--init-timeout": st.one_of(st.sampled_from(["0", "-1", "nan", "inf", "1e-300", "5"]), values),
+}
+DIST_ENV = {"JAX_COORDINATOR_ADDRESS": DIST_FLAGS["--coordinator"], "JAX_NUM_PROCESSES": values,
+            "JAX_PROCESS_ID": values}
+
+
+def _dist_case(tmp, capsys, monkeypatch, flags: dict, env: dict, counts: dict):
+    from mia.cli import main
+    from mia.engine import distributed
+
+    monkeypatch.setattr(distributed, "initialize", lambda group, timeout=60.0: group is None or sentinel())
+    for k in DIST_ENV:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = score_argv(tmp, "--no-cache", *[x for kv in flags.items() for x in kv])
+    code, lines = run_main(main, argv, capsys)
+    verdict = check_outcome(code, lines, tuple(flags) + tuple(env), ACCEPTED)
+    counts[verdict] = counts.get(verdict, 0) + 1
+
+
+def dist_cases():
+    flags = st.dictionaries(st.sampled_from(sorted(DIST_FLAGS)), st.just(None), max_size=4).flatmap(
+        lambda d: st.fixed_dictionaries({k: DIST_FLAGS[k] for k in d}))
+    env = st.fixed_dictionaries({}, optional=DIST_ENV)
+    return st.tuples(flags, env)
+
+
+DIST_COUNTS: dict = {}
+
+
+@FAST
+@given(case=dist_cases())
+def test_distributed_flags(place, capsys, monkeypatch, case):
+    _dist_case(place, capsys, monkeypatch, *case, DIST_COUNTS)
+
+
+# inputs that once escaped as a traceback or as a line that named nothing: (argv after the command, the line's part)
+PLAN_REGRESSIONS = [
+    (["--device-memory", "9" * 400], "--device-memory"),  # an infinite float: OverflowError
+    (["--attack", "mope:n=²"], "--attack"),  # a digit int() does not read
+    (["--attack", "mope:n=" + "9" * 5000], "--attack"),  # beyond int()'s 4300 digits
+    (["--mesh", "data=" + "9" * 5000], "--mesh"),
+]
+
+
+@pytest.mark.parametrize("argv, name", PLAN_REGRESSIONS, ids=[a[0] + "-" + a[1][:12] for a, _ in PLAN_REGRESSIONS])
+def test_plan_regressions(plan_place, capsys, monkeypatch, argv, name):
+    from mia.cli import main
+    from mia.engine import plan
+
+    monkeypatch.setattr(plan, "plan_scoring", sentinel)
+    code, lines = run_main(main, ["plan", "--model", "pythia-70m", *argv], capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {name} "), lines
+
+
+DIST_REGRESSIONS = [
+    ({"--coordinator": "host:" + "9" * 5000, "--num-processes": "2", "--process-id": "0"}, {}, "--coordinator"),
+    ({"--coordinator": "host:1234"}, {"JAX_NUM_PROCESSES": "9" * 5000, "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES"),
+]
+
+
+@pytest.mark.parametrize("flags, env, name", DIST_REGRESSIONS, ids=["port-digits", "env-digits"])
+def test_distributed_regressions(place, capsys, monkeypatch, flags, env, name):
+    counts: dict = {}
+    _dist_case(place, capsys, monkeypatch, flags, env, counts)
+    assert counts == {"refused": 1}

@@ -116,7 +116,7 @@ def parse_bytes(text: str) -> int:
     base = 1024 if (binary or not b) else 1000
     try:
         n = int(float(value) * base ** power)
-    except ValueError:  # "." or "1.2.3"
+    except (ValueError, OverflowError):  # "." or "1.2.3"; 400 nines (an infinite float)
         raise PlanError(f"--device-memory {text!r}: expected a size such as 80GiB, 80GB or 16g") from None
     if n < 1:
         raise PlanError(f"--device-memory {text!r}: must be more than 0 bytes")
@@ -288,8 +288,8 @@ def parse_plan_attack(text: str) -> tuple[str, dict]:
     opts = {"mope_n": 10, "mope_chunk": 2}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in ("n", "chunk") or not value.isdigit() or int(value) < 1:
-            raise PlanError(f"--attack {text!r}: expected n=INT,chunk=INT (both >= 1)")
+        if key not in ("n", "chunk") or not (value.isascii() and value.isdigit()) or len(value) > 9 or int(value) < 1:
+            raise PlanError(f"--attack {text[:80]!r}: expected n=INT,chunk=INT (both in [1, 999999999])")
         opts["mope_" + key] = int(value)
     return "mope", opts
 
