@@ -21,8 +21,10 @@ random, ``MIA_FUZZ_EXAMPLES`` (default 2000) inputs per surface.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -333,3 +335,327 @@ def test_distributed_regressions(place, capsys, monkeypatch, flags, env, name):
     counts: dict = {}
     _dist_case(place, capsys, monkeypatch, flags, env, counts)
     assert counts == {"refused": 1}
+
+
+# ============================================================================================ testbed manifests
+DATA_FILES = ("tokenizer.json", "data/order.bin", "data/order.idx", "data/order.perm.npy")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def make_fake_testbed(root: Path) -> Path:
+    """A testbed directory as ``open_testbed`` reads it: the data files (a few bytes each, not a real order) and a
+    complete ``testbed.json`` of the default config recording their sha256 (no checkpoint: nothing is loaded)."""
+    from mia.testbed.config import FORMAT, TestbedConfig
+
+    for i, rel in enumerate(DATA_FILES):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(bytes(range(i, i + 40)))
+    cfg = TestbedConfig()
+    m = {"format": FORMAT, "complete": True, "config": cfg.to_dict(), "config_hash": cfg.config_hash,
+         "data": {"bin": {"sha256": _sha(root / "data/order.bin"), "bytes": 40},
+                  "idx": {"sha256": _sha(root / "data/order.idx")},
+                  "perm_sha256": _sha(root / "data/order.perm.npy"), "n_rows": 64},
+         "tokenizer": {"sha256": _sha(root / "tokenizer.json"), "vocab_size": 300},
+         "corpus": {"sha256": "c" * 64}, "checkpoints": {}, "timings": {}}
+    (root / "testbed.json").write_text(json.dumps(m))
+    return root
+
+
+def make_fake_suite(root: Path) -> Path:
+    """A complete suite of one fake member (``a``), its ``suite.json`` recording the member's data hashes."""
+    from mia.testbed import open_testbed
+    from mia.testbed.suite import SUITE_FORMAT, data_hashes
+
+    tb = open_testbed(make_fake_testbed(root / "a"))
+    m = {"format": SUITE_FORMAT, "name": "smoke", "complete": True,
+         "members": [{"name": "a", "dir": "a", "config_hash": tb.config.config_hash}], "data": data_hashes(tb)}
+    (root / "suite.json").write_text(json.dumps(m))
+    return root
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+def edit_json(obj, data):
+    """One random edit of a JSON object: a field at any depth set to any JSON value or dropped, or one added."""
+    inner = obj
+    while True:
+        keys = sorted(inner) + ["extra"] if isinstance(inner, dict) else list(range(len(inner)))
+        if not keys:
+            return obj
+        key = data.draw(st.sampled_from(keys))
+        child = inner.get(key) if isinstance(inner, dict) else inner[key]
+        if not (isinstance(child, (dict, list)) and child) or not data.draw(st.booleans()):
+            break
+        inner = child
+    if data.draw(st.booleans()) and (not isinstance(inner, dict) or key in inner):
+        del inner[key]
+    else:
+        inner[key] = data.draw(json_values)
+    return obj
+
+
+def corrupt(path: Path, data) -> str:
+    """Corrupt the file at ``path`` one way (drawn); returns how: "edit", "json", "bytes" or "flip"."""
+    how = data.draw(st.sampled_from(["edit", "edit", "edit", "json", "bytes", "flip"]))
+    raw = path.read_bytes()
+    if how == "edit":
+        obj = json.loads(raw)
+        for _ in range(data.draw(st.integers(1, 3))):
+            obj = edit_json(obj, data)
+        path.write_text(json.dumps(obj))
+    elif how == "json":
+        path.write_text(json.dumps(data.draw(json_values)))
+    elif how == "bytes":
+        path.write_bytes(data.draw(st.binary(max_size=200)))
+    else:
+        i = data.draw(st.integers(0, len(raw) - 1))
+        path.write_bytes(raw[:i] + bytes([raw[i] ^ data.draw(st.integers(1, 255))]) + raw[i + 1:])
+    return how
+
+
+def _open_or_refuse(fn, root: Path, must_refuse: bool) -> str:
+    """``fn()`` opens (returns "accepted") or raises one user error line naming ``root`` ("refused")."""
+    from experiments.common import ExperimentError  # noqa: F401 (a ValueError, as TestbedError)
+
+    try:
+        fn()
+    except Accepted:
+        result = "accepted"
+    except ValueError as e:
+        msg = str(e)
+        assert msg and "\n" not in msg.strip(), repr(msg)
+        assert str(root) in msg, msg
+        return "refused"
+    else:
+        result = "accepted"
+    assert not must_refuse, f"{root}: a flipped byte in a data file was not noticed"
+    return result
+
+
+TESTBED_COUNTS: dict = {}
+SUITE_COUNTS: dict = {}
+
+
+def _testbed_case(base: Path, data, counts: dict):
+    import shutil
+
+    from experiments.common import open_members
+    from mia.testbed import open_testbed
+
+    root = base / f"tb{len(list(base.iterdir()))}"
+    shutil.copytree(base.parent / "template_tb", root)
+    target = data.draw(st.sampled_from(["testbed.json"] * 3 + list(DATA_FILES)))
+    how = "flip" if target != "testbed.json" else corrupt(root / target, data)
+    if target != "testbed.json":
+        raw = (root / target).read_bytes()
+        i = data.draw(st.integers(0, len(raw) - 1))
+        (root / target).write_bytes(raw[:i] + bytes([raw[i] ^ 0x5A]) + raw[i + 1:])
+    entry = data.draw(st.sampled_from(["open_testbed", "open_members"]))
+    fn = (lambda: open_testbed(root)) if entry == "open_testbed" else (lambda: open_members("smoke", testbeds=[root]))
+    verdict = _open_or_refuse(fn, root, must_refuse=target != "testbed.json")
+    counts[(how, verdict)] = counts.get((how, verdict), 0) + 1
+
+
+def _suite_case(base: Path, data, counts: dict, monkeypatch):
+    import shutil
+
+    from experiments import common
+    from mia.testbed.suite import open_suite
+
+    monkeypatch.setattr(common, "build_suite", sentinel)  # an incomplete suite would be built (resumed): accepted
+    root = base / f"s{len(list(base.iterdir()))}"
+    shutil.copytree(base.parent / "template_suite", root)
+    target = data.draw(st.sampled_from(["suite.json", "suite.json", "a/testbed.json", "a/data/order.bin"]))
+    if target.endswith(".bin"):
+        raw = (root / target).read_bytes()
+        i = data.draw(st.integers(0, len(raw) - 1))
+        (root / target).write_bytes(raw[:i] + bytes([raw[i] ^ 0x5A]) + raw[i + 1:])
+        how = "flip"
+    else:
+        how = corrupt(root / target, data)
+    entry = data.draw(st.sampled_from(["open_suite", "experiments"]))
+    fn = (lambda: open_suite(root)) if entry == "open_suite" else (lambda: common.open_suite("smoke", root))
+    verdict = _open_or_refuse(fn, root, must_refuse=target.endswith(".bin"))
+    counts[(how, verdict)] = counts.get((how, verdict), 0) + 1
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory):
+    """A template testbed and suite (checked to open), and a folder for the mutated copies."""
+    from mia.testbed import open_testbed
+    from mia.testbed.suite import open_suite
+
+    d = tmp_path_factory.mktemp("manifests")
+    (d / "template_tb").mkdir()
+    open_testbed(make_fake_testbed(d / "template_tb"))
+    (d / "template_suite").mkdir()
+    open_suite(make_fake_suite(d / "template_suite"))
+    (d / "cases").mkdir()
+    return d / "cases"
+
+
+@FAST
+@given(data=st.data())
+def test_testbed_manifest(manifests, data):
+    _testbed_case(manifests, data, TESTBED_COUNTS)
+
+
+@FAST
+@given(data=st.data())
+def test_suite_manifest(manifests, data, monkeypatch):
+    _suite_case(manifests, data, SUITE_COUNTS, monkeypatch)
+
+
+# ============================================================================================ experiments' flags
+PATH_FLAGS = {"--out", "--suite-dir", "--testbed", "--pythia", "--data", "--idx", "--olmo", "--global-indices",
+              "--data-paths", "--ref-model", "--encoder", "--embeddings", "--mimir", "--model", "--mlm", "--testbed-dir"}
+SKIP_FLAGS = {"--help", "--debug", "--no-progress"}  # --debug shows tracebacks on purpose
+SENTINELS = {"checkmiabench": ("testbed_setup", "pythia_setup", "olmo_setup"),
+             "em_mia": ("_testbed_setup", "_olmo_setup"), "camia": ("_run_testbed", "_run_mimir"),
+             "audit": ("_models", "noises_for")}
+EXPERIMENT_VALUES = {  # plausible values besides any text: each flag also gets FUNNY, numbers and any text
+    "--preset": ["smoke", "default", "paper", "huge"], "--attacks": ["loss", "loss,zlib", "mink:k=2", "nosuch", ""],
+    "--sizes": ["70m", "all", "x,y"], "--steps": ["1", "1,2", "0", "-1", "a"], "--member": ["largest", "all", "nope"],
+    "--noises": ["0.5,1", "0", "-1", "1,1", "nan"], "--epsilons": ["1,8", "0", "inf"],
+    "--member-steps": ["0:100", "5:1", "a:b", "0:0"], "--nonmember-steps": ["400:450", "1:0", "x"],
+    "--domains": ["json", "", ",,"], "--table2-domains": ["json", ""], "--split": ["ngram_7_0.2", "../x"],
+    "--blind-features": ["bow", "bow,nosuch", ""], "--threshold": ["0.3", "2.5", "-0.1", "nan"],
+    "--delta": ["1e-5", "0", "1", "nan"],
+}
+
+
+def experiment_flags(module: str) -> dict:
+    """{option: strategy of its argv value (None for a switch)} of an experiment's parser."""
+    import importlib
+
+    parser = importlib.import_module(f"experiments.{module}").build_parser()
+    out = {}
+    for a in parser._actions:
+        if not a.option_strings or a.option_strings[-1] in SKIP_FLAGS:
+            continue
+        flag = a.option_strings[-1]
+        if a.nargs == 0:
+            out[flag] = None
+        elif flag in PATH_FLAGS:
+            out[flag] = "path"
+        else:
+            out[flag] = st.one_of(st.sampled_from(EXPERIMENT_VALUES.get(flag, ["1"])), values)
+    return out
+
+
+def experiment_cases(module: str, tmp: Path):
+    flags = experiment_flags(module)
+    paths = path_values(tmp)
+
+    def value(flag):
+        s = flags[flag]
+        return st.just(None) if s is None else paths if s == "path" else s
+
+    return st.dictionaries(st.sampled_from(sorted(flags)), st.just(None), min_size=1, max_size=4).flatmap(
+        lambda d: st.fixed_dictionaries({k: value(k) for k in d}))
+
+
+def _experiment_case(module: str, tmp: Path, capsys, monkeypatch, chosen: dict, counts: dict):
+    import importlib
+
+    mod = importlib.import_module(f"experiments.{module}")
+    for name in SENTINELS[module]:
+        monkeypatch.setattr(mod, name, sentinel)
+    argv = ["--no-progress", "--out", str(tmp / "out")]
+    for flag, v in chosen.items():
+        argv += [flag] if v is None else [flag, v]
+    code, lines = run_main(mod.main, argv, capsys)
+    # the flag, its name, or its value (or, for a list such as --attacks mink:k=2, an item of it: "attack mink")
+    pieces = {p.strip() for v in chosen.values() if v for p in re.split(r"[,:=]", v) if p.strip()}
+    names = tuple(chosen) + tuple(f.lstrip("-") for f in chosen) + tuple(str(v)[:60] for v in chosen.values() if v) \
+        + tuple(pieces) + tuple(repr(p)[1:-1] for p in pieces)
+    verdict = check_outcome(code, lines, names)
+    counts[(module, verdict)] = counts.get((module, verdict), 0) + 1
+
+
+EXPERIMENTS = ("checkmiabench", "em_mia", "camia", "audit")
+EXPERIMENT_COUNTS: dict = {}
+
+
+@pytest.mark.parametrize("module", EXPERIMENTS)
+def test_experiment_flags(place, capsys, monkeypatch, module):
+    @FAST
+    @given(chosen=experiment_cases(module, place))
+    def inner(chosen):
+        _experiment_case(module, place, capsys, monkeypatch, chosen, EXPERIMENT_COUNTS)
+
+    inner()
+
+
+# ============================================================================================ slow: at random
+# An exploratory run (no fixed seed): SLOW_EXAMPLES inputs per test (MIA_FUZZ_EXAMPLES, default 2000). With
+# MIA_FUZZ_REPORT=FILE the counts of inputs accepted / refused per surface are written there at the end.
+
+@pytest.fixture(scope="module", autouse=True)
+def report_counts():
+    yield
+    path = os.environ.get("MIA_FUZZ_REPORT")
+    if path:
+        counts = {"environment": ENV_COUNTS, "plan": PLAN_COUNTS, "distributed": DIST_COUNTS,
+                  "testbed": TESTBED_COUNTS, "suite": SUITE_COUNTS, "experiments": EXPERIMENT_COUNTS}
+        Path(path).write_text(json.dumps({k: {str(kk): vv for kk, vv in v.items()} for k, v in counts.items()},
+                                         indent=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["score", "score-hub", "cache-info"])
+def test_environment_long(place, monkeypatch, capsys, command):
+    fake_hub(place)
+
+    @SLOW
+    @given(env=env_cases(place))
+    def inner(env):
+        _env_case(place, monkeypatch, capsys, env, command, ENV_COUNTS)
+
+    inner()
+
+
+@pytest.mark.slow
+@SLOW
+@given(flags=plan_cases())
+def test_plan_flags_long(plan_place, capsys, monkeypatch, flags):
+    _plan_case(plan_place, capsys, monkeypatch, flags, PLAN_COUNTS)
+
+
+@pytest.mark.slow
+@SLOW
+@given(case=dist_cases())
+def test_distributed_flags_long(place, capsys, monkeypatch, case):
+    _dist_case(place, capsys, monkeypatch, *case, DIST_COUNTS)
+
+
+@pytest.mark.slow
+@SLOW
+@given(data=st.data())
+def test_testbed_manifest_long(manifests, data):
+    _testbed_case(manifests, data, TESTBED_COUNTS)
+
+
+@pytest.mark.slow
+@SLOW
+@given(data=st.data())
+def test_suite_manifest_long(manifests, data, monkeypatch):
+    _suite_case(manifests, data, SUITE_COUNTS, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", EXPERIMENTS)
+def test_experiment_flags_long(place, capsys, monkeypatch, module):
+    @SLOW
+    @given(chosen=experiment_cases(module, place))
+    def inner(chosen):
+        _experiment_case(module, place, capsys, monkeypatch, chosen, EXPERIMENT_COUNTS)
+
+    inner()
