@@ -50,6 +50,8 @@ def settings_from(coordinator: Optional[str], num_processes: Optional[int], proc
         flags = " and ".join(f for f, v in (("--num-processes", num_processes), ("--process-id", process_id))
                              if v is not None)
         raise DistributedError(f"{flags} given without --coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS)")
+    n_where = "--num-processes" if num_processes is not None else "JAX_NUM_PROCESSES"
+    id_where = "--process-id" if process_id is not None else "JAX_PROCESS_ID"
     try:
         num_processes = num_processes if num_processes is not None else (
             int(env["JAX_NUM_PROCESSES"]) if env.get("JAX_NUM_PROCESSES") else None)
@@ -70,8 +72,8 @@ def settings_from(coordinator: Optional[str], num_processes: Optional[int], proc
         raise DistributedError(f"{where} {coordinator[:300]}: port {port[:12]} is out of range (1..65535)")
     coordinator = f"{host}:{number}"
     if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise DistributedError(f"--process-id {process_id} must be in 0..{num_processes - 1} "
-                               f"(--num-processes {num_processes})")
+        raise DistributedError(f"{id_where} {process_id} must be in 0..{num_processes - 1} "
+                               f"({n_where} {num_processes})")
     return ProcessGroup(coordinator, int(num_processes), int(process_id))
 
 

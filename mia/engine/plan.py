@@ -127,7 +127,10 @@ def config_source(model: str) -> str:
     """What errors about ``--model``'s config name: the named shape, or the config.json path."""
     if model in NAMED_SHAPES:
         return model
-    return str(Path(model) / "config.json") if Path(model).is_dir() else model
+    try:
+        return str(Path(model) / "config.json") if Path(model).is_dir() else model
+    except OSError:  # a name too long: read_hf_config says so
+        return model
 
 
 def read_hf_config(model: str) -> dict:
@@ -135,6 +138,12 @@ def read_hf_config(model: str) -> dict:
     if model in NAMED_SHAPES:
         return dict(NAMED_SHAPES[model])
     path = Path(config_source(model))
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as e:
+        raise PlanError(f"--model {model[:300]}: cannot be looked at ({e.strerror or e})") from None
     if not path.exists():
         raise PlanError(f"--model {model}: no such directory or config.json "
                         f"(or a named shape: {', '.join(NAMED_SHAPES)})")
