@@ -468,9 +468,11 @@ def _suite_case(base: Path, data, counts: dict, monkeypatch):
     import shutil
 
     from experiments import common
+    from mia.testbed import suite
     from mia.testbed.suite import open_suite
 
-    monkeypatch.setattr(common, "build_suite", sentinel)  # an incomplete suite would be built (resumed): accepted
+    # an incomplete suite is built (resumed) once build_suite has checked its suite.json: accepted
+    monkeypatch.setattr(suite, "build_from_config", sentinel)
     root = base / f"s{len(list(base.iterdir()))}"
     shutil.copytree(base.parent / "template_suite", root)
     target = data.draw(st.sampled_from(["suite.json", "suite.json", "a/testbed.json", "a/data/order.bin"]))
@@ -694,6 +696,7 @@ MANIFEST_REGRESSIONS = [
     ("suite", "suite.json", _set([], "members"), "open", "'members' a non-empty list"),
     ("suite", "suite.json", _drop("members"), "open", "'members' a non-empty list"),
     ("suite", "suite.json", _drop("name"), "open", "'name' must be a string"),
+    ("suite", "suite.json", lambda m: _drop("name")(m["members"][0]) and m, "open", "objects with 'name', 'dir'"),
     ("suite", "suite.json", _set(7, "data", "corpus"), "open", "'data' an object of the sha256 strings"),
     ("suite", "suite.json", _set("x", "data", "extra"), "open", "'data' an object of the sha256 strings"),
     ("suite", "a/testbed.json", _drop("data", "perm_sha256"), "open", "field data.perm_sha256 must be a string"),
@@ -732,3 +735,21 @@ def test_distributed_values_from_the_environment_are_named_so(place, capsys, mon
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:99999")
     code, lines = run_main(main, score_argv(place, "--no-cache"), capsys)
     assert lines == ["error: JAX_COORDINATOR_ADDRESS localhost:99999: port 99999 is out of range (1..65535)"], lines
+
+
+def test_an_incomplete_suite_json_with_odd_members_is_one_line(manifests, monkeypatch):
+    """build_suite (resuming an incomplete suite) compares the recorded members: one that is not an object once
+    raised TypeError."""
+    import shutil
+
+    from experiments import common
+    from mia.testbed import suite
+
+    monkeypatch.setattr(suite, "build_from_config", sentinel)
+    root = manifests / f"r{len(list(manifests.iterdir()))}"
+    shutil.copytree(manifests.parent / "template_suite", root)
+    m = json.loads((root / "suite.json").read_text())
+    (root / "suite.json").write_text(json.dumps(dict(m, complete=False, members=[None])))
+    with pytest.raises(ValueError, match=r"holds another suite \(smoke, mia-suite/1\) or one built by another "
+                                         r"version \(its suite.json\)"):
+        common.open_suite("smoke", root)

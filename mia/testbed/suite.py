@@ -158,10 +158,12 @@ def build_suite(name: str, out_dir=None, *, progress: bool = True, save_every: i
     mf = root / SUITE_MANIFEST
     if mf.exists():
         old = read_manifest(mf, SUITE_FIELDS)
+        hashes = [e.get("config_hash") if isinstance(e, dict) else None for e in old.get("members", [])]
         if old.get("format") != SUITE_FORMAT or old.get("name") != name or \
-                [e["config_hash"] for e in old.get("members", [])] != [e["config_hash"] for e in entries]:
-            raise TestbedError(f"{root} holds another suite ({old.get('name')}, {old.get('format')}) or one built by "
-                               f"another version; delete it to rebuild, or use another --out")
+                hashes != [e["config_hash"] for e in entries]:
+            raise TestbedError(f"{root} holds another suite ({str(old.get('name'))[:40]}, "
+                               f"{str(old.get('format'))[:40]}) or one built by another version (its {mf.name}); "
+                               "delete it to rebuild, or use another --out")
     m = {"format": SUITE_FORMAT, "name": name, "complete": False, "members": entries}
     _write_json(mf, m)
 
@@ -198,11 +200,11 @@ def open_suite(path) -> Suite:
                            f"--out {root} to finish it")
     data, entries = m.get("data"), m.get("members")
     if not isinstance(m.get("name"), str) or not entries or not all(
-            isinstance(e, dict) and isinstance(e.get("dir"), str) and isinstance(e.get("config_hash"), str)
+            isinstance(e, dict) and all(isinstance(e.get(k), str) for k in ("name", "dir", "config_hash"))
             for e in entries) or not isinstance(data, dict) or set(data) != set(DATA_HASHES) \
             or not all(isinstance(v, str) for v in data.values()):
-        raise TestbedError(f"{mf}: 'name' must be a string, 'members' a non-empty list of objects with 'dir' and "
-                           f"'config_hash' strings, and 'data' an object of the sha256 strings of "
+        raise TestbedError(f"{mf}: 'name' must be a string, 'members' a non-empty list of objects with 'name', "
+                           f"'dir' and 'config_hash' strings, and 'data' an object of the sha256 strings of "
                            f"{', '.join(DATA_HASHES)}; delete the directory to rebuild")
     members = []
     for e in m["members"]:
