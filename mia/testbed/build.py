@@ -326,11 +326,12 @@ def open_testbed(path) -> Testbed:
     if m.get("format") != FORMAT:
         raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, now "
                            f"{FORMAT}); rebuild it (delete the directory, or build into another --out)")
+    cfg = config_of_manifest(m, mf)
     check_recorded_fields(m, mf)
     damaged = verify_data(root, m)
     if damaged:
         raise TestbedError(f"{damaged}; the testbed at {root} is damaged: delete it and build it again")
-    return Testbed(root, config_of_manifest(m, mf), m)
+    return Testbed(root, cfg, m)
 
 
 # the fields of a complete testbed's manifest that its users read: (path of keys, type, minimum or None)
