@@ -453,7 +453,7 @@ def _testbed_case(base: Path, data, counts: dict):
     root = base / f"tb{len(list(base.iterdir()))}"
     shutil.copytree(base.parent / "template_tb", root)
     target = data.draw(st.sampled_from(["testbed.json"] * 3 + list(DATA_FILES)))
-    how = "flip" if target != "testbed.json" else corrupt(root / target, data)
+    how = "data-flip" if target != "testbed.json" else corrupt(root / target, data)
     if target != "testbed.json":
         raw = (root / target).read_bytes()
         i = data.draw(st.integers(0, len(raw) - 1))
@@ -480,7 +480,7 @@ def _suite_case(base: Path, data, counts: dict, monkeypatch):
         raw = (root / target).read_bytes()
         i = data.draw(st.integers(0, len(raw) - 1))
         (root / target).write_bytes(raw[:i] + bytes([raw[i] ^ 0x5A]) + raw[i + 1:])
-        how = "flip"
+        how = "data-flip"
     else:
         how = corrupt(root / target, data)
     entry = data.draw(st.sampled_from(["open_suite", "experiments"]))
