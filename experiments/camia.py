@@ -56,8 +56,8 @@ from mia.report import csv_text
 from experiments.common import (ExperimentError, Timings, add_identical_flag, check_checkpoints, identical_note,
                                 check_model_dir, check_paths, check_suite_steps,
                                 check_token_ids, experiment_parser, open_members, pick_members, run_blind_baselines,
-                                run_main, say_fn, score_split, select_attacks, sha_file, write_json, write_manifest,
-                                write_tables)
+                                run_main, say_fn, score_split, select_attacks, sha_file, without_label_conflicts,
+                                write_json, write_manifest, write_tables)
 
 BASELINES = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "ref", "neighbor")  # the paper's K = 20 for Min-K%
 COMBINERS = ("edgington", "fisher", "pearson", "george")
@@ -204,7 +204,9 @@ def choose_domains(row_domain: np.ndarray, member_rows: np.ndarray, nonmember_ro
 
 def testbed_datasets(tb, step: int, preset: Preset, seed: int, domains=None, progress: bool = False) -> tuple:
     """([(domain, examples)], info, member rows [c*B] read): per chosen domain the first ``n_members`` member and
-    ``n_nonmembers`` non-member rows of one seeded permutation, with ``share`` >= ``min_share``."""
+    ``n_nonmembers`` non-member rows of one seeded permutation, with ``share`` >= ``min_share``. A non-member row
+    with the same tokens as a member row (the corpus holds the text twice) is dropped, the member kept, and counted
+    in ``info["domains"][d]["label_conflicts_dropped"]`` (``mia.score`` refuses one input labelled both)."""
     B, E = tb.batch_size, tb.epoch_steps
     if not 0 < step <= tb.train_steps:
         raise ExperimentError(f"--step {step}: the testbed trained steps (0, {tb.train_steps}]")
@@ -228,10 +230,11 @@ def testbed_datasets(tb, step: int, preset: Preset, seed: int, domains=None, pro
         examples = [{"id": f"row{int(r)}", "label": int(k < len(rows_m)), "tokens": t.tolist(), "index": int(r),
                      "step": int(r) // B, "batch_pos": int(r) % B, "document": rd.paths[int(rd.doc[r])],
                      "share": round(float(rd.share[r]), 4)} for k, (r, t) in enumerate(zip(rows, toks))]
+        examples, conflicts = without_label_conflicts(examples)  # a corpus duplicate on both sides of the step
         out.append((d, examples))
-        info[d] = {"n_members": int(len(rows_m)), "n_nonmembers": int(len(rows_n)),
+        info[d] = {"n_members": int(len(rows_m)), "n_nonmembers": int(len(rows_n)) - conflicts,
                    "documents": len({e["document"] for e in examples}),
-                   "mean_share": round(float(rd.share[rows].mean()), 4)}
+                   "mean_share": round(float(rd.share[rows].mean()), 4), "label_conflicts_dropped": conflicts}
     pool = {"member_rows": [0, step * B], "nonmember_rows": [step * B, E * B], "min_share": preset.min_share,
             "n_member_rows_eligible": int(len(members)), "n_nonmember_rows_eligible": int(len(nonmembers)),
             "sampler": "numpy.random.default_rng([seed, 0xCA01]).permutation per class; first n per domain",
@@ -307,7 +310,8 @@ def mimir_request(root, domains: Optional[Sequence[str]], split: str, table2_dom
 def mimir_examples(member_file, nonmember_file, tokenizer, max_per_class: Optional[int], seed: int) -> tuple:
     """(examples with text and token ids, notes): MIMIR texts (``mia.data.text.load_mimir``), at most
     ``max_per_class`` per class (a seeded subsample), tokenized with the model's tokenizer defaults; texts of fewer
-    than 2 tokens are left out (noted)."""
+    than 2 tokens are left out (noted), and so is a non-member text equal to a member text (the member kept, noted:
+    ``mia.score`` refuses one input labelled both, while MIMIR's member and non-member files may share a text)."""
     from mia.data.text import load_mimir
 
     ex, _ = load_mimir(member=str(member_file), nonmember=str(nonmember_file))
@@ -328,6 +332,10 @@ def mimir_examples(member_file, nonmember_file, tokenizer, max_per_class: Option
         kept.append(e)
     if short:
         notes.append(f"{Path(member_file).name}: {short} text(s) with fewer than 2 tokens left out")
+    kept, conflicts = without_label_conflicts(kept)
+    if conflicts:
+        notes.append(f"{Path(member_file).name}: {conflicts} non-member text(s) with the same text or token ids as a "
+                     "member text dropped (the member kept: one input cannot be both)")
     return kept, notes
 
 
@@ -676,6 +684,10 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
     attacks, skipped = _baseline_attacks(ref is not None, bool(mlm))
     cache_dir = str(tb.root / "cache")
     notes = list(notes) + [f"rows are scored at the model's trained context ({context} tokens)"]
+    conflicts = {d: v["label_conflicts_dropped"] for d, v in pool["domains"].items() if v["label_conflicts_dropped"]}
+    if conflicts:
+        notes.append(f"{sum(conflicts.values())} non-member row(s) with the same tokens as a member row dropped (the "
+                     "member kept): " + ", ".join(f"{d} {n}" for d, n in conflicts.items()))
     if ref is not None:
         notes.append(f"Reference = LL(target) - LL(suite member {ref.name} at step {c}), the smallest member as the "
                      "reference model (the paper uses StableLM-3B for Pythia)")

@@ -528,19 +528,32 @@ def _drop_rows(header: dict, examples: list, gone: list) -> tuple:
     return header, kept, [str(e["id"]) for e in gone]
 
 
-def drop_label_conflicts(header: dict, examples: list, scored: Sequence[str] = ("eval",)) -> tuple:
-    """(header, examples, dropped ids): every scored non-member row with the same token ids or text as a scored
-    member row left out, the member kept (``mia.score`` refuses one input labelled both; a real order's exact
-    duplicate rows can put one copy before the checkpoint and one after, and the model has seen it). Recorded in
-    ``params.dropped_rows`` as ``drop_learned_duplicates`` does, so ``mia split check`` still re-draws the file."""
+def label_conflicts(examples: list, scored: Sequence[str] = ("eval",)) -> list:
+    """The scored non-member rows (label 0, partition in ``scored``) with the same token ids or text as a scored
+    member row (label 1): what ``mia.score`` refuses as one input labelled both. Rows are dicts; no partition is
+    ``eval``."""
     from mia.attacks.context import disjointness_keys
 
     content = lambda e: [k for k in disjointness_keys(e) if k[0] != "id"]  # noqa: E731
     members = {k for e in examples if e.get("partition", "eval") in scored and e.get("label") == 1
                for k in content(e)}
-    gone = [e for e in examples if e.get("partition", "eval") in scored and e.get("label") == 0
+    return [e for e in examples if e.get("partition", "eval") in scored and e.get("label") == 0
             and any(k in members for k in content(e))]
-    return _drop_rows(header, examples, gone)
+
+
+def drop_label_conflicts(header: dict, examples: list, scored: Sequence[str] = ("eval",)) -> tuple:
+    """(header, examples, dropped ids): every ``label_conflicts`` row left out, the member kept (``mia.score``
+    refuses one input labelled both; a real order's exact duplicate rows can put one copy before the checkpoint and
+    one after, and the model has seen it). Recorded in ``params.dropped_rows`` as ``drop_learned_duplicates`` does,
+    so ``mia split check`` still re-draws the file."""
+    return _drop_rows(header, examples, label_conflicts(examples, scored))
+
+
+def without_label_conflicts(examples: list) -> tuple:
+    """(examples, number dropped): ``label_conflicts`` left out, the member kept, for data that is no split file
+    (no header to record the positions in)."""
+    gone = {id(e) for e in label_conflicts(examples)}
+    return [e for e in examples if id(e) not in gone], len(gone)
 
 
 def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Optional[int] = None, *,

@@ -94,7 +94,9 @@ PRESETS = {
 # ============================================================================================ the pool
 def dedup_texts(examples: list) -> tuple:
     """(examples whose token ids occur exactly once, number dropped): a text that is both a member and a non-member
-    (or a member twice) is ambiguous, so every copy goes."""
+    (or a member twice) is ambiguous, so every copy goes. Unlike checkmiabench (``common.drop_label_conflicts``,
+    which keeps the member of a member/non-member pair) the member copies go too: the difficulty splits cluster
+    the pool's texts, and a text twice in a class would be a cluster of its own copies."""
     seen: dict = {}
     for e in examples:
         k = tuple(e["tokens"])

@@ -80,6 +80,19 @@ def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = No
     return examples_from_records(list(data), what, partitions)
 
 
+def check_data(examples: list[Example], scored: Sequence[str] = ("eval",), skip_invalid: bool = False) -> None:
+    """The label-conflict check (``check_label_conflicts``) on what is known before any model is loaded: the texts
+    and the token ids as given of the ``scored`` examples. A line that may yet be set aside as unusable
+    (``skip_invalid``: a text, which could tokenize to fewer than 2 tokens; always: an empty text or fewer than 2
+    token ids) is left to the check after tokenizing. Raises ``DataError`` naming both lines."""
+    def sure(e: Example) -> bool:
+        if e.tokens is not None:
+            return len(e.tokens) >= 2
+        return not skip_invalid and e.text is not None and e.text != ""
+
+    check_label_conflicts([e for e in examples if e.partition in scored and sure(e)])
+
+
 def check_request(attacks, *, ref_model=None, mlm=None, freq_corpus=None, on_error: str = "raise") -> tuple:
     """(attacks to run, {label: reason} skipped) from what is known before any data are read or any model is
     loaded: names, parameters, and the model inputs (``ref_model``, ``mlm``) each attack needs."""
@@ -145,6 +158,9 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
         cache_limit.set_max_gb(cache_max_gb)
     chosen, skipped = check_request(attacks, ref_model=ref_model, mlm=mlm, freq_corpus=freq_corpus,
                                     on_error=on_error)
+    scored = tuple(scored)
+    examples = read_data(data, partitions=scored + LEARNED_PARTITIONS)
+    check_data(examples, scored, skip_invalid)  # cheap data checks before the model is loaded
     if not isinstance(model, Model):
         model = load(model)
     max_length = model.max_length if max_length is None else int(max_length)
@@ -152,8 +168,6 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
         raise ValueError(f"--max-length {max_length}: must be in [2, {model.max_length}] (the model context)")
     if seq_tokens is not None and not 2 <= seq_tokens <= model.max_length:
         raise ValueError(f"--seq-tokens {seq_tokens}: must be in [2, {model.max_length}] (the model context)")
-    scored = tuple(scored)
-    examples = read_data(data, partitions=scored + LEARNED_PARTITIONS)
     notes: list = []
     if model.compute_dtype != "float32":
         notes.append(f"the model computes in {model.compute_dtype} (float32 log-probs from {model.compute_dtype} "
@@ -224,5 +238,5 @@ def _describe(data) -> str:
     return str(data) if isinstance(data, (str, Path)) else "data"
 
 
-__all__ = ["load", "score", "resolve_attacks", "read_data", "check_request", "run_attacks", "ScoreRun", "Model",
-           "LEARNED_PARTITIONS"]
+__all__ = ["load", "score", "resolve_attacks", "read_data", "check_data", "check_request", "run_attacks", "ScoreRun",
+           "Model", "LEARNED_PARTITIONS"]

@@ -109,6 +109,7 @@ def cmd_score(args) -> int:
             for e in examples if args.seq_tokens else ():
                 e.doc_id = e.id if e.doc_id is None else e.doc_id  # one line = one document unless doc_id says so
             check_documents(examples, args.data)  # before the model is loaded
+        api.check_data(examples, scored, args.skip_invalid)  # label conflicts too, before the model is loaded
         model = api.load(args.model, dtype=args.dtype, mesh=args.mesh,
                          fsdp=None if args.mesh is None else not args.no_fsdp)
         run = api.score(model, examples, args.attacks, prefix=args.prefix_data,

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import math
+import stat
 import os
 import sys
 import typing
@@ -211,54 +212,71 @@ def utf8_lines(path, error: type = InputError):
                 yield lineno, line
 
 
+def _shown(p) -> str:
+    """A path for a message: at most 300 characters (a name too long for the system is thousands)."""
+    s = str(p)
+    return s if len(s) <= 300 else s[:297] + "..."
+
+
+def _kind_of_path(p: Path, what: str, error) -> str:
+    """"missing", "dir" or "file" (anything else that exists); a path that cannot even be looked at (too long, a
+    directory that may not be searched) is one ``error`` naming ``what``, not an ``OSError``."""
+    try:
+        st = os.stat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except (OSError, ValueError) as e:  # ENAMETOOLONG, EACCES, ELOOP; ValueError: an embedded NUL
+        raise error(f"{what} {_shown(p)}: cannot be looked at ({getattr(e, 'strerror', None) or e})") from None
+    return "dir" if stat.S_ISDIR(st.st_mode) else "file"
+
+
 def input_file(path, what: str, *, error=InputError) -> Path:
     """An existing regular file (``what`` names the option or role, e.g. ``--data``)."""
     p = Path(path)
-    if not p.exists():
-        raise error(f"{what} {p}: file not found")
-    if p.is_dir():
-        raise error(f"{what} {p}: is a directory, expected a file")
+    kind = _kind_of_path(p, what, error)
+    if kind == "missing":
+        raise error(f"{what} {_shown(p)}: file not found")
+    if kind == "dir":
+        raise error(f"{what} {_shown(p)}: is a directory, expected a file")
     if not os.access(p, os.R_OK):
-        raise error(f"{what} {p}: not readable")
+        raise error(f"{what} {_shown(p)}: not readable")
     return p
 
 
 def input_dir(path, what: str, *, noun: str = "directory", error=InputError) -> Path:
     """An existing directory (``noun`` names it in the message, e.g. "model directory")."""
     p = Path(path)
-    if not p.exists():
-        raise error(f"{what} {p}: {noun} not found")
-    if not p.is_dir():
-        raise error(f"{what} {p}: is a file, expected a directory")
+    kind = _kind_of_path(p, what, error)
+    if kind == "missing":
+        raise error(f"{what} {_shown(p)}: {noun} not found")
+    if kind != "dir":
+        raise error(f"{what} {_shown(p)}: is a file, expected a directory")
     return p
 
 
-def _file_ancestor(p: Path) -> Optional[Path]:
-    """The first existing ancestor of ``p`` that is not a directory (so nothing can be created under it), or None."""
-    for parent in p.absolute().parents:
-        if parent.exists():
-            return None if parent.is_dir() else parent
-    return None
-
-
 def _check_writable_under(p: Path, what: str, error) -> None:
-    bad = _file_ancestor(p)
-    if bad is not None:
-        raise error(f"{what} {p}: cannot be created, {bad} is a file")
-    existing = next(q for q in p.absolute().parents if q.exists())
-    if not os.access(existing, os.W_OK):
-        raise error(f"{what} {p}: cannot be written ({existing} is not writable)")
+    """``p`` (missing) can be created: its first existing ancestor is a writable directory."""
+    for parent in p.absolute().parents:
+        kind = _kind_of_path(parent, what, error)
+        if kind == "missing":
+            continue
+        if kind != "dir":
+            raise error(f"{what} {_shown(p)}: cannot be created, {_shown(parent)} is a file")
+        if not os.access(parent, os.W_OK):
+            raise error(f"{what} {_shown(p)}: cannot be written ({_shown(parent)} is not writable)")
+        return
 
 
 def output_file(path, what: str, *, inputs: Iterable = (), error=InputError) -> Path:
     """A file that can be written: not an existing directory, no ancestor that is a file, not one of ``inputs``."""
     p = Path(path)
-    if p.is_dir():
-        raise error(f"{what} {p}: is a directory, expected a file path")
+    kind = _kind_of_path(p, what, error)
+    if kind == "dir":
+        raise error(f"{what} {_shown(p)}: is a directory, expected a file path")
     _check_writable_under(p, what, error)
     for q in inputs:
-        if q is not None and Path(q).exists() and p.exists() and p.resolve() == Path(q).resolve():
-            raise error(f"{what} {p}: is also an input file; it would be overwritten")
+        if q is not None and kind != "missing" and Path(q).exists() and p.resolve() == Path(q).resolve():
+            raise error(f"{what} {_shown(p)}: is also an input file; it would be overwritten")
     return p
 
 
@@ -266,12 +284,13 @@ def output_dir(path, what: str, *, error=InputError) -> Path:
     """A directory that exists and is writable, or can be created: not an existing file, no ancestor that is a
     file."""
     p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise error(f"{what} {p}: is a file, expected a directory")
-    if not p.exists():
+    kind = _kind_of_path(p, what, error)
+    if kind == "file":
+        raise error(f"{what} {_shown(p)}: is a file, expected a directory")
+    if kind == "missing":
         _check_writable_under(p, what, error)
     elif not os.access(p, os.W_OK | os.X_OK):
-        raise error(f"{what} {p}: directory is not writable")
+        raise error(f"{what} {_shown(p)}: directory is not writable")
     return p
 
 

@@ -464,3 +464,85 @@ def test_em_mia_kendall_prefix_score_matches_definition():
     np.testing.assert_allclose(E.em_mia_scores(R, f0, iters=3, prefix_score="kendall"), f)
     with pytest.raises(AttackError, match="prefix_score must be one of auc, kendall, rankdist; got 'tau'"):
         E.em_mia_scores(R, f0, prefix_score="tau")
+
+
+def test_neighbor_cache_eviction_recomputes_never_serves_stale(tmp_path, monkeypatch):
+    """Fast, with the masked-LM search replaced by a counted deterministic stand-in: 12 texts through the
+    neighbour cache at a limit of about three entries. Entries are evicted while the texts are cached, the cache
+    ends under the limit, a second pass recomputes exactly the evicted texts (and serves the rest), and an entry
+    rewritten for another text is recomputed, never served."""
+    from types import SimpleNamespace
+
+    from mia import cache_limit
+    from mia.attacks import neighbor
+
+    calls = []
+
+    def fake_search(mlm, text, key, *, n, k, p):
+        calls.append(text)
+        return [f"{text} ~{j}" for j in range(n)]
+
+    monkeypatch.setattr(neighbor, "neighbours", fake_search)
+    monkeypatch.setattr(neighbor, "load_masked_lm", lambda ctx: SimpleNamespace(fingerprint="fake"))
+    texts = [f"text number {i} of the cache test" for i in range(12)]
+    cache = tmp_path / "cache"
+    ctx = ctx_for(None, [Example(f"e{i}", text=t) for i, t in enumerate(texts)])
+    ctx.settings = ScoringSettings(progress=False, cache_dir=str(cache))
+    want = [fake_search(None, t, None, n=3, k=1, p=0.5) for t in texts]
+    calls.clear()
+    entry = len(json.dumps({"text": texts[0], "neighbors": want[0]}))
+    monkeypatch.setattr(cache_limit, "_override_gb", 3.5 * entry / cache_limit.GB)
+    monkeypatch.setattr(cache_limit, "_estimates", {})
+    evicted = []
+    real_delete = cache_limit.delete_entry
+    monkeypatch.setattr(cache_limit, "delete_entry", lambda e: evicted.append(e.files[0].name) or real_delete(e))
+
+    assert neighbor.neighbour_texts(ctx, n=3, k=1, p=0.5) == want and calls == texts
+    assert evicted and cache_limit.total_size(cache) <= cache_limit.max_bytes()
+    kept = sorted(cache.glob("neighbors-*/*.json"))
+    assert 0 < len(kept) <= 3 and len(kept) + len(evicted) == len(texts)
+    kept_texts = {json.loads(f.read_text())["text"] for f in kept}
+    stale_text = json.loads(kept[0].read_text())["text"]
+    kept[0].write_text(json.dumps({"text": "another text", "neighbors": ["x y", "y z", "z w"]}))
+    calls.clear()
+    # the second pass in reverse order reads the kept (most recent) entries before its own writes evict anything
+    back = ctx_for(None, [Example(f"e{i}", text=t) for i, t in reversed(list(enumerate(texts)))])
+    back.settings = ctx.settings
+    assert neighbor.neighbour_texts(back, n=3, k=1, p=0.5) == want[::-1]
+    assert sorted(calls) == sorted(set(texts) - kept_texts | {stale_text}), (calls, kept_texts)
+
+
+@pytest.mark.slow
+def test_neighbor_cache_past_its_limit_evicts_and_recomputes(tiny_model, tiny_mlm_dir, data, tmp_path, monkeypatch):
+    """The neighbour texts' disk cache under a size limit of about three entries while the attack writes five: the
+    least recently used are evicted during the run (which computes everything: its scores are the reference) and
+    the cache ends under the limit; a second run recomputes the evicted texts, serves the kept ones, and gives the
+    same neighbours and scores. A kept entry rewritten for another text is recomputed, never served."""
+    from mia import cache_limit
+    from mia.attacks.neighbor import neighbour_texts
+
+    def run():
+        ctx = ctx_for(tiny_model, data[:5], mlm=str(tiny_mlm_dir))
+        ctx.settings = ScoringSettings(progress=False, min_bucket=32, cache_dir=str(cache))
+        return get("neighbor").fn(ctx, n=2, k=2, p=0.7), neighbour_texts(ctx, n=2, k=2, p=0.7)
+
+    cache = tmp_path / "cache"
+    entry = len(json.dumps({"text": data[0].text, "neighbors": ["a b c d e f g h"] * 2}))  # about one entry's size
+    monkeypatch.setattr(cache_limit, "_override_gb", 3 * entry / cache_limit.GB)
+    monkeypatch.setattr(cache_limit, "_estimates", {})
+    evicted = []
+    real_delete = cache_limit.delete_entry
+    monkeypatch.setattr(cache_limit, "delete_entry", lambda e: evicted.append(e) or real_delete(e))
+    want, want_nbs = run()
+    assert [len(x) for x in want_nbs] == [2] * 5
+    assert any(e.kind == "neighbors" for e in evicted), evicted
+    kept = sorted(cache.glob("neighbors-*/*.json"))
+    assert 0 < len(kept) < 5 and cache_limit.total_size(cache) <= cache_limit.max_bytes()
+    stale = json.loads(kept[0].read_text())
+    kept[0].write_text(json.dumps({"text": "another text", "neighbors": ["x y", "y z"]}))
+    evicted.clear()
+    got, nbs = run()
+    assert nbs == want_nbs
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert any(e.kind == "neighbors" for e in evicted), evicted
+    assert not kept[0].exists() or json.loads(kept[0].read_text()) == stale  # rewritten, or evicted since

@@ -261,3 +261,32 @@ def test_mimir_model_and_ref_checked_first(tmp_path, tiny_neox_dir, capsys):
     assert exp.main(argv + ["--allow-identical-checkpoints"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(ref / "config.json") in err[0] and not out.exists()
+
+
+def test_a_text_in_both_mimir_files_drops_the_non_member_with_a_note(tmp_path):
+    """MIMIR's member and non-member files may share a text: the non-member copy is dropped (the member kept) with a
+    counted note, as checkmiabench does, instead of ``mia.score`` refusing the whole domain."""
+    from experiments.common import label_conflicts
+    from mia import api
+
+    root = _fake_mimir(tmp_path, {"arxiv_ngram_7_0.2": (3, 3)})
+    m, n = exp.mimir_index(root)[("arxiv", "ngram_7_0.2")]
+    shared = json.loads(m.read_text().splitlines()[1])
+    n.write_text(n.read_text() + json.dumps(shared) + "\n" + json.dumps("a b") + "\n")
+    fake_tokenizer = lambda t: {"input_ids": [ord(c) for c in t]}  # noqa: E731
+    ex, notes = exp.mimir_examples(m, n, fake_tokenizer, None, 0)
+    assert [e["label"] for e in ex] == [1, 1, 1, 0, 0, 0, 0] and label_conflicts(ex) == []
+    assert [e["text"] for e in ex if e["label"] == 1][1] == shared and shared not in [e["text"] for e in ex
+                                                                                       if e["label"] == 0]
+    assert any("1 non-member text(s) with the same text or token ids as a member text dropped" in x for x in notes)
+    api.check_data(api.read_data([{k: e[k] for k in ("id", "text", "label")} for e in ex]))
+
+
+def test_without_label_conflicts_keeps_the_member_and_counts():
+    from experiments.common import without_label_conflicts
+
+    rows = [{"id": "a", "label": 1, "tokens": [1, 2, 3]}, {"id": "b", "label": 0, "tokens": [1, 2, 3]},
+            {"id": "c", "label": 0, "tokens": [1, 2]}, {"id": "d", "label": 1, "tokens": [1, 2, 3]},
+            {"id": "e", "label": 0, "text": "x", "tokens": [9, 9]}, {"id": "f", "label": 1, "text": "x"}]
+    kept, n = without_label_conflicts(rows)
+    assert [e["id"] for e in kept] == ["a", "c", "d", "f"] and n == 2

@@ -67,11 +67,14 @@ def settings_from(coordinator: Optional[str], num_processes: Optional[int], proc
                   env: Optional[dict] = None) -> Optional[ProcessGroup]:
     """Flags first, then JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; None for one process."""
     env = os.environ if env is None else env
+    where = "--coordinator" if coordinator else "JAX_COORDINATOR_ADDRESS"
     coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
     if coordinator is None and (num_processes is not None or process_id is not None):
         flags = " and ".join(f for f, v in (("--num-processes", num_processes), ("--process-id", process_id))
                              if v is not None)
         raise DistributedError(f"{flags} given without --coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS)")
+    n_where = "--num-processes" if num_processes is not None else "JAX_NUM_PROCESSES"
+    id_where = "--process-id" if process_id is not None else "JAX_PROCESS_ID"
     try:
         num_processes = num_processes if num_processes is not None else (
             int(env["JAX_NUM_PROCESSES"]) if env.get("JAX_NUM_PROCESSES") else None)
@@ -86,12 +89,14 @@ def settings_from(coordinator: Optional[str], num_processes: Optional[int], proc
                                "--process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
     host, _, port = coordinator.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()):
-        raise DistributedError(f"--coordinator {coordinator}: expected HOST:PORT")
-    if not 1 <= int(port) <= 65535:
-        raise DistributedError(f"--coordinator {coordinator}: port {int(port)} is out of range (1..65535)")
+        raise DistributedError(f"{where} {coordinator[:300]}: expected HOST:PORT")
+    number = int(port.lstrip("0")[:6] or "0")  # at most 6 digits read (int() refuses more than 4300)
+    if not 1 <= number <= 65535:
+        raise DistributedError(f"{where} {coordinator[:300]}: port {port[:12]} is out of range (1..65535)")
+    coordinator = f"{host}:{number}"
     if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise DistributedError(f"--process-id {process_id} must be in 0..{num_processes - 1} "
-                               f"(--num-processes {num_processes})")
+        raise DistributedError(f"{id_where} {process_id} must be in 0..{num_processes - 1} "
+                               f"({n_where} {num_processes})")
     return ProcessGroup(coordinator, int(num_processes), int(process_id))
 
 

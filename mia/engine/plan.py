@@ -129,7 +129,7 @@ def parse_bytes(text: str) -> int:
     base = 1024 if (binary or not b) else 1000
     try:
         n = int(float(value) * base ** power)
-    except ValueError:  # "." or "1.2.3"
+    except (ValueError, OverflowError):  # "." or "1.2.3"; 400 nines (an infinite float)
         raise PlanError(f"--device-memory {text!r}: expected a size such as 80GiB, 80GB or 16g") from None
     if n < 1:
         raise PlanError(f"--device-memory {text!r}: must be more than 0 bytes")
@@ -140,7 +140,10 @@ def config_source(model: str) -> str:
     """What errors about ``--model``'s config name: the named shape, or the config.json path."""
     if model in NAMED_SHAPES:
         return model
-    return str(Path(model) / "config.json") if Path(model).is_dir() else model
+    try:
+        return str(Path(model) / "config.json") if Path(model).is_dir() else model
+    except OSError:  # a name too long: read_hf_config says so
+        return model
 
 
 def read_hf_config(model: str) -> dict:
@@ -148,6 +151,12 @@ def read_hf_config(model: str) -> dict:
     if model in NAMED_SHAPES:
         return dict(NAMED_SHAPES[model])
     path = Path(config_source(model))
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as e:
+        raise PlanError(f"--model {model[:300]}: cannot be looked at ({e.strerror or e})") from None
     if not path.exists():
         raise PlanError(f"--model {model}: no such directory or config.json "
                         f"(or a named shape: {', '.join(NAMED_SHAPES)})")
@@ -435,9 +444,9 @@ def parse_plan_attack(text: str) -> tuple[str, dict]:
     opts = {kw: default for kw, default in known.values()}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in known or not value.isdigit() or int(value) < 1:
+        if key not in known or not (value.isascii() and value.isdigit()) or len(value) > 9 or int(value) < 1:
             allowed = ",".join(f"{k}=INT" for k in known) or "no options"
-            raise PlanError(f"--attack {text!r}: {name} takes {allowed} (integers >= 1)")
+            raise PlanError(f"--attack {text[:80]!r}: {name} takes {allowed} (integers in [1, 999999999])")
         opts[known[key][0]] = int(value)
     return name, opts
 

@@ -106,6 +106,13 @@ def resolve(ref: ModelRef, cache: Optional[Path] = None, *, error=CacheError, no
     the message also says that no local directory has that name)."""
     cache = hub_cache_dir() if cache is None else Path(cache)
     repo_dir = cache / repo_folder(ref.repo_id)
+    try:
+        os.stat(repo_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as e:  # HF_HUB_CACHE too long, or a directory that may not be searched
+        raise error(f"{ref}: the Hugging Face cache {str(cache)[:300]} cannot be looked at ({e.strerror or e}); "
+                    "set HF_HUB_CACHE / HF_HOME") from None
     if not repo_dir.is_dir():
         have = cached_repos(cache)
         listing = _listing(have) if have else "none"
@@ -139,7 +146,10 @@ def model_dir(path_or_ref, cache: Optional[Path] = None, *, error=CacheError) ->
     when it reads as ``ORG/NAME[@REVISION]``, else ``path_or_ref`` unchanged (the loader then says it is not
     found)."""
     path = Path(path_or_ref)
-    if path.exists():
+    try:
+        if path.exists():
+            return path
+    except OSError:  # a name too long, a directory that may not be searched: the caller's check names it
         return path
     ref = parse_ref(str(path_or_ref))
     return path if ref is None else resolve(ref, cache, error=error, no_local_dir=True)

@@ -32,7 +32,7 @@ import numpy as np
 from ..atomic import temporary_sibling, write_text
 from ..data.corpus import load_corpus
 from ..data.indexed import IndexedDataset
-from ..data.splits import file_record
+from ..data.splits import file_record, short_repr
 from .. import file_hash
 from ..file_hash import sha256_of_file
 from ..models import from_config, load, save
@@ -326,10 +326,35 @@ def open_testbed(path) -> Testbed:
     if m.get("format") != FORMAT:
         raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, now "
                            f"{FORMAT}); rebuild it (delete the directory, or build into another --out)")
+    cfg = config_of_manifest(m, mf)
+    check_recorded_fields(m, mf)
     damaged = verify_data(root, m)
     if damaged:
         raise TestbedError(f"{damaged}; the testbed at {root} is damaged: delete it and build it again")
-    return Testbed(root, config_of_manifest(m, mf), m)
+    return Testbed(root, cfg, m)
+
+
+# the fields of a complete testbed's manifest that its users read: (path of keys, type, minimum or None)
+RECORDED_FIELDS = ((("tokenizer", "sha256"), str, None), (("tokenizer", "vocab_size"), int, 1),
+                   (("data", "n_rows"), int, 0), (("data", "bin", "sha256"), str, None),
+                   (("data", "idx", "sha256"), str, None), (("data", "perm_sha256"), str, None),
+                   (("corpus", "sha256"), str, None))
+
+
+def check_recorded_fields(m: dict, path) -> None:
+    """Every ``RECORDED_FIELDS`` entry of a complete manifest ``m`` present with its type (an integer not below its
+    minimum; canaries' sha256 too when the testbed has canaries), else one ``TestbedError`` naming ``path`` and the
+    field: a digest of another type would otherwise leave its file unverified."""
+    fields = RECORDED_FIELDS + (((("canaries", "sha256"), str, None),) if "canaries" in m else ())
+    for keys, typ, lo in fields:
+        v = m
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        ok = isinstance(v, typ) and not isinstance(v, bool) and (lo is None or v >= lo)
+        if not ok:
+            want = "a string" if typ is str else f"an integer >= {lo}"
+            raise TestbedError(f"{path}: field {'.'.join(keys)} must be {want}, got {short_repr(v, 40)}; delete the "
+                               "directory to rebuild")
 
 
 def _check_complete(root: Path, m: dict) -> Optional[str]:

@@ -21,7 +21,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from .build import DEFAULT_ROOT, Testbed, _write_json, build_from_config, open_testbed, share_data
+from .build import DEFAULT_ROOT, MANIFEST, Testbed, _write_json, build_from_config, open_testbed, share_data
 from .config import DATA_FIELDS, PRESETS, SUITE_FIELDS, TestbedConfig, TestbedError, read_manifest
 
 SUITE_FORMAT = "mia-suite/1"
@@ -109,12 +109,24 @@ class Suite:
         return "\n".join(lines)
 
 
+DATA_HASHES = ("tokenizer", "order_bin", "order_idx", "perm", "corpus")  # what suite.json's 'data' records
+
+
 def data_hashes(tb: Testbed) -> dict:
     """sha256 of what a suite's members must share: tokenizer, order .bin/.idx, row permutation, corpus."""
     m = tb.manifest
-    return {"tokenizer": m["tokenizer"]["sha256"], "order_bin": m["data"]["bin"]["sha256"],
-            "order_idx": m["data"]["idx"]["sha256"], "perm": m["data"]["perm_sha256"],
-            "corpus": m["corpus"]["sha256"]}
+    out = {}
+    for name, path in (("tokenizer", ("tokenizer", "sha256")), ("order_bin", ("data", "bin", "sha256")),
+                       ("order_idx", ("data", "idx", "sha256")), ("perm", ("data", "perm_sha256")),
+                       ("corpus", ("corpus", "sha256"))):
+        v = m
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        if not isinstance(v, str):
+            raise TestbedError(f"{tb.root / MANIFEST}: field {'.'.join(path)} must be a sha256 string, got "
+                               f"{type(v).__name__}; delete the directory to rebuild")
+        out[name] = v
+    return out
 
 
 def verify_members(members: list, expected: Optional[dict] = None) -> dict:
@@ -147,10 +159,12 @@ def build_suite(name: str, out_dir=None, *, progress: bool = True, save_every: i
     old = None
     if mf.exists():
         old = read_manifest(mf, SUITE_FIELDS)
+        hashes = [e.get("config_hash") if isinstance(e, dict) else None for e in old.get("members", [])]
         if old.get("format") != SUITE_FORMAT or old.get("name") != name or \
-                [e["config_hash"] for e in old.get("members", [])] != [e["config_hash"] for e in entries]:
-            raise TestbedError(f"{root} holds another suite ({old.get('name')}, {old.get('format')}) or one built by "
-                               f"another version; delete it to rebuild, or use another --out")
+                hashes != [e["config_hash"] for e in entries]:
+            raise TestbedError(f"{root} holds another suite ({str(old.get('name'))[:40]}, "
+                               f"{str(old.get('format'))[:40]}) or one built by another version (its {mf.name}); "
+                               "delete it to rebuild, or use another --out")
     m = {"format": SUITE_FORMAT, "name": name, "complete": False, "members": entries}
     if not (old and old.get("complete")):
         # an unfinished build is marked as such; a complete suite stays complete while it is checked and reused, so
@@ -189,10 +203,14 @@ def open_suite(path) -> Suite:
     if not m.get("complete"):
         raise TestbedError(f"{root}: suite build is incomplete; rerun python -m mia.testbed --suite {m.get('name')} "
                            f"--out {root} to finish it")
-    if not all(isinstance(e, dict) and isinstance(e.get("dir"), str) and isinstance(e.get("config_hash"), str)
-               for e in m.get("members", [])) or not isinstance(m.get("data"), dict):
-        raise TestbedError(f"{mf}: 'members' must be objects with 'dir' and 'config_hash' strings, and 'data' an "
-                           "object; delete the directory to rebuild")
+    data, entries = m.get("data"), m.get("members")
+    if not isinstance(m.get("name"), str) or not entries or not all(
+            isinstance(e, dict) and all(isinstance(e.get(k), str) for k in ("name", "dir", "config_hash"))
+            for e in entries) or not isinstance(data, dict) or set(data) != set(DATA_HASHES) \
+            or not all(isinstance(v, str) for v in data.values()):
+        raise TestbedError(f"{mf}: 'name' must be a string, 'members' a non-empty list of objects with 'name', "
+                           f"'dir' and 'config_hash' strings, and 'data' an object of the sha256 strings of "
+                           f"{', '.join(DATA_HASHES)}; delete the directory to rebuild")
     members = []
     for e in m["members"]:
         tb = open_testbed(root / e["dir"])
