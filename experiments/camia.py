@@ -53,7 +53,8 @@ from mia.atomic import save_npz, write_text
 from mia.attacks import camia
 from mia.report import csv_text
 
-from experiments.common import (ExperimentError, Timings, add_identical_flag, check_checkpoints, identical_note,
+from experiments.common import (DEFAULT_BOOTSTRAP, ExperimentError, Timings, add_identical_flag, add_model_flags,
+                                one_step, check_checkpoints, identical_note,
                                 check_model_dir, check_paths, check_suite_steps,
                                 check_token_ids, experiment_parser, open_members, pick_members, run_blind_baselines,
                                 run_main, say_fn, score_split, select_attacks, sha_file, write_json, write_manifest,
@@ -555,7 +556,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
         n_nonmembers: Optional[int] = None, draws: Optional[int] = None, memorize_epochs: int = 0,
         mimir=None, model_dir=None, ref_model=None, mlm=None, split: str = "ngram_7_0.2",
         table2_domains=None, max_per_class: Optional[int] = None, blind: bool = True, seed: int = 0,
-        bootstrap: int = 200, progress: bool = True, allow_identical_checkpoints: bool = False, argv=None) -> dict:
+        bootstrap: int = DEFAULT_BOOTSTRAP, progress: bool = True, allow_identical_checkpoints: bool = False,
+        argv=None) -> dict:
     """Run the experiment; returns the summary (also written to ``out/summary.json``). With ``--mimir``, ``--model``
     and ``--ref-model`` are opened and checked (``check_checkpoints``) before any file is read or hashed;
     ``allow_identical_checkpoints``: run even when the two hold identical weights (recorded)."""
@@ -796,16 +798,13 @@ def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split,
 def build_parser():
     from mia import validate as V
 
-    ap = experiment_parser("python -m experiments.camia", __doc__, PRESETS, default_bootstrap=200)
+    ap = experiment_parser("python -m experiments.camia", __doc__, PRESETS)
     g = ap.add_argument_group("testbed (default)")
-    g.add_argument("--testbed", action="append", default=[], help="a testbed directory instead of the suite")
     g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
-    g.add_argument("--member", default=None,
-                   help="target suite member: middle (default), largest, smallest or a size name; the smallest is "
-                                                  "the Reference baseline's model")
-    g.add_argument("--step", type=V.arg_int(1), default=None, help="checkpoint to evaluate (default: the last)")
-    g.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
-                   help="memorization dial: train the checkpoint E more epochs on the chosen member rows")
+    add_model_flags(g, testbed="a testbed directory instead of the suite (repeat for several sharing one order)",
+                    member="target suite member: middle (default), largest, smallest or a size name; the smallest "
+                           "is the Reference baseline's model",
+                    steps="the checkpoint to evaluate, one step (default: the last)")
     g.add_argument("--n-domains", type=V.arg_int(1), default=None, help="the largest N domains (default per preset)")
     g.add_argument("--n-members", type=V.arg_int(1), default=None, help="members per domain (default per preset)")
     g.add_argument("--n-nonmembers", type=V.arg_int(1), default=None,
@@ -833,9 +832,11 @@ def _csv(v):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    step = one_step(ap, a.steps, "camia")
     status, s = run_main(lambda: run(
-        a.preset, a.out, testbeds=a.testbed, suite_dir=a.suite_dir, member=a.member, step=a.step,
+        a.preset, a.out, testbeds=a.testbed or [], suite_dir=a.suite_dir, member=a.member, step=step,
         domains=_csv(a.domains), n_domains=a.n_domains, n_members=a.n_members, n_nonmembers=a.n_nonmembers,
         draws=a.draws, memorize_epochs=a.memorize_epochs, mimir=a.mimir, model_dir=a.model, ref_model=a.ref_model,
         mlm=a.mlm, split=a.split, table2_domains=_csv(a.table2_domains), max_per_class=a.max_per_class,
