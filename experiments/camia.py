@@ -55,7 +55,7 @@ from mia.report import csv_text
 
 from experiments.common import (DEFAULT_BOOTSTRAP, ExperimentError, Timings, add_identical_flag, add_model_flags,
                                 one_step, check_checkpoints, identical_note,
-                                check_model_dir, check_paths, check_suite_steps,
+                                check_model_dir, check_paths, check_suite_steps, check_testbed_checkpoints,
                                 check_token_ids, experiment_parser, open_members, pick_members, run_blind_baselines,
                                 run_main, say_fn, score_split, select_attacks, sha_file, write_json, write_manifest,
                                 write_tables)
@@ -601,7 +601,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     else:
         s = _run_testbed(p, preset, out, testbeds=testbeds, suite_dir=suite_dir, step=step, domains=domains,
                          memorize_epochs=memorize_epochs, mlm=mlm, blind=blind, seed=seed, bootstrap=bootstrap,
-                         progress=progress, timings=timings)
+                         progress=progress, timings=timings, allow_identical=allow_identical_checkpoints)
     s["notes"] = notes + s["notes"]
     if mimir is not None:
         s.update(allow_identical_checkpoints=bool(allow_identical_checkpoints), identical_checkpoints=identical)
@@ -650,7 +650,7 @@ def _finish(p: Preset, out: Path, results: dict, counts: dict, t2: dict, *, sett
 
 
 def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step, domains, memorize_epochs, mlm,
-                 blind, seed, bootstrap, progress, timings) -> dict:
+                 blind, seed, bootstrap, progress, timings, allow_identical: bool = False) -> dict:
     say = say_fn(progress)
     with timings("testbed"):
         members, desc, notes = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
@@ -660,6 +660,11 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
     target = targets[0]
     tb = target.testbed
     c = tb.train_steps if step is None else int(step)
+    ref = next((m for m in members if m.n_params < target.n_params), None)
+    with timings("check"):  # every checkpoint used, opened and checked before any row is drawn
+        ckpt_records, identical = check_testbed_checkpoints(
+            [(f"{m.name}-step{c}", m.testbed, c) for m in [target] + ([ref] if ref is not None else [])],
+            allow_identical=allow_identical)
     with timings("rows"):
         datasets, pool = testbed_datasets(tb, c, p, seed, domains, progress)
     model_dir = tb.checkpoint_dir(c)
@@ -671,7 +676,6 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
         dial = {"epochs": int(memorize_epochs), "n_rows": len(rows), "path": str(model_dir)}
     model = mia.load(model_dir)
     context = min(int(model.max_length), tb.row_len)
-    ref = next((m for m in members if m.n_params < target.n_params), None)
     options = {"ref_model": mia.load(ref.testbed.checkpoint_dir(c))} if ref is not None else {}  # loaded once
     if mlm:
         options["mlm"] = str(mlm)
@@ -729,7 +733,10 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
         "order_bin_sha256": tb.manifest["data"]["bin"]["sha256"],
         "corpus_sha256": tb.manifest["corpus"]["sha256"],
         "model_sha256": sha_file(Path(model_dir) / "model.safetensors"),
+        "checkpoints": ckpt_records,
     }
+    if identical:
+        notes.append(identical_note(identical))
     paths = {"testbed": str(tb.root.resolve()), "model": str(Path(model_dir).resolve())}
     return _finish(p, out, results, counts, t2, setting=f"testbed {preset}, member {target.name}", model_desc=mdesc,
                    info=info, info_keys=["documents", "mean_share"], skipped=skipped, notes=notes, config=config,

@@ -38,7 +38,8 @@ from mia.metrics import metric_rows, summary_row
 from mia.testbed import build_testbed
 
 from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, ExperimentError, add_model_flags, experiment_parser,
-                                one_step, SplitSizes, Timings, check_paths, draw_testbed_split,
+                                check_testbed_checkpoints, one_step, SplitSizes, Timings, check_paths,
+                                draw_testbed_split,
                                 fmt, plot_roc, run_blind_baselines, run_main, say_fn, score_split,
                                 select_attacks as _select, sha_file, versions, write_json)
 
@@ -178,13 +179,17 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         raise JobError(f"checkpoint step {c} is beyond the run: the testbed trained {tb.train_steps} steps "
                        f"(checkpoints: {', '.join(map(str, tb.steps))})")
 
-    # 2. split
+    # 2. the checkpoint opened and checked before any split work (check_testbed_checkpoints)
+    with timings("check"):
+        ckpt_records, _ = check_testbed_checkpoints([(f"step{c}", tb, c)])
+
+    # 3. split
     with timings("split"):
         header, examples, _ = draw_testbed_split(tb, c, sizes, seed)
         split_path = write_split(out / "split.jsonl", header, examples)
     say(f"split: {header['counts']['members']} members, {header['counts']['nonmembers']} non-members -> {split_path}")
 
-    # 3. model (clean checkpoint, or the memorization dial on the split's members)
+    # 4. model (clean checkpoint, or the memorization dial on the split's members)
     clean_dir = tb.checkpoint_dir(c)
     model_dir, mem_info = clean_dir, None
     if memorize_epochs and memorize_epochs > 0:
@@ -196,7 +201,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     model = mia.load(model_dir)
     cache_dir = str(tb.root / "cache")
 
-    # 4. attacks
+    # 5. attacks
     with timings("attacks"):
         to_run, skipped = select_attacks(attacks, preset)
         res = score_split(model, examples, to_run, seed=seed, progress=progress, cache_dir=cache_dir)
@@ -264,7 +269,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
                    "tokenizer_sha256": tb.manifest["tokenizer"]["sha256"],
                    "order_bin_sha256": tb.manifest["data"]["bin"]["sha256"],
                    "order_perm_sha256": tb.manifest["data"]["perm_sha256"],
-                   "checkpoint_sha256": sha_file(clean_dir / "model.safetensors"),
+                   "checkpoint_sha256": sha_file(clean_dir / "model.safetensors"), "checkpoints": ckpt_records,
                    "evaluated_model_sha256": sha_file(Path(model_dir) / "model.safetensors"),
                    "split_sha256": sha_file(split_path), "testbed_config_hash": tb.config.config_hash},
         "paths": {"testbed": str(tb.root.resolve()), "checkpoint": str(Path(model_dir).resolve()),

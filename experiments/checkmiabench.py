@@ -45,7 +45,7 @@ from mia.metrics import metric_rows
 
 from experiments import curves
 from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes,
-                                Timings, add_model_flags, add_olmo_flags, olmo_order_settings, pick_members,
+                                Timings, add_model_flags, check_testbed_checkpoints, add_olmo_flags, olmo_order_settings, pick_members,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
                                 draw_olmo_split, draw_pythia_split, draw_testbed_split, drop_label_conflicts,
                                 drop_learned_duplicates, experiment_parser, add_identical_flag, check_checkpoints,
@@ -236,8 +236,9 @@ def _saved_steps(tb) -> list:
 
 def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[str] = None, suite_dir=None,
                   member: Optional[str] = None, steps=None, split_sizes: SplitSizes, seed: int, progress: bool,
-                  allow_fewer: bool = False) -> Setup:
-    """The testbed suite ``suite`` (or the testbeds given, which must share one data order) as a Setup."""
+                  allow_fewer: bool = False, allow_identical: bool = False) -> Setup:
+    """The testbed suite ``suite`` (or the testbeds given, which must share one data order) as a Setup. Every
+    checkpoint is opened and checked (``check_testbed_checkpoints``) before any split is drawn."""
     members, desc, notes = open_members(suite or preset.suite, testbeds=testbeds, suite_dir=suite_dir,
                                         progress=progress)
     names = [m.name for m in members]
@@ -254,7 +255,9 @@ def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[st
                                   f"{m.testbed.train_steps} steps (checkpoints: {', '.join(map(str, common))})")
     targets = [Target(m.name, m.n_params, c, m.testbed.checkpoint_dir(c), str(m.testbed.root / "cache"), m.testbed)
                for c in chosen for m in members]
-    hashes = {"order_bin_sha256": first.manifest["data"]["bin"]["sha256"],
+    records, identical = check_testbed_checkpoints([(f"{t.model}-step{t.step}", t.testbed, t.step) for t in targets],
+                                                   allow_identical=allow_identical)
+    hashes = {"checkpoints": records,"order_bin_sha256": first.manifest["data"]["bin"]["sha256"],
               "corpus_sha256": first.manifest["corpus"]["sha256"],
               "tokenizer_sha256": first.manifest["tokenizer"]["sha256"],
               "testbed_config_hashes": {m.name: m.testbed.config.config_hash for m in members}}
@@ -262,7 +265,7 @@ def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[st
     return Setup("testbed", f"{desc}: {sizes_txt}; batch {first.batch_size} rows of {first.row_len} tokens, first "
                             f"epoch = steps [0, {first.epoch_steps})",
                  targets, chosen, lambda c: draw_testbed_split(first, c, split_sizes, seed, allow_fewer=allow_fewer),
-                 "the testbed's data/order.bin", hashes, notes=notes)
+                 "the testbed's data/order.bin", hashes, notes=notes, identical=identical)
 
 
 def _pick_steps(spec, available: Sequence[int], where: str) -> list:
@@ -417,7 +420,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
                                allow_identical=allow_identical_checkpoints)
         else:
             setup = testbed_setup(p, testbeds=testbeds, suite=suite, suite_dir=suite_dir, member=member, steps=steps,
-                                  split_sizes=split_sizes, seed=seed, progress=progress, allow_fewer=p.allow_fewer)
+                                  split_sizes=split_sizes, seed=seed, progress=progress, allow_fewer=p.allow_fewer,
+                                  allow_identical=allow_identical_checkpoints)
     out.mkdir(parents=True, exist_ok=True)
     say(setup.description)
 

@@ -503,6 +503,62 @@ def check_checkpoints(checkpoints: Mapping[str, Path], *, allow_identical: bool 
     return {label: r.to_json() for label, r in found.items()}, pairs
 
 
+def testbed_checkpoint_problem(tb, step: int, path: Path) -> Optional[str]:
+    """None when testbed ``tb``'s checkpoint ``step`` at ``path`` is what the testbed says it is, else one line naming
+    the file: config.json against the model config the testbed's own settings give (``mia.testbed.build.model_config``:
+    sizes, heads, context, vocabulary, rotary fraction; a field ``check_checkpoint``'s shape check cannot see, such as
+    the context), and model.safetensors against the sha256 its testbed.json records (checkpoints the build saved; a
+    step trained on demand has no record). ``check_checkpoint`` (run by ``check_testbed_checkpoints`` first) covers
+    the rest: a missing or truncated weight file, a wrong tensor name, shape or dtype."""
+    import dataclasses as dc
+
+    from mia.file_hash import file_sha256
+    from mia.models import load_config
+    from mia.testbed.build import model_config
+
+    vocab = tb.manifest.get("tokenizer", {}).get("vocab_size")
+    if vocab is not None:
+        want = model_config(tb.config, int(vocab))
+        got = load_config(path)[1]
+        for f in dc.fields(want):
+            a, b = getattr(got, f.name, None), getattr(want, f.name)
+            if a != b:
+                return (f"{Path(path) / 'config.json'}: {f.name} is {a!r}, but the testbed at {tb.root} was built with "
+                        f"{b!r}: the checkpoint is not this testbed's")
+    rec = (tb.manifest.get("checkpoints") or {}).get(str(int(step)))
+    weights = Path(path) / "model.safetensors"
+    if rec and rec.get("sha256") and weights.is_file():
+        got = file_sha256(weights)
+        if got != rec["sha256"]:
+            return (f"{weights}: damaged: sha256 {got[:12]}, {tb.root / 'testbed.json'} records {rec['sha256'][:12]}; "
+                    "delete the testbed and build it again")
+    return None
+
+
+def check_testbed_checkpoints(models: Sequence[tuple], *, allow_identical: bool = False) -> tuple:
+    """``(records, identical)`` as ``check_checkpoints`` gives them, for testbed checkpoints ``[(label, testbed,
+    step)]``: every one opened before any split is drawn, through the same ``check_checkpoint`` as a real checkpoint
+    (config, tensor names, shapes, dtypes, no weights read, the sampled digest; identical weights refused), and then
+    against the testbed's own record (``testbed_checkpoint_problem``). A step between saved checkpoints is trained
+    first (``Testbed.checkpoint_dir``; the order is fixed, so it is exact). A bad checkpoint: one ``ExperimentError``
+    line naming the file."""
+    from mia.testbed.build import TestbedError
+
+    paths, owners = {}, {}
+    for label, tb, step in models:
+        try:
+            paths[label] = tb.checkpoint_dir(int(step))
+        except TestbedError as e:
+            raise ExperimentError(str(e)) from None
+        owners[label] = (tb, int(step))
+    records, identical = check_checkpoints(paths, allow_identical=allow_identical)
+    for label, (tb, step) in owners.items():
+        problem = testbed_checkpoint_problem(tb, step, paths[label])
+        if problem:
+            raise ExperimentError(problem)
+    return records, identical
+
+
 def add_identical_flag(parser) -> None:
     """``--allow-identical-checkpoints`` (``check_checkpoints``)."""
     parser.add_argument(IDENTICAL_FLAG, action="store_true",

@@ -51,7 +51,8 @@ from mia.data.splits import DROPPED_ROWS, partition_counts, read_split
 from mia.metrics import metric_rows
 
 from experiments.common import (DEFAULT_BOOTSTRAP, ExperimentError, SplitSizes, Timings, add_identical_flag,
-                                add_model_flags, add_olmo_flags, check_checkpoints, olmo_order_settings, one_step,
+                                add_model_flags, add_olmo_flags, check_checkpoints, check_testbed_checkpoints,
+                                olmo_order_settings, one_step,
                                 check_paths, check_suite_steps, check_token_ids, identical_note,
                                 draw_testbed_split, experiment_parser, olmo_checkpoint, open_members,
                                 pick_members, run_blind_baselines, run_main, say_fn, score_split, select_attacks,
@@ -433,7 +434,8 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
                 batch_size, seq_len, seed, notes)
         else:
             targets, header, drawn, pool_ex, prefix, shots, info = _testbed_setup(
-                p, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings)
+                p, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings,
+                allow_identical_checkpoints)
     if why_preset:  # once the request and the order files have passed their checks (a bad input is one line)
         print(why_preset, file=sys.stderr)
     doc_len = header["params"]["doc_len"]
@@ -497,11 +499,17 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
     return summary
 
 
-def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings) -> tuple:
+def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings,
+                   allow_identical: bool = False) -> tuple:
     members, desc, n = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
     notes += n
     tb0 = members[0].testbed
     c = tb0.train_steps if step is None else int(step)
+    used = {m.name: m for m in [members[0], *pick_members(members, p.member)]}  # the Ref (smallest) and the targets
+    ckpt_records, identical = check_testbed_checkpoints([(f"{m.name}-step{c}", m.testbed, c) for m in used.values()],
+                                                        allow_identical=allow_identical)
+    if identical:
+        notes.append(identical_note(identical))
     model0 = tb0.load_model(c)
     context = min(int(model0.max_length), tb0.row_len)
     doc_len = p.doc_len or context // 2
@@ -541,7 +549,7 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
     info = {"setting": f"testbed {p.suite}", "description": description,
             "config": {"step": c, "memorize": dial, "members": [m.name for m in members],
                        "testbed": tb0.config.to_dict()},
-            "hashes": {"order_bin_sha256": tb0.manifest["data"]["bin"]["sha256"],
+            "hashes": {"order_bin_sha256": tb0.manifest["data"]["bin"]["sha256"], "checkpoints": ckpt_records,
                        **{f"model_{t.name}_sha256": sha_file(t.model_dir / "model.safetensors") for t in targets}},
             "paths": {"testbeds": [str(m.testbed.root.resolve()) for m in members]}}
     return targets, header, drawn, pool_ex, prefix, shots, info
