@@ -45,8 +45,8 @@ from mia.metrics import metric_rows
 
 from experiments import curves
 from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes,
-                                Timings, add_model_flags, check_testbed_checkpoints, add_olmo_flags, olmo_order_settings,
-                                pick_members,
+                                Timings, add_model_flags, check_testbed_checkpoints, add_olmo_flags,
+                                olmo_order_settings, pick_members,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
                                 draw_olmo_split, draw_pythia_split, draw_testbed_split, drop_label_conflicts,
                                 drop_learned_duplicates, experiment_parser, add_identical_flag, check_checkpoints,
