@@ -208,7 +208,7 @@ def testbed_datasets(tb, step: int, preset: Preset, seed: int, domains=None, pro
     ``n_nonmembers`` non-member rows of one seeded permutation, with ``share`` >= ``min_share``."""
     B, E = tb.batch_size, tb.epoch_steps
     if not 0 < step <= tb.train_steps:
-        raise ExperimentError(f"--step {step}: the testbed trained steps (0, {tb.train_steps}]")
+        raise ExperimentError(f"--steps {step}: the testbed trained steps (0, {tb.train_steps}]")
     rd = row_documents(tb, progress)
     dom_of_doc = np.array([domain_of(p) for p in rd.paths])
     row_domain = dom_of_doc[rd.doc]

@@ -777,7 +777,7 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
         raise ExperimentError(f"the split asks for {sizes.nonmembers} non-members (eval {sizes.n_eval_nonmembers} + "
                               f"train {sizes.train} + calib {sizes.calib} + prefix {sizes.prefix}) but steps [{step}, "
                               f"{end_step}) of the first epoch hold only {max(0, (end_step - step) * B)} rows; lower "
-                              "the counts or use an earlier --step")
+                              "the counts or use an earlier --steps")
     header, examples = pythia.draw_checkpoint_split(tb.dataset(), step, sizes.members, sizes.nonmembers, seed, gap=0,
                                              end_step=end_step, batch_size=B, vocab_size=testbed_vocab_size(tb))
     for e in examples:  # ids of the testbed's rows; kind "testbed" in the header

@@ -12,7 +12,7 @@ AUC of each split.
    model never sees a position it was not trained at). OLMo (``--olmo``): the OLMoMIA recipe
    (docs/algorithms.md#difficulty): instances from steps [0, 100k) (members) and [400k, 450k) (non-members) of
    ``global_indices``, each reduced to its first document strictly between two EOS with L/2 < length <= L
-   (L = 128), ``mia.data.olmo``; the model is the checkpoint at ``--step`` (400k), which has seen the members and
+   (L = 128), ``mia.data.olmo``; the model is the checkpoint at ``--steps`` (400k), which has seen the members and
    not the non-members. Texts that occur twice in the pool are dropped (a text both trained on and held out has no
    label).
 2. The six splits: ``mia.data.difficulty`` (MiniLM embeddings, spherical k-means per class, the distance filter,
@@ -171,7 +171,7 @@ def check_olmo_request(model_step: int, member_steps: tuple, nonmember_steps: tu
         raise ExperimentError(f"--member-steps {member_steps[0]}:{member_steps[1]}: members start at step 0 "
                               "(every instance before the end step was trained on)")
     if not member_steps[1] <= model_step <= nonmember_steps[0]:
-        raise ExperimentError(f"--step {model_step}: the checkpoint must have seen the members (steps < "
+        raise ExperimentError(f"--steps {model_step}: the checkpoint must have seen the members (steps < "
                               f"{member_steps[1]}) and not the non-members (steps >= {nonmember_steps[0]})")
     for flag, f in (("--global-indices", global_indices), ("--data-paths", data_paths)):
         if not f:
