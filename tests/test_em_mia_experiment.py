@@ -209,6 +209,10 @@ def test_olmo_recipe_end_to_end(tmp_path, tiny_neox_dir, capsys):
             assert (e["step"] < 10) if e["label"] == 1 else (30 <= e["step"] < 60)
     methods = {r["method"] for r in s["table_auc"]}
     assert {"Loss", "ReCaLL (12-shot)", "ReCaLL-Avg", "EM-MIA (init Loss)"} <= methods and "Ref" not in methods
+    # nothing in the checkpoint directory states the order settings: said once, recorded in the manifest
+    order = json.loads((tmp_path / "out" / "manifest.json").read_text())["hashes"]["olmo_order"]
+    assert order["batch_size"] == batch and order["batch_size_from"] == "--batch-size" and order["unchecked"]
+    assert [n for n in s["notes"] if n.startswith("OLMo order:")] == [order["unchecked"]]
 
 
 def test_olmo_tokens_beyond_the_model_vocabulary(tmp_path, tiny_neox_dir, capsys):
