@@ -1,7 +1,9 @@
 """What every ``python -m experiments.NAME`` module shares: one small set of helpers, not copies of each other.
 
 CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``--bootstrap``, ``--no-progress``,
-                 ``--debug``; usage errors are one line), ``run_main`` (a user error is one ``error: ...`` line and
+                 ``--debug``; usage errors are one line), ``add_model_flags`` / ``add_olmo_flags`` / ``one_step`` (the
+                 one flag vocabulary: ``--testbed``, ``--member``, ``--steps``, the OLMo order flags; old spellings
+                 refused, ``RENAMED_FLAGS``), ``run_main`` (a user error is one ``error: ...`` line and
                  exit 2; Ctrl-C 130), ``ExperimentError`` (bad input, one line), ``default_out``,
                  ``check_paths`` / ``check_model_dir`` (every path option before any work), ``check_suite_steps``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
@@ -9,6 +11,8 @@ Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one tes
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
                  ``check_checkpoints`` (every real checkpoint opened before any work; digests for the manifest;
                  identical weights refused unless ``--allow-identical-checkpoints``),
+                 ``check_testbed_checkpoints`` (the same for testbed checkpoints, and their own records),
+                 ``olmo_order_settings`` (OLMo batch size and first step against the checkpoint's trainer record),
                  ``count_params`` (parameters only, from the safetensors headers, nothing loaded).
 Splits           ``SplitSizes`` (examples per partition and class), ``draw_testbed_split``, ``draw_pythia_split``,
                  ``draw_olmo_split``: the ``mia split`` samplers (``mia.data.pythia`` / ``mia.data.olmo``) followed by
