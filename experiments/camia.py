@@ -53,8 +53,9 @@ from mia.atomic import save_npz, write_text
 from mia.attacks import camia
 from mia.report import csv_text
 
-from experiments.common import (ExperimentError, Timings, add_identical_flag, check_checkpoints, identical_note,
-                                check_model_dir, check_paths, check_suite_steps,
+from experiments.common import (DEFAULT_BOOTSTRAP, ExperimentError, Timings, add_identical_flag, add_model_flags,
+                                one_step, check_checkpoints, identical_note,
+                                check_model_dir, check_paths, check_suite_steps, check_testbed_checkpoints,
                                 check_token_ids, experiment_parser, open_members, pick_members, run_blind_baselines,
                                 run_main, say_fn, score_split, select_attacks, sha_file, without_label_conflicts,
                                 write_json, write_manifest, write_tables)
@@ -209,7 +210,7 @@ def testbed_datasets(tb, step: int, preset: Preset, seed: int, domains=None, pro
     in ``info["domains"][d]["label_conflicts_dropped"]`` (``mia.score`` refuses one input labelled both)."""
     B, E = tb.batch_size, tb.epoch_steps
     if not 0 < step <= tb.train_steps:
-        raise ExperimentError(f"--step {step}: the testbed trained steps (0, {tb.train_steps}]")
+        raise ExperimentError(f"--steps {step}: the testbed trained steps (0, {tb.train_steps}]")
     rd = row_documents(tb, progress)
     dom_of_doc = np.array([domain_of(p) for p in rd.paths])
     row_domain = dom_of_doc[rd.doc]
@@ -563,7 +564,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
         n_nonmembers: Optional[int] = None, draws: Optional[int] = None, memorize_epochs: int = 0,
         mimir=None, model_dir=None, ref_model=None, mlm=None, split: str = "ngram_7_0.2",
         table2_domains=None, max_per_class: Optional[int] = None, blind: bool = True, seed: int = 0,
-        bootstrap: int = 200, progress: bool = True, allow_identical_checkpoints: bool = False, argv=None) -> dict:
+        bootstrap: int = DEFAULT_BOOTSTRAP, progress: bool = True, allow_identical_checkpoints: bool = False,
+        argv=None) -> dict:
     """Run the experiment; returns the summary (also written to ``out/summary.json``). With ``--mimir``, ``--model``
     and ``--ref-model`` are opened and checked (``check_checkpoints``) before any file is read or hashed;
     ``allow_identical_checkpoints``: run even when the two hold identical weights (recorded)."""
@@ -607,7 +609,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite_dir
     else:
         s = _run_testbed(p, preset, out, testbeds=testbeds, suite_dir=suite_dir, step=step, domains=domains,
                          memorize_epochs=memorize_epochs, mlm=mlm, blind=blind, seed=seed, bootstrap=bootstrap,
-                         progress=progress, timings=timings)
+                         progress=progress, timings=timings, allow_identical=allow_identical_checkpoints)
     s["notes"] = notes + s["notes"]
     if mimir is not None:
         s.update(allow_identical_checkpoints=bool(allow_identical_checkpoints), identical_checkpoints=identical)
@@ -656,7 +658,7 @@ def _finish(p: Preset, out: Path, results: dict, counts: dict, t2: dict, *, sett
 
 
 def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step, domains, memorize_epochs, mlm,
-                 blind, seed, bootstrap, progress, timings) -> dict:
+                 blind, seed, bootstrap, progress, timings, allow_identical: bool = False) -> dict:
     say = say_fn(progress)
     with timings("testbed"):
         members, desc, notes = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
@@ -666,6 +668,11 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
     target = targets[0]
     tb = target.testbed
     c = tb.train_steps if step is None else int(step)
+    ref = next((m for m in members if m.n_params < target.n_params), None)
+    with timings("check"):  # every checkpoint used, opened and checked before any row is drawn
+        ckpt_records, identical = check_testbed_checkpoints(
+            [(f"{m.name}-step{c}", m.testbed, c) for m in [target] + ([ref] if ref is not None else [])],
+            allow_identical=allow_identical)
     with timings("rows"):
         datasets, pool = testbed_datasets(tb, c, p, seed, domains, progress)
     model_dir = tb.checkpoint_dir(c)
@@ -677,7 +684,6 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
         dial = {"epochs": int(memorize_epochs), "n_rows": len(rows), "path": str(model_dir)}
     model = mia.load(model_dir)
     context = min(int(model.max_length), tb.row_len)
-    ref = next((m for m in members if m.n_params < target.n_params), None)
     options = {"ref_model": mia.load(ref.testbed.checkpoint_dir(c))} if ref is not None else {}  # loaded once
     if mlm:
         options["mlm"] = str(mlm)
@@ -739,7 +745,10 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
         "order_bin_sha256": tb.manifest["data"]["bin"]["sha256"],
         "corpus_sha256": tb.manifest["corpus"]["sha256"],
         "model_sha256": sha_file(Path(model_dir) / "model.safetensors"),
+        "checkpoints": ckpt_records,
     }
+    if identical:
+        notes.append(identical_note(identical))
     paths = {"testbed": str(tb.root.resolve()), "model": str(Path(model_dir).resolve())}
     return _finish(p, out, results, counts, t2, setting=f"testbed {preset}, member {target.name}", model_desc=mdesc,
                    info=info, info_keys=["documents", "mean_share"], skipped=skipped, notes=notes, config=config,
@@ -808,16 +817,13 @@ def _run_mimir(p: Preset, out: Path, *, mimir, model_dir, ref_model, mlm, split,
 def build_parser():
     from mia import validate as V
 
-    ap = experiment_parser("python -m experiments.camia", __doc__, PRESETS, default_bootstrap=200)
+    ap = experiment_parser("python -m experiments.camia", __doc__, PRESETS)
     g = ap.add_argument_group("testbed (default)")
-    g.add_argument("--testbed", action="append", default=[], help="a testbed directory instead of the suite")
     g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
-    g.add_argument("--member", default=None,
-                   help="target suite member: middle (default), largest, smallest or a size name; the smallest is "
-                                                  "the Reference baseline's model")
-    g.add_argument("--step", type=V.arg_int(1), default=None, help="checkpoint to evaluate (default: the last)")
-    g.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
-                   help="memorization dial: train the checkpoint E more epochs on the chosen member rows")
+    add_model_flags(g, testbed="a testbed directory instead of the suite (repeat for several sharing one order)",
+                    member="target suite member: middle (default), largest, smallest or a size name; the smallest "
+                           "is the Reference baseline's model",
+                    steps="the checkpoint to evaluate, one step (default: the last)")
     g.add_argument("--n-domains", type=V.arg_int(1), default=None, help="the largest N domains (default per preset)")
     g.add_argument("--n-members", type=V.arg_int(1), default=None, help="members per domain (default per preset)")
     g.add_argument("--n-nonmembers", type=V.arg_int(1), default=None,
@@ -845,9 +851,11 @@ def _csv(v):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    step = one_step(ap, a.steps, "camia")
     status, s = run_main(lambda: run(
-        a.preset, a.out, testbeds=a.testbed, suite_dir=a.suite_dir, member=a.member, step=a.step,
+        a.preset, a.out, testbeds=a.testbed or [], suite_dir=a.suite_dir, member=a.member, step=step,
         domains=_csv(a.domains), n_domains=a.n_domains, n_members=a.n_members, n_nonmembers=a.n_nonmembers,
         draws=a.draws, memorize_epochs=a.memorize_epochs, mimir=a.mimir, model_dir=a.model, ref_model=a.ref_model,
         mlm=a.mlm, split=a.split, table2_domains=_csv(a.table2_domains), max_per_class=a.max_per_class,

@@ -1,6 +1,6 @@
 """The main job: CheckMIABench's checkpoint method (Tables 1 and 2) on the testbed.
 
-    python -m experiments.checkmia [--preset default] [--out results/<run>] [--step c] [--memorize-epochs E]
+    python -m experiments.checkmia [--preset default] [--out results/<run>] [--steps c] [--memorize-epochs E]
 
 1. Build (or reuse) the testbed of ``--preset`` (``mia.testbed``): a Pythia-architecture model trained on a
    recorded order of rows with checkpoints.
@@ -37,7 +37,9 @@ from mia.data.splits import write_split
 from mia.metrics import metric_rows, summary_row
 from mia.testbed import build_testbed
 
-from experiments.common import (BLIND_FEATURES, ExperimentError, SplitSizes, Timings, check_paths, draw_testbed_split,
+from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, ExperimentError, add_model_flags, experiment_parser,
+                                check_testbed_checkpoints, one_step, SplitSizes, Timings, check_paths,
+                                draw_testbed_split,
                                 fmt, plot_roc, run_blind_baselines, run_main, say_fn, score_split,
                                 select_attacks as _select, sha_file, versions, write_json)
 
@@ -151,7 +153,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         n_members: Optional[int] = None, n_nonmembers: Optional[int] = None, n_train: Optional[int] = None,
         n_calib: Optional[int] = None, n_prefix: Optional[int] = None, memorize_epochs: int = 0,
         attacks: Optional[str] = None, blind: bool = True, blind_features=BLIND_FEATURES, seed: int = 0,
-        bootstrap: int = 1000,
+        bootstrap: int = DEFAULT_BOOTSTRAP,
         progress: bool = True, testbed_overrides: Optional[dict] = None, argv=None) -> dict:
     """Run the whole job; returns the summary dict (also written to ``out/summary.json``)."""
     say = say_fn(progress)
@@ -177,13 +179,17 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
         raise JobError(f"checkpoint step {c} is beyond the run: the testbed trained {tb.train_steps} steps "
                        f"(checkpoints: {', '.join(map(str, tb.steps))})")
 
-    # 2. split
+    # 2. the checkpoint opened and checked before any split work (check_testbed_checkpoints)
+    with timings("check"):
+        ckpt_records, _ = check_testbed_checkpoints([(f"step{c}", tb, c)])
+
+    # 3. split
     with timings("split"):
         header, examples, _ = draw_testbed_split(tb, c, sizes, seed)
         split_path = write_split(out / "split.jsonl", header, examples)
     say(f"split: {header['counts']['members']} members, {header['counts']['nonmembers']} non-members -> {split_path}")
 
-    # 3. model (clean checkpoint, or the memorization dial on the split's members)
+    # 4. model (clean checkpoint, or the memorization dial on the split's members)
     clean_dir = tb.checkpoint_dir(c)
     model_dir, mem_info = clean_dir, None
     if memorize_epochs and memorize_epochs > 0:
@@ -195,7 +201,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     model = mia.load(model_dir)
     cache_dir = str(tb.root / "cache")
 
-    # 4. attacks
+    # 5. attacks
     with timings("attacks"):
         to_run, skipped = select_attacks(attacks, preset)
         res = score_split(model, examples, to_run, seed=seed, progress=progress, cache_dir=cache_dir)
@@ -263,7 +269,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
                    "tokenizer_sha256": tb.manifest["tokenizer"]["sha256"],
                    "order_bin_sha256": tb.manifest["data"]["bin"]["sha256"],
                    "order_perm_sha256": tb.manifest["data"]["perm_sha256"],
-                   "checkpoint_sha256": sha_file(clean_dir / "model.safetensors"),
+                   "checkpoint_sha256": sha_file(clean_dir / "model.safetensors"), "checkpoints": ckpt_records,
                    "evaluated_model_sha256": sha_file(Path(model_dir) / "model.safetensors"),
                    "split_sha256": sha_file(split_path), "testbed_config_hash": tb.config.config_hash},
         "paths": {"testbed": str(tb.root.resolve()), "checkpoint": str(Path(model_dir).resolve()),
@@ -280,14 +286,14 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
 
 def build_parser() -> argparse.ArgumentParser:
     from mia import validate as V
+    from mia.testbed.config import PRESETS
 
-    p = V.OneLineParser(prog="python -m experiments.checkmia", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="default", help="testbed preset: smoke, default, large (default: default)")
-    p.add_argument("--testbed", default=None, help="testbed directory (default: testbeds/<preset>, or "
-                                                   "testbeds/<preset>-<hash> with overrides; built if missing)")
-    p.add_argument("--out", default=None, help="results directory (default: results/checkmia-<preset>-<time>)")
-    p.add_argument("--step", type=V.arg_int(0), default=None, help="checkpoint c to evaluate (default: the last)")
+    p = experiment_parser("python -m experiments.checkmia", __doc__, sorted(PRESETS), preset_help=(
+        "testbed preset: smoke, default, large (default: default)"))
+    add_model_flags(p, which=("testbed", "steps", "memorize"),
+                    testbed="testbed directory (default: testbeds/<preset>, or testbeds/<preset>-<hash> with "
+                            "overrides; built if missing)",
+                    steps="the checkpoint c to evaluate, one step (default: the last)")
     p.add_argument("--n-members", type=V.arg_int(1), default=None,
                    help="members in the eval partition (default per preset)")
     p.add_argument("--n-nonmembers", type=V.arg_int(1), default=None,
@@ -296,9 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per class, partition train (blind classifiers, camia_lr)")
     p.add_argument("--n-calib", type=V.arg_int(0), default=None, help="non-members in partition calib (CAMIA)")
     p.add_argument("--n-prefix", type=V.arg_int(0), default=None, help="non-members in partition prefix (ReCaLL)")
-    p.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
-                   help="memorization dial: train checkpoint c E more epochs on the split's members only and evaluate "
-                        "that")
     p.add_argument("--attacks", default=None, help="'all', or NAME[:k=v,...] list (default: every registered attack "
                                                    "except ref/mlm ones, the O(N^2) em_mia, recall_avg, and with "
                                                    "--preset default the slow camia, camia_lr, samia, samia_zlib)")
@@ -307,14 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="corpus for a new testbed: directory or .jsonl/.parquet (default: stdlib)")
     p.add_argument("--train-steps", type=V.arg_int(1), default=None, help="testbed override: steps to train")
     p.add_argument("--batch-size", type=V.arg_int(1), default=None, help="testbed override: rows per step")
-    p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0, help="split, partition and bootstrap seed")
-    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000, help="bootstrap resamples for the AUC SE")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--debug", action="store_true", help="show full tracebacks")
-    from mia.commands import add_compile_cache_flag
-
-    add_compile_cache_flag(p)
     return p
+
+
+def one_testbed(parser, testbeds) -> Optional[str]:
+    """checkmia's single testbed directory (``--testbed`` given at most once)."""
+    if testbeds and len(testbeds) > 1:
+        parser.error(f"--testbed given {len(testbeds)} times: checkmia evaluates one testbed (built there if "
+                     "missing); give it once")
+    return testbeds[0] if testbeds else None
 
 
 def check_args(args) -> bool:
@@ -333,7 +337,10 @@ def check_args(args) -> bool:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    args.testbed = one_testbed(ap, args.testbed)
+    step = one_step(ap, args.steps, "checkmia")
     overrides = {k: v for k, v in (("corpus", args.corpus), ("train_steps", args.train_steps),
                                    ("batch_size", args.batch_size)) if v is not None}
     status, s = run_main(
@@ -343,7 +350,7 @@ def main(argv=None) -> int:
                 args.preset,
                 args.out,
                 testbed_dir=args.testbed,
-                step=args.step,
+                step=step,
                 n_members=args.n_members,
                 n_nonmembers=args.n_nonmembers,
                 n_train=args.n_train,

@@ -42,10 +42,11 @@ from mia.atomic import write_text
 from mia.data.splits import write_split
 from mia.file_hash import default_cache_dir
 from mia.metrics import metric_rows
-from mia.validate import arg_int_list
 
 from experiments import curves
-from experiments.common import (BLIND_FEATURES, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes, Timings,
+from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes,
+                                Timings, add_model_flags, check_testbed_checkpoints, add_olmo_flags,
+                                olmo_order_settings, pick_members,
                                 argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
                                 draw_olmo_split, draw_pythia_split, draw_testbed_split, drop_label_conflicts,
                                 drop_learned_duplicates, experiment_parser, add_identical_flag, check_checkpoints,
@@ -176,7 +177,6 @@ class Preset:
     attacks: tuple
     blind_every: tuple
     blind_last: tuple
-    bootstrap: int
     attacks_last: tuple = ()
     steps: object = "all"
     bins: int = 8
@@ -189,16 +189,16 @@ PRESETS = {
     # the tests' run: < 1 minute on 2 cores with the smoke suite built; stats-based attacks and the paper's ReCaLL
     "smoke": Preset("smoke", SplitSizes(60, 60, 0, 12), ("loss", "mink:k=0.1", "minkpp:k=0.1", PAPER_ZLIB,
                                                         "recall:variant=checkmia"),
-                    (), ("bow",), 200, attacks_last=("zlib",),
+                    (), ("bow",), attacks_last=("zlib",),
                     note="smoke preset, for time: no MoPe (10 extra passes per model); blind baselines (BoW) and the "
                          "LL/zlib ratio at the last checkpoint only"),
     # 2 CPU cores: the paper's attacks (and the LL/zlib ratio) on every size x checkpoint of the default suite
     "default": Preset("default", SplitSizes(500, 500, 0, 12), (*PAPER_ATTACKS.values(), "zlib"),
-                      ("bow", "tfidf", "w2v"), ("bert",), 1000,
+                      ("bow", "tfidf", "w2v"), ("bert",),
                       note="default preset, for time on 2 CPU cores: BERT blind features at the last checkpoint only"),
     # the paper's settings: 4,000 + 4,000 blind training and 1,000 + 1,000 evaluated where the data allow
     "paper": Preset("default", SplitSizes(1000, 4000, 0, 12), tuple(PAPER_ATTACKS.values()), BLIND_FEATURES, (),
-                    1000, allow_fewer=True, gap=PAPER_SPLIT["gap"]),
+                    allow_fewer=True, gap=PAPER_SPLIT["gap"]),
 }
 
 
@@ -236,19 +236,16 @@ def _saved_steps(tb) -> list:
 
 
 def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[str] = None, suite_dir=None,
-                  sizes: Sequence[str] = (), steps=None, split_sizes: SplitSizes, seed: int, progress: bool,
-                  allow_fewer: bool = False) -> Setup:
-    """The testbed suite ``suite`` (or the testbeds given, which must share one data order) as a Setup."""
+                  member: Optional[str] = None, steps=None, split_sizes: SplitSizes, seed: int, progress: bool,
+                  allow_fewer: bool = False, allow_identical: bool = False) -> Setup:
+    """The testbed suite ``suite`` (or the testbeds given, which must share one data order) as a Setup. Every
+    checkpoint is opened and checked (``check_testbed_checkpoints``) before any split is drawn."""
     members, desc, notes = open_members(suite or preset.suite, testbeds=testbeds, suite_dir=suite_dir,
                                         progress=progress)
     names = [m.name for m in members]
     if len(set(names)) != len(names):
         raise ExperimentError(f"two suite members have the same size name ({', '.join(names)})")
-    if sizes:
-        bad = [s for s in sizes if s not in names]
-        if bad:
-            raise ExperimentError(f"--sizes: no member {', '.join(bad)}; members: {', '.join(names)}")
-        members = [m for m in members if m.name in sizes]
+    members = pick_members(members, member or "all")
     first = members[0].testbed
     common = sorted(set.intersection(*(set(_saved_steps(m.testbed)) for m in members)))
     chosen = _pick_steps(steps if steps is not None else preset.steps, common, "the suite")
@@ -259,7 +256,9 @@ def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[st
                                   f"{m.testbed.train_steps} steps (checkpoints: {', '.join(map(str, common))})")
     targets = [Target(m.name, m.n_params, c, m.testbed.checkpoint_dir(c), str(m.testbed.root / "cache"), m.testbed)
                for c in chosen for m in members]
-    hashes = {"order_bin_sha256": first.manifest["data"]["bin"]["sha256"],
+    records, identical = check_testbed_checkpoints([(f"{t.model}-step{t.step}", t.testbed, t.step) for t in targets],
+                                                   allow_identical=allow_identical)
+    hashes = {"checkpoints": records,"order_bin_sha256": first.manifest["data"]["bin"]["sha256"],
               "corpus_sha256": first.manifest["corpus"]["sha256"],
               "tokenizer_sha256": first.manifest["tokenizer"]["sha256"],
               "testbed_config_hashes": {m.name: m.testbed.config.config_hash for m in members}}
@@ -267,7 +266,7 @@ def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[st
     return Setup("testbed", f"{desc}: {sizes_txt}; batch {first.batch_size} rows of {first.row_len} tokens, first "
                             f"epoch = steps [0, {first.epoch_steps})",
                  targets, chosen, lambda c: draw_testbed_split(first, c, split_sizes, seed, allow_fewer=allow_fewer),
-                 "the testbed's data/order.bin", hashes, notes=notes)
+                 "the testbed's data/order.bin", hashes, notes=notes, identical=identical)
 
 
 def _pick_steps(spec, available: Sequence[int], where: str) -> list:
@@ -285,7 +284,7 @@ def _pick_steps(spec, available: Sequence[int], where: str) -> list:
     return chosen
 
 
-def pythia_setup(root, data: Sequence, idx, *, sizes: Sequence[str], steps: Sequence[int], split_sizes: SplitSizes,
+def pythia_setup(root, data: Sequence, idx, *, member: Optional[str], steps: Sequence[int], split_sizes: SplitSizes,
                  seed: int, gap: int, end_step: int, batch_size: int, allow_fewer: bool,
                  allow_identical: bool = False) -> Setup:
     """Real Pythia: ``root/pythia-SIZE-deduped/stepN`` and the deduplicated Pile order (``--data``/``--idx``).
@@ -293,7 +292,7 @@ def pythia_setup(root, data: Sequence, idx, *, sizes: Sequence[str], steps: Sequ
     from mia.models import load_config
 
     require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
-    chosen = select_pythia(root, sizes or None, steps)
+    chosen = select_pythia(root, member, steps)
     records, identical = check_checkpoints({f"{size}-step{s}": path for size, by_step in chosen.items()
                                             for s, path in by_step.items()}, allow_identical=allow_identical)
     targets = [Target(size, count_params(path), c, path, None) for c in steps for size, by_step in chosen.items()
@@ -315,13 +314,15 @@ def pythia_setup(root, data: Sequence, idx, *, sizes: Sequence[str], steps: Sequ
 
 
 def olmo_setup(root, global_indices, data_paths, *, steps: Sequence[int], split_sizes: SplitSizes, seed: int,
-               gap: int, end_step: Optional[int], batch_size: int, seq_len: int, allow_fewer: bool,
-               allow_identical: bool = False) -> Setup:
+               gap: int, end_step: Optional[int], batch_size: Optional[int], seq_len: Optional[int],
+               allow_fewer: bool, allow_identical: bool = False) -> Setup:
     """Real OLMo: a checkpoint directory (or ``root/stepN[-tokens...]``) with ``global_indices`` + data paths. Every
-    checkpoint is opened and checked (``check_checkpoints``) before anything else is read."""
+    checkpoint is opened and checked (``check_checkpoints``) before anything else is read, and the batch size,
+    instance length and first-step position against what the checkpoints state (``olmo_order_settings``)."""
     require_order("--olmo", {"--global-indices": global_indices, "--data-paths": data_paths})
     paths = {c: olmo_checkpoint(root, c) for c in sorted(steps)}
     records, identical = check_checkpoints({f"step{c}": p for c, p in paths.items()}, allow_identical=allow_identical)
+    batch_size, seq_len, order_record, order_note = olmo_order_settings(paths, batch_size, seq_len)
     targets = []
     for c, path in paths.items():
         n = count_params(path)
@@ -339,7 +340,8 @@ def olmo_setup(root, global_indices, data_paths, *, steps: Sequence[int], split_
     return Setup("olmo", f"OLMo {targets[0].model} from {root}; order {Path(global_indices).name} + "
                          f"{Path(data_paths).name}, batch {batch_size}, non-members from step + {gap}",
                  targets, sorted(steps), draw, f"--global-indices/--data-paths ({Path(global_indices).name})",
-                 {"checkpoints": records}, end_step, identical=identical)
+                 {"checkpoints": records, "olmo_order": order_record}, end_step,
+                 notes=[order_note] if order_note else [], identical=identical)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -363,12 +365,12 @@ def _is_model_free(name: str) -> bool:
 
 def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Optional[str] = None, suite_dir=None,
         pythia=None, olmo=None, data: Sequence = (), idx=None, global_indices=None, data_paths=None,
-        sizes: Sequence[str] = (), steps: Optional[Sequence[int]] = None, attacks=None, blind: bool = True,
+        member: Optional[str] = None, steps: Optional[Sequence[int]] = None, attacks=None, blind: bool = True,
         blind_features: Optional[Sequence[str]] = None, n_members: Optional[int] = None,
         n_train: Optional[int] = None, n_prefix: Optional[int] = None, n_calib: Optional[int] = None,
         gap: Optional[int] = None, end_step: Optional[int] = None, batch_size: Optional[int] = None,
-        seq_len: int = 2048, bins: Optional[int] = None, memorize_epochs: int = 0, seed: int = 0,
-        bootstrap: Optional[int] = None, delta: Optional[float] = None, progress: bool = True,
+        seq_len: Optional[int] = None, bins: Optional[int] = None, memorize_epochs: int = 0, seed: int = 0,
+        bootstrap: int = DEFAULT_BOOTSTRAP, delta: Optional[float] = None, progress: bool = True,
         allow_identical_checkpoints: bool = False, argv=None) -> dict:
     """Run CheckMIABench; returns the summary dict (also ``out/summary.json``). ``delta``: the attack table gets
     ``eps_lower``, the DP epsilon each attack rules out at that delta with 95% confidence (docs/auditing.md).
@@ -385,7 +387,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
     timings = Timings()
     t_start = time.perf_counter()
     split_sizes = p.sizes.replace(eval=n_members, train=n_train, prefix=n_prefix, calib=n_calib)
-    bootstrap = p.bootstrap if bootstrap is None else int(bootstrap)
+    bootstrap = int(bootstrap)
     bins = p.bins if bins is None else int(bins)
     gap = p.gap if gap is None else int(gap)
     every, last = (tuple(blind_features), ()) if blind_features is not None else (p.blind_every, p.blind_last)
@@ -407,7 +409,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
 
     with timings("setup"):
         if pythia:
-            setup = pythia_setup(pythia, list(data or ()), idx, sizes=sizes, steps=list(steps or [97_000]),
+            setup = pythia_setup(pythia, list(data or ()), idx, member=member, steps=list(steps or [97_000]),
                                  split_sizes=split_sizes, seed=seed, gap=gap,
                                  end_step=98_500 if end_step is None else end_step,
                                  batch_size=batch_size or 1024, allow_fewer=p.allow_fewer,
@@ -415,11 +417,12 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         elif olmo:
             setup = olmo_setup(olmo, global_indices, data_paths, steps=list(steps or [400_000]),
                                split_sizes=split_sizes, seed=seed, gap=gap, end_step=end_step,
-                               batch_size=batch_size or 2160, seq_len=seq_len, allow_fewer=p.allow_fewer,
+                               batch_size=batch_size, seq_len=seq_len, allow_fewer=p.allow_fewer,
                                allow_identical=allow_identical_checkpoints)
         else:
-            setup = testbed_setup(p, testbeds=testbeds, suite=suite, suite_dir=suite_dir, sizes=sizes, steps=steps,
-                                  split_sizes=split_sizes, seed=seed, progress=progress, allow_fewer=p.allow_fewer)
+            setup = testbed_setup(p, testbeds=testbeds, suite=suite, suite_dir=suite_dir, member=member, steps=steps,
+                                  split_sizes=split_sizes, seed=seed, progress=progress, allow_fewer=p.allow_fewer,
+                                  allow_identical=allow_identical_checkpoints)
     out.mkdir(parents=True, exist_ok=True)
     say(setup.description)
 
@@ -629,35 +632,27 @@ def _csv(text: Optional[str]) -> list:
 def build_parser():
     from mia import validate as V
 
-    p = experiment_parser(f"python -m {MODULE}", __doc__, PRESETS, default_bootstrap=None)
+    p = experiment_parser(f"python -m {MODULE}", __doc__, PRESETS)
     p.add_argument("--paper", action="store_true", help="the paper's settings (= --preset paper)")
-    g = p.add_argument_group("testbed suite (default)")
+    g = p.add_argument_group("models and checkpoints")
     g.add_argument("--suite", default=None, help="suite name (default: the preset's: smoke for smoke, else default)")
     g.add_argument("--suite-dir", default=None, help="suite directory (built there if missing)")
-    g.add_argument("--testbed", default=None, help="testbed directories sharing one data order, comma-separated "
-                                                   "(instead of the suite)")
-    g.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
-                   help="memorization dial: train each evaluated checkpoint E more epochs on its split's members only")
+    add_model_flags(g, member="model sizes to evaluate: all (default), largest, middle, smallest or size names "
+                              "(comma list; suite member names, or Pythia sizes 70m,160m,...)",
+                    steps="checkpoints, comma list (default: every saved one for the suite; 97000 Pythia; "
+                          "400000 OLMo)")
     r = p.add_argument_group("real checkpoints")
     r.add_argument("--pythia", default=None, help="directory of pythia-SIZE-deduped/stepN/ HF checkpoints")
     r.add_argument("--data", nargs="+", default=None,
                    help="Pythia: the .bin shard(s) of the deduplicated Pile, in order")
     r.add_argument("--idx", default=None, help="Pythia: the document.idx of those shards")
-    r.add_argument("--olmo", default=None, help="OLMo checkpoint directory (or a directory of stepN[-tokens...]/)")
-    r.add_argument("--global-indices", default=None, help="OLMo: global_indices.npy (raw uint32)")
-    r.add_argument("--data-paths", default=None, help="OLMo: text file listing the token files in order")
+    add_olmo_flags(r)
     r.add_argument("--gap", type=V.arg_int(0), default=None,
                    help="steps left out on each side of the checkpoint (default 0, as in the paper; the paper's "
                         "numbers are shown beside ours only with gap 0)")
     r.add_argument("--end-step", type=V.arg_int(1), default=None, help="non-members up to this step (Pythia: 98500)")
-    r.add_argument("--batch-size", type=V.arg_int(1), default=None, help="rows per step (Pythia 1024, OLMo 2160)")
-    r.add_argument("--seq-len", type=V.arg_int(2), default=2048, help="OLMo instance length (2048)")
     add_identical_flag(r)
     s = p.add_argument_group("what to run")
-    s.add_argument("--sizes", default=None, help="model sizes to evaluate, comma-separated (default: all)")
-    s.add_argument("--steps", type=arg_int_list(1), default=None,
-                   help="checkpoints, comma-separated (default: every saved one for the "
-                                                 "suite; 97000 Pythia; 400000 OLMo)")
     s.add_argument("--attacks", default=None, help="attack list NAME[:k=v,...] (default: the preset's)")
     s.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
     s.add_argument("--delta", type=V.arg_float(0, 1, hi_open=True), default=None,
@@ -679,9 +674,9 @@ def main(argv=None) -> int:
     preset = "paper" if args.paper else args.preset
     steps = args.steps
     status, s = run_main(
-        lambda: run(preset, args.out, testbeds=_csv(args.testbed), suite=args.suite, suite_dir=args.suite_dir,
+        lambda: run(preset, args.out, testbeds=args.testbed or [], suite=args.suite, suite_dir=args.suite_dir,
                     pythia=args.pythia, olmo=args.olmo, data=args.data, idx=args.idx,
-                    global_indices=args.global_indices, data_paths=args.data_paths, sizes=_csv(args.sizes),
+                    global_indices=args.global_indices, data_paths=args.data_paths, member=args.member,
                     steps=steps, attacks=args.attacks, blind=not args.no_blind,
                     blind_features=_csv(args.blind_features) or None, n_members=args.n_members,
                     n_train=args.n_train, n_prefix=args.n_prefix, n_calib=args.n_calib, gap=args.gap,

@@ -1,7 +1,9 @@
 """What every ``python -m experiments.NAME`` module shares: one small set of helpers, not copies of each other.
 
 CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``--bootstrap``, ``--no-progress``,
-                 ``--debug``; usage errors are one line), ``run_main`` (a user error is one ``error: ...`` line and
+                 ``--debug``; usage errors are one line), ``add_model_flags`` / ``add_olmo_flags`` / ``one_step`` (the
+                 one flag vocabulary: ``--testbed``, ``--member``, ``--steps``, the OLMo order flags; old spellings
+                 refused, ``RENAMED_FLAGS``), ``run_main`` (a user error is one ``error: ...`` line and
                  exit 2; Ctrl-C 130), ``ExperimentError`` (bad input, one line), ``default_out``,
                  ``check_paths`` / ``check_model_dir`` (every path option before any work), ``check_suite_steps``.
 Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one testbed as a suite of one),
@@ -9,6 +11,8 @@ Models           ``open_testbed``, ``open_suite`` (the testbed suite, or one tes
                  ``pythia_checkpoints`` / ``pythia_checkpoint`` (``pythia-SIZE-deduped/stepN``), ``olmo_checkpoint``,
                  ``check_checkpoints`` (every real checkpoint opened before any work; digests for the manifest;
                  identical weights refused unless ``--allow-identical-checkpoints``),
+                 ``check_testbed_checkpoints`` (the same for testbed checkpoints, and their own records),
+                 ``olmo_order_settings`` (OLMo batch size and first step against the checkpoint's trainer record),
                  ``count_params`` (parameters only, from the safetensors headers, nothing loaded).
 Splits           ``SplitSizes`` (examples per partition and class), ``draw_testbed_split``, ``draw_pythia_split``,
                  ``draw_olmo_split``: the ``mia split`` samplers (``mia.data.pythia`` / ``mia.data.olmo``) followed by
@@ -59,6 +63,7 @@ from mia.commands import add_compile_cache_flag, run_for_user
 from mia.data import olmo, pythia
 from mia.data.splits import assign_partitions, partition_counts, read_split
 from mia.file_hash import sha256_of_file
+from mia.metrics import N_RESAMPLES
 from mia.report import json_safe, write_json
 from mia.testbed import build_testbed
 from mia.testbed.build import open_testbed as open_built_testbed
@@ -72,29 +77,123 @@ class ExperimentError(ValueError):
 
 
 # ============================================================================================ CLI conventions
+# The one flag vocabulary of the experiments: every flag two experiments share is defined here, once (its name,
+# type, default and meaning), and an old spelling is refused naming the new one. tests/test_flags.py parses every
+# experiment's parser and checks that the shared flags agree.
+DEFAULT_BOOTSTRAP = N_RESAMPLES  # mia.metrics' documented default: 1,000 resamples
+SEED_TYPE = V.arg_int(0, V.INT32_MAX)
+BOOTSTRAP_TYPE = V.arg_int(0)
+STEPS_TYPE = V.arg_int_list(1)
+MEMORIZE_TYPE = V.arg_int(0)
+ROWS_TYPE = V.arg_int(1)
+SEQ_LEN_TYPE = V.arg_int(2)
+RENAMED_FLAGS = {"--sizes": "--member", "--step": "--steps"}  # old spelling -> the flag it became
+
+
+def testbed_dir(value: str) -> str:
+    """argparse ``type=`` of ``--testbed``: one directory per flag (repeat the flag for several). A comma in a path
+    that does not exist is the old comma-list spelling, refused with the new one."""
+    if "," in value and not Path(value).exists():
+        raise argparse.ArgumentTypeError(f"{value!r}: one directory per --testbed; repeat the flag for several "
+                                         f"(--testbed {' --testbed '.join(v.strip() for v in value.split(','))})")
+    return value
+
+
+testbed_dir.__name__ = "testbed directory"
+
+
+class _Renamed(argparse.Action):
+    """An old flag spelling: refused with one line naming the flag it became (never silently accepted: argparse would
+    otherwise take ``--step`` as an abbreviation of ``--steps``)."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kw):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was renamed {self.new}")
+
+
+def _add_renamed(parser, new: str) -> None:
+    for old, to in RENAMED_FLAGS.items():
+        if to == new:
+            parser.add_argument(old, action=_Renamed, new=new, dest=f"_renamed_{old.strip('-')}", default=None)
+
+
 def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_preset: str = "default",
-                      default_bootstrap: Optional[int] = 1000) -> argparse.ArgumentParser:
+                      preset_help: Optional[str] = None) -> argparse.ArgumentParser:
     """An ``argparse`` parser with the flags every experiment has.
 
     ``--preset`` (one of ``presets``), ``--out DIR``, ``--seed`` (splits, partitions, bootstrap, classifiers),
-    ``--bootstrap`` (resamples for AUC SEs; ``default_bootstrap=None`` leaves it to the preset), ``--no-progress``,
-    ``--debug`` (tracebacks instead of one line).
+    ``--bootstrap`` (resamples for AUC SEs, ``DEFAULT_BOOTSTRAP`` in every experiment), ``--no-progress``,
+    ``--debug`` (tracebacks instead of one line), ``--no-compile-cache``.
     """
     p = V.OneLineParser(prog=prog, description=doc.strip().split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     presets = list(presets)
     p.add_argument("--preset", default=default_preset, choices=presets,
-                   help=f"settings preset: {', '.join(presets)} (default: {default_preset})")
+                   help=preset_help or f"settings preset: {', '.join(presets)} (default: {default_preset})")
     p.add_argument("--out", default=None, help="results directory (default: results/<module>-<preset>)")
-    p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0,
+    p.add_argument("--seed", type=SEED_TYPE, default=0,
                    help="split, partition, classifier and bootstrap seed (default 0)")
-    p.add_argument("--bootstrap", type=V.arg_int(0), default=default_bootstrap,
-                   help="bootstrap resamples for standard errors (default: "
-                        + (f"{default_bootstrap})" if default_bootstrap is not None else "the preset's)"))
+    p.add_argument("--bootstrap", type=BOOTSTRAP_TYPE, default=DEFAULT_BOOTSTRAP,
+                   help=f"bootstrap resamples for standard errors and intervals (default {DEFAULT_BOOTSTRAP}; 0: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show full tracebacks")
     add_compile_cache_flag(p)
     return p
+
+
+MODEL_FLAGS = ("testbed", "member", "steps", "memorize")
+
+
+def add_model_flags(parser, *, testbed: str = "testbed directories sharing one data order, instead of the suite",
+                    member: str = "suite member(s): largest, middle, smallest, all or size names (comma list)",
+                    steps: str = "checkpoint step(s), comma list (default: the experiment's)",
+                    which: Sequence[str] = MODEL_FLAGS) -> None:
+    """The flags that pick the models of an experiment, the same in every one (``which`` of them): ``--testbed DIR``
+    (repeatable, one directory each; default None: the suite), ``--member`` (which suite member(s); default None:
+    the experiment's own choice), ``--steps`` (comma list of checkpoint steps; default None: the experiment's),
+    ``--memorize-epochs`` (0). Only the help text may differ per experiment; the old spellings ``--sizes`` and
+    ``--step`` are refused naming the new ones."""
+    if "testbed" in which:
+        parser.add_argument("--testbed", action="append", type=testbed_dir, default=None, metavar="DIR",
+                            help=testbed)
+    if "member" in which:
+        parser.add_argument("--member", default=None, help=member)
+        _add_renamed(parser, "--member")
+    if "steps" in which:
+        parser.add_argument("--steps", type=STEPS_TYPE, default=None, help=steps)
+        _add_renamed(parser, "--steps")
+    if "memorize" in which:
+        parser.add_argument("--memorize-epochs", type=MEMORIZE_TYPE, default=0,
+                            help="memorization dial: train each evaluated checkpoint E more epochs on its members only")
+
+
+def add_olmo_flags(parser, *, olmo: str = "OLMo checkpoint directory (or a directory of stepN[-tokens...]/ ones)"
+                   ) -> None:
+    """The OLMo data-order flags, the same wherever an experiment reads OLMo's order: ``--olmo DIR``,
+    ``--global-indices F`` (raw uint32), ``--data-paths F`` (the ordered token files), ``--batch-size`` (instances
+    per step; default None: the checkpoint's ``config.yaml`` when it has one, else 2160, said in a note:
+    ``olmo_order_settings``), ``--seq-len`` (tokens per instance; default None: likewise, else 2048)."""
+    parser.add_argument("--olmo", default=None, help=olmo)
+    parser.add_argument("--global-indices", default=None, help="OLMo: epoch-1 global_indices.npy (raw uint32)")
+    parser.add_argument("--data-paths", default=None, help="OLMo: text file listing the token files in order")
+    parser.add_argument("--batch-size", type=ROWS_TYPE, default=None,
+                        help="rows (instances) per step (default: the checkpoint's config.yaml, else Pythia 1024, "
+                             "OLMo 2160)")
+    parser.add_argument("--seq-len", type=SEQ_LEN_TYPE, default=None,
+                        help="OLMo instance length (default: the checkpoint's config.yaml, else 2048)")
+
+
+def one_step(parser, steps, what: str) -> Optional[int]:
+    """The single checkpoint of an experiment that evaluates one (``--steps`` with one value), or None; more than
+    one is a one-line usage error."""
+    if steps is None:
+        return None
+    if len(steps) != 1:
+        parser.error(f"--steps {','.join(map(str, steps))}: {what} evaluates one checkpoint; give one step")
+    return int(steps[0])
 
 
 def check_paths(*, out=None, files: Sequence = (), dirs: Sequence = (), model_dirs: Sequence = (),
@@ -125,7 +224,7 @@ def check_paths(*, out=None, files: Sequence = (), dirs: Sequence = (), model_di
         V.output_dir(out, "--out", error=ExperimentError)
 
 
-def check_suite_steps(suite: str, steps, flag: str = "--step") -> None:
+def check_suite_steps(suite: str, steps, flag: str = "--steps") -> None:
     """Checkpoint steps the testbed suite ``suite`` cannot have, refused from its configs before it is built or
     opened: every step must be in (0, train_steps] (a step between saved checkpoints is trained to on demand)."""
     if suite not in SUITES or steps is None:
@@ -353,22 +452,26 @@ def pythia_checkpoint(root, size: str, step: int) -> Path:
     raise ExperimentError(f"--pythia {root}: no checkpoint pythia-{size}-deduped/step{step} (found: {_listing(found)})")
 
 
-def select_pythia(root, sizes: Optional[Sequence[str]], steps: Sequence[int]) -> dict:
-    """``{size: {step: path}}`` for the asked sizes (default: every size with all ``steps``); one error line naming
-    what is missing and what is there."""
+def select_pythia(root, member: Optional[str], steps: Sequence[int]) -> dict:
+    """``{size: {step: path}}`` for ``--member``: Pythia size names (comma list), or ``all`` (the default, None),
+    ``largest``, ``middle``, ``smallest`` among the sizes that have every one of ``steps``; one error line naming what
+    is missing and what is there."""
     found = pythia_checkpoints(root)
     if not found:
         raise ExperimentError(f"--pythia {root}: no pythia-SIZE-deduped/stepN/ checkpoints (with config.json) found")
-    if sizes:
-        bad = [s for s in sizes if s not in PYTHIA_SIZES]
-        if bad:
-            raise ExperimentError(f"--sizes: unknown Pythia size(s) {', '.join(bad)}; sizes: {', '.join(PYTHIA_SIZES)}")
-        chosen = list(sizes)
-    else:
-        chosen = [s for s, st in found.items() if all(int(x) in st for x in steps)]
-        if not chosen:
+    which = (member or "all").strip()
+    if which in ("all", "largest", "middle", "smallest"):
+        complete = [s for s, st in found.items() if all(int(x) in st for x in steps)]
+        if not complete:
             raise ExperimentError(f"--pythia {root}: no size has a checkpoint at step {', '.join(map(str, steps))} "
                                   f"(found: {_listing(found)})")
+        chosen = pick_members(complete, which)
+    else:
+        chosen = [w.strip() for w in which.split(",") if w.strip()]
+        bad = [s for s in chosen if s not in PYTHIA_SIZES]
+        if bad or not chosen:
+            raise ExperimentError(f"--member {which}: unknown Pythia size(s) {', '.join(bad)}; sizes: "
+                                  f"{', '.join(PYTHIA_SIZES)} (or all, largest, middle, smallest)")
     return {s: {int(x): pythia_checkpoint(root, s, x) for x in steps} for s in sorted(chosen, key=_size_key)}
 
 
@@ -402,6 +505,62 @@ def check_checkpoints(checkpoints: Mapping[str, Path], *, allow_identical: bool 
         raise ExperimentError(f"checkpoints {a} and {b} hold identical weights (sampled digest {digest}): one would "
                               f"be scored as the other's step; {IDENTICAL_FLAG} overrides")
     return {label: r.to_json() for label, r in found.items()}, pairs
+
+
+def testbed_checkpoint_problem(tb, step: int, path: Path) -> Optional[str]:
+    """None when testbed ``tb``'s checkpoint ``step`` at ``path`` is what the testbed says it is, else one line naming
+    the file: config.json against the model config the testbed's own settings give (``mia.testbed.build.model_config``:
+    sizes, heads, context, vocabulary, rotary fraction; a field ``check_checkpoint``'s shape check cannot see, such as
+    the context), and model.safetensors against the sha256 its testbed.json records (checkpoints the build saved; a
+    step trained on demand has no record). ``check_checkpoint`` (run by ``check_testbed_checkpoints`` first) covers
+    the rest: a missing or truncated weight file, a wrong tensor name, shape or dtype."""
+    import dataclasses as dc
+
+    from mia.file_hash import file_sha256
+    from mia.models import load_config
+    from mia.testbed.build import model_config
+
+    vocab = tb.manifest.get("tokenizer", {}).get("vocab_size")
+    if vocab is not None:
+        want = model_config(tb.config, int(vocab))
+        got = load_config(path)[1]
+        for f in dc.fields(want):
+            a, b = getattr(got, f.name, None), getattr(want, f.name)
+            if a != b:
+                return (f"{Path(path) / 'config.json'}: {f.name} is {a!r}, but the testbed at {tb.root} was built with "
+                        f"{b!r}: the checkpoint is not this testbed's")
+    rec = (tb.manifest.get("checkpoints") or {}).get(str(int(step)))
+    weights = Path(path) / "model.safetensors"
+    if rec and rec.get("sha256") and weights.is_file():
+        got = file_sha256(weights)
+        if got != rec["sha256"]:
+            return (f"{weights}: damaged: sha256 {got[:12]}, {tb.root / 'testbed.json'} records {rec['sha256'][:12]}; "
+                    "delete the testbed and build it again")
+    return None
+
+
+def check_testbed_checkpoints(models: Sequence[tuple], *, allow_identical: bool = False) -> tuple:
+    """``(records, identical)`` as ``check_checkpoints`` gives them, for testbed checkpoints ``[(label, testbed,
+    step)]``: every one opened before any split is drawn, through the same ``check_checkpoint`` as a real checkpoint
+    (config, tensor names, shapes, dtypes, no weights read, the sampled digest; identical weights refused), and then
+    against the testbed's own record (``testbed_checkpoint_problem``). A step between saved checkpoints is trained
+    first (``Testbed.checkpoint_dir``; the order is fixed, so it is exact). A bad checkpoint: one ``ExperimentError``
+    line naming the file."""
+    from mia.testbed.build import TestbedError
+
+    paths, owners = {}, {}
+    for label, tb, step in models:
+        try:
+            paths[label] = tb.checkpoint_dir(int(step))
+        except TestbedError as e:
+            raise ExperimentError(str(e)) from None
+        owners[label] = (tb, int(step))
+    records, identical = check_checkpoints(paths, allow_identical=allow_identical)
+    for label, (tb, step) in owners.items():
+        problem = testbed_checkpoint_problem(tb, step, paths[label])
+        if problem:
+            raise ExperimentError(problem)
+    return records, identical
 
 
 def add_identical_flag(parser) -> None:
@@ -440,6 +599,58 @@ def olmo_checkpoint(root, step: int) -> Path:
     have = ", ".join(f"step{s}" for s in sorted(steps)) or "none"
     raise ExperimentError(f"--olmo {root}: no checkpoint at step {step} (stepN[-tokens...]/ with config.json; "
                           f"found: {have})")
+
+
+OLMO_BATCH_SIZE, OLMO_SEQ_LEN = 2160, 2048  # OLMo-7B's, as its revision names imply (docs/algorithms.md#olmo-order)
+
+
+def olmo_order_settings(checkpoints: Mapping[int, Path], batch_size: Optional[int] = None,
+                        seq_len: Optional[int] = None) -> tuple:
+    """``(batch_size, seq_len, record, note)`` of the OLMo data order for ``{step: checkpoint dir}``, checked against
+    what each checkpoint states (``mia.data.olmo_state``: config.yaml's batch size and instance length, the trainer
+    state's step and examples seen, the tokens in a ``stepN-tokensX`` name) before any split is drawn.
+
+    ``batch_size`` / ``seq_len`` None: the first config.yaml that states it, else OLMo-7B's 2160 / 2048. A
+    disagreement is one ``ExperimentError`` naming both values and the file. ``record`` (for the manifest):
+    the values, where they came from and what was checked per step; ``note``: one line when something was not
+    checked (nothing to check against: the values are assumed), else None."""
+    from mia.data.olmo_state import OlmoStateError, check_order, checkpoint_facts
+
+    try:
+        facts = {c: checkpoint_facts(p) for c, p in sorted(checkpoints.items())}
+    except OlmoStateError as e:
+        raise ExperimentError(str(e)) from None
+    stated = {f.field: f for c in facts for f in facts[c]}
+    sources = {}
+    for flag, field, given, default, key in (("--batch-size", "global_train_batch_size", batch_size,
+                                              OLMO_BATCH_SIZE, "batch_size"),
+                                             ("--seq-len", "max_sequence_length", seq_len, OLMO_SEQ_LEN, "seq_len")):
+        if given is not None:
+            sources[key] = (int(given), flag)
+        elif field in stated:
+            sources[key] = (stated[field].value, stated[field].source)
+        else:
+            sources[key] = (default, "default (OLMo-7B)")
+    (b, b_from), (L, l_from) = sources["batch_size"], sources["seq_len"]
+    checked = {}
+    for c, fs in facts.items():
+        try:
+            checked[f"step{c}"] = check_order(fs, c, b, L)
+        except OlmoStateError as e:
+            raise ExperimentError(str(e)) from None
+    record = {"batch_size": b, "batch_size_from": b_from, "seq_len": L, "seq_len_from": l_from,
+              "first_step_position": 0, "checked": checked}
+    batch_ok = any("batch size" in x or "tokens" in x or "position" in x for v in checked.values() for x in v)
+    position_ok = all(any("position" in x for x in v) for v in checked.values())
+    missing = ([] if batch_ok else [f"batch size {b}"]) + ([] if position_ok else ["the first step at position 0"])
+    note = None
+    if missing:
+        why = ("no config.yaml, trainer state (train.pt) or stepN-tokensX name in the checkpoint directory"
+               if not any(checked.values()) else "no trainer state (train.pt or train/rank0.pt) in the checkpoint "
+               "directory" if batch_ok else "no config.yaml or token count in the checkpoint directory")
+        note = f"OLMo order: {' and '.join(missing)} assumed, not checked ({why})"
+        record["unchecked"] = note
+    return b, L, record, note
 
 
 # ============================================================================================ splits
@@ -583,7 +794,7 @@ def draw_testbed_split(tb, step: int, sizes: SplitSizes, seed: int, end_step: Op
         raise ExperimentError(f"the split asks for {sizes.nonmembers} non-members (eval {sizes.n_eval_nonmembers} + "
                               f"train {sizes.train} + calib {sizes.calib} + prefix {sizes.prefix}) but steps [{step}, "
                               f"{end_step}) of the first epoch hold only {max(0, (end_step - step) * B)} rows; lower "
-                              "the counts or use an earlier --step")
+                              "the counts or use an earlier --steps")
     header, examples = pythia.draw_checkpoint_split(tb.dataset(), step, sizes.members, sizes.nonmembers, seed, gap=0,
                                              end_step=end_step, batch_size=B, vocab_size=testbed_vocab_size(tb))
     for e in examples:  # ids of the testbed's rows; kind "testbed" in the header

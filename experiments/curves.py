@@ -246,18 +246,26 @@ def curves_from_results(results_dir, n_bins: int, n_resamples: int, seed: int) -
     return recency, scale_rows(summary["attacks"])
 
 
-def main(argv=None) -> int:
+def build_parser():
     from mia import validate as V
 
-    from experiments.common import check_paths, run_main
+    from experiments.common import BOOTSTRAP_TYPE, DEFAULT_BOOTSTRAP, SEED_TYPE
 
     p = V.OneLineParser(prog="python -m experiments.curves", description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="a python -m experiments.checkmiabench results directory")
-    p.add_argument("--bins", type=V.arg_int(1), default=8, help="age bins per recency curve (default 8)")
-    p.add_argument("--bootstrap", type=V.arg_int(0), default=1000)
-    p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=0)
-    p.add_argument("--debug", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--bins", type=V.arg_int(1), default=None, help="age bins per recency curve (default 8)")
+    p.add_argument("--bootstrap", type=BOOTSTRAP_TYPE, default=DEFAULT_BOOTSTRAP,
+                   help=f"bootstrap resamples for the bands (default {DEFAULT_BOOTSTRAP})")
+    p.add_argument("--seed", type=SEED_TYPE, default=0, help="bootstrap seed (default 0)")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return p
+
+
+def main(argv=None) -> int:
+    from experiments.common import check_paths, run_main
+
+    args = build_parser().parse_args(argv)
+    args.bins = 8 if args.bins is None else args.bins
 
     def go():
         check_paths(dirs=[("RESULTS_DIR", args.results)])

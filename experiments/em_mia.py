@@ -12,7 +12,7 @@ AUC of each split.
    model never sees a position it was not trained at). OLMo (``--olmo``): the OLMoMIA recipe
    (docs/algorithms.md#difficulty): instances from steps [0, 100k) (members) and [400k, 450k) (non-members) of
    ``global_indices``, each reduced to its first document strictly between two EOS with L/2 < length <= L
-   (L = 128), ``mia.data.olmo``; the model is the checkpoint at ``--step`` (400k), which has seen the members and
+   (L = 128), ``mia.data.olmo``; the model is the checkpoint at ``--steps`` (400k), which has seen the members and
    not the non-members. Texts that occur twice in the pool are dropped (a text both trained on and held out has no
    label).
 2. The six splits: ``mia.data.difficulty`` (MiniLM embeddings, spherical k-means per class, the distance filter,
@@ -50,7 +50,9 @@ from mia.atomic import write_text
 from mia.data.splits import DROPPED_ROWS, partition_counts, read_split
 from mia.metrics import metric_rows
 
-from experiments.common import (ExperimentError, SplitSizes, Timings, add_identical_flag, check_checkpoints,
+from experiments.common import (DEFAULT_BOOTSTRAP, ExperimentError, SplitSizes, Timings, add_identical_flag,
+                                add_model_flags, add_olmo_flags, check_checkpoints, check_testbed_checkpoints,
+                                olmo_order_settings, one_step,
                                 check_paths, check_suite_steps, check_token_ids, identical_note,
                                 draw_testbed_split, experiment_parser, olmo_checkpoint, open_members,
                                 pick_members, run_blind_baselines, run_main, say_fn, score_split, select_attacks,
@@ -171,7 +173,7 @@ def check_olmo_request(model_step: int, member_steps: tuple, nonmember_steps: tu
         raise ExperimentError(f"--member-steps {member_steps[0]}:{member_steps[1]}: members start at step 0 "
                               "(every instance before the end step was trained on)")
     if not member_steps[1] <= model_step <= nonmember_steps[0]:
-        raise ExperimentError(f"--step {model_step}: the checkpoint must have seen the members (steps < "
+        raise ExperimentError(f"--steps {model_step}: the checkpoint must have seen the members (steps < "
                               f"{member_steps[1]}) and not the non-members (steps >= {nonmember_steps[0]})")
     for flag, f in (("--global-indices", global_indices), ("--data-paths", data_paths)):
         if not f:
@@ -379,10 +381,11 @@ def preset_for(preset: Optional[str], olmo) -> tuple:
 def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suite_dir=None,
         member: Optional[str] = None, step: Optional[int] = None,
         memorize_epochs: int = 0, olmo=None, global_indices=None, data_paths=None, member_steps: str = "0:100000",
-        nonmember_steps: str = "400000:450000", ref_model=None, eos: int = 50279, batch_size: int = 2160,
-        seq_len: int = 2048, pool: Optional[int] = None, size: Optional[int] = None, k: Optional[int] = None,
-        threshold: Optional[float] = None, doc_len: Optional[int] = None, encoder=None, embeddings=None,
-        blind: bool = True, seed: int = 0, bootstrap: int = 1000, progress: bool = True,
+        nonmember_steps: str = "400000:450000", ref_model=None, eos: int = 50279,
+        batch_size: Optional[int] = None, seq_len: Optional[int] = None, pool: Optional[int] = None,
+        size: Optional[int] = None, k: Optional[int] = None, threshold: Optional[float] = None,
+        doc_len: Optional[int] = None, encoder=None, embeddings=None,
+        blind: bool = True, seed: int = 0, bootstrap: int = DEFAULT_BOOTSTRAP, progress: bool = True,
         allow_identical_checkpoints: bool = False, argv=None) -> dict:
     """Run the experiment; returns the summary (also written to ``out/summary.json``). With ``--olmo``, the
     checkpoint and ``--ref-model`` are opened and checked (``check_checkpoints``) before the pool is drawn;
@@ -406,12 +409,14 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
     check_paths(out=out, files=[("--embeddings", embeddings)], dirs=[("--testbed", list(testbeds)),
                                                                     ("--olmo", olmo), ("--encoder", encoder)],
                 model_dirs=[("--ref-model", ref_model)], output_dirs=[("--suite-dir", suite_dir)])
-    ckpt_records, identical = {}, []
+    ckpt_records, identical, order_record, order_note = {}, [], None, None
     if olmo is not None:
         ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)
         check_olmo_request(model_step, ms, ns, global_indices, data_paths)
         ckpts = {"model": olmo_checkpoint(olmo, model_step), **({"ref_model": Path(ref_model)} if ref_model else {})}
         ckpt_records, identical = check_checkpoints(ckpts, allow_identical=allow_identical_checkpoints)
+        batch_size, seq_len, order_record, order_note = olmo_order_settings({model_step: ckpts["model"]},
+                                                                            batch_size, seq_len)
     elif ref_model is not None:
         raise ExperimentError("--ref-model goes with --olmo; on the testbed the suite's smallest member is the "
                               "reference model")
@@ -422,6 +427,8 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
     t0 = time.perf_counter()
     (out / "splits").mkdir(parents=True, exist_ok=True)
     notes: list = ([why_preset] if why_preset else []) + ([identical_note(identical)] if identical else [])
+    if order_note:
+        notes.append(order_note)
     with timings("pool"):
         if olmo is not None:
             targets, header, drawn, pool_ex, prefix, shots, info = _olmo_setup(
@@ -429,7 +436,8 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
                 batch_size, seq_len, seed, notes)
         else:
             targets, header, drawn, pool_ex, prefix, shots, info = _testbed_setup(
-                p, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings)
+                p, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings,
+                allow_identical_checkpoints)
     if why_preset:  # once the request and the order files have passed their checks (a bad input is one line)
         print(why_preset, file=sys.stderr)
     doc_len = header["params"]["doc_len"]
@@ -482,6 +490,7 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
         seeds={"pool": seed, "kmeans": 42, "medium": [43, 44], "random": [42, 43], "blind_halves": [seed, 0xB1D],
                "bootstrap": seed},
         hashes={**info["hashes"], **({"checkpoints": ckpt_records} if ckpt_records else {}),
+                **({"olmo_order": order_record} if order_record else {}),
                 "pool_sha256": sha_file(pool_path),
                 **{f"split_{s}_sha256": sha_file(paths[s]) for s in SPLITS}},
         paths={**info["paths"], "splits": str((out / "splits").resolve())},
@@ -492,11 +501,17 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
     return summary
 
 
-def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings) -> tuple:
+def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings,
+                   allow_identical: bool = False) -> tuple:
     members, desc, n = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
     notes += n
     tb0 = members[0].testbed
     c = tb0.train_steps if step is None else int(step)
+    used = {m.name: m for m in [members[0], *pick_members(members, p.member)]}  # the Ref (smallest) and the targets
+    ckpt_records, identical = check_testbed_checkpoints([(f"{m.name}-step{c}", m.testbed, c) for m in used.values()],
+                                                        allow_identical=allow_identical)
+    if identical:
+        notes.append(identical_note(identical))
     model0 = tb0.load_model(c)
     context = min(int(model0.max_length), tb0.row_len)
     doc_len = p.doc_len or context // 2
@@ -536,7 +551,7 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
     info = {"setting": f"testbed {p.suite}", "description": description,
             "config": {"step": c, "memorize": dial, "members": [m.name for m in members],
                        "testbed": tb0.config.to_dict()},
-            "hashes": {"order_bin_sha256": tb0.manifest["data"]["bin"]["sha256"],
+            "hashes": {"order_bin_sha256": tb0.manifest["data"]["bin"]["sha256"], "checkpoints": ckpt_records,
                        **{f"model_{t.name}_sha256": sha_file(t.model_dir / "model.safetensors") for t in targets}},
             "paths": {"testbeds": [str(m.testbed.root.resolve()) for m in members]}}
     return targets, header, drawn, pool_ex, prefix, shots, info
@@ -580,30 +595,21 @@ def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonme
 def build_parser():
     from mia import validate as V
 
-    ap = experiment_parser("python -m experiments.em_mia", __doc__, PRESETS)
+    ap = experiment_parser("python -m experiments.em_mia", __doc__, PRESETS, preset_help=(
+        f"settings preset: {', '.join(PRESETS)} (default: default; with --olmo: paper, said in one line)"))
     ap.set_defaults(preset=None)  # none given: default, or paper with --olmo (announced: preset_for)
-    next(a for a in ap._actions if a.dest == "preset").help = (
-        f"settings preset: {', '.join(PRESETS)} (default: default; with --olmo: paper, said in one line)")
     g = ap.add_argument_group("testbed suite (default)")
-    g.add_argument("--testbed", action="append", default=[], help="testbed directories instead of the suite")
     g.add_argument("--suite-dir", default=None, help="the suite's directory (default: testbeds/suite-<preset>)")
-    g.add_argument("--member", default=None, help="suite members to evaluate: middle (default), largest, smallest, "
-                                                  "all or size names; the smallest member is the others' Ref")
-    g.add_argument("--step", type=V.arg_int(1), default=None,
-                   help="checkpoint (testbed: default the last; OLMo: default the "
-                                                          "non-member start, 400000)")
-    g.add_argument("--memorize-epochs", type=V.arg_int(0), default=0,
-                   help="memorization dial: train each member E more epochs on the pool's member rows")
+    add_model_flags(g, member="suite members to evaluate: middle (default), largest, smallest, all or size names; "
+                              "the smallest member is the others' Ref",
+                    steps="the checkpoint, one step (testbed: default the last; OLMo: default the non-member start, "
+                          "400000)")
     o = ap.add_argument_group("OLMo-7B (the OLMoMIA recipe)")
-    o.add_argument("--olmo", default=None, help="OLMo checkpoint directory (or a folder of stepN[-tokens...]/ ones)")
-    o.add_argument("--global-indices", default=None, help="epoch-1 global_indices.npy (raw uint32)")
-    o.add_argument("--data-paths", default=None, help="text file: the ordered token files, one path per line")
+    add_olmo_flags(o)
     o.add_argument("--member-steps", default="0:100000", help="member instances' steps (default 0:100000)")
     o.add_argument("--nonmember-steps", default="400000:450000", help="non-member steps (default 400000:450000)")
     o.add_argument("--ref-model", default=None, help="reference model directory (the paper: stablelm-base-alpha-3b-v2)")
     o.add_argument("--eos", type=V.arg_int(0, V.INT32_MAX), default=50279, help="end-of-text token id (50279)")
-    o.add_argument("--batch-size", type=V.arg_int(1), default=2160, help="instances per step (2160)")
-    o.add_argument("--seq-len", type=V.arg_int(2), default=2048, help="tokens per instance (2048)")
     add_identical_flag(o)
     d = ap.add_argument_group("difficulty splits (default per preset)")
     d.add_argument("--pool", type=V.arg_int(1), default=None, help="pool texts per class")
@@ -619,9 +625,11 @@ def build_parser():
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    step = one_step(ap, a.steps, "em_mia")
     status, s = run_main(lambda: run(
-        a.preset, a.out, testbeds=a.testbed, suite_dir=a.suite_dir, member=a.member, step=a.step,
+        a.preset, a.out, testbeds=a.testbed or [], suite_dir=a.suite_dir, member=a.member, step=step,
         memorize_epochs=a.memorize_epochs,
         olmo=a.olmo, global_indices=a.global_indices, data_paths=a.data_paths, member_steps=a.member_steps,
         nonmember_steps=a.nonmember_steps, ref_model=a.ref_model, eos=a.eos, batch_size=a.batch_size,

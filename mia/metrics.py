@@ -30,6 +30,7 @@ class MetricError(ValueError):
     pass
 
 
+N_RESAMPLES = 1000  # the bootstrap resamples every SE and CI uses unless told otherwise (``--bootstrap``)
 _EPS = 1e-12  # FPR slack so that e.g. 10/1000 counts as <= 0.01
 
 
@@ -118,7 +119,7 @@ def _metric_key(fpr: float) -> str:
     return f"tpr_at_{pct:g}pct_fpr"
 
 
-def bootstrap(scores, labels, *, n_resamples: int = 1000, seed: int = 0, stratified: bool = True,
+def bootstrap(scores, labels, *, n_resamples: int = N_RESAMPLES, seed: int = 0, stratified: bool = True,
               fprs: Sequence[float] = (0.01, 0.001), confidence: float = 0.95, ids=None) -> dict:
     """Point estimates, bootstrap SEs (std, ddof=1) and percentile CIs of AUC and TPR@each FPR.
 
@@ -155,14 +156,14 @@ def bootstrap(scores, labels, *, n_resamples: int = 1000, seed: int = 0, stratif
     return out
 
 
-def bootstrap_auc_se(scores, labels, n_resamples: int = 1000, seed: int = 0, stratified: bool = False) -> float:
+def bootstrap_auc_se(scores, labels, n_resamples: int = N_RESAMPLES, seed: int = 0, stratified: bool = False) -> float:
     """Standard error of the AUC from ``n_resamples`` seeded bootstrap resamples (pooled, or per-class if
     stratified)."""
     return bootstrap(scores, labels, n_resamples=n_resamples, seed=seed, stratified=stratified, fprs=())["auc_se"]
 
 
-def paired_bootstrap_test(scores_a, scores_b, labels, *, metric: str = "auc", n_resamples: int = 1000, seed: int = 0,
-                          stratified: bool = True, alternative: str = "two-sided", ids=None) -> dict:
+def paired_bootstrap_test(scores_a, scores_b, labels, *, metric: str = "auc", n_resamples: int = N_RESAMPLES,
+                          seed: int = 0, stratified: bool = True, alternative: str = "two-sided", ids=None) -> dict:
     """Paired bootstrap test of metric(A) vs metric(B) on the SAME examples (each resample is shared by A and B).
 
     ``metric``: "auc" or an FPR such as 0.01 for TPR@FPR. With Δ = m(A) − m(B) and Δ*_r its bootstrap replicates,
@@ -224,7 +225,7 @@ def auc_vs_chance(scores, labels, ids=None) -> dict:
     return {"auc": float(u / (n1 * n0)), "z": float(z), "p_value": float(norm.sf(z))}
 
 
-def summary_row(method: str, scores, labels, n_resamples: int = 1000, seed: int = 0, *, ids=None,
+def summary_row(method: str, scores, labels, n_resamples: int = N_RESAMPLES, seed: int = 0, *, ids=None,
                 stratified: bool = False) -> dict:
     """{"method", "auc", "auc_se", "tpr_at_1pct_fpr", "n", ...} plus CIs, TPR@0.1%FPR and the p-value vs chance.
 
@@ -239,7 +240,7 @@ def summary_row(method: str, scores, labels, n_resamples: int = 1000, seed: int 
     return row
 
 
-def metric_rows(scores, labels, ids=None, n_resamples: int = 1000, seed: int = 0, kind: str = "attack",
+def metric_rows(scores, labels, ids=None, n_resamples: int = N_RESAMPLES, seed: int = 0, kind: str = "attack",
                 *, delta: Optional[float] = None, alpha: float = 0.05, **extra) -> list[dict]:
     """One ``summary_row`` per method of ``scores`` ({method: [N]}), on its finite scores; ``n_nonfinite`` counts
     the NaN/inf ones dropped (present only when some were). A method whose finite scores lack members or

@@ -25,7 +25,7 @@ def _testbed_args(request) -> dict:
 def camia_smoke(request, tmp_path_factory):
     """The smoke preset run once per session: (output directory, summary, the run's keyword arguments)."""
     out = tmp_path_factory.mktemp("camia_smoke") / "run"
-    kw = _testbed_args(request)
+    kw = {**_testbed_args(request), "bootstrap": 200}  # the smoke run's resamples before the shared default (1000)
     return out, exp.run("smoke", out, progress=False, **kw), kw
 
 

@@ -140,7 +140,7 @@ def test_main_job_default_attacks_skip_what_the_testbed_lacks():
 def test_main_job_bad_inputs(smoke_testbed, tmp_path, capsys):
     base = ["--preset", "smoke", "--testbed", str(smoke_testbed.root), "--no-progress", "--no-blind", "--attacks",
             "loss"]
-    assert main(base + ["--out", str(tmp_path / "a"), "--step", "900"]) == 2
+    assert main(base + ["--out", str(tmp_path / "a"), "--steps", "900"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checkpoint step 900 is beyond the run" in err[0]
     assert main(base + ["--out", str(tmp_path / "b"), "--n-members", "5000"]) == 2

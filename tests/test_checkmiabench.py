@@ -23,12 +23,13 @@ TABLE_FILES = [f"{stem}.{ext}" for stem in ("blind", "blind_runs", "attacks", "r
 
 
 def _smoke_source(request) -> dict:
-    """The smoke suite when this checkout has it, else the smoke testbed as a suite of one."""
+    """The smoke suite when this checkout has it, else the smoke testbed as a suite of one; the smoke run's bootstrap
+    resamples (200) given explicitly, as before the experiments shared one default (1000)."""
     try:
         suite = request.getfixturevalue("smoke_suite")
-        return {"suite_dir": suite.root}
+        return {"suite_dir": suite.root, "bootstrap": 200}
     except pytest.FixtureLookupError:
-        return {"testbeds": [request.getfixturevalue("smoke_testbed").root]}
+        return {"testbeds": [request.getfixturevalue("smoke_testbed").root], "bootstrap": 200}
 
 
 @pytest.fixture(scope="session")
@@ -392,7 +393,7 @@ def test_pythia_bad_inputs_one_line_each(tiny_neox_dir, tmp_path, capsys):
 
     e = error(["--data", *shards, "--idx", idx, "--steps", "999"])
     assert "no size has a checkpoint at step 999" in e and "pythia-70m-deduped: steps 100" in e
-    e = error(["--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP), "--sizes", "160m"])
+    e = error(["--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP), "--member", "160m"])
     assert "no checkpoint pythia-160m-deduped/step100" in e and "pythia-70m-deduped: steps 100" in e
     e = error(["--data", *shards, "--idx", idx, "--steps", str(LAYOUT_STEP)])
     # caught as the split is drawn (naming the shard and row), before any model is loaded

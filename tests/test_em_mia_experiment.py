@@ -161,12 +161,12 @@ def _fake_order(tmp_path: Path, n_indices: int, n_tokens: int) -> tuple:
 def test_bad_input_is_one_line(tmp_path, tiny_neox_dir, capsys):
     gi, paths = _fake_order(tmp_path, n_indices=10, n_tokens=7 * 64)  # 10 indices, 7 instances of 64 tokens
     common = ["--global-indices", str(gi), "--data-paths", str(paths), "--seq-len", "64", "--batch-size", "2",
-              "--member-steps", "0:1", "--nonmember-steps", "2:4", "--step", "1"]
+              "--member-steps", "0:1", "--nonmember-steps", "2:4", "--steps", "1"]
     cases = [
         (["--olmo", str(tmp_path / "missing")] + common, "--olmo"),
         (["--olmo", str(tiny_neox_dir)] + common, "10 entries but the 1 token files hold 7 instances"),
-        (["--olmo", str(tiny_neox_dir)] + common[:4] + ["--step", "3"], "--step 3: the checkpoint must have seen"),
-        (["--olmo", str(tiny_neox_dir), "--global-indices", str(gi), "--step", "1", "--member-steps", "0:1",
+        (["--olmo", str(tiny_neox_dir)] + common[:4] + ["--steps", "3"], "--steps 3: the checkpoint must have seen"),
+        (["--olmo", str(tiny_neox_dir), "--global-indices", str(gi), "--steps", "1", "--member-steps", "0:1",
           "--nonmember-steps", "2:4"], "--data-paths FILE"),
         (["--olmo", str(tiny_neox_dir), "--member-steps", "5"] + common[:4], "expected START:END"),
         (["--testbed", str(tmp_path / "no-testbed")], "--testbed"),
@@ -209,6 +209,10 @@ def test_olmo_recipe_end_to_end(tmp_path, tiny_neox_dir, capsys):
             assert (e["step"] < 10) if e["label"] == 1 else (30 <= e["step"] < 60)
     methods = {r["method"] for r in s["table_auc"]}
     assert {"Loss", "ReCaLL (12-shot)", "ReCaLL-Avg", "EM-MIA (init Loss)"} <= methods and "Ref" not in methods
+    # nothing in the checkpoint directory states the order settings: said once, recorded in the manifest
+    order = json.loads((tmp_path / "out" / "manifest.json").read_text())["hashes"]["olmo_order"]
+    assert order["batch_size"] == batch and order["batch_size_from"] == "--batch-size" and order["unchecked"]
+    assert [n for n in s["notes"] if n.startswith("OLMo order:")] == [order["unchecked"]]
 
 
 def test_olmo_tokens_beyond_the_model_vocabulary(tmp_path, tiny_neox_dir, capsys):
@@ -223,7 +227,7 @@ def test_olmo_tokens_beyond_the_model_vocabulary(tmp_path, tiny_neox_dir, capsys
     rng.permutation(batch * steps).astype(np.uint32).tofile(tmp_path / "global_indices.npy")
     (tmp_path / "paths.txt").write_text(f"{tmp_path / 'part-0.npy'}\n")
     argv = ["--olmo", str(tiny_neox_dir), "--global-indices", str(tmp_path / "global_indices.npy"), "--data-paths",
-            str(tmp_path / "paths.txt"), "--step", "20", "--member-steps", "0:10", "--nonmember-steps", "30:60",
+            str(tmp_path / "paths.txt"), "--steps", "20", "--member-steps", "0:10", "--nonmember-steps", "30:60",
             "--eos", "0", "--batch-size", str(batch), "--seq-len", str(seq), "--pool", "30", "--size", "12", "--k",
             "2", "--threshold", "0", "--doc-len", "16", "--out", str(tmp_path / "o"), "--no-progress"]
     assert exp.main(argv) == 2
@@ -244,7 +248,7 @@ def test_olmo_checkpoints_checked_before_the_pool(tmp_path, tiny_neox_dir, capsy
     shutil.copytree(tiny_neox_dir, ref)
     argv = ["--olmo", str(tiny_neox_dir), "--ref-model", str(ref), "--global-indices", str(gi), "--data-paths",
             str(paths), "--seq-len", "64", "--batch-size", "2", "--member-steps", "0:1", "--nonmember-steps", "2:4",
-            "--step", "1", "--out", str(tmp_path / "o"), "--no-progress"]
+            "--steps", "1", "--out", str(tmp_path / "o"), "--no-progress"]
 
     def error(extra=()):
         assert exp.main(argv + list(extra)) == 2
