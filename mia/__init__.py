@@ -14,7 +14,7 @@ from .offline import force_offline as _force_offline
 _force_offline()  # local files only, whatever HF_*_OFFLINE say (mia.offline)
 _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402,F401
 __all__ = ["load", "score", "ScoreRun"]
 
 

@@ -140,9 +140,9 @@ def score_inputs(args) -> dict:
     """{flag: digest} of everything every process of a multi-process ``mia score`` must agree on before any work:
     the content of the model(s) (``mia.models.hub.fingerprint``) and of every input file (``mia.file_hash``,
     memoised), and the settings that shape the batch plan. Paths, --out and the cache flags may differ."""
-    from . import file_hash
-    from .models.hf_cache import model_dir
-    from .models.hub import fingerprint
+    from . import file_hash  # here, not at the top: the CLI's fast start (only multi-process runs hash inputs)
+    from .models.hf_cache import model_dir  # (the same)
+    from .models.hub import fingerprint  # (the same)
 
     out = {"--model": fingerprint(model_dir(args.model))}
     for flag in ("ref_model", "mlm"):

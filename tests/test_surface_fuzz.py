@@ -278,7 +278,7 @@ def _dist_case(tmp, capsys, monkeypatch, flags: dict, env: dict, counts: dict):
     from mia.cli import main
     from mia.engine import distributed
 
-    monkeypatch.setattr(distributed, "initialize", lambda group, timeout=60.0: group is None or sentinel())
+    monkeypatch.setattr(distributed, "initialize", lambda group, timeout=60.0, inputs=None: group is None or sentinel())
     for k in DIST_ENV:
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():

@@ -40,6 +40,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from ..version import __version__
+
 PROTOCOL = 2
 TOKEN_ENV = "MIA_DIST_TOKEN"
 MAX_LINE = 1 << 16  # bytes of one protocol line
@@ -541,8 +543,6 @@ def initialize(group: Optional[ProcessGroup], timeout: float = 60.0, inputs: Opt
 
 
 def _mia_version() -> str:
-    from .. import __version__
-
     return __version__
 
 
