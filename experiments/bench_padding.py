@@ -7,9 +7,9 @@ Three rules side by side on the same synthetic corpora (``ScoringSettings``, eve
   baseline  ``bucket_step=0, pack=False``: every text in its own row padded to the power of two >= its length
             (>= ``min_bucket`` 16)
   buckets   ``bucket_step=--step, pack=False``: powers of two up to the step, multiples of it above (at most 8 per
-            octave), one text per row (the default on a GPU)
+            octave), one text per row (the default)
   packed    ``bucket_step=--step, pack=True``: several texts per row (segment ids), rows of those bucket lengths
-            (the default elsewhere)
+            (opt-in: ``ScoringSettings(pack=True)``)
 
 Corpora (token counts per text; seeded):
 

@@ -168,23 +168,16 @@ def check_order(facts: list, step: int, batch_size: int, seq_len: int, *, batch_
     (empty: nothing to check against); a disagreement is one ``OlmoStateError`` naming both values and the file."""
     by = {f.field: f for f in facts}
     checked = []
-    if "global_train_batch_size" in by:
-        f = by["global_train_batch_size"]
-        if f.value != batch_size:
-            raise OlmoStateError(f"{batch_flag} {batch_size} does not match global_train_batch_size {f.value} in "
-                                 f"{f.source}")
-        checked.append("batch size (config.yaml)")
-    if "max_sequence_length" in by:
-        f = by["max_sequence_length"]
-        if f.value != seq_len:
-            raise OlmoStateError(f"{seq_flag} {seq_len} does not match model.max_sequence_length {f.value} in "
-                                 f"{f.source}")
-        checked.append("instance length (config.yaml)")
-    if "global_step" in by:
-        f = by["global_step"]
-        if f.value != step:
-            raise OlmoStateError(f"{step_flag} {step} does not match global_step {f.value} in {f.source}")
-        checked.append("step (trainer state)")
+    # (recorded field, its name in the message, the flag, the value given, what a match confirms)
+    for field, shown, flag, given, what in (
+            ("global_train_batch_size", "global_train_batch_size", batch_flag, batch_size, "batch size (config.yaml)"),
+            ("max_sequence_length", "model.max_sequence_length", seq_flag, seq_len, "instance length (config.yaml)"),
+            ("global_step", "global_step", step_flag, step, "step (trainer state)")):
+        if field in by:
+            f = by[field]
+            if f.value != given:
+                raise OlmoStateError(f"{flag} {given} does not match {shown} {f.value} in {f.source}")
+            checked.append(what)
     seen = by.get("global_train_examples_seen_this_epoch") or by.get("global_train_examples_seen")
     if seen is not None:
         epoch = by["epoch"].value if "epoch" in by else 0

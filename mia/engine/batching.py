@@ -27,18 +27,18 @@ class ScoringSettings:
     min_bucket: int = 16  # lengths are padded up to a power of two >= this
     bucket_step: int = 128  # above this length, buckets are multiples of it (0: powers of two only); bucket_length
     max_batch: int = 256  # rows per batch per data-parallel device
-    pack: Optional[bool] = None  # token stats: several texts per row (segment ids, pack_rows); see packs_rows
+    pack: bool = False  # token stats: several texts per row (segment ids, pack_rows); opt-in, see packs_rows
     pack_length: int = 512  # packed rows are at least this long (shorter texts share them)
     cache_dir: Optional[str] = None  # None: no on-disk cache
     progress: bool = True
 
 
-def packs_rows(settings: ScoringSettings, backend: str, learned_positions: bool = False) -> bool:
+def packs_rows(settings: ScoringSettings, learned_positions: bool = False) -> bool:
     """Whether token stats pack several texts per row: only when ``settings.pack`` is True (opt-in for now: the
     default stays one text per row until packing is measured on an accelerator; on a GPU unpacked rows also keep
     cuDNN's causal flash attention), and never for models with learned position embeddings (GPT-2, GPT-Neo:
     their packed rows do not yet match one text per row)."""
-    return bool(settings.pack) and not learned_positions
+    return settings.pack and not learned_positions
 
 
 def pow2_ceil(n: int, minimum: int = 1) -> int:

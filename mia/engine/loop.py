@@ -146,8 +146,7 @@ def compute_token_stats(
         fn = jitted_token_stats(model)
         rows_sharding = batch_sharding(mesh)
         lengths = [len(token_lists[i]) for i in todo]
-        pack = packs_rows(settings, mesh.devices.flat[0].platform,
-                          getattr(model.module, "POSITION_EMBED", None) is not None)
+        pack = packs_rows(settings, getattr(model.module, "POSITION_EMBED", None) is not None)
         plan = (pack_rows if pack else plan_batches)(lengths, settings, data_size(mesh))
         total = sum(lengths)
 
