@@ -9,7 +9,9 @@ Three rules side by side on the same synthetic corpora (``ScoringSettings``, eve
   buckets   ``bucket_step=--step, pack=False``: powers of two up to the step, multiples of it above (at most 8 per
             octave), one text per row (the default)
   packed    ``bucket_step=--step, pack=True``: several texts per row (segment ids), rows of those bucket lengths
-            (opt-in: ``ScoringSettings(pack=True)``)
+
+The default (``pack=None``, auto) is one of the last two, chosen per call by ``packs_rows``' cost estimate; each
+timed corpus prints which one auto picks for the model and the estimated packed / unpacked cost.
 
 Corpora (token counts per text; seeded):
 
@@ -25,6 +27,11 @@ and the best of ``--repeats`` warm runs of ``compute_token_stats`` with a tiny r
 vocab 256: cheap enough that 2 CPU cores finish in about 2 minutes) at ``--budget`` padded tokens per batch, real
 tokens/s, and the ratio baseline / mia. The two rules' log-probs are compared (max |difference|). The plan-only
 table (no model) gives the same padding columns at the default token budget for ``--plan-rows`` texts.
+
+The "row length" table times one token-stats step on the same 2,048 random tokens as rows of 128, 256 and 512 and
+fits the per-score attention cost that ``mia.engine.batching.SCORE_OVERHEAD_FLOPS`` holds for this backend:
+t(T) is proportional to dense + a T per token, so a = dense (r - 1) / (512 - 128 r) with r = t(512) / t(128), and
+the overhead per score is a / (layers x heads) - 4 x head dim.
 """
 from __future__ import annotations
 
@@ -100,6 +107,36 @@ def timed_runs(model, seqs, settings, repeats: int):
     return cold, min(warm), out
 
 
+def step_seconds(model, rows: int, length: int, repeats: int = 5) -> float:
+    """Best of ``repeats`` warm calls of the jitted token-stats step on random [rows, length] tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from mia.engine import loop
+
+    fn, params = loop.jitted_token_stats(model), loop.placed_params(model, None)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.vocab_size, (rows, length)), jnp.int32)
+    valid = jnp.ones((rows, length), bool)
+    jax.block_until_ready(fn(params, tokens, valid))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(params, tokens, valid))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def fitted_score_overhead(model, seconds: dict) -> float:
+    """The per-score cost beyond 4 x head dim implied by step times at row lengths 128 and 512 (module docstring)."""
+    from mia.engine.batching import row_cost
+
+    cfg, dense = model.config, row_cost(model).dense
+    r = seconds[512] / seconds[128]
+    per_key = dense * (r - 1) / (512 - 128 * r)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return per_key / (cfg.num_hidden_layers * cfg.num_attention_heads) - 4 * head_dim
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=128, help="texts per corpus for the timed runs")
@@ -116,7 +153,8 @@ def main(argv=None):
 
     import jax
 
-    from mia.engine.batching import ScoringSettings
+    from mia.engine.batching import (SCORE_OVERHEAD_FLOPS, SCORE_OVERHEAD_FLOPS_DEFAULT, ScoringSettings, pack_rows,
+                                     packs_rows, plan_batches, plan_cost, row_cost)
 
     rules = {"baseline (powers of two)": ScoringSettings(progress=False, bucket_step=0, pack=False),
              f"buckets (step {args.step})": ScoringSettings(progress=False, bucket_step=args.step, pack=False),
@@ -151,11 +189,25 @@ def main(argv=None):
             rows[label] = (cold, warm, out)
             print(f"{name:<15} {label:<26} {p['programs']:8d} {p['pad_computed']:6.3f} {cold:8.2f} {warm:7.2f} "
                   f"{real / warm:8.0f}")
+        auto = dataclasses.replace(timed[f"buckets (step {args.step})"], pack=None)
+        cost = row_cost(model)
+        ratio = plan_cost(pack_rows(list(lengths), auto), cost) / plan_cost(plan_batches(list(lengths), auto), cost)
+        print(f"{name:<15} auto (pack=None) picks {'packed' if packs_rows(auto, list(lengths), cost) else 'buckets'}: "
+              f"estimated packed / unpacked cost {ratio:.3f}")
         (b_cold, b_warm, b_out), *others = rows.values()
         for label, (m_cold, m_warm, m_out) in zip(list(rows)[1:], others):
             diff = max(float(np.abs(a["logprob"] - b["logprob"]).max()) for a, b in zip(b_out, m_out))
             print(f"{name:<15} baseline / {label.split()[0]}: warm {b_warm / m_warm:.2f}x, first run "
                   f"{b_cold / m_cold:.2f}x; {real} real tokens; max |logprob difference| {diff:.1e}")
+
+    backend = jax.default_backend()
+    print(f"\nrow length: one step on 2048 tokens, best of 5 ({backend})")
+    seconds = {t: step_seconds(model, 2048 // t, t) for t in (128, 256, 512)}
+    for t, sec in seconds.items():
+        print(f"  rows {2048 // t:3d} x {t:3d}: {sec * 1e3:8.2f} ms  ({sec / seconds[128]:.2f}x the 128-token rows)")
+    print(f"  fitted score overhead {fitted_score_overhead(model, seconds):.0f} FLOP-equivalents per score; "
+          f"SCORE_OVERHEAD_FLOPS for {backend}: "
+          f"{SCORE_OVERHEAD_FLOPS.get(backend, SCORE_OVERHEAD_FLOPS_DEFAULT)}")
 
 
 if __name__ == "__main__":

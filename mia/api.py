@@ -131,7 +131,8 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
           max_length: Optional[int] = None, skip_invalid: bool = False, seq_tokens: Optional[int] = None,
           scored: Sequence[str] = ("eval",), seed: int = 0, batch_tokens: int = 16384, cache: bool = True,
           cache_dir: Optional[str] = None, progress: bool = True, ref_model=None, mlm=None, freq_corpus=None,
-          on_error: str = "raise", options: Optional[dict] = None, cache_max_gb: Optional[float] = None) -> ScoreRun:
+          on_error: str = "raise", options: Optional[dict] = None, cache_max_gb: Optional[float] = None,
+          pack: Optional[bool] = None, bucket_step: int = 128) -> ScoreRun:
     """Score the examples of ``data`` with ``attacks``; higher = more likely member.
 
     ``model``      a ``Model`` (``mia.load``) or a checkpoint directory
@@ -144,6 +145,9 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     ``skip_invalid``  set aside (and record) lines with fewer than 2 tokens instead of stopping
     ``seq_tokens`` cut each scored line into sequences of this many tokens (document-level inference)
     ``batch_tokens``  padded tokens per batch per data-parallel device (speed and memory only)
+    ``pack``       several texts per row in the token-stats pass: None (auto: when it is estimated >= 5% cheaper,
+                   not on a GPU; ``mia.engine.batching.packs_rows``), True or False (speed only: scores equal)
+    ``bucket_step`` rows above this length are padded to multiples of it (0: powers of two; speed only)
     ``cache`` / ``cache_dir``  the on-disk score cache (default ``$MIA_CACHE_DIR`` or ``~/.cache/mia``)
     ``cache_max_gb``  the cache's size limit for this process (default ``$MIA_CACHE_MAX_GB`` or 5; least recently
                    used entries are evicted, ``mia.cache_limit``)
@@ -198,7 +202,7 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     skipped.update(late)
     for name, part in partitions.items():
         assert_disjoint(evaluated, part, f"partition {name!r}")
-    settings = ScoringSettings(token_budget=batch_tokens, progress=progress,
+    settings = ScoringSettings(token_budget=batch_tokens, progress=progress, pack=pack, bucket_step=bucket_step,
                                cache_dir=(cache_dir or default_cache_dir()) if cache else None)
     opts = {"seed": seed, "ref_model": ref_model, "mlm": mlm, "max_length": max_length, **(options or {})}
     if isinstance(freq_corpus, (str, Path)):

@@ -164,3 +164,32 @@ def test_unknown_attack_lists_valid(tiny_neox_dir, tmp_path, capsys):
     data = _write(tmp_path / "d.jsonl", [{"id": 1, "text": TEXTS[0]}])
     msg = _err(capsys, _base(tiny_neox_dir, data, tmp_path / "o") + ["--attacks", "nosuch"])
     assert "unknown attack 'nosuch'" in msg and "loss" in msg
+
+
+def test_pack_and_bucket_step_change_speed_not_scores(tiny_neox_dir, tmp_path, capsys, monkeypatch):
+    """--pack on / off / auto and --bucket-step give the same scores (packed rows are masked per text), --pack on
+    does pack (the packed batch builder is called), and bad values are one argparse line naming the flag."""
+    from mia.engine import loop
+
+    rng = np.random.default_rng(3)
+    data = _write(tmp_path / "d.jsonl", [{"id": i, "tokens": [int(t) for t in rng.integers(5, 90, n)], "label": i % 2}
+                                         for i, n in enumerate([3, 17, 9, 30, 5, 12, 24, 2])])
+    packed_calls = []
+    real_put = loop.put_packed
+    monkeypatch.setattr(loop, "put_packed", lambda *a: packed_calls.append(1) or real_put(*a))
+    scores = {}
+    for flags in (["--pack", "off"], ["--pack", "on"], ["--pack", "auto"], ["--pack", "off", "--bucket-step", "0"]):
+        out = tmp_path / f"o{len(scores)}.jsonl"
+        packed_calls.clear()
+        assert main(["score", "--model", str(tiny_neox_dir), "--data", str(data), "--attacks", "loss,mink",
+                     "--out", str(out), "--no-cache", "--no-progress", *flags]) == 0
+        scores[" ".join(flags)] = np.array([[l["scores"]["loss"], l["scores"]["mink"]]
+                                            for l in map(json.loads, out.read_text().splitlines())])
+        assert bool(packed_calls) == (flags[1] == "on")  # auto: the tiny model is attention-bound, not packed
+    for flags, s in scores.items():
+        np.testing.assert_allclose(s, scores["--pack off"], atol=2e-5, err_msg=flags)
+    for flag, bad in (("--pack", "yes"), ("--bucket-step", "-1"), ("--bucket-step", "x")):
+        with pytest.raises(SystemExit) as e:
+            main(["score", "--model", str(tiny_neox_dir), "--data", str(data), "--out", str(tmp_path / "x.jsonl"),
+                  flag, bad])
+        assert e.value.code == 2 and flag in capsys.readouterr().err

@@ -165,8 +165,6 @@ def test_packed_rows_score_as_separate_rows(case, monkeypatch):
     from mia.models import attention as A
 
     name, _, _, model = case
-    if model.module.POSITION_EMBED is not None:
-        pytest.skip("learned position embeddings: packing is not used for this family (packs_rows)")
     rng = np.random.default_rng(6)
     texts = [rng.integers(0, V, n).astype(np.int32) for n in (13, 7, 2, 10, 5, 3, 9)]
     plain = ScoringSettings(progress=False, pack=False)

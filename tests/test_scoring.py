@@ -8,7 +8,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from hf_tiny import padded_batch, torch_logits
-from mia.engine.batching import BUCKETS_PER_OCTAVE, bucket_length, plan_batches, pow2_ceil, ScoringSettings
+from mia.engine.batching import (BUCKETS_PER_OCTAVE, RowCost, bucket_length, pack_rows, packs_rows, plan_batches,
+                                 plan_cost, pow2_ceil, row_cost, SCORE_OVERHEAD_FLOPS_DEFAULT, ScoringSettings)
 from mia.engine.loop import compute_token_stats
 from mia.engine.stats import token_stats
 
@@ -167,7 +168,7 @@ def test_interrupt_keeps_every_fetched_batch_on_disk(tiny_model, tmp_path, monke
     import mia.engine.loop as sc
 
     seqs = _random_lists(tiny_model.vocab_size, [6, 9, 30, 12, 40, 50], seed=4)
-    s = ScoringSettings(progress=False, cache_dir=str(tmp_path), token_budget=32)
+    s = ScoringSettings(progress=False, cache_dir=str(tmp_path), token_budget=32, pack=False)
     real, calls, interrupted = sc.jitted_token_stats, [], []
 
     class Interrupt(Exception):
@@ -195,3 +196,39 @@ def test_interrupt_keeps_every_fetched_batch_on_disk(tiny_model, tmp_path, monke
     fresh = compute_token_stats(tiny_model, seqs, ScoringSettings(progress=False, token_budget=32))
     for a, b in zip(resumed, fresh):
         np.testing.assert_allclose(a["logprob"], b["logprob"], atol=1e-6)
+
+
+def test_auto_packing_follows_the_cost_estimate():
+    """pack=None packs a mixed-length set when the dense layers dominate (a real model's shape), not when attention
+    over pack_length keys dominates (a tiny model), never on a GPU; True / False always win; and the estimate is the
+    sum of rows x length x (dense + attention x length) over the plan's batches (empty rows included)."""
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.choice([40, 60, 90, 200, 300], 400)]
+    auto = ScoringSettings(progress=False)
+    wide = RowCost(dense=2 * 1.0e9, attention=16 * 8 * (4 * 256 + 1024))  # about Pythia-1B on a CPU
+    tiny = RowCost(dense=2 * 3.0e4, attention=4 * (4 * 8 + 1024))  # hidden 32, 1 layer of 4 heads
+    assert packs_rows(auto, lengths, wide, backend="cpu") and packs_rows(auto, lengths, wide, backend="tpu")
+    assert not packs_rows(auto, lengths, wide, backend="gpu")
+    assert not packs_rows(auto, lengths, tiny, backend="cpu")
+    assert not packs_rows(ScoringSettings(pack=False), lengths, wide, backend="cpu")
+    assert packs_rows(ScoringSettings(pack=True), lengths, tiny, backend="gpu")
+    plan = pack_rows(lengths, auto)
+    by_hand = 0.0
+    for b in plan:
+        by_hand += b.rows * b.length * (wide.dense + wide.attention * b.length)
+    assert plan_cost(plan, wide) == pytest.approx(by_hand)
+    assert plan_cost(plan, wide) < 0.95 * plan_cost(plan_batches(lengths, auto), wide)
+    same = [128] * 64  # equal lengths: packing only lengthens the rows
+    assert not packs_rows(auto, same, wide, backend="cpu")
+
+
+def test_row_cost_counts_parameters_and_attention_width(tiny_model):
+    import jax
+
+    cfg = tiny_model.config
+    n = sum(x.size for x in jax.tree_util.tree_leaves(tiny_model.params))
+    c = row_cost(tiny_model, backend="tpu")
+    assert c.dense == 2 * n
+    heads = cfg.num_attention_heads
+    assert c.attention == cfg.num_hidden_layers * (4 * cfg.hidden_size + heads * SCORE_OVERHEAD_FLOPS_DEFAULT)
+    assert row_cost(tiny_model, backend="cpu").attention > c.attention

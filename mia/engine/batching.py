@@ -11,6 +11,7 @@ import dataclasses
 import heapq
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 
 from .sharding import put_rows
@@ -27,28 +28,80 @@ class ScoringSettings:
     min_bucket: int = 16  # lengths are padded up to a power of two >= this
     bucket_step: int = 128  # above this length, buckets are multiples of it (0: powers of two only); bucket_length
     max_batch: int = 256  # rows per batch per data-parallel device
-    pack: bool = False  # token stats: several texts per row (segment ids, pack_rows); opt-in, see packs_rows
+    pack: Optional[bool] = None  # token stats: several texts per row (pack_rows). None: auto (packs_rows)
     pack_length: int = 512  # packed rows are at least this long (shorter texts share them)
     cache_dir: Optional[str] = None  # None: no on-disk cache
     progress: bool = True
 
 
-def packs_rows(settings: ScoringSettings, learned_positions: bool = False) -> bool:
-    """Whether token stats pack several texts per row: only when ``settings.pack`` is True (opt-in for now: the
-    default stays one text per row until packing is measured on an accelerator; on a GPU unpacked rows also keep
-    cuDNN's causal flash attention), and never for models with learned position embeddings (GPT-2, GPT-Neo:
-    their packed rows do not yet match one text per row)."""
-    return settings.pack and not learned_positions
+# Cost of one attention score (one query, one key, one head) beyond its 4 x head-dim matmul FLOPs: mask, exp and
+# the float32 score traffic. On the CPU it dominates (XLA:CPU materialises the scores): fitted from one step's time
+# at row lengths 128 / 256 / 512 with the same tokens (experiments/bench_padding.py, "row length" table). On GPU/TPU
+# flash-style kernels keep scores on chip; 16 is a guess there, not a measurement.
+SCORE_OVERHEAD_FLOPS = {"cpu": 1024}
+SCORE_OVERHEAD_FLOPS_DEFAULT = 16
+# Packing must save at least this fraction of the estimated work: segment masks and the longer rows' attention are
+# not free, and the estimate is rough (on the CPU, a model of hidden 256 estimated 3% cheaper packed ran 2% slower).
+PACK_MIN_SAVING = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCost:
+    """Forward cost of one row of T tokens, ``T * (dense + attention * T)`` in FLOP-equivalents: ``dense`` per token
+    (2 x the parameters: every weight is one multiply-add per token, the tied LM head counted once) and ``attention``
+    per token per key (layers x heads x (4 x head dim + the backend's score overhead)). Only used to compare two
+    batch plans of the same texts."""
+
+    dense: float
+    attention: float
+
+    def of(self, rows: int, length: int) -> float:
+        return rows * length * (self.dense + self.attention * length)
+
+
+def row_cost(model, backend: Optional[str] = None) -> RowCost:
+    """``RowCost`` of a ``mia.models.hub.Model`` on ``backend`` (default ``jax.default_backend()``) from its config
+    (shared names: ``num_hidden_layers``, ``num_attention_heads``, ``head_dim`` or ``hidden_size``) and its
+    parameter count."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(model.params))
+    overhead = SCORE_OVERHEAD_FLOPS.get(backend or jax.default_backend(), SCORE_OVERHEAD_FLOPS_DEFAULT)
+    return RowCost(2.0 * n_params, float(cfg.num_hidden_layers * heads * (4 * head_dim + overhead)))
+
+
+def plan_cost(plan: Sequence, cost: RowCost) -> float:
+    """Estimated forward cost of a batch plan (``plan_batches`` or ``pack_rows``), empty rows included."""
+    return sum(cost.of(b.rows, b.length) for b in plan)
+
+
+def packs_rows(settings: ScoringSettings, lengths: Sequence[int], cost: Optional[RowCost], n_data: int = 1,
+               backend: Optional[str] = None) -> bool:
+    """Whether token stats pack several texts per row. ``settings.pack`` True / False decides; None (the default)
+    packs when the packed plan's estimated cost (``plan_cost``) is at least ``PACK_MIN_SAVING`` below the
+    one-text-per-row plan's, except on a GPU (``backend``, default ``jax.default_backend()``): there unpacked rows
+    keep cuDNN's mask-free causal flash attention and packing has not been measured. Packing trades padding for
+    attention over ``pack_length`` keys: it pays on mixed lengths when the dense layers dominate (real models), not
+    on equal lengths or tiny attention-bound models."""
+    if settings.pack is not None:
+        return settings.pack
+    if cost is None or len(lengths) < 2:
+        return False
+    if (backend or jax.default_backend()) == "gpu":
+        return False
+    packed = plan_cost(pack_rows(lengths, settings, n_data), cost)
+    return packed < (1 - PACK_MIN_SAVING) * plan_cost(plan_batches(lengths, settings, n_data), cost)
 
 
 def pow2_ceil(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, 1), and at least ``minimum``."""
-    return max(minimum, 1 << (max(1, n) - 1).bit_length())
+    return max(minimum, 1 << (max(1, int(n)) - 1).bit_length())
 
 
 def pow2_floor(n: int) -> int:
     """The largest power of two <= max(n, 1)."""
-    return 1 << (max(1, n).bit_length() - 1)
+    return 1 << (max(1, int(n)).bit_length() - 1)
 
 
 BUCKETS_PER_OCTAVE = 8  # above bucket_step: at most this many buckets between a power of two and its double

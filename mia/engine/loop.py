@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from .batching import (Batch, PackedBatch, ScoringSettings, pack_rows, packs_rows, plan_batches, put_packed,
+from .batching import (Batch, PackedBatch, ScoringSettings, pack_rows, packs_rows, plan_batches, put_packed, row_cost,
                        put_padded)
 from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
 from .distributed import any_process
@@ -146,7 +146,7 @@ def compute_token_stats(
         fn = jitted_token_stats(model)
         rows_sharding = batch_sharding(mesh)
         lengths = [len(token_lists[i]) for i in todo]
-        pack = packs_rows(settings, getattr(model.module, "POSITION_EMBED", None) is not None)
+        pack = packs_rows(settings, lengths, row_cost(model), data_size(mesh))
         plan = (pack_rows if pack else plan_batches)(lengths, settings, data_size(mesh))
         total = sum(lengths)
 

@@ -181,11 +181,13 @@ def is_packed(valid_bt: Array) -> bool:
 
 
 def segment_positions(segments_bt: Array) -> Array:
-    """[B, T] int32 positions that restart at 0 where the segment id changes (each packed text starts at 0)."""
+    """[B, T] int32 positions that restart at 0 where the segment id changes (each packed text starts at 0);
+    padding (segment 0) takes position 0, so a row's padded tail never indexes past a learned position table
+    (GPT-2, GPT-Neo: an out-of-range embedding lookup is NaN, and NaN keys poison even masked attention)."""
     t = segments_bt.shape[1]
     idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segments_bt.shape)
     starts = jnp.concatenate([jnp.ones_like(segments_bt[:, :1], bool), segments_bt[:, 1:] != segments_bt[:, :-1]], 1)
-    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return jnp.where(segments_bt > 0, idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1), 0)
 
 
 def default_positions(tokens_bt: Array, valid_bt: Array, cache: Optional[KVCache]) -> Array:
