@@ -239,6 +239,10 @@ def _add_plan_parser(sub) -> None:
                    help="the step(s) to plan: stats (the pass every attack shares), camia (that pass over the 6x "
                         "repeated text), mope[:n=10,chunk=2], recall[:prefix_len=INT] or em_mia[:group=INT] (the "
                         "prefix pass and the conditional-LL call; --batch target rows, --length tokens per target)")
+    p.add_argument("--platform", default=None, choices=["cpu", "gpu", "tpu"],
+                   help="the backend whose attention kernels and auto dtype to plan for (default: tpu with --topology, "
+                        "else the local devices'). gpu on a host without one: cuDNN's flash attention cannot be "
+                        "compiled there, the blocked kernel (linear memory as well) stands in and the plan says so")
     p.add_argument("--device-memory", default=None, help="memory of one device, e.g. 80GiB (default: the TPU "
                                                          "chip's HBM, or what the local device reports)")
     p.set_defaults(func=cmd_plan)
@@ -255,15 +259,19 @@ def cmd_plan(args) -> int:
 
     if args.batch < 1 or args.length < 2:
         raise plan.PlanError(f"--batch must be >= 1 and --length >= 2, got {args.batch} and {args.length}")
+    if args.topology and args.platform not in (None, "tpu"):
+        raise plan.PlanError(f"--platform {args.platform} with --topology {args.topology}: a topology is a TPU slice")
     hf = plan.read_hf_config(args.model)
     device_bytes = plan.parse_bytes(args.device_memory) if args.device_memory else None
     devices = plan.topology_devices(args.topology) if args.topology else None
     n_devices = len(devices) if devices is not None else plan.local_device_count()
     axes = sharding.parse_mesh(args.mesh, n_devices) if args.mesh else None
     attack, opts = plan.parse_plan_attack(args.attack)
-    args.dtype = resolve_dtype(args.dtype, "tpu" if args.topology else None)
+    platform = "tpu" if args.topology else args.platform
+    args.dtype = resolve_dtype(args.dtype, platform)
     r = plan.plan_scoring(hf, dtype=args.dtype, batch=args.batch, length=args.length, mesh_axes=axes, devices=devices,
-                          device_bytes=device_bytes, attack=attack, source=plan.config_source(args.model), **opts)
+                          device_bytes=device_bytes, attack=attack, source=plan.config_source(args.model),
+                          platform=platform, **opts)
     where = f"TPU topology {args.topology}" if args.topology else "local devices"
     step = {"stats": "token stats", "camia": "CAMIA repeated-text token stats",
             "mope": f"MoPe (n={opts.get('mope_n')}, chunk={opts.get('mope_chunk')})",
@@ -272,6 +280,9 @@ def cmd_plan(args) -> int:
           f"{r.device_kind} ({where}), mesh {','.join(f'{k}={v}' for k, v in r.mesh.items())}")
     for name, f in (r.steps or {}).items():
         print(f"  step {name:<21}{' x '.join(map(str, f['shape'])):>12}   peak {_fmt(f['peak_bytes']).strip()}")
+    names = {"xla": "xla (cuDNN flash)"} if r.platform == "gpu" else {}
+    kernels = ", ".join(names.get(c, c) + ("" if c == k else f"; compiled here: {k}") for c, k in r.attention)
+    print(f"  {'attention (' + r.platform + ')':<26}{kernels}")
     print(f"  parameters per device     {_fmt(r.params_bytes)}")
     print(f"  XLA arguments / temps     {_fmt(r.argument_bytes)} / {_fmt(r.temp_bytes).strip()}")
     print(f"  peak per device           {_fmt(r.peak_bytes)}   ({r.peak_source})")
@@ -283,6 +294,9 @@ def cmd_plan(args) -> int:
     if not args.topology and r.device_kind.lower() == "cpu" and args.dtype != "float32":
         print("  note: XLA:CPU's memory analysis is not representative of bf16/fp16 on accelerators; "
               "use --topology for TPUs, or read this as an estimate")
+    if r.stand_in:
+        print("  note: a GPU runs cuDNN's flash attention, which compiles only with a GPU present; the blocked kernel "
+              "stood in for it here (memory linear in the length as well; its temporaries are not cuDNN's)")
     print(json.dumps(r.to_json(), sort_keys=True))
     return 0 if r.fits is not False else 1
 

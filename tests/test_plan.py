@@ -71,6 +71,27 @@ def test_plan_float32_params_exact_and_activation_peak_linear_in_length():
     assert long.temp_bytes <= 2.5 * short.temp_bytes, (short.temp_bytes, long.temp_bytes)
 
 
+def test_plan_chooses_attention_for_the_target_platform(run_plan, tmp_path):
+    """The kernels are chosen for the platform planned, not the host: bf16 on "gpu" picks cuDNN's (xla), which
+    cannot compile without a GPU, so the blocked kernel stands in and the plan says so; on "cpu", or in float32 on
+    "gpu" (cuDNN needs 16-bit inputs), nothing stands in; --platform gpu makes --dtype auto bfloat16."""
+    gpu = plan_scoring(TINY, dtype="bfloat16", batch=2, length=1024, platform="gpu")
+    assert gpu.platform == "gpu" and ("xla", "blocked") in gpu.attention and gpu.stand_in
+    assert {c for c, _ in gpu.attention} == {"xla"}
+    cpu = plan_scoring(TINY, dtype="bfloat16", batch=2, length=1024, platform="cpu")
+    assert ("blocked", "blocked") in cpu.attention and not cpu.stand_in
+    f32 = plan_scoring(TINY, dtype="float32", batch=2, length=256, platform="gpu")
+    assert f32.attention == (("exact", "exact"),) and not f32.stand_in
+    assert plan_scoring(TINY, dtype="float32", batch=2, length=256).platform == "cpu"
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    r = run_plan("--model", str(cfg), "--batch", "2", "--length", "1024", "--platform", "gpu")
+    assert r.returncode == 0, r.stderr
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last["platform"] == "gpu" and last["attention"] == [{"chosen": "xla", "compiled": "blocked"}]
+    assert "bfloat16" in r.stdout.splitlines()[0] and "blocked kernel stood in" in r.stdout
+
+
 def test_cli_prints_a_table_and_ends_with_json(tmp_path, run_plan):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY))
@@ -91,6 +112,7 @@ def test_cli_prints_a_table_and_ends_with_json(tmp_path, run_plan):
     (["--model", "pythia-70m", "--device-memory", "0"], "--device-memory '0': must be more than 0 bytes"),
     (["--model", "pythia-70m", "--device-memory=-8GiB"], "--device-memory '-8GiB'"),
     (["--model", "pythia-70m", "--device-memory", "."], "--device-memory '.'"),
+    (["--model", "pythia-70m", "--topology", "v5e:2x4", "--platform", "gpu"], "a topology is a TPU slice"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, run_plan, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(TINY, num_attention_heads=0)))

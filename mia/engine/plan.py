@@ -48,6 +48,7 @@ import numpy as np
 from ..attacks.camia import REPEATS
 from ..attacks.fit import prefix_room
 from ..attacks.mope import build_mope_step
+from ..models import attention as A
 from ..models.common import ConfigError
 from ..models.hub import Model, _dtypes, abstract_params, config_from_hf, family, read_config_json
 from ..validate import check_hf_config
@@ -105,6 +106,8 @@ class PlanResult:
     peak_source: str
     group_bytes: Optional[int] = None  # MoPe: the largest leaf group perturbed at once (per device)
     steps: Optional[dict] = None  # several compiled steps (ReCaLL, EM-MIA): {name: {"shape", "peak_bytes", ...}}
+    platform: str = "cpu"  # the backend the attention kernels were chosen for
+    attention: tuple = ()  # sorted distinct (kernel chosen there, kernel compiled here) pairs of the traced calls
 
     @property
     def fits(self) -> Optional[bool]:
@@ -115,7 +118,13 @@ class PlanResult:
                 "fits": self.fits, "temp_bytes": self.temp_bytes, "argument_bytes": self.argument_bytes,
                 "output_bytes": self.output_bytes, "devices": self.devices, "device_kind": self.device_kind,
                 "mesh": self.mesh, "peak_source": self.peak_source, "group_bytes": self.group_bytes,
-                "steps": self.steps}
+                "steps": self.steps, "platform": self.platform,
+                "attention": [{"chosen": c, "compiled": k} for c, k in self.attention]}
+
+    @property
+    def stand_in(self) -> bool:
+        """Some attention kernel was compiled in place of the one the platform runs (``planning_for``)."""
+        return any(c != k for c, k in self.attention)
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -395,7 +404,7 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
                  mesh_axes: Optional[dict] = None, devices=None, fsdp: Optional[bool] = None,
                  device_bytes: Optional[int] = None, attack: str = "stats", mope_n: int = 10,
                  mope_chunk: int = 2, prefix_len: Optional[int] = None, group: Optional[int] = None,
-                 source: str = "config") -> PlanResult:
+                 source: str = "config", platform: Optional[str] = None) -> PlanResult:
     """Compile a scoring step ahead of time and read its memory.
 
     ``attack``: "stats" (the token-statistics pass every attack shares), "mope" (MoPe's step with ``mope_n``
@@ -408,11 +417,17 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     ``mesh_axes``: {"data": n, "model": m} (default: all devices on data). ``fsdp`` defaults to True when a mesh is
     given and False without one, as ``mia score`` does. ``source`` names the config in errors; ``length`` may not
     exceed the model's context (``max_position_embeddings``).
+
+    ``platform``: the backend whose attention kernels the step uses ("cpu", "gpu", "tpu"; default: the devices'
+    platform). Planning "gpu" on a host without a GPU lowers the blocked kernel where a GPU would run cuDNN's flash
+    attention (``mia.models.attention.planning_for``; ``PlanResult.attention`` says so).
     """
     devices = list(jax.devices() if devices is None else devices)
-    model, shapes, shardings, mesh, steps = lowered_steps(
-        hf, dtype=dtype, batch=batch, length=length, mesh_axes=mesh_axes, devices=devices, fsdp=fsdp, attack=attack,
-        mope_n=mope_n, mope_chunk=mope_chunk, prefix_len=prefix_len, group=group, source=source)
+    platform = platform or devices[0].platform
+    with A.planning_for(platform) as chosen:
+        model, shapes, shardings, mesh, steps = lowered_steps(
+            hf, dtype=dtype, batch=batch, length=length, mesh_axes=mesh_axes, devices=devices, fsdp=fsdp,
+            attack=attack, mope_n=mope_n, mope_chunk=mope_chunk, prefix_len=prefix_len, group=group, source=source)
     figures = {name: (shape, memory_figures(lowered.compile())) for name, shape, lowered in steps}
     worst = max(figures, key=lambda n: figures[n][1][0])
     peak, arg, tmp, out, peak_source = figures[worst][1]
@@ -425,7 +440,7 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
                       output_bytes=out, devices=len(devices), device_kind=str(devices[0].device_kind),
                       mesh={k: int(v) for k, v in dict(mesh.shape).items()}, peak_source=peak_source,
                       group_bytes=mope_group_bytes(model, shapes, shardings) if attack == "mope" else None,
-                      steps=detail)
+                      steps=detail, platform=platform, attention=tuple(sorted(set(chosen))))
 
 
 # ----------------------------------------------------------------------------------------------- command line

@@ -34,6 +34,8 @@ Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.def
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from functools import partial
 from typing import Callable, Optional, Union
@@ -341,12 +343,42 @@ def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, 
     return "exact" if s <= EXACT_MAX_KEYS and score_bytes <= EXACT_MAX_SCORE_BYTES else "blocked"
 
 
+# ------------------------------------------------------------------------------------------------ planning
+_TARGET: contextvars.ContextVar = contextvars.ContextVar("mia_attention_target", default=None)
+_CHOSEN: contextvars.ContextVar = contextvars.ContextVar("mia_attention_chosen", default=None)
+STAND_IN = "blocked"  # what a plan off the target compiles in place of a kernel only the target can compile
+
+
+@contextlib.contextmanager
+def planning_for(backend: Optional[str]):
+    """Trace attention as it would be chosen on ``backend`` ("cpu", "gpu", "tpu"; None: the local one) and record
+    the choices: yields a list that receives one (kernel chosen, kernel compiled) pair per attention call traced
+    inside. ``mia plan`` uses it to lower a TPU topology's or a GPU's program on a CPU host. A kernel that cannot
+    be compiled off its backend (cuDNN's, planned for "gpu" on a host without one) is replaced by ``STAND_IN``, the
+    blocked kernel, whose memory is linear in the length as cuDNN's flash attention is; the pair then differs."""
+    chosen: list = []
+    target, record = _TARGET.set(backend), _CHOSEN.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _TARGET.reset(target)
+        _CHOSEN.reset(record)
+
+
 def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt: Array, k_pos_bs: Array,
                           k_valid_bs: Array, *, scale: float, window: Window = None) -> Array:
     """Causal (by position id) grouped-query attention; scores and softmax in float32. Returns [B, T, H, E].
 
-    The kernel is chosen by :func:`select_kernel` when traced; every kernel agrees with ``exact_attention``.
+    The kernel is chosen by :func:`select_kernel` when traced (for the backend ``planning_for`` names, if any);
+    every kernel agrees with ``exact_attention``.
     """
     b, t, h, e = q_bthe.shape
-    kernel = select_kernel(b, h, t, k_bske.shape[1], e, q_bthe.dtype)
-    return KERNELS[kernel](q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, scale=scale, window=window)
+    target = _TARGET.get()
+    kernel = select_kernel(b, h, t, k_bske.shape[1], e, q_bthe.dtype, backend=target)
+    compiled = kernel
+    if kernel == "xla" and target == "gpu" and jax.default_backend() != "gpu":
+        compiled = STAND_IN  # cuDNN's kernel lowers only with a GPU present
+    chosen = _CHOSEN.get()
+    if chosen is not None:
+        chosen.append((kernel, compiled))
+    return KERNELS[compiled](q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, scale=scale, window=window)
