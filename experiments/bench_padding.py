@@ -30,8 +30,8 @@ table (no model) gives the same padding columns at the default token budget for 
 
 The "row length" table times one token-stats step on the same 2,048 random tokens as rows of 128, 256 and 512 and
 fits the per-score attention cost that ``mia.engine.batching.SCORE_OVERHEAD_FLOPS`` holds for this backend:
-t(T) is proportional to dense + a T per token, so a = dense (r - 1) / (512 - 128 r) with r = t(512) / t(128), and
-the overhead per score is a / (layers x heads) - 4 x head dim.
+the estimate says t(T) is proportional to dense + a T per token, so a least-squares line t = alpha + beta T gives
+a = dense beta / alpha, and the overhead per score is a / (layers x heads) - 4 x head dim (in FLOP-equivalents).
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -126,15 +127,18 @@ def step_seconds(model, rows: int, length: int, repeats: int = 5) -> float:
     return best
 
 
-def fitted_score_overhead(model, seconds: dict) -> float:
-    """The per-score cost beyond 4 x head dim implied by step times at row lengths 128 and 512 (module docstring)."""
+def fitted_score_overhead(model, seconds: dict) -> Optional[float]:
+    """The per-score cost beyond 4 x head dim implied by step times at several row lengths (same tokens): a least-
+    squares line t(T) = alpha + beta T, so per key = dense x beta / alpha (module docstring); None when the line has
+    alpha <= 0 (the step time grows faster than linearly in T: attention-bound, the cost model does not hold)."""
     from mia.engine.batching import row_cost
 
     cfg, dense = model.config, row_cost(model).dense
-    r = seconds[512] / seconds[128]
-    per_key = dense * (r - 1) / (512 - 128 * r)
+    beta, alpha = np.polyfit(list(seconds), list(seconds.values()), 1)
+    if alpha <= 0:
+        return None
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return per_key / (cfg.num_hidden_layers * cfg.num_attention_heads) - 4 * head_dim
+    return dense * beta / alpha / (cfg.num_hidden_layers * cfg.num_attention_heads) - 4 * head_dim
 
 
 def main(argv=None):
@@ -205,7 +209,9 @@ def main(argv=None):
     seconds = {t: step_seconds(model, 2048 // t, t) for t in (128, 256, 512)}
     for t, sec in seconds.items():
         print(f"  rows {2048 // t:3d} x {t:3d}: {sec * 1e3:8.2f} ms  ({sec / seconds[128]:.2f}x the 128-token rows)")
-    print(f"  fitted score overhead {fitted_score_overhead(model, seconds):.0f} FLOP-equivalents per score; "
+    fitted = fitted_score_overhead(model, seconds)
+    print(f"  fitted score overhead "
+          f"{'n/a (time grows faster than linearly in T)' if fitted is None else f'{fitted:.0f}'} per score; "
           f"SCORE_OVERHEAD_FLOPS for {backend}: "
           f"{SCORE_OVERHEAD_FLOPS.get(backend, SCORE_OVERHEAD_FLOPS_DEFAULT)}")
 
