@@ -109,6 +109,11 @@ def test_plan_batches_one_shape_per_length_bucket_and_a_per_device_budget(step):
     assert [(b.length, b.rows) for b in one] == [(384, 4)] * 16
 
 
+def _real_rows(valid) -> int:
+    """Rows of a token-stats call that hold an example (not the padding rows a device count adds)."""
+    return int(np.asarray(valid).any(axis=1).sum())
+
+
 def test_disk_cache_is_reused_and_resumes(tiny_model, tmp_path, monkeypatch):
     seqs = _random_lists(tiny_model.vocab_size, [6, 9, 30, 12])
     s = ScoringSettings(progress=False, cache_dir=str(tmp_path), token_budget=32)
@@ -120,11 +125,11 @@ def test_disk_cache_is_reused_and_resumes(tiny_model, tmp_path, monkeypatch):
 
     def counting(model, chunk=None):
         fn = real(model, chunk)
-        return lambda *a: calls.append(a[1].shape) or fn(*a)
+        return lambda *a: calls.append(_real_rows(a[2])) or fn(*a)
 
     monkeypatch.setattr(sc, "jitted_token_stats", counting)
     full = compute_token_stats(tiny_model, seqs, s)
-    assert sum(shape[0] for shape in calls) < 4 + 2  # the two cached examples were not recomputed
+    assert sum(calls) == 2  # the two cached examples were not recomputed (padding rows of any device count aside)
     np.testing.assert_array_equal(first[0]["logprob"], full[0]["logprob"])
     calls.clear()
     again = compute_token_stats(tiny_model, seqs, s)
@@ -163,12 +168,18 @@ def test_scores_do_not_depend_on_device_count(tiny_neox_dir, tiny_model, tmp_pat
 
 def test_interrupt_keeps_every_fetched_batch_on_disk(tiny_model, tmp_path, monkeypatch):
     """Interrupted mid-run (Ctrl-C, or any error): the batches already fetched are on disk (the cache writer is
-    drained on the way out), and a rerun computes only the rest. Batches: [6, 9], [12] (bucket 16, 2 rows), [30],
-    [40], [50]. (pytest lets a real KeyboardInterrupt through, so a stand-in exception interrupts here.)"""
+    drained on the way out), and a rerun computes only the rest. On one device the batches are [6, 9], [12] (bucket
+    16, 2 rows), [30], [40], [50]; on more (the budget is per device) the plan of that device count.
+    (pytest lets a real KeyboardInterrupt through, so a stand-in exception interrupts here.)"""
+    import jax
+
     import mia.engine.loop as sc
 
-    seqs = _random_lists(tiny_model.vocab_size, [6, 9, 30, 12, 40, 50], seed=4)
+    lengths = [6, 9, 30, 12, 40, 50]
+    seqs = _random_lists(tiny_model.vocab_size, lengths, seed=4)
     s = ScoringSettings(progress=False, cache_dir=str(tmp_path), token_budget=32, pack=False)
+    plan = plan_batches(lengths, s, len(jax.devices()))
+    assert len(plan) >= 3
     real, calls, interrupted = sc.jitted_token_stats, [], []
 
     class Interrupt(Exception):
@@ -178,7 +189,7 @@ def test_interrupt_keeps_every_fetched_batch_on_disk(tiny_model, tmp_path, monke
         fn = real(model, chunk)
 
         def call(*a):
-            calls.append(a[1].shape)
+            calls.append(_real_rows(a[2]))
             if len(calls) == 3 and not interrupted:  # batch 1 is fetched, batch 2 is in flight
                 interrupted.append(True)
                 raise Interrupt
@@ -189,10 +200,10 @@ def test_interrupt_keeps_every_fetched_batch_on_disk(tiny_model, tmp_path, monke
     with pytest.raises(Interrupt):
         compute_token_stats(tiny_model, seqs, s)
     on_disk = sc.StatsCache(str(tmp_path), sc.cache_namespace(tiny_model)).lookup([sc.example_key(t) for t in seqs])
-    assert set(on_disk) == {sc.example_key(seqs[0]), sc.example_key(seqs[1])}
+    assert set(on_disk) == {sc.example_key(seqs[m]) for m in plan[0].members}
     calls.clear()
     resumed = compute_token_stats(tiny_model, seqs, s)
-    assert sum(shape[0] for shape in calls) == 4  # [12], [30], [40], [50]
+    assert sum(calls) == len(seqs) - len(plan[0].members)  # one device: [12], [30], [40], [50]
     fresh = compute_token_stats(tiny_model, seqs, ScoringSettings(progress=False, token_budget=32))
     for a, b in zip(resumed, fresh):
         np.testing.assert_allclose(a["logprob"], b["logprob"], atol=1e-6)
