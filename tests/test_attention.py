@@ -183,7 +183,8 @@ def test_dispatch_auto_and_override(monkeypatch):
     assert sel(2, 8, 2048, 2048, 64, dtype=bf16, backend="gpu") == "xla"
     assert sel(2, 8, 64, 2048, 64, dtype=bf16, backend="gpu") == "blocked"  # cache: not cuDNN's mask
     assert sel(2, 8, 2048, 2048, 64, backend="gpu") == "blocked"  # float32: cuDNN flash needs bf16/fp16
-    assert sel(2, 8, 2048, 2048, 64, dtype=bf16, backend="tpu") == "blocked"
+    assert sel(2, 8, 2048, 2048, 64, dtype=bf16, backend="tpu") == "splash"  # Pallas splash (tests/test_splash.py)
+    assert sel(2, 8, 64, 2048, 64, dtype=bf16, backend="tpu") == "blocked"  # a cache
     for name in A.KERNEL_NAMES:
         monkeypatch.setenv(A.ENV_VAR, name.upper())
         assert sel(8, 8, 512, 512, 64) == name

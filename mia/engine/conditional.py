@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from .. import cache_limit
 from ..atomic import save_npz
+from ..models.attention import traced_over
 from ..models.common import KVCache
 from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows, plan_batches, pow2_ceil, pow2_floor,
                        put_padded)
@@ -156,7 +157,7 @@ def build_prefix_step(model, mesh, shardings, cache_shardings: PrefixCache):
     gather = layer_gather(shardings, layers)
     fn = lambda params, tokens, valid: prefix_cache(  # noqa: E731
         model, gather_outside_layers(params, shardings, layers), tokens, valid, gather)
-    return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, replicated(mesh), replicated(mesh)),
+    return jax.jit(_TRACE_WRAP(traced_over(mesh, fn)), in_shardings=(shardings, replicated(mesh), replicated(mesh)),
                    out_shardings=cache_shardings)
 
 

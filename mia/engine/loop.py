@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..models.attention import traced_over
 from .batching import (Batch, PackedBatch, ScoringSettings, pack_rows, packs_rows, plan_batches, put_packed, row_cost,
                        put_padded)
 from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
@@ -66,7 +67,7 @@ def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None):
         params = gather_outside_layers(params, shardings, layers)
         return token_stats(model, params, tokens, valid, chunk=c, layer_transform=gather)
 
-    return jax.jit(step, in_shardings=(shardings, rows, rows), out_shardings=replicated(mesh))
+    return jax.jit(traced_over(mesh, step), in_shardings=(shardings, rows, rows), out_shardings=replicated(mesh))
 
 
 @functools.lru_cache(maxsize=32)

@@ -424,7 +424,7 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     """
     devices = list(jax.devices() if devices is None else devices)
     platform = platform or devices[0].platform
-    with A.planning_for(platform) as chosen:
+    with A.planning_for(platform, devices[0].platform) as chosen:
         model, shapes, shardings, mesh, steps = lowered_steps(
             hf, dtype=dtype, batch=batch, length=length, mesh_axes=mesh_axes, devices=devices, fsdp=fsdp,
             attack=attack, mope_n=mope_n, mope_chunk=mope_chunk, prefix_len=prefix_len, group=group, source=source)

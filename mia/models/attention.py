@@ -26,10 +26,23 @@ their float32 sum at the end. In bf16 the two then agree to float32 summation or
            blocks skipped. Otherwise it gets the boolean mask [B, 1, T, S] (quadratic, but booleans/bias, not
            float32 scores per head). Shapes cuDNN refuses at trace time run the blocked kernel instead.
 
+  splash   Pallas splash attention on a TPU (``jax.experimental.pallas.ops.tpu.splash_attention``): no cache
+           (T = S), a length divisible by 128, a static window. Our mask is its causal (or local, window - 1
+           to the left) mask by index plus segment ids: 1 for valid tokens and 0 for padding, or the packed rows'
+           ids as they are. That equals the position-id rule when, in every row, the tokens of each segment are
+           contiguous with positions index + a constant, and q_pos = k_pos (right or left padding, packed rows):
+           checked at run time (:func:`index_aligned`), else the blocked kernel runs. Scores, softmax and sums
+           in float32 (its own rounding: q is scaled before the kernel, weights exp(s - running max), not the
+           integer-max rule, so it agrees with exact to the input dtype's rounding). Padding queries see padding
+           keys (finite, unused). Inside :func:`over_mesh` (the engine's jitted steps) it runs under
+           ``shard_map``: rows over ``data``, heads over ``model`` when both head counts divide by it.
+
 Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.default_backend()``):
-  the environment variable ``MIA_ATTENTION`` = exact | blocked | xla forces a kernel; auto (the default)
-  picks xla on a GPU when cuDNN can run it (bf16/fp16, no cache, head dim a multiple of 8 and <= 128), else
-  exact while the keys are short (S <= EXACT_MAX_KEYS and the scores fit EXACT_MAX_SCORE_BYTES), else blocked.
+  the environment variable ``MIA_ATTENTION`` = exact | blocked | xla | splash forces a kernel; auto (the
+  default) picks xla on a GPU when cuDNN can run it (bf16/fp16, no cache, head dim a multiple of 8 and <= 128),
+  splash on a TPU when it can run (:func:`splash_can_run`), else exact while the keys are short
+  (S <= EXACT_MAX_KEYS and the scores fit EXACT_MAX_SCORE_BYTES), else blocked. A forced splash that cannot
+  run these shapes (a cache, a traced window, a length not a multiple of 128) runs blocked.
   jit caches are per process: set the variable before anything is traced.
 """
 from __future__ import annotations
@@ -51,7 +64,7 @@ Window = Optional[Union[int, Array]]  # None (global), an int, or a traced int32
 MASK_VALUE = -1e30
 
 ENV_VAR = "MIA_ATTENTION"
-KERNEL_NAMES = ("exact", "blocked", "xla")
+KERNEL_NAMES = ("exact", "blocked", "xla", "splash")
 
 # auto dispatch thresholds (CPU measurements in docs/benchmarks.md#attention)
 EXACT_MAX_KEYS = 512
@@ -311,11 +324,144 @@ def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sca
     return _jax_attention(*args, scale=scale, window=window, implementation=None).astype(v_bske.dtype)
 
 
+# ------------------------------------------------------------------------------------------------ splash (TPU)
+SPLASH_BLOCKS = (512, 256, 128)  # the largest that divides the length is used for queries and keys
+SPLASH_LANES = 128
+_MESH: contextvars.ContextVar = contextvars.ContextVar("mia_attention_mesh", default=None)
+
+
+@contextlib.contextmanager
+def over_mesh(mesh):
+    """Trace attention for a jitted step over ``mesh`` (axes ``data``, ``model``): kernels that cannot be
+    partitioned by XLA (splash's Pallas call) run under ``shard_map`` on it. The engine's step builders wrap
+    the traced function in it."""
+    token = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
+
+
+def traced_over(mesh, fn: Callable) -> Callable:
+    """``fn`` traced inside :func:`over_mesh` (``mesh``): what the engine's step builders hand to ``jax.jit``."""
+    def wrapped(*args, **kwargs):
+        with over_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def splash_block(length: int) -> Optional[int]:
+    """The splash block size for a length: the largest of SPLASH_BLOCKS dividing it, None if none does."""
+    return next((b for b in SPLASH_BLOCKS if length % b == 0), None)
+
+
+def splash_can_run(t: int, s: int, window=None) -> bool:
+    """Static conditions of the splash kernel: no cache (T = S), a length divisible by 128, a static window."""
+    return t == s and splash_block(t) is not None and is_static(window)
+
+
+def index_aligned(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array) -> Array:
+    """Scalar bool: (T = S and) q_pos = k_pos, and in every row the keys of each segment (the valid keys, or the
+    keys of one packed text; ids > 0) are contiguous with positions = index + a per-segment constant.
+
+    Then, with segment ids 1 = valid / 0 = padding (or the packed ids), index-causal attention within a segment
+    (and an index window) allows exactly what the position-id rule allows for every query that has a segment.
+    """
+    seg = k_valid_bs.astype(jnp.int32)
+    live = seg > 0
+    index = jnp.arange(seg.shape[1], dtype=jnp.int32)[None, :]
+    offset = k_pos_bs.astype(jnp.int32) - index
+    # the previous live key of each key (-1: none): for live keys of one segment it must be the key just before
+    prev = jax.lax.cummax(jnp.where(live, index, -1), axis=1)
+    prev = jnp.concatenate([jnp.full_like(prev[:, :1], -1), prev[:, :-1]], axis=1)
+    has_prev = prev >= 0
+    at = jnp.maximum(prev, 0)
+    prev_seg = jnp.take_along_axis(seg, at, axis=1)
+    prev_off = jnp.take_along_axis(offset, at, axis=1)
+    same = has_prev & (prev_seg == seg)
+    # a live key continues its segment (adjacent, same offset) or opens one never seen before (ids increase)
+    ok = ~live | jnp.where(same, (prev == index - 1) & (prev_off == offset), ~has_prev | (prev_seg < seg))
+    return jnp.all(ok) & jnp.all(q_pos_bt == k_pos_bs)
+
+
+def _splash_kernel(heads: int, length: int, window, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    shape = (length, length)
+    head_mask = sa.CausalMask(shape) if window is None else sa.LocalMask(shape, (int(window) - 1, 0), 0)
+    block = splash_block(length)
+    sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=min(block, 512))
+    return sa.make_splash_mha(sa.MultiHeadMask([head_mask] * heads), block_sizes=sizes, head_shards=1,
+                              q_seq_shards=1, interpret=interpret)
+
+
+def _splash_local(q_bthe, k_bske, v_bske, seg_bt, *, window, interpret):
+    """Splash on one device's rows and heads: q [b, T, h, E] (already scaled), k, v [b, T, k, E], seg [b, T]."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    kernel = _splash_kernel(q_bthe.shape[2], q_bthe.shape[1], window, interpret)
+
+    def one_row(q, k, v, seg):  # [h, T, E], [k, T, E], [k, T, E], [T]
+        return kernel(q, k, v, segment_ids=SegmentIds(q=seg, kv=seg))
+
+    out = jax.vmap(one_row)(q_bthe.transpose(0, 2, 1, 3), k_bske.transpose(0, 2, 1, 3),
+                            v_bske.transpose(0, 2, 1, 3), seg_bt)
+    return out.transpose(0, 2, 1, 3)
+
+
+def _splash_sharded(q, k, v, seg, *, window, interpret):
+    mesh = _MESH.get()
+    local = partial(_splash_local, window=window, interpret=interpret)
+    if mesh is None or mesh.size == 1:
+        return local(q, k, v, seg)
+    from jax.sharding import PartitionSpec as P
+
+    axes = dict(mesh.shape)
+    rows = "data" if q.shape[0] % axes.get("data", 1) == 0 else None
+    m = axes.get("model", 1)
+    heads = "model" if q.shape[2] % m == 0 and k.shape[2] % m == 0 else None
+    spec = P(rows, None, heads, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows, None)), out_specs=spec,
+                         check_vma=False)(q, k, v, seg)
+
+
+def splash_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
+                     window: Window = None, interpret: Optional[bool] = None) -> Array:
+    """Pallas splash attention (TPU) with our masking; the blocked kernel where it cannot run (see the module
+    docstring: statically :func:`splash_can_run`, at run time :func:`index_aligned`). Valid query rows equal
+    :func:`exact_attention` to the input dtype's rounding; padding rows are finite.
+
+    ``interpret``: run the Pallas kernel in interpret mode (default: when the backend is not a TPU), which is
+    how the tests check it on a CPU.
+    """
+    args = (q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs)
+    b, t, h, e = q_bthe.shape
+    if not splash_can_run(t, k_bske.shape[1], window):
+        return blocked_attention(*args, scale=scale, window=window)
+    if interpret is None:
+        interpret = lowering_platform() != "tpu"
+    dtype = q_bthe.dtype
+    q = (q_bthe.astype(jnp.float32) * scale).astype(dtype)
+    seg = k_valid_bs.astype(jnp.int32)
+
+    def splash(_):
+        out = _splash_sharded(q, k_bske.astype(dtype), v_bske.astype(dtype), seg, window=window,
+                              interpret=interpret)
+        return out.astype(v_bske.dtype)
+
+    def blocked(_):
+        return blocked_attention(*args, scale=scale, window=window)
+
+    return jax.lax.cond(index_aligned(q_pos_bt, k_pos_bs, k_valid_bs), splash, blocked, None)
+
+
 # ------------------------------------------------------------------------------------------------ dispatch
 KERNELS: dict[str, Callable[..., Array]] = {
     "exact": exact_attention,
     "blocked": blocked_attention,
     "xla": xla_attention,
+    "splash": splash_attention,
 }
 
 
@@ -328,10 +474,11 @@ def requested_kernel() -> str:
 
 
 def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, *, backend: Optional[str] = None,
-                  requested: Optional[str] = None) -> str:
+                  requested: Optional[str] = None, window_static: bool = True) -> str:
     """The kernel name for static shapes (see the module docstring); ``requested`` defaults to MIA_ATTENTION.
 
-    A traced per-layer window does not change the choice: on a GPU the xla kernel then passes it in the mask.
+    A traced per-layer window (``window_static`` False) does not change the choice on a GPU (the xla kernel then
+    passes it in the mask); on a TPU it rules splash out (its mask is static).
     """
     requested = requested or requested_kernel()
     if requested != "auto":
@@ -339,6 +486,8 @@ def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, 
     backend = backend or jax.default_backend()
     if backend == "gpu" and t == s and _cudnn_can_run(head_dim, dtype):
         return "xla"
+    if backend == "tpu" and t == s and splash_block(t) is not None and window_static:
+        return "splash"
     score_bytes = 4 * batch * heads * t * s
     return "exact" if s <= EXACT_MAX_KEYS and score_bytes <= EXACT_MAX_SCORE_BYTES else "blocked"
 
@@ -346,23 +495,34 @@ def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, 
 # ------------------------------------------------------------------------------------------------ planning
 _TARGET: contextvars.ContextVar = contextvars.ContextVar("mia_attention_target", default=None)
 _CHOSEN: contextvars.ContextVar = contextvars.ContextVar("mia_attention_chosen", default=None)
+_LOWERING: contextvars.ContextVar = contextvars.ContextVar("mia_attention_lowering", default=None)
+NEEDS_PLATFORM = {"xla": "gpu", "splash": "tpu"}  # kernels whose target's version lowers only for that platform
 STAND_IN = "blocked"  # what a plan off the target compiles in place of a kernel only the target can compile
 
 
 @contextlib.contextmanager
-def planning_for(backend: Optional[str]):
+def planning_for(backend: Optional[str], lowering: Optional[str] = None):
     """Trace attention as it would be chosen on ``backend`` ("cpu", "gpu", "tpu"; None: the local one) and record
     the choices: yields a list that receives one (kernel chosen, kernel compiled) pair per attention call traced
     inside. ``mia plan`` uses it to lower a TPU topology's or a GPU's program on a CPU host. A kernel that cannot
     be compiled off its backend (cuDNN's, planned for "gpu" on a host without one) is replaced by ``STAND_IN``, the
-    blocked kernel, whose memory is linear in the length as cuDNN's flash attention is; the pair then differs."""
+    blocked kernel, whose memory is linear in the length as cuDNN's flash attention is; the pair then differs.
+
+    ``lowering``: the platform the program is compiled for (default: the local backend); a TPU topology's devices
+    compile splash's Pallas kernel for a TPU from a CPU host, CPU devices planned for "tpu" compile ``STAND_IN``."""
     chosen: list = []
-    target, record = _TARGET.set(backend), _CHOSEN.set(chosen)
+    target, record, low = _TARGET.set(backend), _CHOSEN.set(chosen), _LOWERING.set(lowering)
     try:
         yield chosen
     finally:
         _TARGET.reset(target)
         _CHOSEN.reset(record)
+        _LOWERING.reset(low)
+
+
+def lowering_platform() -> str:
+    """The platform attention is being compiled for: ``planning_for``'s ``lowering``, else the local backend."""
+    return _LOWERING.get() or jax.default_backend()
 
 
 def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt: Array, k_pos_bs: Array,
@@ -374,10 +534,11 @@ def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt:
     """
     b, t, h, e = q_bthe.shape
     target = _TARGET.get()
-    kernel = select_kernel(b, h, t, k_bske.shape[1], e, q_bthe.dtype, backend=target)
+    kernel = select_kernel(b, h, t, k_bske.shape[1], e, q_bthe.dtype, backend=target,
+                           window_static=is_static(window))
     compiled = kernel
-    if kernel == "xla" and target == "gpu" and jax.default_backend() != "gpu":
-        compiled = STAND_IN  # cuDNN's kernel lowers only with a GPU present
+    if target is not None and target == NEEDS_PLATFORM.get(kernel) and lowering_platform() != target:
+        compiled = STAND_IN  # cuDNN's kernel lowers only with a GPU present, splash's only for TPU devices
     chosen = _CHOSEN.get()
     if chosen is not None:
         chosen.append((kernel, compiled))
