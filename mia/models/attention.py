@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from functools import partial
+from functools import partial, wraps
 from typing import Callable, Optional, Union
 
 import jax
@@ -344,6 +344,7 @@ def over_mesh(mesh):
 
 def traced_over(mesh, fn: Callable) -> Callable:
     """``fn`` traced inside :func:`over_mesh` (``mesh``): what the engine's step builders hand to ``jax.jit``."""
+    @wraps(fn)
     def wrapped(*args, **kwargs):
         with over_mesh(mesh):
             return fn(*args, **kwargs)
