@@ -92,8 +92,8 @@ def test_splash_runs_blocked_where_the_layout_is_not_index_aligned():
     np.testing.assert_allclose(got[live], _exact(args, 5)[live], atol=2e-5, rtol=0)
     # splash alone on this layout is wrong (so the run-time check matters)
     seg = jnp.asarray(args[5], jnp.int32)
-    q = jnp.asarray(args[0]) * SCALE
-    raw = np.asarray(A._splash_local(q, jnp.asarray(args[1]), jnp.asarray(args[2]), seg, window=5, interpret=True))
+    q, k, v = (jnp.asarray(a) for a in args[:3])
+    raw = np.asarray(A._splash_local(q, k, v, seg, scale=SCALE, window=5, interpret=True))
     assert np.abs(raw[live] - _exact(args, 5)[live]).max() > 1e-2
 
 

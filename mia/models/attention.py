@@ -397,8 +397,10 @@ def _splash_kernel(heads: int, length: int, window, interpret: bool):
                               q_seq_shards=1, interpret=interpret)
 
 
-def _splash_local(q_bthe, k_bske, v_bske, seg_bt, *, window, interpret):
-    """Splash on one device's rows and heads: q [b, T, h, E] (already scaled), k, v [b, T, k, E], seg [b, T]."""
+def _splash_local(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpret):
+    """Splash on one device's rows and heads: q [b, T, h, E], k, v [b, T, k, E] (q's dtype), seg [b, T] int32.
+    q is scaled in float32 and rounded to its dtype (splash takes no scale), after the transpose to the kernel's
+    [b, h, T, E] so that XLA does both in one pass."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     kernel = _splash_kernel(q_bthe.shape[2], q_bthe.shape[1], window, interpret)
@@ -406,14 +408,15 @@ def _splash_local(q_bthe, k_bske, v_bske, seg_bt, *, window, interpret):
     def one_row(q, k, v, seg):  # [h, T, E], [k, T, E], [k, T, E], [T]
         return kernel(q, k, v, segment_ids=SegmentIds(q=seg, kv=seg))
 
-    out = jax.vmap(one_row)(q_bthe.transpose(0, 2, 1, 3), k_bske.transpose(0, 2, 1, 3),
+    q = (q_bthe.transpose(0, 2, 1, 3).astype(jnp.float32) * scale).astype(q_bthe.dtype)
+    out = jax.vmap(one_row)(q, k_bske.transpose(0, 2, 1, 3),
                             v_bske.transpose(0, 2, 1, 3), seg_bt)
     return out.transpose(0, 2, 1, 3)
 
 
-def _splash_sharded(q, k, v, seg, *, window, interpret):
+def _splash_sharded(q, k, v, seg, *, scale, window, interpret):
     mesh = _MESH.get()
-    local = partial(_splash_local, window=window, interpret=interpret)
+    local = partial(_splash_local, scale=scale, window=window, interpret=interpret)
     if mesh is None or mesh.size == 1:
         return local(q, k, v, seg)
     from jax.sharding import PartitionSpec as P
@@ -443,11 +446,10 @@ def splash_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, 
     if interpret is None:
         interpret = lowering_platform() != "tpu"
     dtype = q_bthe.dtype
-    q = (q_bthe.astype(jnp.float32) * scale).astype(dtype)
     seg = k_valid_bs.astype(jnp.int32)
 
     def splash(_):
-        out = _splash_sharded(q, k_bske.astype(dtype), v_bske.astype(dtype), seg, window=window,
+        out = _splash_sharded(q_bthe, k_bske.astype(dtype), v_bske.astype(dtype), seg, scale=scale, window=window,
                               interpret=interpret)
         return out.astype(v_bske.dtype)
 
