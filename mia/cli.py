@@ -294,7 +294,11 @@ def cmd_plan(args) -> int:
     if not args.topology and r.device_kind.lower() == "cpu" and args.dtype != "float32":
         print("  note: XLA:CPU's memory analysis is not representative of bf16/fp16 on accelerators; "
               "use --topology for TPUs, or read this as an estimate")
-    if r.stand_in:
+    if r.stand_in and r.platform == "tpu":
+        print("  note: a TPU runs Pallas splash attention, which compiles only for TPU devices (give --topology); the "
+              "blocked kernel stood in for it here (memory linear in the length as well; its temporaries are not "
+              "splash's)")
+    elif r.stand_in:
         print("  note: a GPU runs cuDNN's flash attention, which compiles only with a GPU present; the blocked kernel "
               "stood in for it here (memory linear in the length as well; its temporaries are not cuDNN's)")
     print(json.dumps(r.to_json(), sort_keys=True))

@@ -83,6 +83,8 @@ def test_plan_chooses_attention_for_the_target_platform(run_plan, tmp_path):
     f32 = plan_scoring(TINY, dtype="float32", batch=2, length=256, platform="gpu")
     assert f32.attention == (("exact", "exact"),) and not f32.stand_in
     assert plan_scoring(TINY, dtype="float32", batch=2, length=256).platform == "cpu"
+    tpu = plan_scoring(TINY, dtype="bfloat16", batch=2, length=256, platform="tpu")  # splash: TPU devices only
+    assert tpu.attention == (("splash", "blocked"),) and tpu.stand_in
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY))
     r = run_plan("--model", str(cfg), "--batch", "2", "--length", "1024", "--platform", "gpu")
