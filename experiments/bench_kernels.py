@@ -3,7 +3,8 @@
     python -m experiments.bench_kernels --model DIR [--dtype bfloat16] [--rows 64 --length 512]
     python -m experiments.bench_kernels --testbed DIR [--steps 100] [--block 32]
 
-Each kernel (``exact``, ``blocked``, ``xla``: cuDNN flash attention on a CUDA GPU, jax's own elsewhere) runs in a
+Each kernel (``exact``, ``blocked``, ``xla``: cuDNN flash attention on a CUDA GPU, jax's own elsewhere; ``splash``
+with ``--kernels exact,blocked,splash`` on a TPU) runs in a
 fresh process with ``MIA_ATTENTION`` set (the kernel is chosen when a function is traced), on the same rows: the
 first ``--rows`` rows of the testbed's data order cut to ``--length`` tokens, or random tokens for ``--model``. A
 float32 exact run is the reference. Printed: max and mean |Δ log p| per target token for every pair.
@@ -72,6 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--block", type=int, default=256, help="the blocked kernel's block size (smaller: more blocks "
                                                             "on short rows)")
+    ap.add_argument("--kernels", default=",".join(KERNELS),
+                    help="comma-separated kernels to compare (default: %(default)s; on a TPU add splash; off a TPU "
+                         "splash runs in Pallas interpret mode, very slowly)")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -81,7 +85,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tokens_file = str(Path(tmp) / "tokens.npy")
         np.save(tokens_file, rows_of(args))
-        runs = [("float32 exact", "exact", "float32")] + [(f"{args.dtype} {k}", k, args.dtype) for k in KERNELS]
+        kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+        runs = [("float32 exact", "exact", "float32")] + [(f"{args.dtype} {k}", k, args.dtype) for k in kernels]
         out = {}
         for name, kernel, dtype in runs:
             f = str(Path(tmp) / f"{name.replace(' ', '_')}.npy")
