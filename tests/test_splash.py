@@ -82,6 +82,16 @@ def test_splash_equals_exact_on_valid_queries(kind, window, kv_heads):
     np.testing.assert_allclose(got[live], _exact(args, window)[live], atol=2e-5, rtol=0)
 
 
+def test_traced_window_from_a_layer_table():
+    """GPT-Neo's mixed stack passes the window as a traced table entry (int32 max = global): the global value runs
+    splash, a local one blocked, and both equal exact."""
+    args, live = rows("right")
+    fn = jax.jit(lambda w, *a: A.splash_attention(*a, scale=SCALE, window=w, interpret=True))
+    for traced, static in ((5, 5), (np.iinfo(np.int32).max, None)):
+        got = np.asarray(fn(jnp.int32(traced), *args))
+        np.testing.assert_allclose(got[live], _exact(args, static)[live], atol=2e-5, rtol=0)
+
+
 def test_splash_runs_blocked_where_the_layout_is_not_index_aligned():
     """Padding inside a row (positions then differ from index + a constant): with a local window splash's index
     mask would differ from the position rule, so the kernel must notice at run time, take the blocked branch and
@@ -129,7 +139,7 @@ def test_dispatch_picks_splash_on_tpu_and_blocked_elsewhere(monkeypatch):
     assert A.select_kernel(2, 12, 2048, 2048, 64, bf16, backend="cpu") == "blocked"
     assert A.select_kernel(2, 12, 2000, 2000, 64, bf16, backend="tpu") == "blocked"  # not a multiple of 128
     assert A.select_kernel(2, 12, 64, 2048, 64, bf16, backend="tpu") == "blocked"  # a cache
-    assert A.select_kernel(2, 12, 2048, 2048, 64, bf16, backend="tpu", window_static=False) == "blocked"
+    assert A.select_kernel(2, 12, 2048, 2048, 64, bf16, backend="tpu", window_static=False) == "splash"
     # through the model-facing entry point, with the backend name monkeypatched
     args, _ = rows("right", b=2)
     chosen = []

@@ -26,23 +26,24 @@ their float32 sum at the end. In bf16 the two then agree to float32 summation or
            blocks skipped. Otherwise it gets the boolean mask [B, 1, T, S] (quadratic, but booleans/bias, not
            float32 scores per head). Shapes cuDNN refuses at trace time run the blocked kernel instead.
 
-  splash   Pallas splash attention on a TPU (``jax.experimental.pallas.ops.tpu.splash_attention``): no cache
-           (T = S), a length divisible by 128, a static window. Our mask is its causal (or local, window - 1
-           to the left) mask by index plus segment ids: 1 for valid tokens and 0 for padding, or the packed rows'
-           ids as they are. That equals the position-id rule when, in every row, the tokens of each segment are
-           contiguous with positions index + a constant, and q_pos = k_pos (right or left padding, packed rows):
-           checked at run time (:func:`index_aligned`), else the blocked kernel runs. Scores, softmax and sums
-           in float32 (its own rounding: q is scaled before the kernel, weights exp(s - running max), not the
-           integer-max rule, so it agrees with exact to the input dtype's rounding). Padding queries see padding
-           keys (finite, unused). Inside :func:`over_mesh` (the engine's jitted steps) it runs under
-           ``shard_map``: rows over ``data``, heads over ``model`` when both head counts divide by it.
+  splash   Pallas splash attention on a TPU (``jax.experimental.pallas.ops.tpu.splash_attention``): no cache (T = S),
+           a length divisible by 128; a traced per-layer window (GPT-Neo's mixed stack) runs splash for the global
+           layers and blocked for the local ones (``lax.cond``). Our mask is its causal (or local, window - 1 to the
+           left) mask by index plus segment ids: 1 for valid tokens and 0 for padding, or the packed rows' ids as they
+           are. That equals the position-id rule when, in every row, the tokens of each segment are contiguous with
+           positions index + a constant, and q_pos = k_pos (right or left padding, packed rows): checked at run time
+           (:func:`index_aligned`), else the blocked kernel runs. Scores, softmax and sums in float32 (its own
+           rounding: q is scaled before the kernel, weights exp(s - running max), not the integer-max rule, so it
+           agrees with exact to the input dtype's rounding). Padding queries see padding keys (finite, unused). Inside
+           :func:`over_mesh` (the engine's jitted steps) it runs under ``shard_map``: rows over ``data``, heads over
+           ``model`` when both head counts divide by it.
 
 Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.default_backend()``):
   the environment variable ``MIA_ATTENTION`` = exact | blocked | xla | splash forces a kernel; auto (the
   default) picks xla on a GPU when cuDNN can run it (bf16/fp16, no cache, head dim a multiple of 8 and <= 128),
   splash on a TPU when it can run (:func:`splash_can_run`), else exact while the keys are short
   (S <= EXACT_MAX_KEYS and the scores fit EXACT_MAX_SCORE_BYTES), else blocked. A forced splash that cannot
-  run these shapes (a cache, a traced window, a length not a multiple of 128) runs blocked.
+  run these shapes (a cache, a length not a multiple of 128) runs blocked.
   jit caches are per process: set the variable before anything is traced.
 """
 from __future__ import annotations
@@ -357,9 +358,9 @@ def splash_block(length: int) -> Optional[int]:
     return next((b for b in SPLASH_BLOCKS if length % b == 0), None)
 
 
-def splash_can_run(t: int, s: int, window=None) -> bool:
-    """Static conditions of the splash kernel: no cache (T = S), a length divisible by 128, a static window."""
-    return t == s and splash_block(t) is not None and is_static(window)
+def splash_can_run(t: int, s: int) -> bool:
+    """Static conditions of the splash kernel: no cache (T = S), a length divisible by 128."""
+    return t == s and splash_block(t) is not None
 
 
 def index_aligned(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array) -> Array:
@@ -441,8 +442,11 @@ def splash_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, 
     """
     args = (q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs)
     b, t, h, e = q_bthe.shape
-    if not splash_can_run(t, k_bske.shape[1], window):
+    if not splash_can_run(t, k_bske.shape[1]):
         return blocked_attention(*args, scale=scale, window=window)
+    if not is_static(window):  # a per-layer table entry (GPT-Neo): global layers run splash, local ones blocked
+        return jax.lax.cond(window >= t, lambda _: splash_attention(*args, scale=scale, interpret=interpret),
+                            lambda _: blocked_attention(*args, scale=scale, window=window), None)
     if interpret is None:
         interpret = lowering_platform() != "tpu"
     dtype = q_bthe.dtype
@@ -480,8 +484,8 @@ def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, 
                   requested: Optional[str] = None, window_static: bool = True) -> str:
     """The kernel name for static shapes (see the module docstring); ``requested`` defaults to MIA_ATTENTION.
 
-    A traced per-layer window (``window_static`` False) does not change the choice on a GPU (the xla kernel then
-    passes it in the mask); on a TPU it rules splash out (its mask is static).
+    A traced per-layer window (``window_static`` False) does not change the choice: on a GPU the xla kernel then
+    passes it in the mask; on a TPU splash runs the layers whose window is global and blocked the local ones.
     """
     requested = requested or requested_kernel()
     if requested != "auto":
@@ -489,7 +493,7 @@ def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, 
     backend = backend or jax.default_backend()
     if backend == "gpu" and t == s and _cudnn_can_run(head_dim, dtype):
         return "xla"
-    if backend == "tpu" and t == s and splash_block(t) is not None and window_static:
+    if backend == "tpu" and splash_can_run(t, s):
         return "splash"
     score_bytes = 4 * batch * heads * t * s
     return "exact" if s <= EXACT_MAX_KEYS and score_bytes <= EXACT_MAX_SCORE_BYTES else "blocked"
