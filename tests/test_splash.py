@@ -221,3 +221,31 @@ def test_splash_under_shard_map_on_a_mesh_equals_exact():
     for kind, res in out.items():
         assert res["shard_map"], kind
         assert res["err"] < 2e-5, (kind, res)
+
+
+def test_whole_model_splash_equals_exact(monkeypatch):
+    """A tiny GPT-Neo (a global and a local layer: the traced window) and a GQA Llama on 128-token rows that are left
+    padded, right padded or empty, MIA_ATTENTION=splash (interpret mode) vs exact; the splash program holds the
+    Pallas call (the lowered text names it)."""
+    from test_attention import NEO, _tiny
+
+    rng = np.random.default_rng(0)
+    t = 128
+    valid = np.ones((3, t), bool)
+    valid[0, :30] = False
+    valid[1, 100:] = False
+    valid[2] = False
+    models = [_tiny("gpt_neo", **dict(NEO, max_position_embeddings=t)),
+              _tiny("llama", vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=40, max_position_embeddings=t)]
+    for model in models:
+        tokens = rng.integers(0, 61, (3, t))
+
+        def run(kernel):
+            monkeypatch.setenv(A.ENV_VAR, kernel)  # read when traced: a fresh function per kernel
+            lowered = jax.jit(lambda p: model.hidden(p, tokens, valid)[0]).lower(model.params)
+            return np.asarray(lowered.compile()(model.params)), lowered.as_text()
+
+        (exact, exact_text), (splash, text) = run("exact"), run("splash")
+        assert "splash" in text and "splash" not in exact_text
+        np.testing.assert_allclose(splash[valid], exact[valid], atol=2e-5, rtol=0)
