@@ -10,6 +10,8 @@
 # 3. what bf16 costs in scores: every attack in float32 and bf16 on the suite's largest member
 # 4. speed in float32 (what --dtype float32 costs there)
 # 5. step 3 on the memorization dial's checkpoint
+# 6. packed rows vs length buckets at a real model's width in bf16 (auto never packs on a GPU until this is read;
+#    the row-length table fits the per-score attention cost for mia.engine.batching.SCORE_OVERHEAD_FLOPS)
 set -u
 SUITE=${1:-testbeds/suite-default}
 OUT=${OUT:-results/device-check}
@@ -35,4 +37,6 @@ step "1 bench_device bf16" $py -m experiments.bench_device --dtype bfloat16
 step "4 bench_device float32" $py -m experiments.bench_device --dtype float32
 [ -n "$largest" ] && step "5 bench_precision dial" $py -m experiments.bench_precision --testbed "$largest" \
   --memorize-epochs 4 --no-progress --out "$OUT/precision-dial"
+step "6 bench_padding (auto dtype: bf16)" $py -m experiments.bench_padding --corpora wikimia+mimir log-uniform \
+  --hidden 2048 --layers 4 --vocab 50304 --rows 512 --budget 16384 --plan-rows 1000
 exit 0

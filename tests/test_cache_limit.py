@@ -229,9 +229,12 @@ def test_mia_score_keeps_its_cache_under_cache_max_gb_and_labels_it(tiny_neox_di
     directory (scores and hash memos) ends under the limit; ``mia cache info`` names the model."""
     import json
 
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "tokens": list(range(3, 40 + i)), "label": i % 2}) + "\n"
-                            for i in range(8)))
+    import jax
+
+    data = tmp_path / "d.jsonl"  # 8 batches of one row per device (the budget is per device)
+    data.write_text("".join(json.dumps({"id": i, "tokens": [3 + (t + i // 8) % 50 for t in range(37 + i % 8)],
+                                                "label": i % 2}) + "\n"
+                            for i in range(8 * jax.device_count())))
     cache = tmp_path / "cache"
     argv = ["score", "--model", str(tiny_neox_dir), "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
             "--no-progress", "--cache-dir", str(cache), "--batch-tokens", "64", "--bootstrap", "0"]

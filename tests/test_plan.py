@@ -14,6 +14,8 @@ from mia.engine.plan import NAMED_SHAPES, PlanError, parse_bytes, plan_scoring
 TINY = {"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "intermediate_size": 256, "vocab_size": 512, "rotary_pct": 0.25, "max_position_embeddings": 4096}
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+# the API's plans pin one device, so a run with 8 (XLA_FLAGS) sees the same batch rules; the CLI ones use --batch 8
+ONE_DEVICE = __import__("jax").devices()[:1]
 
 
 class Result:
@@ -63,8 +65,8 @@ def test_plan_float32_params_exact_and_activation_peak_linear_in_length():
 
     _, shapes = abstract_model(TINY, "float32")
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
-    short = plan_scoring(TINY, dtype="float32", batch=1, length=2048, device_bytes=2**40)
-    long = plan_scoring(TINY, dtype="float32", batch=1, length=4096, device_bytes=1024)
+    short = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=1, length=2048, device_bytes=2**40)
+    long = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=1, length=4096, device_bytes=1024)
     assert short.params_bytes == long.params_bytes == 4 * n_params
     assert short.peak_bytes >= short.params_bytes + short.temp_bytes - 1
     assert short.fits is True and long.fits is False
@@ -75,19 +77,19 @@ def test_plan_chooses_attention_for_the_target_platform(run_plan, tmp_path):
     """The kernels are chosen for the platform planned, not the host: bf16 on "gpu" picks cuDNN's (xla), which
     cannot compile without a GPU, so the blocked kernel stands in and the plan says so; on "cpu", or in float32 on
     "gpu" (cuDNN needs 16-bit inputs), nothing stands in; --platform gpu makes --dtype auto bfloat16."""
-    gpu = plan_scoring(TINY, dtype="bfloat16", batch=2, length=1024, platform="gpu")
+    gpu = plan_scoring(TINY, devices=ONE_DEVICE, dtype="bfloat16", batch=2, length=1024, platform="gpu")
     assert gpu.platform == "gpu" and ("xla", "blocked") in gpu.attention and gpu.stand_in
     assert {c for c, _ in gpu.attention} == {"xla"}
-    cpu = plan_scoring(TINY, dtype="bfloat16", batch=2, length=1024, platform="cpu")
+    cpu = plan_scoring(TINY, devices=ONE_DEVICE, dtype="bfloat16", batch=2, length=1024, platform="cpu")
     assert ("blocked", "blocked") in cpu.attention and not cpu.stand_in
-    f32 = plan_scoring(TINY, dtype="float32", batch=2, length=256, platform="gpu")
+    f32 = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=2, length=256, platform="gpu")
     assert f32.attention == (("exact", "exact"),) and not f32.stand_in
-    assert plan_scoring(TINY, dtype="float32", batch=2, length=256).platform == "cpu"
-    tpu = plan_scoring(TINY, dtype="bfloat16", batch=2, length=256, platform="tpu")  # splash: TPU devices only
-    assert tpu.attention == (("splash", "blocked"),) and tpu.stand_in
+    assert plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=2, length=256).platform == "cpu"
+    tpu = plan_scoring(TINY, devices=ONE_DEVICE, dtype="bfloat16", batch=2, length=256, platform="tpu")
+    assert tpu.attention == (("splash", "blocked"),) and tpu.stand_in  # splash compiles for TPU devices only
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY))
-    r = run_plan("--model", str(cfg), "--batch", "2", "--length", "1024", "--platform", "gpu")
+    r = run_plan("--model", str(cfg), "--batch", "8", "--length", "1024", "--platform", "gpu")
     assert r.returncode == 0, r.stderr
     last = json.loads(r.stdout.strip().splitlines()[-1])
     assert last["platform"] == "gpu" and last["attention"] == [{"chosen": "xla", "compiled": "blocked"}]
@@ -97,7 +99,7 @@ def test_plan_chooses_attention_for_the_target_platform(run_plan, tmp_path):
 def test_cli_prints_a_table_and_ends_with_json(tmp_path, run_plan):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY))
-    r = run_plan("--model", str(cfg), "--dtype", "float32", "--batch", "2", "--length", "64", "--device-memory", "1GiB")
+    r = run_plan("--model", str(cfg), "--dtype", "float32", "--batch", "8", "--length", "64", "--device-memory", "1GiB")
     assert r.returncode == 0, r.stderr
     last = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"params_bytes", "peak_bytes", "device_bytes", "fits"} <= set(last)
@@ -154,8 +156,9 @@ def test_mope_plan_reports_its_perturbed_group():
     assert parse_attack("mope:n=4,chunk=2") == ("mope", {"mope_n": 4, "mope_chunk": 2})
     with pytest.raises(PlanError):
         parse_attack("mope:n=0")
-    r = plan_scoring(TINY, dtype="float32", batch=2, length=64, attack="mope", mope_n=4, mope_chunk=2)
-    stats = plan_scoring(TINY, dtype="float32", batch=2, length=64)
+    r = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=2, length=64, attack="mope", mope_n=4,
+                     mope_chunk=2)
+    stats = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=2, length=64)
     # the largest group: the embedding + head + final norm of TINY (2 x 512 x 64 + 2 x 64 floats) vs one layer
     assert r.group_bytes == 4 * (2 * 512 * 64 + 2 * 64)
     assert r.params_bytes == stats.params_bytes and r.peak_bytes > stats.peak_bytes
@@ -233,7 +236,7 @@ def test_stats_and_camia_plans_lower_the_program_scoring_runs(attack, tiny_model
 def test_attack_plans_are_sane_on_the_cli(attack, run_plan, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict(TINY, max_position_embeddings=256)))
-    r = run_plan("--model", str(cfg), "--dtype", "float32", "--batch", "2", "--length", "200", "--attack", attack,
+    r = run_plan("--model", str(cfg), "--dtype", "float32", "--batch", "8", "--length", "200", "--attack", attack,
                  "--device-memory", "1GiB")
     assert r.returncode == 0, r.stderr
     last = json.loads(r.stdout.strip().splitlines()[-1])
@@ -242,16 +245,16 @@ def test_attack_plans_are_sane_on_the_cli(attack, run_plan, tmp_path):
     assert last["peak_bytes"] == max(s["peak_bytes"] for s in steps.values())
     assert all(s["peak_bytes"] >= last["params_bytes"] for s in steps.values())
     if attack == "camia":  # 6 x 200 tokens, windowed at the 256-token context
-        assert steps["camia"]["shape"] == [2, 256]
+        assert steps["camia"]["shape"] == [8, 256]
     else:  # the context rule: prefix max(256 - 200, 128) = 128 tokens, targets cut to 128
         assert steps["prefix"]["shape"] == [1 if attack == "recall" else 2, 128]
-        assert steps["conditional"]["shape"] == [2, 128]
+        assert steps["conditional"]["shape"] == [8, 128]
         assert "step conditional" in r.stdout
 
 
 def test_em_mia_prefix_group_costs_memory():
-    small = plan_scoring(TINY, dtype="float32", batch=2, length=512, attack="em_mia", group=1)
-    big = plan_scoring(TINY, dtype="float32", batch=2, length=512, attack="em_mia", group=8)
+    small = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=2, length=512, attack="em_mia", group=1)
+    big = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=2, length=512, attack="em_mia", group=8)
     assert big.steps["prefix"]["output_bytes"] >= 7.9 * small.steps["prefix"]["output_bytes"]  # the group's KV
     assert big.steps["conditional"]["argument_bytes"] > small.steps["conditional"]["argument_bytes"]
 
