@@ -248,6 +248,7 @@ def decode(model, params, tokens_bs, valid_bs, prompt_ids_b, seed, budget_r, tem
 
     def body(state):
         i, tok, buf, out, lengths, done = state
+        buf = place.cache(buf)  # pinned at both ends of the carry: else the loop may carry another layout
         pos = (start_pos + i - 1)[:, None]
         h, new = model.hidden(params, tok[:, None], jnp.ones((r, 1), bool), pos, buf, layer_transform=gather)
         buf = place.cache(write_slot(buf, new, s + i - 1))
