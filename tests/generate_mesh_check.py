@@ -96,8 +96,10 @@ def run(model, prompts, eos, texts, guard):
 
 
 def compare(a, b):
-    """Rows (prompt, sample) whose tokens differ."""
-    return sum(not np.array_equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+    """Rows (prompt, sample) whose tokens differ (every row when the shapes of the outputs differ)."""
+    if [len(xs) for xs in a] != [len(ys) for ys in b]:
+        return sum(len(xs) for xs in a)
+    return int(sum(not np.array_equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)))
 
 
 def cache_layout(model):
@@ -119,13 +121,13 @@ def cache_layout(model):
 def main(out_path, neox_dir, specs):
     assert len(jax.devices()) == 8, jax.devices()
     one = make_mesh(devices=jax.devices()[:1])
-    rng = np.random.default_rng(0)
     report = {}
     for spec in specs:
         name, _, rest = spec.partition(":")
         mesh_text, _, kind = rest.partition(":")
         meshes = [mesh_text] if mesh_text else ["data=8", "data=2,model=4", "model=8"]
         ref, on = models(name, neox_dir, one)
+        rng = np.random.default_rng(0)  # the same prompts for every spec of a family
         prompts = [rng.integers(1, ref.vocab_size, n).astype(np.int32) for n in PROMPT_LENGTHS]
         eos = common_token(sample(ref, prompts, ()))
         texts = echoing_texts(ref)
