@@ -8,7 +8,8 @@ A black-box attack: it only samples text from the model. For an example x with w
   candidates  n continuations of the prompt sampled from the model (``mia.engine.generate``: top-k 50, temperature 1.0,
               until EOS or ``max_length`` tokens in all, prompt included: 1024 as the official sampling script, cut
               to the context the model was trained at, with a note), decoded without special tokens, split into words;
-              each call holds at most ``--token-budget`` key slots (rows x (prompt + continuation) tokens)
+              each call holds at most ``--token-budget`` key slots (rows x (prompt + continuation) tokens) per
+              ``data`` device; on a mesh the prompts are split over ``data`` (the samples do not change)
   ROUGE-1     per candidate: recall of the reference unigrams, sum_w min(count_ref(w), count_cand(w)) / |reference|
               (0 when the candidate or the reference is empty), the official ``rouge_n(..., n=1)``
   samia       the mean ROUGE-1 over the n candidates (n = 10, the official default)

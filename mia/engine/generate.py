@@ -22,6 +22,14 @@ the argmax (``generate(do_sample=False)``). Each row carries its own PRNG key; t
 ``fold_in(row_key, i)``, so a row's tokens depend on its key only, never on the batch it is in. ``generate``
 derives row keys from (seed, prompt id, sample index).
 
+On a mesh (``build_decode_step``, the layout the model was loaded with: ``mia.engine.loop.engine_layout``): prompt
+rows, and so every per-row array (row keys, budgets, the KV cache's batch axis, the token buffer), are split over
+``data``; the parameters stay as the model holds them (tensor parallel over ``model``, FSDP shards all-gathered one
+layer at a time inside the layer scan, as in scoring); the KV cache's kv-head axis is split over ``model`` when the
+kv-head count divides by it (else whole on every ``model`` device); each step's logits are gathered whole over
+``model`` before sampling, so a draw sees the same logits as on one device. ``B`` must divide by the ``data`` size
+(``generate`` pads with empty prompts of budget 0 and drops their rows).
+
 Context: a row's positions run to len(prompt) + budget - 1; ``generate`` refuses (``GenerationError``, one line)
 any request that would put a token at a position >= the model's context (``Model.max_length``).
 """
@@ -35,8 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding, PartitionSpec
+
 from ..models.common import KVCache
-from .batching import bucket_length, padded_rows, pow2_ceil, pow2_floor
+from .batching import bucket_length, bucket_rows, pow2_ceil, put_padded
+from .loop import engine_layout, placed_params
+from .sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, mesh_axes, put_array,
+                       put_rows, replicated)
 
 
 class GenerationError(ValueError):
@@ -102,6 +115,21 @@ def grow_cache(kv: KVCache, extra: int) -> KVCache:
                    jnp.pad(kv.valid, ((0, 0), (0, extra))))
 
 
+def repeat_rows(kv: KVCache, n: int) -> KVCache:
+    """Each row of the batch ``n`` times in a row (row b -> rows b * n .. b * n + n - 1): keys/values [L, B * n, S, K,
+    E]. A broadcast and a reshape, not a gather, so rows split over ``data`` stay on their devices."""
+    return KVCache(_repeat(kv.keys, n, 1), _repeat(kv.values, n, 1), _repeat(kv.positions, n, 0),
+                   _repeat(kv.valid, n, 0))
+
+
+def _repeat(a: jax.Array, n: int, axis: int) -> jax.Array:
+    """``jnp.repeat(a, n, axis)`` as broadcast + reshape (row-local under a sharding of ``axis``)."""
+    if n == 1:
+        return a
+    wide = jnp.broadcast_to(jnp.expand_dims(a, axis + 1), a.shape[:axis + 1] + (n,) + a.shape[axis + 1:])
+    return wide.reshape(a.shape[:axis] + (a.shape[axis] * n,) + a.shape[axis + 1:])
+
+
 def write_slot(buf: KVCache, new: KVCache, slot) -> KVCache:
     """Write one step's keys/values ([L, R, 1, K, E]), positions and validity ([R, 1]) into key slot ``slot``."""
     put = lambda a, b, axis: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), slot, axis)  # noqa: E731
@@ -120,6 +148,55 @@ class Sampling:
     greedy: bool = False
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Placement:
+    """Where ``decode`` keeps its arrays on ``mesh`` (see the module docstring): per-row arrays split over ``data``,
+    the KV cache's kv heads over ``model`` when they divide, logits whole over ``model``. ``shardings``: the params'
+    NamedShardings (FSDP shards are gathered as in scoring: ``gather_outside_layers``, ``layer_gather``)."""
+
+    mesh: object
+    shardings: object
+    layers: str
+
+    def _put(self, x: jax.Array, *spec) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+    def rows(self, x: jax.Array) -> jax.Array:
+        """[R, ...] rows over ``data``, whole over ``model``."""
+        return self._put(x, "data", *([None] * (x.ndim - 1)))
+
+    def cache(self, kv: KVCache) -> KVCache:
+        """keys/values [L, R, S, K, E]: rows over ``data``, K over ``model`` when it divides; positions/valid rows."""
+        heads = "model" if kv.keys.shape[3] % mesh_axes(self.mesh)["model"] == 0 else None
+        kv_spec = (None, "data", None, heads, None)
+        return KVCache(self._put(kv.keys, *kv_spec), self._put(kv.values, *kv_spec), self.rows(kv.positions),
+                       self.rows(kv.valid))
+
+    def params(self, params):
+        """The leaves outside the layer stack gathered whole over ``data`` (once per call)."""
+        return gather_outside_layers(params, self.shardings, self.layers)
+
+    @property
+    def layer_transform(self):
+        """One layer's FSDP shards gathered just before it runs (None: nothing is split over ``data``)."""
+        return layer_gather(self.shardings, self.layers)
+
+
+class _OneDevice:
+    """``Placement``'s interface doing nothing: ``decode`` traced without a mesh."""
+
+    layer_transform = None
+
+    def rows(self, x):
+        return x
+
+    def cache(self, kv):
+        return kv
+
+    def params(self, params):
+        return params
+
+
 def row_keys(seed, prompt_ids_b: jax.Array, n: int) -> jax.Array:
     """[B * n, 2] uint32 raw keys: row b * n + j draws with fold_in(fold_in(PRNGKey(seed), prompt_ids_b[b]), j)."""
     base = jax.random.PRNGKey(seed)
@@ -128,27 +205,30 @@ def row_keys(seed, prompt_ids_b: jax.Array, n: int) -> jax.Array:
 
 
 def decode(model, params, tokens_bs, valid_bs, prompt_ids_b, seed, budget_r, temperature, eos_e, pad_id,
-           cfg: Sampling):
+           cfg: Sampling, place: Optional[Placement] = None):
     """Pure: (tokens [B, S] LEFT padded, valid [B, S], prompt ids [B] uint32 and seed (row keys: ``row_keys``),
     budget [R] int32 new tokens per row (<= ``cfg.max_new``), temperature scalar, eos_e [E] int32 ids that end a
     row (-1: unused slot), pad_id scalar filling a row after it is done) -> (generated [R, N] int32, lengths [R]
     int32), R = B * cfg.n.
 
     Row r continues prompt r // n. ``lengths`` counts each row's tokens up to and including its EOS.
+    ``place``: the mesh layout of the intermediates (``Placement``; None: no constraints, one device).
     """
     b, s = tokens_bs.shape
     n_new, r = cfg.max_new, b * cfg.n
-    keys_r = row_keys(seed, prompt_ids_b, cfg.n)
+    place = _OneDevice() if place is None else place
+    gather = place.layer_transform
+    params = place.params(params)
+    keys_r = place.rows(row_keys(seed, prompt_ids_b, cfg.n))
     eos = jnp.asarray(eos_e, jnp.int32)
-    pick = functools.partial(sample_next, temperature=temperature, top_k=cfg.top_k, greedy=cfg.greedy)
+    sample = functools.partial(sample_next, temperature=temperature, top_k=cfg.top_k, greedy=cfg.greedy)
+    pick = lambda logits_rv, step: sample(place.rows(logits_rv), keys_r, step)  # noqa: E731  (logits whole over model)
 
-    h, kv = model.hidden(params, tokens_bs, valid_bs)
+    h, kv = model.hidden(params, tokens_bs, valid_bs, layer_transform=gather)
     logits = model.unembed(params, h[:, -1])  # [B, V]
-    if cfg.n > 1:
-        rows = jnp.repeat(jnp.arange(b), cfg.n)
-        kv, logits = kv.take_rows(rows), jnp.take(logits, rows, axis=0)
+    kv, logits = repeat_rows(place.cache(kv), cfg.n), _repeat(logits, cfg.n, 0)
     start_pos = kv.next_positions()  # [R] position of the first generated token
-    buf = grow_cache(kv, n_new - 1)
+    buf = place.cache(grow_cache(kv, n_new - 1))
 
     def emit(i, tok, out, lengths, done):
         """Record token i (pad where done), advance lengths, update done."""
@@ -159,8 +239,8 @@ def decode(model, params, tokens_bs, valid_bs, prompt_ids_b, seed, budget_r, tem
         return tok, out, lengths, done
 
     done0 = budget_r <= 0
-    out0 = jnp.full((r, n_new), pad_id, jnp.int32)
-    tok, out, lengths, done = emit(0, pick(logits, keys_r, 0), out0, jnp.zeros((r,), jnp.int32), done0)
+    out0 = place.rows(jnp.full((r, n_new), pad_id, jnp.int32))
+    tok, out, lengths, done = emit(0, pick(logits, 0), out0, place.rows(jnp.zeros((r,), jnp.int32)), done0)
 
     def cond(state):
         i, _, _, _, _, done = state
@@ -168,22 +248,39 @@ def decode(model, params, tokens_bs, valid_bs, prompt_ids_b, seed, budget_r, tem
 
     def body(state):
         i, tok, buf, out, lengths, done = state
+        buf = place.cache(buf)  # pinned at both ends of the carry: else the loop may carry another layout
         pos = (start_pos + i - 1)[:, None]
-        h, new = model.hidden(params, tok[:, None], jnp.ones((r, 1), bool), pos, buf)
-        buf = write_slot(buf, new, s + i - 1)
-        tok, out, lengths, done = emit(i, pick(model.unembed(params, h[:, 0]), keys_r, i), out, lengths, done)
-        return i + 1, tok, buf, out, lengths, done
+        h, new = model.hidden(params, tok[:, None], jnp.ones((r, 1), bool), pos, buf, layer_transform=gather)
+        buf = place.cache(write_slot(buf, new, s + i - 1))
+        tok, out, lengths, done = emit(i, pick(model.unembed(params, h[:, 0]), i), out, lengths, done)
+        return i + 1, place.rows(tok), buf, place.rows(out), place.rows(lengths), place.rows(done)
 
     _, _, _, out, lengths, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, buf, out, lengths, done))
     return out, lengths
 
 
+def build_decode_step(model, mesh, shardings, cfg: Sampling):
+    """jit of ``decode`` with explicit shardings: (params [``shardings``], tokens [B, S], valid [B, S], prompt ids
+    [B] and budget [R] rows over ``data``, seed, temperature, eos [E] and pad_id replicated) -> (generated [R, N],
+    lengths [R]) replicated on every device. B must divide by the ``data`` size.
+
+    Like ``loop.build_token_stats_step`` it can be ``.lower()``ed on ``jax.ShapeDtypeStruct``s (abstract devices)."""
+    rows, rep = batch_sharding(mesh), replicated(mesh)
+    place = Placement(mesh, shardings, model.module.LAYERS)
+
+    def step(params, tokens, valid, ids, seed, budget, temperature, eos, pad_id):
+        return decode(model, params, tokens, valid, ids, seed, budget, temperature, eos, pad_id, cfg, place)
+
+    return jax.jit(step, in_shardings=(shardings, rows, rows, rows, rep, rows, rep, rep, rep),
+                   out_shardings=(rep, rep))
+
+
 @functools.lru_cache(maxsize=32)
 def jitted_decode(model, cfg: Sampling):
-    """``decode`` compiled for one model and one ``Sampling``: (params, tokens, valid, prompt ids, seed, budget,
-    temperature, eos, pad_id) -> (generated, lengths)."""
-    return jax.jit(lambda params, tokens, valid, ids, seed, budget, temperature, eos, pad_id: decode(
-        model, params, tokens, valid, ids, seed, budget, temperature, eos, pad_id, cfg))
+    """``decode`` compiled for one model and one ``Sampling`` on the model's layout (``engine_layout``): (params,
+    tokens, valid, prompt ids, seed, budget, temperature, eos, pad_id) -> (generated, lengths)."""
+    mesh, shardings = engine_layout(model)
+    return build_decode_step(model, mesh, shardings, cfg)
 
 
 # ------------------------------------------------------------------------------------------------ host loop
@@ -221,8 +318,10 @@ def generate(model, prompts: Sequence[np.ndarray], *, max_new: Union[int, Sequen
     (``prompt_ids`` default 0 .. len - 1), so it does not depend on the order or batching of the prompts.
 
     Batching: prompts sorted by length into power-of-two length buckets (>= ``min_bucket``), a power-of-two number
-    of prompts per call with at most ``token_budget`` key slots (rows x (S + N)) per call (at least one prompt);
-    one program per bucket.
+    of prompts per data-parallel device per call with at most ``token_budget`` key slots (rows x (S + N)) per device
+    (at least one prompt); one program per bucket. On the model's mesh (``load(..., mesh=)``) the prompts of a call
+    are split over ``data`` (a call holds a multiple of the ``data`` size; empty prompts fill it, their rows are
+    dropped), the parameters stay as placed; the samples are the ones one device draws (``decode``).
     Raises GenerationError past the model's context.
     """
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
@@ -239,26 +338,32 @@ def generate(model, prompts: Sequence[np.ndarray], *, max_new: Union[int, Sequen
     prompt_ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
     if not prompts:
         return []
-    params = model.params if params is None else params
+    mesh, _ = engine_layout(model)
+    params = placed_params(model, params)
+    rows_sharding, rep = batch_sharding(mesh), replicated(mesh)
+    n_data = data_size(mesh)
     eos = default_eos_ids(model) if eos_ids is None else tuple(int(e) for e in eos_ids)
     cfg = Sampling(max_new=max(1, max(budgets)), n=n, top_k=int(top_k), greedy=bool(greedy))
     eos_e = np.full(pow2_ceil(max(1, len(eos))), -1, np.int32)  # a power-of-two slot count: few programs
     eos_e[:len(eos)] = eos
     pad_id = np.int32(eos[0] if eos else 0)
+    scalars = [put_array(np.asarray(x), rep) for x in
+               (np.uint32(seed), np.float32(temperature if not greedy else 1.0), eos_e, pad_id)]
     out: list[list[np.ndarray]] = [[] for _ in prompts]
     buckets: dict[int, list[int]] = {}
     for i in sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i)):
         buckets.setdefault(bucket_length(len(prompts[i]), min_bucket), []).append(i)
     fn = jitted_decode(model, cfg)
     for length, members in sorted(buckets.items()):
-        per_call = min(pow2_floor(max(1, token_budget // (n * (length + cfg.max_new)))), pow2_ceil(len(members)))
+        per_call = bucket_rows(len(members), max(1, token_budget // (n * (length + cfg.max_new))), n_data)
         for lo in range(0, len(members), per_call):
             chunk = members[lo:lo + per_call]
-            tokens, valid = padded_rows([prompts[i] for i in chunk], length, np.arange(per_call), left=True)
-            ids = [prompt_ids[i] for i in chunk] + [0] * (per_call - len(chunk))
+            ids = np.asarray([prompt_ids[i] for i in chunk] + [0] * (per_call - len(chunk)), np.uint32)
             budget = np.repeat([budgets[i] for i in chunk] + [0] * (per_call - len(chunk)), n).astype(np.int32)
-            gen, lengths = jax.device_get(fn(params, tokens, valid, np.asarray(ids, np.uint32), np.uint32(seed), budget,
-                                             np.float32(temperature if not greedy else 1.0), eos_e, pad_id))
+            tokens, valid = put_padded([prompts[i] for i in chunk], per_call, length, rows_sharding, left=True)
+            gen, lengths = fetch(fn(params, tokens, valid, put_rows(ids.shape, rows_sharding, lambda r: ids[r]),
+                                    scalars[0], put_rows(budget.shape, rows_sharding, lambda r: budget[r]),
+                                    *scalars[1:]))
             for k, i in enumerate(chunk):
                 out[i] = [np.asarray(gen[k * n + j, :lengths[k * n + j]]) for j in range(n)]
     return out

@@ -402,7 +402,8 @@ def assemble(shape: Sequence[int], sharding: NamedSharding, shard: Callable[[tup
         groups.setdefault(key, (index, []))[1].append(device)
     placed = {}
     for index, devices in groups.values():
-        value = np.ascontiguousarray(shard(index))
+        part = shard(index)
+        value = np.ascontiguousarray(part).reshape(np.shape(part))  # (ascontiguousarray makes a 0-d array 1-d)
         for device, array in zip(devices, jax.device_put([value] * len(devices), devices)):
             placed[device] = array
         del value
