@@ -62,8 +62,11 @@ def _add_score_parser(sub) -> None:
                         "(or JAX_COORDINATOR_ADDRESS); process 0 alone writes --out")
     p.add_argument("--num-processes", type=V.arg_int(1), default=None, help="with --coordinator (or JAX_NUM_PROCESSES)")
     p.add_argument("--process-id", type=V.arg_int(0), default=None, help="with --coordinator (or JAX_PROCESS_ID)")
-    p.add_argument("--init-timeout", type=V.arg_float(0, lo_open=True), default=60.0,
+    p.add_argument("--init-timeout", type=V.arg_float(0, 86400, lo_open=True), default=60.0,
                    help="seconds for all processes to reach the coordinator (default 60)")
+    p.add_argument("--peer-timeout", type=V.arg_float(0, 86400, lo_open=True), default=30.0,
+                   help="seconds a process may stay silent (no watchdog ping) before every process stops with one "
+                        "line naming it (default 30; raise it for hosts that stall, e.g. on slow storage)")
     p.add_argument("--cache-dir", default=None, help="on-disk cache of model outputs (default: ~/.cache/mia)")
     p.add_argument("--cache-max-gb", type=V.arg_float(0, lo_open=True), default=None, metavar="GB",
                    help="size limit of the cache directory in GB (10^9 bytes; default $MIA_CACHE_MAX_GB or 5): the "
@@ -105,7 +108,7 @@ def cmd_score(args) -> int:
     check_score_paths(args)  # every path before any work: a bad --out is not found after all the scoring
     group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
     distributed.initialize(group, timeout=args.init_timeout,  # before any other jax call
-                           inputs=score_inputs(args) if group is not None else None)
+                           inputs=score_inputs(args) if group is not None else None, peer_timeout=args.peer_timeout)
     # several processes: a failure on any one stops all of them, one line each
     with distributed.guard(debug=args.debug, user_errors=USER_ERRORS):
         scored = ("eval", "train") if args.documents else ("eval",)  # --documents: train documents are scored too

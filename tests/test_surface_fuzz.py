@@ -12,7 +12,8 @@ and the command goes on. Nothing expensive runs: each command stops at a sentine
 * ``mia plan``: ``--batch``, ``--length``, ``--mesh``, ``--device-memory``, ``--topology``, ``--attack``,
   ``--dtype``, ``--model`` (``plan_scoring`` replaced by the sentinel);
 * distributed flags of ``mia score``: ``--coordinator``, ``--process-id``, ``--num-processes``,
-  ``--init-timeout`` (``distributed.initialize`` replaced by the sentinel: no process group is started);
+  ``--init-timeout``, ``--peer-timeout`` (``distributed.initialize`` replaced by the sentinel: no process group is
+  started);
 * the experiments' flags (checkmiabench, em_mia, camia, audit): any of their options with any value, read from
   their argparse parsers; the first expensive step (opening or building testbeds) is the sentinel.
 
@@ -269,6 +270,7 @@ DIST_FLAGS = {
     "--process-id": st.one_of(st.integers(-2, 5).map(str), values),
     "--num-processes": st.one_of(st.integers(-2, 5).map(str), values),
     "--init-timeout": st.one_of(st.sampled_from(["0", "-1", "nan", "inf", "1e-300", "5"]), values),
+    "--peer-timeout": st.one_of(st.sampled_from(["0", "-1", "nan", "inf", "1e-300", "5"]), values),
 }
 DIST_ENV = {"JAX_COORDINATOR_ADDRESS": DIST_FLAGS["--coordinator"], "JAX_NUM_PROCESSES": values,
             "JAX_PROCESS_ID": values}
@@ -278,7 +280,8 @@ def _dist_case(tmp, capsys, monkeypatch, flags: dict, env: dict, counts: dict):
     from mia.cli import main
     from mia.engine import distributed
 
-    monkeypatch.setattr(distributed, "initialize", lambda group, timeout=60.0, inputs=None: group is None or sentinel())
+    monkeypatch.setattr(distributed, "initialize",
+                        lambda group, timeout=60.0, inputs=None, peer_timeout=30.0: group is None or sentinel())
     for k in DIST_ENV:
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
