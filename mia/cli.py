@@ -241,7 +241,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--attack", default="stats",
                    help="the step(s) to plan: stats (the pass every attack shares), camia (that pass over the 6x "
                         "repeated text), mope[:n=10,chunk=2], recall[:prefix_len=INT] or em_mia[:group=INT] (the "
-                        "prefix pass and the conditional-LL call; --batch target rows, --length tokens per target)")
+                        "prefix pass and the conditional-LL call; --batch target rows, --length tokens per target), or "
+                        "samia[:n=10,top_k=50] (generation: --batch prompts of the first half of --length tokens, "
+                        "n samples each continuing to --length)")
     p.add_argument("--platform", default=None, choices=["cpu", "gpu", "tpu"],
                    help="the backend whose attention kernels and auto dtype to plan for (default: tpu with --topology, "
                         "else the local devices'). gpu on a host without one: cuDNN's flash attention cannot be "
@@ -278,7 +280,8 @@ def cmd_plan(args) -> int:
     where = f"TPU topology {args.topology}" if args.topology else "local devices"
     step = {"stats": "token stats", "camia": "CAMIA repeated-text token stats",
             "mope": f"MoPe (n={opts.get('mope_n')}, chunk={opts.get('mope_chunk')})",
-            "recall": "ReCaLL conditional LL", "em_mia": "EM-MIA conditional LL"}[attack]
+            "recall": "ReCaLL conditional LL", "em_mia": "EM-MIA conditional LL",
+            "samia": f"SaMIA generation (n={opts.get('samia_n')}, top_k={opts.get('top_k')})"}[attack]
     print(f"mia plan: {args.model} {args.dtype}, {step} of {args.batch} x {args.length}, {r.devices} x "
           f"{r.device_kind} ({where}), mesh {','.join(f'{k}={v}' for k, v in r.mesh.items())}")
     for name, f in (r.steps or {}).items():

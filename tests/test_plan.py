@@ -207,6 +207,36 @@ def test_conditional_plan_lowers_the_programs_scoring_runs(attack, prefix_len, t
     assert planned["conditional"][0] == seen["conditional"][0]
 
 
+def test_samia_plan_lowers_the_program_generation_runs(tiny_model, tiny_neox_dir, monkeypatch):
+    """samia: the decode loop ``generate`` runs for prompts of the first half of --length tokens, n samples each
+    continuing to --length (the same StableHLO, the same prompt rows)."""
+    from mia.engine import generate as G
+    from mia.engine.plan import lowered_steps, read_hf_config
+
+    seen = {}
+
+    def spy(model, cfg):
+        real = original(model, cfg)
+
+        def call(*args):
+            seen["decode"] = (real.lower(*args).as_text(), args[1].shape, cfg)
+            return real(*args)
+        return call
+
+    original = G.jitted_decode
+    monkeypatch.setattr(G, "jitted_decode", spy)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, tiny_model.vocab_size, 16).astype(np.int32) for _ in range(2)]
+    G.generate(tiny_model, prompts, max_new=16, n=3, top_k=50, seed=1)
+    text, prompt_shape, cfg = seen["decode"]
+    *_, steps = lowered_steps(read_hf_config(str(tiny_neox_dir)), dtype="float32", batch=prompt_shape[0], length=32,
+                              attack="samia", samia_n=3, top_k=50)
+    [(name, shape, lowered)] = steps
+    assert cfg == G.Sampling(max_new=16, n=3, top_k=50)
+    assert name == "samia" and shape == (prompt_shape[0] * 3, prompt_shape[1] + 16)
+    assert lowered.as_text() == text
+
+
 @pytest.mark.parametrize("attack", ["stats", "camia"])
 def test_stats_and_camia_plans_lower_the_program_scoring_runs(attack, tiny_model, tiny_neox_dir, monkeypatch):
     """stats: the pass over --length rows; camia: the pass over the 6x repeated text (``repeated_logprobs``)."""
@@ -232,7 +262,7 @@ def test_stats_and_camia_plans_lower_the_program_scoring_runs(attack, tiny_model
     assert planned_shape == shape and lowered.as_text() == seen["stats"][0]
 
 
-@pytest.mark.parametrize("attack", ["recall", "em_mia:group=2", "camia"])
+@pytest.mark.parametrize("attack", ["recall", "em_mia:group=2", "camia", "samia:n=2,top_k=5"])
 def test_attack_plans_are_sane_on_the_cli(attack, run_plan, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict(TINY, max_position_embeddings=256)))
@@ -246,6 +276,8 @@ def test_attack_plans_are_sane_on_the_cli(attack, run_plan, tmp_path):
     assert all(s["peak_bytes"] >= last["params_bytes"] for s in steps.values())
     if attack == "camia":  # 6 x 200 tokens, windowed at the 256-token context
         assert steps["camia"]["shape"] == [8, 256]
+    elif attack.startswith("samia"):  # prompts of 100 tokens (bucket 128) + 100 new, 2 samples per prompt
+        assert steps["samia"]["shape"] == [16, 228] and "SaMIA generation (n=2, top_k=5)" in r.stdout
     else:  # the context rule: prefix max(256 - 200, 128) = 128 tokens, targets cut to 128
         assert steps["prefix"]["shape"] == [1 if attack == "recall" else 2, 128]
         assert steps["conditional"]["shape"] == [8, 128]

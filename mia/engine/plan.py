@@ -2,7 +2,7 @@
 
     mia plan --model DIR|CONFIG.json|pythia-12b --dtype bfloat16 --batch 8 --length 2048 \
         [--mesh data=1,model=8] [--topology v5e:2x4] [--device-memory 80GiB]
-        [--attack stats|camia|mope[:n=10,chunk=2]|recall[:prefix_len=N]|em_mia[:group=G]]
+        [--attack stats|camia|mope[:n=10,chunk=2]|recall[:prefix_len=N]|em_mia[:group=G]|samia[:n=10,top_k=50]]
 
 Nothing is allocated: parameters are ``jax.ShapeDtypeStruct``s (from ``jax.eval_shape`` of the module's init)
 carrying the shardings ``mia.engine.sharding`` would give them on the mesh, the step is
@@ -28,7 +28,8 @@ Each attack's steps are built by the same functions the engine jits them with (`
 ``build_mope_step``, ``conditional.build_prefix_step`` / ``build_cond_step``), so a plan lowers the very programs
 ``mia score`` runs (tests compare the StableHLO text). ReCaLL / EM-MIA plan two steps, the prefix pass and the
 conditional-LL call, at the padded shapes ``loglik_matrix`` uses (``conditional_shapes``); CAMIA plans the token-stats
-pass over its repeated text (``camia_length``).
+pass over its repeated text (``camia_length``); SaMIA plans ``generate``'s decode loop (``build_decode_step``) at
+``samia_shapes``.
 
 The last line printed is one JSON object ``{"params_bytes", "peak_bytes", "device_bytes", "fits", ...}``.
 """
@@ -54,6 +55,7 @@ from ..models.hub import Model, _dtypes, abstract_params, config_from_hf, family
 from ..validate import check_hf_config
 from .batching import ScoringSettings, bucket_length, pow2_floor
 from .conditional import build_cond_step, build_prefix_step, prefix_shardings
+from .generate import Sampling, build_decode_step
 from .loop import build_token_stats_step
 from .sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
 
@@ -315,8 +317,21 @@ def abstract_model(hf: dict, dtype: str, source: str = "config"):
     return Model(module, None, None, cfg, fam.model_type, None, "plan"), shapes
 
 
-ATTACKS = ("stats", "mope", "camia", "recall", "em_mia")
+ATTACKS = ("stats", "mope", "camia", "recall", "em_mia", "samia")
 CONDITIONAL = ("recall", "em_mia")
+
+
+def samia_shapes(context: int, length: int, settings: ScoringSettings = ScoringSettings()) -> dict:
+    """Shapes of SaMIA's generation for texts of ``length`` tokens with a ``context``-token model: the prompt is the
+    first half (SaMIA prompts with the first half of the words; here half of the tokens), left padded to its length
+    bucket (``generate`` buckets prompts by ``bucket_length``), and the continuation fills the rest of min(length,
+    context): {"prompt": S padded, "prompt_tokens": P, "new": N}."""
+    total = min(length, context)
+    plen = max(1, total // 2)
+    new = total - plen
+    if new < 1:
+        raise PlanError(f"--attack samia: a {length}-token text leaves no room to generate after its prompt")
+    return {"prompt": int(bucket_length(plen, settings.min_bucket)), "prompt_tokens": int(plen), "new": int(new)}
 
 
 def conditional_shapes(attack: str, context: int, length: int, prefix_len: Optional[int] = None,
@@ -354,7 +369,7 @@ def camia_length(context: int, length: int, settings: ScoringSettings = ScoringS
 def lowered_steps(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: int = 2048,
                   mesh_axes: Optional[dict] = None, devices=None, fsdp: Optional[bool] = None, attack: str = "stats",
                   mope_n: int = 10, mope_chunk: int = 2, prefix_len: Optional[int] = None,
-                  group: Optional[int] = None, source: str = "config"):
+                  group: Optional[int] = None, source: str = "config", samia_n: int = 10, top_k: int = 50):
     """(model, shapes, shardings, mesh, [(step name, shape, jax ``Lowered``)]): the jitted steps ``mia score`` runs
     for ``attack``, built by the engine's own builders and lowered on abstract parameters. Arguments as
     ``plan_scoring``."""
@@ -386,6 +401,15 @@ def lowered_steps(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: 
         key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
         step = build_mope_step(model, mesh, shardings, mope_n, 0.005, mope_chunk)
         steps = [("mope", (batch, length), step.lower(key, params, *row_args(batch, length, rows)))]
+    elif attack == "samia":
+        sh = samia_shapes(model.max_length, length)
+        cfg = Sampling(max_new=sh["new"], n=samia_n, top_k=top_k)
+        scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
+        per_row = lambda dtype, n: jax.ShapeDtypeStruct((n,), dtype, sharding=rows)  # noqa: E731
+        step = build_decode_step(model, mesh, shardings, cfg).lower(
+            params, *row_args(batch, sh["prompt"], rows), per_row(jnp.uint32, batch), scalar(jnp.uint32),
+            per_row(jnp.int32, batch * samia_n), scalar(jnp.float32), scalar(jnp.int32, (1,)), scalar(jnp.int32))
+        steps = [("samia", (batch * samia_n, sh["prompt"] + sh["new"]), step)]
     else:
         sh = conditional_shapes(attack, model.max_length, length, prefix_len, group)
         cache_sh = prefix_shardings(model, mesh, params=shapes)
@@ -404,7 +428,8 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
                  mesh_axes: Optional[dict] = None, devices=None, fsdp: Optional[bool] = None,
                  device_bytes: Optional[int] = None, attack: str = "stats", mope_n: int = 10,
                  mope_chunk: int = 2, prefix_len: Optional[int] = None, group: Optional[int] = None,
-                 source: str = "config", platform: Optional[str] = None) -> PlanResult:
+                 source: str = "config", platform: Optional[str] = None, samia_n: int = 10,
+                 top_k: int = 50) -> PlanResult:
     """Compile a scoring step ahead of time and read its memory.
 
     ``attack``: "stats" (the token-statistics pass every attack shares), "mope" (MoPe's step with ``mope_n``
@@ -427,12 +452,13 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     with A.planning_for(platform, devices[0].platform) as chosen:
         model, shapes, shardings, mesh, steps = lowered_steps(
             hf, dtype=dtype, batch=batch, length=length, mesh_axes=mesh_axes, devices=devices, fsdp=fsdp,
-            attack=attack, mope_n=mope_n, mope_chunk=mope_chunk, prefix_len=prefix_len, group=group, source=source)
+            attack=attack, mope_n=mope_n, mope_chunk=mope_chunk, prefix_len=prefix_len, group=group, source=source,
+            samia_n=samia_n, top_k=top_k)
     figures = {name: (shape, memory_figures(lowered.compile())) for name, shape, lowered in steps}
     worst = max(figures, key=lambda n: figures[n][1][0])
     peak, arg, tmp, out, peak_source = figures[worst][1]
     detail = None
-    if attack in ("camia",) + CONDITIONAL:
+    if attack in ("camia", "samia") + CONDITIONAL:
         detail = {n: {"shape": list(sh), "peak_bytes": f[0], "argument_bytes": f[1], "temp_bytes": f[2],
                       "output_bytes": f[3]} for n, (sh, f) in figures.items()}
     return PlanResult(params_bytes=sharded_bytes(shapes, shardings), peak_bytes=peak,
@@ -445,8 +471,9 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
 
 # ----------------------------------------------------------------------------------------------- command line
 _OPTIONS = {"stats": {}, "camia": {}, "mope": {"n": ("mope_n", 10), "chunk": ("mope_chunk", 2)},
-            "recall": {"prefix_len": ("prefix_len", None)}, "em_mia": {"group": ("group", None)}}
-ATTACK_HELP = "stats, camia, mope[:n=10,chunk=2], recall[:prefix_len=INT], em_mia[:group=INT]"
+            "recall": {"prefix_len": ("prefix_len", None)}, "em_mia": {"group": ("group", None)},
+            "samia": {"n": ("samia_n", 10), "top_k": ("top_k", 50)}}
+ATTACK_HELP = "stats, camia, mope[:n=10,chunk=2], recall[:prefix_len=INT], em_mia[:group=INT], samia[:n=10,top_k=50]"
 
 
 def parse_plan_attack(text: str) -> tuple[str, dict]:
