@@ -178,7 +178,7 @@ def test_pack_and_bucket_step_change_speed_not_scores(tiny_neox_dir, tmp_path, c
     real_put = loop.put_packed
     monkeypatch.setattr(loop, "put_packed", lambda *a: packed_calls.append(1) or real_put(*a))
     scores = {}
-    for flags in (["--pack", "off"], ["--pack", "on"], ["--pack", "auto"], ["--pack", "off", "--bucket-step", "0"]):
+    for flags in (["--pack", "off"], ["--pack", "on"], ["--pack", "auto", "--bucket-step", "0"]):
         out = tmp_path / f"o{len(scores)}.jsonl"
         packed_calls.clear()
         assert main(["score", "--model", str(tiny_neox_dir), "--data", str(data), "--attacks", "loss,mink",
