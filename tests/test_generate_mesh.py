@@ -3,23 +3,17 @@
 8-device checks run in a subprocess (``tests/generate_mesh_check.py``; the device count is fixed when jax starts).
 """
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_sharding import ROOT, TESTS, env_with_devices
+from test_sharding import run_script_on_8_devices
 
 
 def _check(tmp_path, neox_dir, specs):
-    out = tmp_path / "gen_mesh.json"
-    r = subprocess.run([sys.executable, str(TESTS / "generate_mesh_check.py"), str(out), str(neox_dir), *specs],
-                       env=env_with_devices(8), cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_script_on_8_devices("generate_mesh_check.py", tmp_path / "gen_mesh.json", neox_dir, *specs)
 
 
 def _assert_same_as_one_device(report):

@@ -83,12 +83,16 @@ def test_shardings_and_the_step_on_abstract_shapes(tiny_model):
 
 
 # ------------------------------------------------------------------------------------------------ 8 devices
-def _mesh_check(tmp_path, tiny_neox_dir, families):
-    out = tmp_path / "mesh.json"
-    r = subprocess.run([sys.executable, str(TESTS / "mesh_check.py"), str(out), str(tiny_neox_dir), *families],
+def run_script_on_8_devices(script: str, out, *args) -> dict:
+    """Run ``tests/<script> OUT ARGS...`` in a fresh process with 8 fake CPU devices; the JSON it wrote to OUT."""
+    r = subprocess.run([sys.executable, str(TESTS / script), str(out), *map(str, args)],
                        env=env_with_devices(8), cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def _mesh_check(tmp_path, tiny_neox_dir, families):
+    return run_script_on_8_devices("mesh_check.py", tmp_path / "mesh.json", tiny_neox_dir, *families)
 
 
 def _assert_mesh_equals_single_device(report):
