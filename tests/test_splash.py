@@ -135,6 +135,16 @@ def test_splash_bfloat16_within_input_rounding():
 def test_dispatch_picks_splash_on_tpu_and_blocked_elsewhere(monkeypatch):
     monkeypatch.delenv(A.ENV_VAR, raising=False)
     bf16 = jnp.bfloat16
+    monkeypatch.setattr(jax, "device_count", lambda *a: 8)  # several chips, outside an engine step: not splash
+    assert A.select_kernel(2, 12, 2048, 2048, 64, bf16, backend="tpu") == "blocked"
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with A.over_mesh(mesh):
+        assert A.select_kernel(2, 12, 2048, 2048, 64, bf16, backend="tpu") == "splash"
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+    with A.planning_for("tpu", "tpu"):  # a plan (a topology's devices, whatever the local count): only over a mesh
+        assert A.select_kernel(2, 12, 2048, 2048, 64, bf16, backend="tpu") == "blocked"
+        with A.over_mesh(mesh):
+            assert A.select_kernel(2, 12, 2048, 2048, 64, bf16, backend="tpu") == "splash"
     assert A.select_kernel(2, 12, 2048, 2048, 64, bf16, backend="tpu") == "splash"
     assert A.select_kernel(2, 12, 2048, 2048, 64, bf16, backend="cpu") == "blocked"
     assert A.select_kernel(2, 12, 2000, 2000, 64, bf16, backend="tpu") == "blocked"  # not a multiple of 128
@@ -156,8 +166,9 @@ def test_dispatch_picks_splash_on_tpu_and_blocked_elsewhere(monkeypatch):
 def test_planning_tpu_on_cpu_devices_compiles_the_stand_in(monkeypatch):
     monkeypatch.delenv(A.ENV_VAR, raising=False)
     args, _ = rows("right", b=2)
-    with A.planning_for("tpu", "cpu") as got:
-        jax.jit(lambda *a: A.dot_product_attention(*a, scale=SCALE)).lower(*args)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with A.planning_for("tpu", "cpu") as got:  # an engine step: traced over its mesh
+        jax.jit(A.traced_over(mesh, lambda *a: A.dot_product_attention(*a, scale=SCALE))).lower(*args)
     assert got == [("splash", "blocked")]
 
 

@@ -45,6 +45,7 @@ import numpy as np
 
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..models.attention import traced_over
 from ..models.common import KVCache
 from .batching import bucket_length, bucket_rows, pow2_ceil, put_padded
 from .loop import engine_layout, placed_params
@@ -271,7 +272,7 @@ def build_decode_step(model, mesh, shardings, cfg: Sampling):
     def step(params, tokens, valid, ids, seed, budget, temperature, eos, pad_id):
         return decode(model, params, tokens, valid, ids, seed, budget, temperature, eos, pad_id, cfg, place)
 
-    return jax.jit(step, in_shardings=(shardings, rows, rows, rows, rep, rows, rep, rep, rep),
+    return jax.jit(traced_over(mesh, step), in_shardings=(shardings, rows, rows, rows, rep, rows, rep, rep, rep),
                    out_shardings=(rep, rep))
 
 

@@ -41,9 +41,9 @@ their float32 sum at the end. In bf16 the two then agree to float32 summation or
 Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.default_backend()``):
   the environment variable ``MIA_ATTENTION`` = exact | blocked | xla | splash forces a kernel; auto (the
   default) picks xla on a GPU when cuDNN can run it (bf16/fp16, no cache, head dim a multiple of 8 and <= 128),
-  splash on a TPU when it can run (:func:`splash_can_run`), else exact while the keys are short
-  (S <= EXACT_MAX_KEYS and the scores fit EXACT_MAX_SCORE_BYTES), else blocked. A forced splash that cannot
-  run these shapes (a cache, a length not a multiple of 128) runs blocked.
+  splash on a TPU when it can run (:func:`splash_can_run`) inside the engine's steps or on one chip, else
+  exact while the keys are short (S <= EXACT_MAX_KEYS and the scores fit EXACT_MAX_SCORE_BYTES), else blocked.
+  A forced splash that cannot run these shapes (a cache, a length not a multiple of 128) runs blocked.
   jit caches are per process: set the variable before anything is traced.
 """
 from __future__ import annotations
@@ -480,12 +480,21 @@ def requested_kernel() -> str:
     return value
 
 
+def splash_partitionable() -> bool:
+    """Whether a splash call traced now can be compiled: inside :func:`over_mesh` (the engine's steps run it under
+    ``shard_map``), or on one local device when not planning. XLA cannot partition a Pallas call by itself, so a
+    model call jitted outside the engine on several chips, or a plan's step not traced over its mesh, gets blocked."""
+    return _MESH.get() is not None or (_LOWERING.get() is None and jax.device_count() == 1)
+
+
 def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, *, backend: Optional[str] = None,
                   requested: Optional[str] = None, window_static: bool = True) -> str:
     """The kernel name for static shapes (see the module docstring); ``requested`` defaults to MIA_ATTENTION.
 
     A traced per-layer window (``window_static`` False) does not change the choice: on a GPU the xla kernel then
     passes it in the mask; on a TPU splash runs the layers whose window is global and blocked the local ones.
+    Auto picks splash only inside :func:`over_mesh` (the engine's steps, which run it under ``shard_map``) or with
+    one device: a model call jitted elsewhere on several TPU chips gets blocked, which XLA partitions itself.
     """
     requested = requested or requested_kernel()
     if requested != "auto":
@@ -493,7 +502,7 @@ def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, 
     backend = backend or jax.default_backend()
     if backend == "gpu" and t == s and _cudnn_can_run(head_dim, dtype):
         return "xla"
-    if backend == "tpu" and splash_can_run(t, s):
+    if backend == "tpu" and splash_can_run(t, s) and splash_partitionable():
         return "splash"
     score_bytes = 4 * batch * heads * t * s
     return "exact" if s <= EXACT_MAX_KEYS and score_bytes <= EXACT_MAX_SCORE_BYTES else "blocked"
