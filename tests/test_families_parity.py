@@ -168,7 +168,9 @@ def test_packed_rows_score_as_separate_rows(case, monkeypatch):
     rng = np.random.default_rng(6)
     texts = [rng.integers(0, V, n).astype(np.int32) for n in (13, 7, 2, 10, 5, 3, 9)]
     plain = ScoringSettings(progress=False, pack=False)
-    packed = dataclasses.replace(plain, pack=True)
+    # rows of 128 hold every text (49 tokens) and a padded tail of 79, longer than the tiny configs' 32 learned
+    # positions (GPT-2, GPT-Neo): the tail must not index past the position table
+    packed = dataclasses.replace(plain, pack=True, pack_length=128)
     assert any(len({r for r, _ in b.slots}) < len(b.members) for b in pack_rows([len(t) for t in texts], packed))
     want = loop.compute_token_stats(model, texts, plain)
     monkeypatch.setattr(A, "BLOCK_Q", 4)  # several query and key blocks per row
