@@ -76,22 +76,27 @@ def plan_cost(plan: Sequence, cost: RowCost) -> float:
     return sum(cost.of(b.rows, b.length) for b in plan)
 
 
+def token_stats_plan(settings: ScoringSettings, lengths: Sequence[int], cost: Optional[RowCost], n_data: int = 1,
+                     backend: Optional[str] = None) -> list:
+    """The token-stats batches of texts of ``lengths``: packed rows (``pack_rows``) or one text per row
+    (``plan_batches``). ``settings.pack`` True / False decides; None (the default) packs when the packed plan's
+    estimated cost (``plan_cost``) is at least ``PACK_MIN_SAVING`` below the one-text-per-row plan's, except on a GPU
+    (``backend``, default ``jax.default_backend()``): there unpacked rows keep cuDNN's mask-free causal flash
+    attention and packing has not been measured. Packing trades padding for attention over ``pack_length`` keys: it
+    pays on mixed lengths when the dense layers dominate (real models), not on equal lengths or tiny attention-bound
+    models. Each candidate plan is built once."""
+    pack = settings.pack
+    if pack is None and cost is not None and len(lengths) >= 2 and (backend or jax.default_backend()) != "gpu":
+        packed, plain = pack_rows(lengths, settings, n_data), plan_batches(lengths, settings, n_data)
+        return packed if plan_cost(packed, cost) < (1 - PACK_MIN_SAVING) * plan_cost(plain, cost) else plain
+    return (pack_rows if pack else plan_batches)(lengths, settings, n_data)
+
+
 def packs_rows(settings: ScoringSettings, lengths: Sequence[int], cost: Optional[RowCost], n_data: int = 1,
                backend: Optional[str] = None) -> bool:
-    """Whether token stats pack several texts per row. ``settings.pack`` True / False decides; None (the default)
-    packs when the packed plan's estimated cost (``plan_cost``) is at least ``PACK_MIN_SAVING`` below the
-    one-text-per-row plan's, except on a GPU (``backend``, default ``jax.default_backend()``): there unpacked rows
-    keep cuDNN's mask-free causal flash attention and packing has not been measured. Packing trades padding for
-    attention over ``pack_length`` keys: it pays on mixed lengths when the dense layers dominate (real models), not
-    on equal lengths or tiny attention-bound models."""
-    if settings.pack is not None:
-        return settings.pack
-    if cost is None or len(lengths) < 2:
-        return False
-    if (backend or jax.default_backend()) == "gpu":
-        return False
-    packed = plan_cost(pack_rows(lengths, settings, n_data), cost)
-    return packed < (1 - PACK_MIN_SAVING) * plan_cost(plan_batches(lengths, settings, n_data), cost)
+    """Whether ``token_stats_plan`` packs these texts (several per row)."""
+    plan = token_stats_plan(settings, lengths, cost, n_data, backend)
+    return bool(plan) and isinstance(plan[0], PackedBatch)
 
 
 def pow2_ceil(n: int, minimum: int = 1) -> int:

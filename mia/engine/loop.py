@@ -16,8 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..models.attention import traced_over
-from .batching import (Batch, PackedBatch, ScoringSettings, pack_rows, packs_rows, plan_batches, put_packed, row_cost,
-                       put_padded)
+from .batching import (Batch, PackedBatch, ScoringSettings, put_packed, put_padded, row_cost, token_stats_plan)
 from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
 from .distributed import any_process
 from .sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, make_mesh,
@@ -147,8 +146,7 @@ def compute_token_stats(
         fn = jitted_token_stats(model)
         rows_sharding = batch_sharding(mesh)
         lengths = [len(token_lists[i]) for i in todo]
-        pack = packs_rows(settings, lengths, row_cost(model), data_size(mesh))
-        plan = (pack_rows if pack else plan_batches)(lengths, settings, data_size(mesh))
+        plan = token_stats_plan(settings, lengths, row_cost(model), data_size(mesh))
         total = sum(lengths)
 
         def dispatch(batch):
