@@ -98,7 +98,7 @@ def child(path: str, mode: str, param_dtype: str, mesh: str) -> None:
     import jax
 
     import mia.models as mm
-    from mia.engine.sharding import make_mesh, parse_mesh
+    from mia.sharding import make_mesh, parse_mesh
     from mia.models import hub
 
     mesh_obj = make_mesh(parse_mesh(mesh, len(jax.devices()))) if mesh else None
@@ -115,7 +115,7 @@ def child(path: str, mode: str, param_dtype: str, mesh: str) -> None:
         _, shapes = hub.abstract_params(fam, cfg, hub.DTYPES[param_dtype], hub.DTYPES[param_dtype])
         params = hub.params_from_hf(tensors, fam, cfg, shapes, hub.DTYPES[param_dtype])
         if mesh_obj is not None:
-            from mia.engine.sharding import param_shardings, put_params
+            from mia.sharding import param_shardings, put_params
             params = put_params(params, param_shardings(shapes, mesh_obj))
     else:
         params = mm.load(path, dtype=param_dtype, tokenizer=False, mesh=mesh_obj).params

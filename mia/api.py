@@ -26,7 +26,7 @@ from .data.examples import (DataError, Example, check_label_conflicts, examples_
 from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
-from .engine.sharding import make_mesh, parse_mesh
+from .sharding import make_mesh, parse_mesh
 from . import cache_limit
 from .file_hash import default_cache_dir
 from .models.hub import Model

@@ -26,7 +26,7 @@ from mia.attacks.samia import sampled_candidates
 from mia.data.examples import Example, tokenize_examples
 from mia.engine.batching import ScoringSettings
 from mia.engine.generate import generate
-from mia.engine.sharding import make_mesh, parse_mesh
+from mia.sharding import make_mesh, parse_mesh
 
 from tiny_configs import shardable
 

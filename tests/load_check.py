@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 import mia.models as mm
-from mia.engine import sharding
-from mia.engine.sharding import make_mesh
+from mia import sharding
+from mia.sharding import make_mesh
 
 from test_streaming_load import bits, reference, write_checkpoint
 from tiny_configs import shardable

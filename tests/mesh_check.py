@@ -20,7 +20,7 @@ from mia.data.examples import Example
 from mia.engine.batching import ScoringSettings, bucket_length
 from mia.engine.conditional import loglik_matrix
 from mia.engine.loop import compute_token_stats, jitted_token_stats
-from mia.engine.sharding import make_mesh
+from mia.sharding import make_mesh
 
 from tiny_configs import shardable
 

@@ -80,7 +80,7 @@ def test_decode_step_compiles_on_abstract_shapes(tiny_model):
     """The sampling program can be built and compiled from ShapeDtypeStructs (nothing allocated), as ``mia plan``
     does for the scoring step."""
     from mia.engine.generate import Sampling, build_decode_step
-    from mia.engine.sharding import make_mesh, param_shardings
+    from mia.sharding import make_mesh, param_shardings
 
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tiny_model.params)
     mesh = make_mesh(None, jax.devices()[:1])

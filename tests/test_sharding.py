@@ -1,4 +1,4 @@
-"""The scoring engine on a named mesh (mia.engine.sharding), several processes (mia.engine.distributed), bad input at
+"""The scoring engine on a named mesh (mia.sharding), several processes (mia.engine.distributed), bad input at
 the edge.
 
 8-device checks run in subprocesses (the device count is fixed when jax starts): one subprocess scores token stats,
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from mia.engine import distributed
 from mia.cli import main
-from mia.engine.sharding import MeshError, param_partition_specs, param_shardings, parse_mesh, partition_spec
+from mia.sharding import MeshError, param_partition_specs, param_shardings, parse_mesh, partition_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -67,7 +67,7 @@ def test_partition_rules_by_role_on_flat_and_stacked_layers():
 def test_shardings_and_the_step_on_abstract_shapes(tiny_model):
     """The lead's `mia plan` path: shardings and the lowered step from ShapeDtypeStructs, nothing allocated."""
     from mia.engine.loop import build_token_stats_step
-    from mia.engine.sharding import batch_sharding, make_mesh, sharded_bytes
+    from mia.sharding import batch_sharding, make_mesh, sharded_bytes
 
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tiny_model.params)
     specs = param_partition_specs(abstract, {"data": 2, "model": 4})

@@ -199,7 +199,7 @@ MESH_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from mia.engine.sharding import make_mesh
+from mia.sharding import make_mesh
 from mia.models import attention as A
 sys.path.insert(0, "tests")
 from test_splash import SCALE, rows

@@ -1,4 +1,4 @@
-"""Streaming load (``mia.models.load`` through ``mia.engine.sharding.put_params`` / ``read_shard``): each device's
+"""Streaming load (``mia.models.load`` through ``mia.sharding.put_params`` / ``read_shard``): each device's
 shard is read from the memory map and converted block by block into its final dtype. The params must be bit for
 bit those of the whole-leaf path (``hub.params_from_hf``: every leaf stacked whole, widened to float32, converted),
 for every family and every checkpoint dtype x parameter dtype; no stacked leaf may be read whole; the host memory a
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mia.models as mm
-from mia.engine import sharding
+from mia import sharding
 from mia.models import hub
 from tiny_configs import PARITY
 

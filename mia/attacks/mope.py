@@ -49,7 +49,7 @@ from ..engine.batching import plan_batches, put_padded
 from ..models.attention import traced_over
 from ..engine.conditional import token_logprobs
 from ..engine.loop import engine_layout, pipelined, placed_params, rows_per_device, show_progress
-from ..engine.sharding import batch_sharding, compose, data_size, gather_outside_layers, layer_gather, replicated
+from ..sharding import batch_sharding, compose, data_size, gather_outside_layers, layer_gather, replicated
 from ..engine.stats import chunk_size
 from ..validate import Range
 from .registry import AttackError, register

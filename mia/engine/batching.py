@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from .sharding import put_rows
+from ..sharding import put_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows,
 from .cache import BackgroundWriter, cache_label, cache_namespace, cacheable, example_key, usable_cache_dir
 from .distributed import any_process
 from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_device, show_progress
-from .sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
+from ..sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
 from .stats import chunk_size, logprob_from_hidden
 
 CONDLL_VERSION = "3"  # bump when the meaning or numerics of cached conditional LLs change (2: precision policy;

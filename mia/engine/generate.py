@@ -49,7 +49,7 @@ from ..models.attention import traced_over
 from ..models.common import KVCache
 from .batching import bucket_length, bucket_rows, pow2_ceil, put_padded
 from .loop import engine_layout, placed_params
-from .sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, mesh_axes, put_array,
+from ..sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, mesh_axes, put_array,
                        put_rows, replicated)
 
 

@@ -19,7 +19,7 @@ from ..models.attention import traced_over
 from .batching import (Batch, PackedBatch, ScoringSettings, put_packed, put_padded, row_cost, token_stats_plan)
 from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
 from .distributed import any_process
-from .sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, make_mesh,
+from ..sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, make_mesh,
                        param_shardings, put_params, replicated, start_fetch)
 from .stats import STAT_NAMES, chunk_size, token_stats
 

@@ -5,7 +5,7 @@
         [--attack stats|camia|mope[:n=10,chunk=2]|recall[:prefix_len=N]|em_mia[:group=G]|samia[:n=10,top_k=50]]
 
 Nothing is allocated: parameters are ``jax.ShapeDtypeStruct``s (from ``jax.eval_shape`` of the module's init)
-carrying the shardings ``mia.engine.sharding`` would give them on the mesh, the step is
+carrying the shardings ``mia.sharding`` would give them on the mesh, the step is
 ``jit(...).lower(...).compile()``d,
 and ``compiled.memory_analysis()`` gives the per-device figures XLA's buffer assignment computed:
 
@@ -57,7 +57,7 @@ from .batching import ScoringSettings, bucket_length, pow2_floor
 from .conditional import build_cond_step, build_prefix_step, prefix_shardings
 from .generate import Sampling, build_decode_step
 from .loop import build_token_stats_step
-from .sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
+from ..sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
 
 GiB = 1 << 30
 

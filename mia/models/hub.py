@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from ..atomic import atomic_write, write_text
-from ..engine.sharding import make_mesh, param_shardings, put_params, replicated
+from ..sharding import make_mesh, param_shardings, put_params, replicated
 from .. import file_hash  # called through the module so that tests can stand in for the hash
 from ..validate import check_config, check_hf_config, safetensors_header
 from . import hf_cache
@@ -47,7 +47,7 @@ class CheckpointError(ValueError):
 class Model:
     """A Flax module, its params pytree, its tokenizer and config. ``params`` is passed explicitly everywhere.
 
-    ``mesh``/``fsdp``: the layout the params were placed with (``mia.engine.sharding``); None: the scoring engine's
+    ``mesh``/``fsdp``: the layout the params were placed with (``mia.sharding``); None: the scoring engine's
     default (every device on ``data``, params replicated).
     """
 
@@ -587,7 +587,7 @@ def load(path, dtype=AUTO, param_dtype=None, tokenizer: bool = True, mesh=None,
     ``hf_cache``). ``dtype``: activations (``"auto"``: float32 on a CPU, bfloat16 on an accelerator);
     ``param_dtype`` defaults to ``dtype``.
 
-    Parameters are placed once, with their shardings over ``mesh`` (``mia.engine.sharding``: FSDP over ``data`` when
+    Parameters are placed once, with their shardings over ``mesh`` (``mia.sharding``: FSDP over ``data`` when
     ``fsdp``, the default with an explicit mesh; tensor parallel over ``model``); without a mesh, replicated on
     every device. Each device's shard is read from the memory-mapped safetensors and converted on its own, so a
     checkpoint never exists whole in host memory as a second copy. Logits are float32 and log-probabilities are
