@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--canary-reps", type=arg_int_list(1), default=None,
                    help="insertions of each included canary, cycled over the canaries, comma-separated "
                         "(default 1,4,16,64; with --canaries N)")
-    p.add_argument("--canary-kind", choices=CANARY_KINDS, default=None,
-                   help="canaries of uniform random token ids (tokens, default) or random corpus words (words)")
+    p.add_argument("--canary-kind", default=None,
+                   help="canary kind, or several comma-separated: " + ", ".join(CANARY_KINDS) + " (default tokens; "
+                        "new needs --reserved-tokens; see mia.testbed.canaries)")
     p.add_argument("--dp-sampling", choices=DP_SAMPLINGS, default=None,
                    help="DP-SGD batches (with --dp-noise): poisson (default; each record joins each step with "
                         "probability batch/records) or fixed (the recorded batches, no amplification)")

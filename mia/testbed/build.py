@@ -39,12 +39,12 @@ from ..models import from_config, load, save
 from ..models.gpt_neox import GPTNeoXConfig
 from ..models.hub import family
 from .canaries import CANARY_FILE, make_canaries, read_canaries, write_canaries
-from .config import (DATA_FIELDS, FORMAT, TESTBED_FIELDS, TestbedConfig, TestbedError, config_of_manifest,
-                     preset as get_preset, read_manifest)
+from .config import (DATA_FIELDS, FORMAT, TESTBED_FIELDS, TestbedConfig, TestbedError, canary_kinds,
+                     config_of_manifest, preset as get_preset, read_manifest)
 from .dp import accountant_epsilon, privacy_record
 from .init import init_params
 from .packing import dedup_rows, pack_rows, row_permutation, write_order
-from .tokenizer import EOD_ID, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
+from .tokenizer import EOD_ID, encode_documents, load_tokenizer, reserved_ids, save_tokenizer, train_tokenizer
 from .train import checkpoint_dir, memorize as run_memorize, place_dir, plot_losses, saved_steps, train
 
 MANIFEST = "testbed.json"
@@ -68,6 +68,17 @@ def model_config(cfg: TestbedConfig, vocab_size: int):
     return GPTNeoXConfig(vocab_size=int(vocab_size), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                          num_attention_heads=cfg.num_heads, intermediate_size=cfg.ffn_size, rotary_pct=cfg.rotary_pct,
                          max_position_embeddings=cfg.seq_len, bos_token_id=EOD_ID, eos_token_id=EOD_ID)
+
+
+def zero_reserved_rows(params, first: int):
+    """``params`` with the input embedding rows and output (unembedding) columns of the reserved tokens (ids
+    >= ``first``) set to zero. Equal rows get equal updates from a corpus that never uses them (the softmax pushes
+    every unused token alike), so after training the reserved tokens are still interchangeable: a new-token canary's
+    row differs from an unused reserved token's only by what its own training did (``mia.testbed.canaries``)."""
+    params = dict(params)
+    params["embed_in"] = {"embedding": params["embed_in"]["embedding"].at[first:].set(0.0)}
+    params["embed_out"] = {**params["embed_out"], "kernel": params["embed_out"]["kernel"].at[:, first:].set(0.0)}
+    return params
 
 
 @dataclasses.dataclass
@@ -205,6 +216,8 @@ class Testbed:
         mcfg = model_config(self.config, len(tok))
         params = init_params(family("gpt_neox").module_cls(mcfg, dtype=jnp.float32, param_dtype=jnp.float32),
                              self.config.seed)
+        if self.config.reserved_tokens:
+            params = zero_reserved_rows(params, reserved_ids(tok).start)
         model = from_config(mcfg, params=params, tokenizer=tok)
         return train(model, self.config, self.dataset(), self.root, until=until, save_every=save_every,
                      progress=progress, stop_after=stop_after, extra_saves=extra_saves, canaries=self.canaries())
@@ -519,11 +532,14 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     else:
         t0 = time.perf_counter()
         say(f"training a byte-level BPE tokenizer (vocab {cfg.vocab_size}) ...")
-        tok = train_tokenizer(corpus.texts, cfg.vocab_size)
+        tok = train_tokenizer(corpus.texts, cfg.vocab_size, cfg.reserved_tokens)
         save_tokenizer(tok, root)
         tok = load_tokenizer(root)
         m["tokenizer"] = {"path": "tokenizer.json", "sha256": _sha_file(root / "tokenizer.json"),
                           "vocab_size": len(tok), "eod_id": EOD_ID, "eod_token": "<|endoftext|>"}
+        if cfg.reserved_tokens:
+            ids = reserved_ids(tok)
+            m["tokenizer"]["reserved"] = [ids.start, ids.stop]
         m["timings"]["tokenizer_s"] = round(time.perf_counter() - t0, 2)
         m.pop("data", None)  # a new tokenizer invalidates the order
         m.pop("canaries", None)  # and the canaries (drawn in its vocabulary)
@@ -538,6 +554,9 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
         say("tokenizing and packing the corpus ...")
         docs = encode_documents(tok, corpus.texts)
         rows, n_dup = dedup_rows(pack_rows(docs, cfg.row_len))
+        if cfg.reserved_tokens and (rows >= reserved_ids(tok).start).any():
+            raise TestbedError(f"the corpus uses a reserved token (id {int(rows.max())}, e.g. the text "
+                               f"{tok.convert_ids_to_tokens(int(rows.max()))!r}); reserved tokens must be new")
         order = row_permutation(len(rows), cfg.seed)
         write_order(prefix, rows, order)
         n_tokens = sum(len(d) + 1 for d in docs)
@@ -570,7 +589,7 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
 
     # 3b. canaries (drawn in the tokenizer's vocabulary; inclusion and steps follow from the config)
     if cfg.canaries:
-        _build_canaries(root, cfg, tok, corpus.texts, m, say)
+        _build_canaries(root, cfg, tok, corpus.texts, m, say, progress)
         _write_json(mf_path, m)
     if cfg.private:
 
@@ -603,19 +622,34 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     return _with_memorized(tb, memorize_epochs, memorize_rows, progress)
 
 
-def _build_canaries(root: Path, cfg: TestbedConfig, tok, texts, m: dict, say) -> None:
-    """Write ``data/canaries.json`` and its manifest record, unless the recorded file is already there intact."""
+def _build_canaries(root: Path, cfg: TestbedConfig, tok, texts, m: dict, say, progress: bool = True) -> None:
+    """Write ``data/canaries.json`` and its manifest record, unless the recorded file is already there intact.
+    Sampled canaries come from the last checkpoint of the same config without canaries (the same order), built (or
+    reused) in ``sampler/``."""
 
     path = root / CANARY_FILE
     rec = m.get("canaries")
     if rec is not None and path.exists() and _sha_file(path) == rec["sha256"]:
         return
     t0 = time.perf_counter()
-    c = make_canaries(cfg, tok, texts)
+    kinds = canary_kinds(cfg.canary_kind)
+    rows = IndexedDataset(root / "data" / "order").get_rows(np.arange(m["data"]["n_rows"])) \
+        if {"unigram", "bigram"} & set(kinds) else None
+    sampler, sampler_rec = None, None
+    if "sampled" in kinds:
+        say("training the sampler of the sampled canaries (the same config without canaries) ...")
+        plain = build_from_config(cfg.replace(canaries=0, preset=cfg.preset + "-sampler"), root / "sampler",
+                                  progress=progress)
+        sampler = plain.load_model()
+        sampler_rec = {"path": "sampler", "config_hash": plain.config.config_hash, "step": plain.train_steps,
+                       "sha256": plain.checkpoint_hash()}
+    c = make_canaries(cfg, tok, texts, rows=rows, sampler=sampler)
     write_canaries(path, c)
     m["canaries"] = {"path": CANARY_FILE, "sha256": _sha_file(path), "m": c.m, "kind": c.kind,
                      "reps": list(cfg.canary_reps), "n_included": int(c.included.sum()), "n_copies": c.n_copies,
                      "slots": c.slots, "inclusion": "independent, probability 1/2 (numpy default_rng([seed, 0xCA7A]))"}
+    if sampler_rec is not None:
+        m["canaries"]["sampler"] = sampler_rec
     m["timings"]["canaries_s"] = round(time.perf_counter() - t0, 2)
     say(f"canaries: {c.m} {c.kind} rows, {int(c.included.sum())} included, {c.n_copies} extra training rows")
 

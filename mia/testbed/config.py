@@ -13,20 +13,26 @@ FORMAT = "mia-testbed/3"  # 2: duplicate documents and rows dropped;
 
 # The fields that determine the training data (corpus, tokenizer, packing, row order, batches, checkpoint steps).
 # Members of a suite (``mia.testbed.suite``) share all of them and differ only in the model and its learning rate.
-DATA_FIELDS = ("corpus", "text_column", "max_corpus_bytes", "vocab_size", "seq_len", "batch_size", "train_steps",
-               "checkpoints", "seed", "canaries", "canary_reps", "canary_kind")
+DATA_FIELDS = ("corpus", "text_column", "max_corpus_bytes", "vocab_size", "reserved_tokens", "seq_len", "batch_size",
+               "train_steps", "checkpoints", "seed", "canaries", "canary_reps", "canary_kind")
 
 # Optional feature groups: a group's fields enter the manifest and the config hash only when the feature is on, so a
-# testbed without canaries or privacy has exactly the config (and hash) it had before these options existed.
+# testbed without canaries, reserved tokens or privacy has exactly the config (and hash) it had before these options
+# existed.
+RESERVED_FIELDS = ("reserved_tokens",)
 CANARY_FIELDS = ("canaries", "canary_reps", "canary_kind")
 DP_FIELDS = ("dp_noise", "dp_clip", "dp_sampling")
-CANARY_KINDS = ("tokens", "words")
+# canary kinds (mia.testbed.canaries): random token ids and random corpus words (the baselines), new tokens (reserved
+# ids the corpus never uses), the corpus's rarest tokens (unigram) and rarest token pairs (bigram), and rows sampled at
+# high temperature from a model trained on the same order (sampled)
+CANARY_KINDS = ("tokens", "words", "new", "unigram", "bigram", "sampled")
 DP_SAMPLINGS = ("poisson", "fixed")
 
 
 # Type and range of each numeric field (``mia.validate``): checked when a config is made, and by the CLI's options.
 FIELD_LIMITS = {
-    "max_corpus_bytes": (int, Range(1)), "vocab_size": (int, Range(258, 65535)), "seq_len": (int, Range(2)),
+    "max_corpus_bytes": (int, Range(1)), "vocab_size": (int, Range(258, 65535)),
+    "reserved_tokens": (int, Range(0, 65277)), "seq_len": (int, Range(2)),
     "hidden_size": (int, Range(1)), "num_layers": (int, Range(1)), "num_heads": (int, Range(1)),
     "intermediate_size": (int, Range(1)), "rotary_pct": (float, Range(0, 1, lo_open=True)),
     "batch_size": (int, Range(1)), "train_steps": (int, Range(1)), "lr": (float, Range(0, lo_open=True)),
@@ -50,6 +56,19 @@ class TestbedError(ValueError):
     """A testbed that cannot be built or used as asked; the message is one line meant for the user."""
 
     __test__ = False  # not a pytest class
+
+
+def canary_kinds(spec) -> tuple:
+    """The kinds of a ``canary_kind`` spec ("tokens", or several comma-separated: "new,unigram,tokens"), each one of
+    :data:`CANARY_KINDS`, without repeats; else ``TestbedError``."""
+    if not isinstance(spec, str):
+        raise TestbedError(f"testbed config field 'canary_kind' must be a string, got {spec!r}")
+    kinds = tuple(k.strip() for k in spec.split(","))
+    bad = [k for k in kinds if k not in CANARY_KINDS]
+    if bad or not kinds or len(set(kinds)) != len(kinds):
+        raise TestbedError(f"testbed config field 'canary_kind' must be one of {', '.join(CANARY_KINDS)}, or several "
+                           f"of them comma-separated without repeats; got {spec!r}")
+    return kinds
 
 
 # the fields of testbed.json / suite.json that are read, and their JSON types (a field may be absent)
@@ -97,6 +116,9 @@ class TestbedConfig:
     max_corpus_bytes: Optional[int] = None  # first documents (path order) up to this many UTF-8 bytes
     # tokenizer and packing
     vocab_size: int = 2048
+    # token ids reserved after the BPE vocabulary ("<|reserved_i|>", ids [bpe size, bpe size + reserved_tokens)), which
+    # the corpus never uses: the new-token canaries' ids (mia.testbed.canaries); 0 = none
+    reserved_tokens: int = 0
     seq_len: int = 128  # rows hold seq_len + 1 tokens (input row[:-1], labels row[1:]), as Pythia's 2049
     # model (GPT-NeoX / Pythia architecture)
     hidden_size: int = 128
@@ -122,7 +144,8 @@ class TestbedConfig:
     # then trained canary_reps[i % len(canary_reps)] times, as extra rows of recorded steps; 0 = no canaries
     canaries: int = 0
     canary_reps: tuple = (1, 4, 16, 64)
-    canary_kind: str = "tokens"  # "tokens": uniform random token ids; "words": random corpus words, tokenized
+    canary_kind: str = "tokens"  # one kind of CANARY_KINDS, or several comma-separated (cycled over the canaries in
+    # blocks of len(canary_reps), so that every (kind, reps) pair has the same number of canaries)
     # differentially private training (mia.testbed.dp): DP-SGD when dp_noise is set, ordinary training when None
     dp_noise: Optional[float] = None  # noise multiplier: Gaussian noise of std dp_noise * dp_clip on the clipped sum
     dp_clip: float = 1.0  # per-example gradient L2 norm bound
@@ -146,6 +169,9 @@ class TestbedConfig:
         if self.vocab_size < 258 or self.vocab_size > 65535:
             problems.append("vocab_size must be in [258, 65535] (byte alphabet + EOD; uint16 rows), got "
                             f"{self.vocab_size}")
+        if self.vocab_size + self.reserved_tokens > 65535:
+            problems.append(f"vocab_size {self.vocab_size} + reserved_tokens {self.reserved_tokens} must be at most "
+                            "65535 (uint16 rows)")
         bad = [s for s in self.checkpoints if s < 0 or s > self.train_steps]
         if bad:
             problems.append(f"checkpoint step(s) {bad} outside [0, train_steps={self.train_steps}]")
@@ -165,10 +191,16 @@ class TestbedConfig:
         if not reps:
             raise TestbedError("testbed config field 'canary_reps' must not be empty")
         object.__setattr__(self, "canary_reps", reps)
-        for name, choices in (("canary_kind", CANARY_KINDS), ("dp_sampling", DP_SAMPLINGS)):
-            if getattr(self, name) not in choices:
-                raise TestbedError(f"testbed config field {name!r} must be one of {', '.join(choices)}; "
-                                   f"got {getattr(self, name)!r}")
+        kinds = canary_kinds(self.canary_kind)
+        object.__setattr__(self, "canary_kind", ",".join(kinds))
+        if self.canaries and "new" in kinds:
+            n_new = sum(1 for i in range(self.canaries) if kinds[(i // len(reps)) % len(kinds)] == "new")
+            if self.reserved_tokens < n_new + 1:
+                raise TestbedError(f"{n_new} new-token canaries need reserved_tokens >= {n_new + 1} (one reserved id "
+                                   f"each and at least one unused), got {self.reserved_tokens}")
+        if self.dp_sampling not in DP_SAMPLINGS:
+            raise TestbedError(f"testbed config field 'dp_sampling' must be one of {', '.join(DP_SAMPLINGS)}; "
+                               f"got {self.dp_sampling!r}")
 
     @property
     def private(self) -> bool:
@@ -185,8 +217,8 @@ class TestbedConfig:
 
     def n_params(self, vocab_size: Optional[int] = None) -> int:
         """Parameters of the GPT-NeoX model this config trains (untied embedding and head, biases, LayerNorms), at
-        ``vocab_size`` (default: the configured one; the tokenizer may end up smaller)."""
-        v, h, f = int(vocab_size or self.vocab_size), self.hidden_size, self.ffn_size
+        ``vocab_size`` (default: the configured one and the reserved tokens; the tokenizer may end up smaller)."""
+        v, h, f = int(vocab_size or self.vocab_size + self.reserved_tokens), self.hidden_size, self.ffn_size
         layer = (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
         return 2 * v * h + 2 * h + self.num_layers * layer
 
@@ -199,6 +231,9 @@ class TestbedConfig:
         d = dataclasses.asdict(self)
         d["checkpoints"] = list(self.checkpoints)
         d["canary_reps"] = list(self.canary_reps)
+        if not self.reserved_tokens:
+            for k in RESERVED_FIELDS:
+                d.pop(k)
         if not self.canaries:
             for k in CANARY_FIELDS:
                 d.pop(k)
