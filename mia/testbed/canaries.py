@@ -126,7 +126,8 @@ class Canaries:
     ``vocab_size`` (the tokenizer's), ``kinds`` [m] (each canary's kind; empty: all ``kind``), ``secret_start`` [m]
     (where each canary's secret begins; None: 0, the whole row), ``params`` ({kind: its parameters}),
     ``corpus_vocab`` (ids below it are the corpus's; None: ``vocab_size``), ``spare_ids`` (reserved ids no canary
-    uses: the untrained reference of new-token canaries)."""
+    uses: the untrained reference of new-token canaries), ``copies`` [m] (a fine-tune's pool, whose copies are
+    records of the private set with no fixed step: how many each canary has; None: ``steps`` says)."""
 
     tokens: np.ndarray
     reps: np.ndarray
@@ -142,6 +143,7 @@ class Canaries:
     params: Optional[dict] = None
     corpus_vocab: Optional[int] = None
     spare_ids: tuple = ()
+    copies: Optional[np.ndarray] = None
 
     @property
     def m(self) -> int:
@@ -153,6 +155,8 @@ class Canaries:
 
     @property
     def n_copies(self) -> int:
+        if self.copies is not None:
+            return int(np.sum(self.copies))
         return int(sum(len(s) for s in self.steps))
 
     @property
@@ -227,6 +231,8 @@ class Canaries:
         if not self.legacy:
             d.update({"corpus_vocab": self.corpus_vocab, "spare_ids": [int(x) for x in self.spare_ids],
                       "kinds": {k: (self.params or {}).get(k, {}) for k in canary_kinds(self.kind)}})
+        if self.copies is not None:
+            d["copies"] = "records of the private set, Poisson-sampled at every step (no fixed steps)"
         rows = []
         kinds, secrets = self.kind_of, self.secrets
         for i in range(self.m):
@@ -234,6 +240,8 @@ class Canaries:
                  "positions": [list(p) for p in pos[i]], "tokens": self.tokens[i].tolist()}
             if not self.legacy:
                 r.update({"kind": str(kinds[i]), "secret_start": int(secrets[i])})
+            if self.copies is not None:
+                r["copies"] = int(self.copies[i])
             rows.append(r)
         d["canaries"] = rows
         return d
@@ -253,7 +261,8 @@ class Canaries:
                    kinds=() if legacy else tuple(r["kind"] for r in rows),
                    secret_start=None if legacy else np.array([r["secret_start"] for r in rows], np.int64),
                    params=None if legacy else d["kinds"], corpus_vocab=None if legacy else d.get("corpus_vocab"),
-                   spare_ids=() if legacy else tuple(d.get("spare_ids", ())))
+                   spare_ids=() if legacy else tuple(d.get("spare_ids", ())),
+                   copies=np.array([r["copies"] for r in rows], np.int64) if "copies" in d else None)
 
 
 # ------------------------------------------------------------------------------------------- what rows are drawn from
