@@ -323,7 +323,8 @@ def test_presets_are_consistent():
 
     # the sizes the preset comments and docs/testbed.md promise, as ranges that round to them (smoke "0.17M", default
     # "0.9M", large "27.3M")
-    promised = {"smoke": (0.165e6, 0.175e6), "default": (0.85e6, 0.95e6), "large": (27.25e6, 27.35e6)}
+    promised = {"smoke": (0.165e6, 0.175e6), "default": (0.85e6, 0.95e6), "large": (27.25e6, 27.35e6),
+                "audit": (0.325e6, 0.335e6)}  # audit: smoke with 1,280 reserved tokens
     assert set(PRESETS) == set(promised)
     for name, cfg in PRESETS.items():
         assert cfg.preset == name and cfg.checkpoint_steps[0] == 0 and cfg.checkpoint_steps[-1] == cfg.train_steps
@@ -331,16 +332,16 @@ def test_presets_are_consistent():
             0 < c < cfg.train_steps for c in cfg.checkpoints
         )
         assert 0 < cfg.warmup_steps < cfg.train_steps and cfg.hidden_size % cfg.num_heads == 0
-        mc = model_config(cfg, cfg.vocab_size)
+        mc = model_config(cfg, cfg.vocab_size + cfg.reserved_tokens)
         assert (mc.vocab_size, mc.hidden_size, mc.num_hidden_layers, mc.num_attention_heads, mc.intermediate_size) == (
-            cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.ffn_size)
+            cfg.vocab_size + cfg.reserved_tokens, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.ffn_size)
         assert mc.max_position_embeddings == cfg.seq_len == cfg.row_len - 1  # trained context = the model's context
         shapes = jax.eval_shape(
             lambda: GPTNeoXForCausalLM(mc).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))
         )
         n = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
         # the model the preset builds has exactly the parameters its formula counts, at its promised size
-        v, h, f, L = cfg.vocab_size, cfg.hidden_size, cfg.ffn_size, cfg.num_layers
+        v, h, f, L = cfg.vocab_size + cfg.reserved_tokens, cfg.hidden_size, cfg.ffn_size, cfg.num_layers
         by_hand = 2 * v * h + 2 * h + L * (4 * h * h + 2 * h * f + 9 * h + f)  # embed + head, final LN, layers
         assert n == cfg.n_params() == by_hand, (name, n, cfg.n_params(), by_hand)
         assert promised[name][0] <= n < promised[name][1], (name, n)

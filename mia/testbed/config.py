@@ -271,6 +271,12 @@ PRESETS = {
     "default": TestbedConfig(preset="default", vocab_size=2048, seq_len=128, hidden_size=128, num_layers=2,
                              num_heads=4, batch_size=32, train_steps=400, checkpoints=(100, 200, 300), lr=2e-3,
                              warmup_steps=40),
+    # privacy audits (experiments.audit): the smoke preset's data and model with 1,280 reserved tokens (new-token
+    # canaries' ids): 0.33M parameters, trains in seconds on 2 cores; the base of the audit's fine-tunes, and with
+    # canaries=2000, canary_reps=(1, 4) its pretraining audit (copies outnumber the 1,600 natural rows)
+    "audit": TestbedConfig(preset="audit", max_corpus_bytes=800_000, vocab_size=512, reserved_tokens=1280, seq_len=64,
+                           hidden_size=64, num_layers=2, num_heads=4, batch_size=16, train_steps=100, checkpoints=(50,),
+                           lr=3e-3, warmup_steps=10),
     # for an accelerator: 27.3M parameters (at the full 8192-token vocabulary; config.n_params()); give a larger
     # corpus (--corpus) for more than one epoch's worth of steps
     "large": TestbedConfig(preset="large", vocab_size=8192, seq_len=256, hidden_size=512, num_layers=6, num_heads=8,
