@@ -1,33 +1,38 @@
-"""Privacy audit as one command: testbeds trained at several DP epsilons on one data order with canaries, every
-attack scored on the canaries and on the natural checkpoint split, and what the attacks prove about epsilon.
+"""Privacy audit as one command: models trained with and without DP-SGD on one private set with canaries, every
+attack scored on the canaries and on natural rows, and what the attacks prove about epsilon.
 
-    python -m experiments.audit [--preset default|smoke] [--out DIR] [--epsilons 1,4,16] [--attacks ...]
+    python -m experiments.audit [--setting finetune|pretrain] [--preset default|smoke|large] [--out DIR] ...
 
-1. **The models.** A testbed with a canary pool (``canaries`` random-token rows, each included with probability
-   1/2 and inserted r times, r cycled over ``canary_reps``; docs/auditing.md) trained without privacy, and its
-   twins (``mia.testbed.build_twin``: the same tokenizer, order and canaries) trained with DP-SGD (Poisson
-   sampling, clipping 1.0) at the noise multiplier whose accountant epsilon (``dp_accounting`` PLD, at
-   delta = 1 / records) is each target in ``epsilons``. Runs differ only by privacy.
-2. **The canaries.** Every attack scores all m canaries under each model's last checkpoint (membership: included or
-   not, exact). Per (model, attack): AUC, TPR at 1% and 0.1% FPR, and ``eps_lower``, the one-run audit's lower bound
-   (``mia.audit.one_run_audit``, Steinke, Nasr and Jagielski 2023) at 95% confidence on the canaries inserted once,
-   whose per-record guarantee is the accountant's epsilon (canaries inserted r > 1 times are groups of r records:
-   ``by_reps`` compares their bounds with the group epsilon, ``mia.testbed.dp.canary_epsilon``).
-3. **The natural split.** The same attacks on a checkpoint split of the order's natural rows at the last checkpoint
-   (members: rows trained on, [0, T B); non-members: the rest of the first epoch): ``natural_auc``, and so on. The
-   natural members are not randomly included, so no one-run bound is computed on them.
-4. **Exposure** (Carlini et al. 2019) of every canary against ``n_candidates`` fresh random rows, "sampled" (rank,
-   capped at log2(n + 1) bits) and "skewnorm" (extrapolated), by repetitions.
-5. **The checks.** An ``eps_lower`` above the accountant's epsilon (per record, or per group of r) is a bug in the
-   attack's labels, the bound or the private training: the run writes everything, lists the violations in the
-   report and ``summary.json`` and exits with status 3 (``AuditViolation`` from the Python API). The findings say
-   whether AUC falls towards 0.5 as epsilon shrinks and whether exposure grows with repetitions.
+**Settings.** ``finetune`` (the default; ``mia.testbed.finetune``): a trained testbed (the base, preset ``audit``:
+1,280 reserved token ids) is fine-tuned on a private set of natural rows the base never saw plus a canary pool,
+full-parameter and LoRA, without privacy and with DP-SGD at accountant epsilon about 1, 4 and 16 (Poisson sampling
+at the preset's rate, clipping 1, ``dp_accounting`` for what the trainer did). ``pretrain``: a testbed trained from
+scratch with the canaries inserted, and its DP-SGD twins (``mia.testbed.build_twin``).
 
-Outputs (``--out``, default ``results/audit-<preset>``): ``report.md``; ``audit.{md,csv,tex,json}`` (one row per
-(model, attack)); ``by_reps.*``; ``exposure.*``; ``auc_vs_epsilon.png``, ``eps_lower_vs_epsilon.png``,
+1. **The canaries** (``mia.testbed.canaries``). The audit pool: new-token canaries (random corpus tokens, then the
+   canary's own reserved token: the secret), 1,000 inserted once and 250 four times, each included with
+   probability 1/2. The fine-tune's **kinds run** compares every kind (new, unigram, bigram, sampled, and the
+   tokens and words baselines) on one non-private fine-tune that memorizes (small Poisson batches, many steps).
+2. **Scores.** Every attack of the preset on every canary under each model, the reference attack with the base as
+   its reference (fine-tune), and for new-token canaries ``contrast`` (``new_token_contrast``: the secret's NLL
+   with a spare reserved id minus with its own). Per (model, attack, canary kind), on the canaries inserted once:
+   AUC, TPR at 1% and 0.1% FPR, and ``eps_lower``, the one-run lower bound (Steinke, Nasr and Jagielski 2023) at
+   95% confidence: guesses on both ends, k "in" and k "out", k on a grid fixed before the scores (``audit_grid``),
+   each setting at alpha / (grid size). ``eps_lower_cp``: Clopper-Pearson on the same scores (a heuristic).
+3. **Natural rows.** The same attacks on natural members and non-members (fine-tune: the private set's rows against
+   rows neither model trained; pretrain: the checkpoint split): ``natural_auc``.
+4. **By repetitions** (``by_reps``): the bound on the canaries inserted r times against the group epsilon of r.
+5. **The checks.** An ``eps_lower`` above the accountant's epsilon (per record, or per group) is a bug in the attack's
+   labels, the bound or the private training: the run writes everything, lists the violations and exits with
+   status 3 (``AuditViolation`` from the Python API). ``targets`` compares the best bounds with the goals (the
+   non-private fine-tune's best eps_lower >= 4; at accountant epsilon 4, eps_lower >= 1, aiming at 1.8).
+
+Outputs (``--out``, default ``results/audit-<preset>`` or ``results/audit-<preset>-pretrain``): ``report.md``;
+``audit.{md,csv,tex,json}`` (one row per model, attack and canary kind); ``kinds.*`` (fine-tune: TPR by kind);
+``by_reps.*``; ``exposure.*`` (pretrain); ``eps_lower_vs_epsilon.png``, ``auc_vs_epsilon.png``, ``kinds.png``,
 ``exposure_vs_reps.png``; ``summary.json``; ``scores/<model>/{canaries,natural}.jsonl``; ``manifest.json``;
-``timings.json``. Testbeds go to ``testbeds/audit-<preset>/`` (``--testbed-dir``), reused and resumed. Same seed:
-the same tables, byte for byte.
+``timings.json``. Models go to ``testbeds/audit-<preset>[-pretrain]/`` (``--testbed-dir``), reused. Same seed: the
+same tables.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -46,7 +51,9 @@ from mia.exposure import exposure_by_reps, exposure_sampled, exposure_skewnorm
 from mia.metrics import epsilon_lower_bound, metric_rows
 from mia.report import _plt, markdown
 from mia.testbed import build_testbed, build_twin, dp, preset as testbed_preset
-from mia.testbed.canaries import candidate_rows, sequence_nll
+from mia.testbed import finetune as ft
+from mia.testbed.canaries import candidate_rows, canary_source, new_token_contrast, sequence_nll
+from mia.testbed.config import canary_kinds
 
 from experiments.common import (ExperimentError, SplitSizes, Timings, check_paths, draw_testbed_split,
                                 experiment_parser, run_main, say_fn, score_split, select_attacks, write_json,
@@ -54,14 +61,20 @@ from experiments.common import (ExperimentError, SplitSizes, Timings, check_path
 
 NON_PRIVATE = "non-private"
 ALPHA = 0.05  # confidence of every lower bound: 95%
+SETTINGS = ("finetune", "pretrain")
+AUDIT_KIND = "new"  # the kind the audit pool holds (the strongest: docs/auditing.md)
+CONTRAST = "contrast"  # the new-token contrast score's attack label
+EXPOSURE_KINDS = ("tokens", "words", "unigram", "bigram")  # kinds whose candidates are cheap fresh draws
 UNAVAILABLE = ("ref", "mlm", "prefix", "member_prefix", "calib", "train", "freq")  # canaries have no partitions
+TARGETS = {"nonprivate": 4.0, "eps4": 1.0, "eps4_aim": 1.8}
 
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """One preset: the testbed (a testbed preset and overrides), the canary pool, the target epsilons, the attacks
-    (a spec, or "default": every registered attack up to ``max_cost`` that needs nothing but the examples), the
-    natural split's size per class, and the exposure reference set's size."""
+    """A pretraining audit: the testbed (a testbed preset and overrides), the canary pool (``canaries`` rows of
+    ``canary_kind``, reps cycled), the DP-SGD noise multipliers of the twins, the attacks (a spec, or "default": every
+    registered attack up to ``max_cost`` that needs nothing but the examples), the natural split's size per class,
+    and the exposure reference set's size."""
 
     testbed: str
     overrides: tuple
@@ -72,6 +85,32 @@ class Preset:
     max_cost: str
     n_natural: int
     n_candidates: int
+    canary_kind: str = "tokens"
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetunePreset:
+    """A fine-tuning audit: the base (a testbed preset and overrides), the audit recipe (``audit``: its pool and
+    training; non-private, full-parameter), the LoRA models' rank, the target accountant epsilons of the DP models
+    (noise by ``finetune.noise_for_epsilon``), the kinds run's recipe (non-private; None: no kinds run), the
+    attacks and the natural split's size per class."""
+
+    base: str
+    base_overrides: tuple
+    audit: ft.FinetuneConfig
+    lora_rank: int
+    epsilons: tuple
+    kinds: Optional[ft.FinetuneConfig]
+    attacks: str
+    max_cost: str
+    n_natural: int
+
+
+ALL_KINDS = ("new", "tokens", "words", "unigram", "bigram", "sampled")
+
+
+def _kinds_groups(n: int) -> tuple:
+    return tuple((k, 1, n) for k in ALL_KINDS)
 
 
 PRESETS = {
@@ -80,62 +119,131 @@ PRESETS = {
                               ("checkpoints", ()), ("warmup_steps", 4)),
                     canaries=96, canary_reps=(1, 4, 16), noises=(0.8189, 0.4078), attacks="loss,zlib,mink:k=0.2",
                     max_cost="stats", n_natural=100, n_candidates=200),
-    # the smoke testbed preset (100 steps, 64-token rows), 256 canaries, three private twins (docs/auditing.md)
-    "default": Preset("smoke", (), canaries=256, canary_reps=(1, 4, 16), noises=(0.7281, 0.4927, 0.3116),
-                      attacks="default", max_cost="model", n_natural=300, n_candidates=1000),
+    # the audit testbed (100 steps x 16 rows of 65 tokens), 2,000 canaries (new-token and random tokens, reps 1 and
+    # 4: 500 of each pair), three private twins at epsilon 1, 4, 16 (delta 1/1600)
+    "default": Preset("audit", (), canaries=2000, canary_reps=(1, 4), noises=(0.7281, 0.4927, 0.3116),
+                      attacks="default", max_cost="model", n_natural=300, n_candidates=1000, canary_kind="new,tokens"),
+}
+_AUDIT_RECIPE = dict(canary_len=33, steps=8, sample_rate=1.0, optimizer="sgd", lr=1.0, lora_alpha=8.0)
+_KINDS_RECIPE = dict(canary_len=33, steps=256, sample_rate=1 / 32, optimizer="adam", lr=1e-3)
+FT_PRESETS = {
+    # a few minutes on 2 CPU cores (the slow tests): a 40-step base of 32-token rows, 120 + 40 new-token canaries,
+    # two private epsilons; a kinds run of 60 canaries per kind
+    "smoke": FinetunePreset(
+        "audit", (("max_corpus_bytes", 200_000), ("seq_len", 32), ("train_steps", 40), ("checkpoints", ()),
+                  ("warmup_steps", 4), ("reserved_tokens", 200)),
+        ft.FinetuneConfig(preset="smoke", n_private=128, canary_groups=(("new", 1, 120), ("new", 4, 40)),
+                          **{**_AUDIT_RECIPE, "canary_len": 17, "steps": 4}),
+        lora_rank=8, epsilons=(1.0, 8.0),
+        kinds=ft.FinetuneConfig(preset="smoke-kinds", n_private=128, canary_groups=_kinds_groups(60),
+                                **{**_KINDS_RECIPE, "canary_len": 17, "steps": 32, "sample_rate": 1 / 8}),
+        attacks="loss,zlib,mink:k=0.2,ref", max_cost="stats", n_natural=100),
+    # the default (docs/auditing.md): the audit testbed as base, 512 private rows, 1,000 + 250 new-token canaries of
+    # 33 tokens, 8 full-batch steps (sample rate 1) of SGD; full and LoRA (rank 8 on the attention kernels, and the
+    # reserved tokens' rows) at epsilon 1, 4, 16 and without privacy; a kinds run of 1,000 canaries per kind
+    "default": FinetunePreset(
+        "audit", (),
+        ft.FinetuneConfig(preset="default", n_private=512, canary_groups=(("new", 1, 1000), ("new", 4, 250)),
+                          **_AUDIT_RECIPE),
+        lora_rank=8, epsilons=(1.0, 4.0, 16.0),
+        kinds=ft.FinetuneConfig(preset="default-kinds", n_private=512, canary_groups=_kinds_groups(1000),
+                                **_KINDS_RECIPE),
+        attacks="loss,zlib,mink,minkpp,ref", max_cost="model", n_natural=300),
+    # for an accelerator: the default preset's testbed model scaled up (docs/testbed.md "default": 0.9M parameters
+    # plus 5,120 reserved tokens), 4,000 + 1,000 new-token canaries (the one-run bound at epsilon 4 grows with m), a
+    # kinds run of 2,000 per kind
+    "large": FinetunePreset(
+        "default", (("reserved_tokens", 5120), ("checkpoints", ())),
+        ft.FinetuneConfig(preset="large", n_private=2048, canary_groups=(("new", 1, 4000), ("new", 4, 1000)),
+                          **{**_AUDIT_RECIPE, "canary_len": 65}),
+        lora_rank=8, epsilons=(1.0, 4.0, 16.0),
+        kinds=ft.FinetuneConfig(preset="large-kinds", n_private=2048, canary_groups=_kinds_groups(2000),
+                                **{**_KINDS_RECIPE, "canary_len": 65, "steps": 512, "sample_rate": 1 / 64}),
+        attacks="default", max_cost="model", n_natural=1000),
 }
 
 
 @dataclasses.dataclass
 class Model:
-    """One audited model: its name, testbed, accountant epsilon (inf: non-private), noise multiplier and delta."""
+    """One audited model: its name, the testbed or fine-tune it is, accountant epsilon (inf: non-private), noise
+    multiplier, delta, mode ("pretrain", "full", "lora") and ``group_epsilon(r) -> (epsilon, delta)`` of a canary
+    of r copies (None: no accountant)."""
 
     name: str
     testbed: object
     epsilon: float
     noise: Optional[float]
     delta: float
+    mode: str = "pretrain"
+    group_epsilon: Optional[Callable[[int], tuple]] = None
 
 
 # ============================================================================================ pure parts
-def model_name(epsilon: Optional[float]) -> str:
-    """"non-private", or "eps=<accountant epsilon, 3 significant digits>"."""
-    return NON_PRIVATE if epsilon is None else f"eps={epsilon:.3g}"
+def model_name(epsilon: Optional[float], mode: str = "pretrain") -> str:
+    """"non-private", or "eps=<accountant epsilon, 3 significant digits>"; a fine-tune's prefixed by its mode."""
+    name = NON_PRIVATE if epsilon is None else f"eps={epsilon:.3g}"
+    return name if mode == "pretrain" else f"{mode} {name}"
 
 
 def canary_examples(tokens: np.ndarray, members: np.ndarray) -> list:
-    """Examples (id, tokens, label, reps) of the canary pool: label 1 = included in this model's training."""
+    """Examples (id, tokens, label) of the canary pool: label 1 = included in this model's training."""
     return [{"id": f"canary{i}", "tokens": tokens[i].tolist(), "label": int(members[i])} for i in range(len(tokens))]
 
 
-def audit_row(model: Model, attack: str, canary_row: dict, natural_row: Optional[dict], eps_lower: float,
-              eps_lower_cp: float) -> dict:
-    """One row of the main table: ``epsilon`` is the accountant's (None for the non-private model)."""
-    row = {"model": model.name, "epsilon": None if math.isinf(model.epsilon) else model.epsilon,
-           "noise": model.noise, "attack": attack}
+def audit_grid(m: int) -> list:
+    """The guess counts k of the one-run audit (k "in" and k "out" on m canaries), fixed before any score is seen:
+    m/80, m/40, m/20, m/10 (where a few confident guesses bind, as under DP) and 2m/5 (where everything is
+    guessed right: a non-private model), each at least 1, with 2k <= m."""
+    return sorted({k for k in (max(1, m // d) for d in (80, 40, 20, 10)) if 2 * k <= m} | ({2 * m // 5} - {0}))
+
+
+def audit_bound(scores: np.ndarray, included: np.ndarray, delta: float, alpha: float = ALPHA):
+    """The one-run audit (``mia.audit.one_run_audit``) on ``audit_grid``: for each k, guesses "in" for the k highest
+    scores and "out" for the k lowest, tested at alpha / (grid size) (Bonferroni); the best result."""
+    grid = audit_grid(len(scores))
+    return max((one_run_audit(scores, included, delta=delta, alpha=alpha / len(grid), k_pos=k, k_neg=k)
+                for k in grid), key=lambda r: r.epsilon)
+
+
+def audit_row(setting: str, model: Model, attack: str, kind: str, canary_row: dict, natural_row: Optional[dict],
+              bounds: dict) -> dict:
+    """One row of the main table: ``epsilon`` is the accountant's (None for a non-private model); ``bounds``:
+    the lower bounds computed on these canaries (eps_lower, eps_lower_cp, k, ...)."""
+    row = {"setting": setting, "model": model.name, "mode": model.mode,
+           "epsilon": None if math.isinf(model.epsilon) else model.epsilon, "noise": model.noise, "attack": attack,
+           "canary_kind": kind, "n": canary_row.get("n")}
     for k in ("auc", "auc_se", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr"):
         row[k] = canary_row.get(k)
-    row["eps_lower"] = eps_lower
-    row["eps_lower_cp"] = eps_lower_cp
+    row.update(bounds)
     for k in ("auc", "auc_se", "tpr_at_1pct_fpr"):
         row[f"natural_{k}"] = None if natural_row is None else natural_row.get(k)
     return row
 
 
-def bounds_by_reps(scores: np.ndarray, included: np.ndarray, reps: np.ndarray, model: Model, cfg, attack: str,
-                   delta: float) -> list:
-    """Per repetition count r: the one-run lower bound on the canaries inserted r times, at the group delta of r
-    copies, beside the group epsilon the accountant gives r copies (inf for the non-private model)."""
+def lower_bounds(scores: np.ndarray, included: np.ndarray, delta: float) -> dict:
+    """eps_lower (one run, ``audit_bound``), the guesses per side k of its best setting, and eps_lower_cp
+    (Clopper-Pearson heuristic) of one attack's scores on canaries inserted once."""
+    res = audit_bound(scores, included, delta)
+    both = 0 < included.sum() < len(included)
+    cp = epsilon_lower_bound(scores, included.astype(int), delta=delta, alpha=ALPHA) if both else None
+    return {"eps_lower": res.epsilon, "k": res.k_pos, "eps_lower_cp": cp}
+
+
+def bounds_by_reps(scores: np.ndarray, included: np.ndarray, reps: np.ndarray, model: Model, attack: str,
+                   kind: str, delta: float) -> list:
+    """Per repetition count r: the one-run lower bound (``audit_bound``) on the canaries inserted r times, at the
+    group delta of r copies, beside the group epsilon the accountant gives r copies (``model.group_epsilon``; inf
+    for a non-private model)."""
     rows = []
     for r in sorted(set(reps.tolist())):
         sel = reps == r
-        if math.isinf(model.epsilon):
+        if math.isinf(model.epsilon) or model.group_epsilon is None:
             upper, d = math.inf, delta
         else:
-            upper, d = dp.canary_epsilon(cfg, int(r), delta=delta)
-        lower = (one_run_audit(scores[sel], included[sel], delta=min(d, 1.0), alpha=ALPHA).epsilon
-                 if d < 1 and np.isfinite(scores[sel]).all() else None)
-        rows.append({"model": model.name, "attack": attack, "reps": int(r), "n": int(sel.sum()),
+            upper, d = model.group_epsilon(int(r))
+        lower = (audit_bound(scores[sel], included[sel], delta=min(d, 1.0)).epsilon
+                 if d < 1 and np.isfinite(scores[sel]).all() and sel.sum() >= 2 else None)
+        rows.append({"model": model.name, "attack": attack, "canary_kind": kind, "reps": int(r), "n": int(sel.sum()),
                      "n_included": int(included[sel].sum()), "delta": d,
                      "eps_upper": None if math.isinf(upper) else upper, "eps_lower": lower})
     return rows
@@ -146,28 +254,38 @@ def violations(rows: Sequence[dict], by_reps: Sequence[dict]) -> list:
     out = []
     for r in rows:
         if r["epsilon"] is not None and r["eps_lower"] is not None and r["eps_lower"] > r["epsilon"] * (1 + 1e-9):
-            out.append(f"{r['model']} {r['attack']}: eps_lower {r['eps_lower']:.4g} > accountant epsilon "
+            out.append(f"{r['model']} {r['attack']}{_kind(r)}: eps_lower {r['eps_lower']:.4g} > accountant epsilon "
                        f"{r['epsilon']:.4g}")
     for r in by_reps:
         if r["eps_upper"] is not None and r["eps_lower"] is not None and r["eps_lower"] > r["eps_upper"] * (1 + 1e-9):
-            out.append(f"{r['model']} {r['attack']} reps {r['reps']}: eps_lower {r['eps_lower']:.4g} > group epsilon "
-                       f"{r['eps_upper']:.4g}")
+            out.append(f"{r['model']} {r['attack']}{_kind(r)} reps {r['reps']}: eps_lower {r['eps_lower']:.4g} > "
+                       f"group epsilon {r['eps_upper']:.4g}")
     return out
 
 
-def findings(rows: Sequence[dict], exposure: Sequence[dict]) -> dict:
+def _kind(r: dict) -> str:
+    return f" ({r['canary_kind']} canaries)" if r.get("canary_kind") else ""
+
+
+def findings(rows: Sequence[dict], exposure: Sequence[dict], kinds: Sequence[dict] = ()) -> dict:
     """Sentences from the numbers: does every attack's canary AUC fall from the non-private model to the smallest
-    epsilon, and does the non-private model's mean exposure grow with repetitions?"""
+    epsilon (per mode and canary kind), does the non-private model's mean exposure grow with repetitions, and which
+    canary kind the kinds run catches best."""
     out = {}
     falls, flat = [], []
-    for attack in dict.fromkeys(r["attack"] for r in rows):
-        rs = [r for r in rows if r["attack"] == attack and r["auc"] is not None]
+    groups = dict.fromkeys((r.get("mode"), r["attack"], r.get("canary_kind")) for r in rows)
+    for mode, attack, kind in groups:
+        rs = [r for r in rows if (r.get("mode"), r["attack"], r.get("canary_kind")) == (mode, attack, kind)
+              and r["auc"] is not None]
         np_row = next((r for r in rs if r["epsilon"] is None), None)
         dp_rows = sorted((r for r in rs if r["epsilon"] is not None), key=lambda r: r["epsilon"])
         if np_row is None or not dp_rows:
             continue
+        label = " ".join(x for x in (mode if mode != "pretrain" else None, attack,
+                                     f"[{kind}]" if kind and len({r.get('canary_kind') for r in rows}) > 1 else None)
+                         if x)
         (falls if abs(dp_rows[0]["auc"] - 0.5) < abs(np_row["auc"] - 0.5) else flat).append(
-            f"{attack} ({np_row['auc']:.3f} -> {dp_rows[0]['auc']:.3f})")
+            f"{label} ({np_row['auc']:.3f} -> {dp_rows[0]['auc']:.3f})")
     out["auc"] = (f"Canary AUC moves towards 0.5 from the non-private model to epsilon "
                   f"{min(r['epsilon'] for r in rows if r['epsilon'] is not None):.3g} for {len(falls)} of "
                   f"{len(falls) + len(flat)} attacks" + (f": {', '.join(falls)}" if falls else "")
@@ -180,6 +298,49 @@ def findings(rows: Sequence[dict], exposure: Sequence[dict]) -> dict:
         out["exposure"] = ("Non-private model: mean exposure (skew-normal) by repetitions "
                            + ", ".join(f"r={e['reps']}: {e['skewnorm_mean']:.1f} bits" for e in ex)
                            + (" (grows with repetitions)." if grows else " (does NOT grow monotonically)."))
+    if kinds:
+        ranked = sorted(kinds, key=lambda k: (-(k["tpr_at_1pct_fpr"] or 0), -(k["auc"] or 0)))
+        best, second = ranked[0], ranked[1] if len(ranked) > 1 else None
+        out["kinds"] = (f"Kinds run (non-private fine-tune): {best['canary_kind']} canaries are caught best, TPR at 1% "
+                        f"FPR {best['tpr_at_1pct_fpr']:.3f} ({best['attack']})"
+                        + (f", against {second['tpr_at_1pct_fpr']:.3f} for the next kind, {second['canary_kind']} "
+                           f"({second['attack']})" if second else "") + "; by kind: "
+                        + ", ".join(f"{k['canary_kind']} {k['tpr_at_1pct_fpr']:.3f}" for k in ranked) + ".")
+    return out
+
+
+def kinds_table(rows: Sequence[dict], model: str) -> list:
+    """Per canary kind, the row of ``model`` whose attack catches most (TPR at 1% FPR, then AUC): the kinds table."""
+    out = []
+    for kind in dict.fromkeys(r["canary_kind"] for r in rows if r["model"] == model):
+        rs = [r for r in rows if r["model"] == model and r["canary_kind"] == kind and r["auc"] is not None]
+        if rs:
+            best = max(rs, key=lambda r: (r["tpr_at_1pct_fpr"] or 0, r["auc"] or 0))
+            out.append({k: best.get(k) for k in ("canary_kind", "attack", "n", "auc", "tpr_at_1pct_fpr",
+                                                 "tpr_at_0.1pct_fpr", "eps_lower")})
+    return out
+
+
+def targets(rows: Sequence[dict], setting: str) -> dict:
+    """The best bounds against the goals: a non-private model's best eps_lower (goal >= 4; for the fine-tune
+    setting, a fine-tuned model's), and the best eps_lower at the model whose accountant epsilon is nearest 4 (within
+    25%; goal >= 1, aim 1.8); with the gap to each goal (negative: met)."""
+    out: dict = {"setting": setting}
+    np_rows = [r for r in rows if r["epsilon"] is None and r["eps_lower"] is not None]
+    if np_rows:
+        best = max(np_rows, key=lambda r: r["eps_lower"])
+        out["nonprivate"] = {"goal": TARGETS["nonprivate"], "eps_lower": best["eps_lower"], "model": best["model"],
+                             "attack": best["attack"], "canary_kind": best["canary_kind"],
+                             "gap": TARGETS["nonprivate"] - best["eps_lower"],
+                             "met": best["eps_lower"] >= TARGETS["nonprivate"]}
+    near = [r for r in rows if r["epsilon"] is not None and abs(r["epsilon"] - 4) <= 1 and r["eps_lower"] is not None]
+    if near:
+        best = max(near, key=lambda r: r["eps_lower"])
+        out["eps4"] = {"goal": TARGETS["eps4"], "aim": TARGETS["eps4_aim"], "epsilon": best["epsilon"],
+                       "eps_lower": best["eps_lower"], "model": best["model"], "attack": best["attack"],
+                       "canary_kind": best["canary_kind"], "gap": TARGETS["eps4"] - best["eps_lower"],
+                       "gap_to_aim": TARGETS["eps4_aim"] - best["eps_lower"],
+                       "met": best["eps_lower"] >= TARGETS["eps4"]}
     return out
 
 
@@ -196,24 +357,35 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def _series(rows: Sequence[dict]) -> dict:
+    """{label: rows} of one line per (mode, attack, canary kind) with a private model; the label says what differs."""
+    keys = dict.fromkeys((r.get("mode"), r["attack"], r.get("canary_kind")) for r in rows)
+    many_modes = len({k[0] for k in keys}) > 1
+    many_kinds = len({k[2] for k in keys}) > 1
+    out = {}
+    for mode, attack, kind in keys:
+        label = " ".join(x for x in (mode if many_modes else None, attack, f"[{kind}]" if many_kinds else None) if x)
+        out[label] = [r for r in rows if (r.get("mode"), r["attack"], r.get("canary_kind")) == (mode, attack, kind)]
+    return out
+
+
 def plot_vs_epsilon(rows: Sequence[dict], path: Path) -> Path:
-    """AUC (canaries, natural) and TPR@1%FPR (canaries) against the accountant epsilon, log scale; the non-private
-    model is drawn at 4x the largest epsilon (marked "inf")."""
+    """AUC (canaries, natural) and TPR@1%FPR (canaries) against the accountant epsilon, log scale; non-private
+    models are drawn at 4x the largest epsilon (marked "inf")."""
     plt = _plt()
     largest = max((r["epsilon"] for r in rows if r["epsilon"] is not None), default=1.0)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for ax, (key, title) in zip(axes, (("auc", "canaries: AUC"), ("natural_auc", "natural split: AUC"),
+    for ax, (key, title) in zip(axes, (("auc", "canaries: AUC"), ("natural_auc", "natural rows: AUC"),
                                        ("tpr_at_1pct_fpr", "canaries: TPR@1%FPR"))):
-        for attack in dict.fromkeys(r["attack"] for r in rows):
-            rs = sorted((r for r in rows if r["attack"] == attack and r.get(key) is not None),
-                        key=lambda r: _x(r["epsilon"], largest))
-            ax.plot([_x(r["epsilon"], largest) for r in rs], [r[key] for r in rs], marker="o", ms=3, label=attack)
+        for label, rs in _series(rows).items():
+            rs = sorted((r for r in rs if r.get(key) is not None), key=lambda r: _x(r["epsilon"], largest))
+            ax.plot([_x(r["epsilon"], largest) for r in rs], [r[key] for r in rs], marker="o", ms=3, label=label)
         if key != "tpr_at_1pct_fpr":
             ax.axhline(0.5, color="k", ls="--", lw=0.8)
         ax.set_xscale("log")
         ax.axvline(2 * largest, color="grey", lw=0.5)
         ax.set(title=title, xlabel="accountant epsilon (rightmost: non-private)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     return _save(plt, fig, path)
 
 
@@ -222,14 +394,27 @@ def plot_eps_lower(rows: Sequence[dict], path: Path) -> Path:
     must lie on or below it."""
     plt = _plt()
     priv = [r for r in rows if r["epsilon"] is not None]
-    fig, ax = plt.subplots(figsize=(4.6, 4))
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
     hi = max([r["epsilon"] for r in priv] + [r["eps_lower"] or 0 for r in priv] + [1.0])
     ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="eps_lower = epsilon")
-    for attack in dict.fromkeys(r["attack"] for r in priv):
-        rs = sorted((r for r in priv if r["attack"] == attack), key=lambda r: r["epsilon"])
-        ax.plot([r["epsilon"] for r in rs], [r["eps_lower"] or 0 for r in rs], marker="o", ms=4, label=attack)
+    for label, rs in _series(priv).items():
+        rs = sorted(rs, key=lambda r: r["epsilon"])
+        ax.plot([r["epsilon"] for r in rs], [r["eps_lower"] or 0 for r in rs], marker="o", ms=4, label=label)
     ax.set(xlabel="accountant epsilon (upper bound)", ylabel="eps_lower (one run, 95%)",
-           title="what the attacks prove")
+           title="what the attacks prove", xscale="symlog", yscale="symlog")
+    ax.legend(fontsize=6)
+    return _save(plt, fig, path)
+
+
+def plot_kinds(kinds: Sequence[dict], path: Path) -> Path:
+    """TPR at 1% and 0.1% FPR of each canary kind (its best attack) on the kinds run's non-private model."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    x = np.arange(len(kinds))
+    for j, (key, label) in enumerate((("tpr_at_1pct_fpr", "TPR@1%FPR"), ("tpr_at_0.1pct_fpr", "TPR@0.1%FPR"))):
+        ax.bar(x + (j - 0.5) * 0.38, [k[key] or 0 for k in kinds], width=0.38, label=label)
+    ax.set_xticks(x, [f"{k['canary_kind']}\n({k['attack']})" for k in kinds], fontsize=7)
+    ax.set(ylabel="TPR", ylim=(0, 1.05), title="canary kinds, non-private fine-tune")
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
@@ -252,22 +437,46 @@ def plot_exposure(exposure: Sequence[dict], path: Path) -> Path:
 
 
 # ============================================================================================ report
-COLUMNS = ["model", "epsilon", "attack", "auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr", "eps_lower", "eps_lower_cp",
-           "natural_auc", "natural_tpr_at_1pct_fpr"]
-REPS_COLUMNS = ["model", "attack", "reps", "n", "n_included", "delta", "eps_upper", "eps_lower"]
+COLUMNS = ["setting", "model", "epsilon", "attack", "canary_kind", "n", "auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr",
+           "eps_lower", "k", "eps_lower_cp", "natural_auc", "natural_tpr_at_1pct_fpr"]
+REPS_COLUMNS = ["model", "attack", "canary_kind", "reps", "n", "n_included", "delta", "eps_upper", "eps_lower"]
 EXPOSURE_COLUMNS = ["model", "reps", "n_included", "sampled_mean", "skewnorm_mean", "skewnorm_excluded_mean"]
+KINDS_COLUMNS = ["canary_kind", "attack", "n", "auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr", "eps_lower"]
+MODEL_COLUMNS = ["model", "mode", "noise", "epsilon", "epsilon_rdp", "delta", "sampling", "sample_rate", "steps"]
+
+
+def targets_lines(t: dict) -> list:
+    """The targets as sentences (met, or missed by how much)."""
+    out = []
+    if "nonprivate" in t:
+        n = t["nonprivate"]
+        out.append(f"Non-private: best eps_lower {n['eps_lower']:.3f} ({n['model']}, {n['attack']}, {n['canary_kind']} "
+                   f"canaries), goal >= {n['goal']:g}: " + ("met." if n["met"] else f"MISSED by {n['gap']:.3f}."))
+    if "eps4" in t:
+        e = t["eps4"]
+        out.append(f"At accountant epsilon {e['epsilon']:.3g}: best eps_lower {e['eps_lower']:.3f} ({e['model']}, "
+                   f"{e['attack']}, {e['canary_kind']} canaries), goal >= {e['goal']:g}: "
+                   + ("met" if e["met"] else f"MISSED by {e['gap']:.3f}")
+                   + (f"; aim {e['aim']:g}: " + ("reached." if e["gap_to_aim"] <= 0 else
+                                                 f"{e['gap_to_aim']:.3f} short.")))
+    return out
 
 
 def report_markdown(s: dict) -> str:
-    """The report: setting, models, the main table, by repetitions, exposure, findings, violations, notes."""
+    """The report: setting, models, the main table, kinds, by repetitions, exposure, targets, findings, violations,
+    notes."""
     L = ["# Privacy audit", "", s["description"], ""]
-    L += [markdown(s["models"], ["model", "noise", "epsilon", "epsilon_rdp", "delta", "sampling"],
+    L += [markdown(s["models"], [c for c in MODEL_COLUMNS if any(c in m for m in s["models"])],
                    title="Models (accountant epsilon: dp_accounting PLD; RDP alongside)"), ""]
-    L += [markdown(s["rows"], COLUMNS, title="Canaries (AUC, TPR, eps_lower: one run at 95% on the canaries "
-                                             "inserted once; eps_lower_cp: Clopper-Pearson heuristic) and the "
-                                             "natural split"), ""]
+    L += [markdown(s["rows"], COLUMNS, title="Canaries inserted once (AUC, TPR, eps_lower: one run at 95%, k guesses "
+                                             "each way; eps_lower_cp: Clopper-Pearson heuristic) and natural rows"),
+          ""]
+    if s.get("kinds"):
+        L += [markdown(s["kinds"], KINDS_COLUMNS, title="Canary kinds (kinds run, non-private; best attack)"), ""]
     L += [markdown(s["by_reps"], REPS_COLUMNS, title="One-run bounds by repetitions (a group of r records)"), ""]
-    L += [markdown(s["exposure"], EXPOSURE_COLUMNS, title="Exposure of the included canaries (bits)"), ""]
+    if s.get("exposure"):
+        L += [markdown(s["exposure"], EXPOSURE_COLUMNS, title="Exposure of the included canaries (bits)"), ""]
+    L += ["## Targets", ""] + [f"- {x}" for x in targets_lines(s.get("targets", {}))] + [""]
     L += ["## Findings", ""] + [f"- {v}" for v in s["findings"].values()] + [""]
     if s["violations"]:
         L += ["## PRIVACY AUDIT VIOLATIONS", "", "A lower bound above the accountant's upper bound: a bug in the "
@@ -282,14 +491,63 @@ def report_markdown(s: dict) -> str:
     return "\n".join(L)
 
 
-# ============================================================================================ the run
+# ============================================================================================ scoring
+def _natural_examples(rows: np.ndarray, members: np.ndarray, nonmembers: np.ndarray, n: int, seed: int) -> list:
+    """Examples of ``n`` members and ``n`` non-members drawn (seeded) from the order row indices given."""
+    rng = np.random.default_rng([int(seed), 0xA0D17])
+    pick_m = np.sort(rng.choice(members, min(n, len(members)), replace=False))
+    pick_n = np.sort(rng.choice(nonmembers, min(n, len(nonmembers)), replace=False))
+    idx = np.concatenate([pick_m, pick_n])
+    data = np.asarray(rows.get_rows(idx), np.int64).reshape(len(idx), -1)
+    return [{"id": f"row{int(i)}", "index": int(i), "tokens": data[j].tolist(), "label": int(j < len(pick_m))}
+            for j, i in enumerate(idx)]
+
+
+def score_model(setting: str, m: Model, c, members: np.ndarray, natural: list, to_run, *, seed: int, bootstrap: int,
+                out: Path, progress: bool, ref_model=None, timings=None) -> tuple:
+    """(rows, by_reps, skipped, notes) of one model: every attack (and the new-token contrast) on the canaries
+    (metrics and bounds per kind, on the canaries inserted once), on the natural rows, and by repetitions."""
+    model = m.testbed.load_model()
+    with timings(f"score:{m.name}"):
+        rc = score_split(model, canary_examples(c.tokens, members), to_run, seed=seed, progress=progress,
+                         ref_model=ref_model)
+        rn = score_split(model, natural, to_run, seed=seed, progress=progress, ref_model=ref_model)
+        extra = {CONTRAST: new_token_contrast(model, c)} if (c.kind_of == "new").any() else {}
+    order = {cid: j for j, cid in enumerate(rc.ids)}
+    pos = np.array([order[f"canary{i}"] for i in range(c.m)])
+    scores = {a: np.asarray(s, np.float64)[pos] for a, s in rc.scores.items()} | extra
+    skipped = {f"{m.name}: {k}": v for k, v in {**rc.skipped, **rn.skipped}.items()}
+    rc.write(out / "scores" / m.name / "canaries.jsonl",
+             {f"canary{i}": {"reps": int(c.reps[i]), "kind": str(c.kind_of[i])} for i in range(c.m)},
+             extra_scores={k: v[np.argsort(pos)] for k, v in extra.items()})
+    rn.write(out / "scores" / m.name / "natural.jsonl", {e["id"]: {"index": e["index"]} for e in natural})
+    nrow = {r["method"]: r for r in metric_rows(rn.scores, rn.labels, rn.ids, bootstrap, seed)}
+    rows, by_reps = [], []
+    kinds = c.kind_of
+    for kind in dict.fromkeys(kinds):
+        sel = kinds == kind
+        once = sel & (c.reps == 1)
+        for attack, s in scores.items():
+            if not np.isfinite(s[sel]).all():
+                continue
+            ids = [f"canary{i}" for i in np.flatnonzero(once)]
+            crow = metric_rows({attack: s[once]}, members[once].astype(int), ids, bootstrap, seed)[0]
+            crow["n"] = int(once.sum())
+            bounds = lower_bounds(s[once], members[once], m.delta) if once.sum() >= 2 else \
+                {"eps_lower": None, "k": None, "eps_lower_cp": None}
+            rows.append(audit_row(setting, m, attack, str(kind), crow, nrow.get(attack), bounds))
+            by_reps += bounds_by_reps(s[sel], members[sel], c.reps[sel], m, attack, str(kind), m.delta)
+    return rows, by_reps, skipped, list(rc.notes + rn.notes)
+
+
+# ============================================================================================ pretrain
 def _models(p: Preset, root: Path, noises: Sequence[float], delta: Optional[float], progress: bool,
             timings: Timings, say) -> list:
     """The non-private testbed with the preset's canaries and one DP-SGD twin per noise multiplier (built, or
     reused / resumed from ``root``)."""
     with timings("testbed:non-private"):
         plain = build_testbed(p.testbed, root / NON_PRIVATE, progress=progress, canaries=p.canaries,
-                              canary_reps=tuple(p.canary_reps), **dict(p.overrides))
+                              canary_reps=tuple(p.canary_reps), canary_kind=p.canary_kind, **dict(p.overrides))
     d = dp.default_delta(plain.config) if delta is None else float(delta)
     models = [Model(NON_PRIVATE, plain, math.inf, None, d)]
     for sigma in noises:
@@ -297,7 +555,9 @@ def _models(p: Preset, root: Path, noises: Sequence[float], delta: Optional[floa
             tb = build_twin(plain, root / f"noise{sigma:g}", progress=progress, dp_noise=float(sigma))
         eps = tb.dp_epsilon(delta=d)
         say(f"noise multiplier {sigma:g}: accountant epsilon {eps:.3f} at delta {d:.3g}")
-        models.append(Model(model_name(eps), tb, eps, float(sigma), d))
+        cfg = tb.config
+        models.append(Model(model_name(eps), tb, eps, float(sigma), d,
+                            group_epsilon=lambda r, cfg=cfg: dp.canary_epsilon(cfg, r, delta=d)))
     return models
 
 
@@ -313,48 +573,40 @@ def noises_for(p: Preset, epsilons: Sequence[float], delta: Optional[float], say
 
 
 def preset_config(p: Preset):
-    """The testbed config of a preset (its canaries included), without building anything."""
-    return testbed_preset(p.testbed, canaries=p.canaries, canary_reps=tuple(p.canary_reps), **dict(p.overrides))
+    """The testbed config of a pretraining preset (its canaries included), without building anything."""
+    return testbed_preset(p.testbed, canaries=p.canaries, canary_reps=tuple(p.canary_reps), canary_kind=p.canary_kind,
+                          **dict(p.overrides))
 
 
-def _exposure_rows(name: str, model, c, n_candidates: int, seed: int) -> list:
-    cand = candidate_rows(c, n_candidates, seed)
-    canary_loss, cand_loss = sequence_nll(model, c.tokens), sequence_nll(model, cand)
+def _exposure_rows(name: str, model, c, n_candidates: int, seed: int, source=None) -> list:
+    """Mean exposure by repetitions of the canaries of the first kind whose candidates are fresh draws."""
+    kind = next((k for k in canary_kinds(c.kind) if k in EXPOSURE_KINDS), None)
+    if kind is None:
+        return []
+    sel = c.kind_of == kind
+    cand = candidate_rows(c, n_candidates, seed, kind=kind, source=source,
+                          tokenizer=None if source is None else source.tokenizer)
+    canary_loss, cand_loss = sequence_nll(model, c.tokens[sel]), sequence_nll(model, cand)
     rows = []
-    by = {k: exposure_by_reps(f(canary_loss, cand_loss), c.reps, c.included)
+    by = {k: exposure_by_reps(f(canary_loss, cand_loss), c.reps[sel], c.included[sel])
           for k, f in (("sampled", exposure_sampled), ("skewnorm", exposure_skewnorm))}
     for a, b in zip(by["sampled"], by["skewnorm"]):
-        rows.append({"model": name, "reps": a["reps"], "n_included": a["n_included"], "sampled_mean": a["mean"],
-                     "skewnorm_mean": b["mean"], "skewnorm_excluded_mean": b["excluded_mean"]})
+        rows.append({"model": name, "canary_kind": kind, "reps": a["reps"], "n_included": a["n_included"],
+                     "sampled_mean": a["mean"], "skewnorm_mean": b["mean"],
+                     "skewnorm_excluded_mean": b["excluded_mean"]})
     return rows
 
 
-def run(preset: str = "default", out=None, *, testbed_dir=None, noises: Optional[Sequence[float]] = None,
-        epsilons: Optional[Sequence[float]] = None, attacks=None, delta: Optional[float] = None, seed: int = 0,
-        bootstrap: int = 1000, progress: bool = True, strict: bool = True, argv=None) -> dict:
-    """Run the audit; returns the summary (also ``out/summary.json``). ``strict``: raise :class:`AuditViolation`
-    after writing every output when a lower bound exceeds its accountant epsilon."""
+def run_pretrain(preset: str, out: Path, root: Path, *, noises, epsilons, attacks, delta, seed, bootstrap, progress,
+                 timings: Timings, say) -> tuple:
+    """The pretraining audit: (summary parts, the testbed config, its canary file's sha256, the models)."""
     if preset not in PRESETS:
-        raise ExperimentError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        raise ExperimentError(f"unknown preset {preset!r} for --setting pretrain; presets: {', '.join(PRESETS)}")
     p = PRESETS[preset]
-    if noises is not None and epsilons is not None:
-        raise ExperimentError("give --noises or --epsilons, not both")
-    for flag, values in (("--noises", noises), ("--epsilons", epsilons)):
-        if values is not None and (not values or any(not (math.isfinite(v) and v > 0) for v in values)
-                                   or len(set(values)) != len(values)):
-            raise ExperimentError(f"{flag} must be distinct positive numbers, got {', '.join(map(str, values))}")
-    if delta is not None and not 0 < delta < 1:
-        raise ExperimentError(f"--delta must be in (0, 1), got {delta}")
-    out = Path(out) if out is not None else Path("results") / f"audit-{preset}"
-    root = Path(testbed_dir) if testbed_dir is not None else Path("testbeds") / f"audit-{preset}"
-    check_paths(out=out, output_dirs=[("--testbed-dir", root)])
     to_run, skipped = select_attacks(p.attacks if attacks is None else attacks, max_cost=p.max_cost,
                                      unavailable=UNAVAILABLE, preset=preset)
     if not to_run:
         raise ExperimentError(f"no attack to run: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}")
-    say = say_fn(progress)
-    timings = Timings()
-    t0 = time.perf_counter()
     if epsilons is not None:
         with timings("noise_for_epsilon"):
             noises = noises_for(p, sorted(epsilons, reverse=True), delta, say)
@@ -365,66 +617,205 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, noises: Optional
     header, natural, note = draw_testbed_split(plain, plain.train_steps, SplitSizes(eval=p.n_natural), seed,
                                                allow_fewer=True)
     notes = [note] if note else []
+    source = None
+    if not c.legacy:
+        kinds = [k for k in canary_kinds(c.kind) if k in EXPOSURE_KINDS]
+        source = canary_source(plain.tokenizer(), kinds)
     rows, by_reps, exposure = [], [], []
-    once = c.reps == 1
     for m in models:
         if m.testbed.natural_membership() != plain.natural_membership():
             raise ExperimentError(f"{m.name}: natural membership differs from the non-private model's")
-        members = m.testbed.canary_membership()
-        model = m.testbed.load_model()
-        with timings(f"score:{m.name}"):
-            rc = score_split(model, canary_examples(c.tokens, members), to_run, seed=seed, progress=progress)
-            rn = score_split(model, natural, to_run, seed=seed, progress=progress)
-        skipped.update({f"{m.name}: {k}": v for k, v in {**rc.skipped, **rn.skipped}.items()})
-        notes += [n for n in rc.notes + rn.notes if n not in notes]
-        rc.write(out / "scores" / m.name / "canaries.jsonl", {f"canary{i}": {"reps": int(c.reps[i])}
-                                                             for i in range(len(c.reps))})
-        rn.write(out / "scores" / m.name / "natural.jsonl", {e["id"]: {"index": e["index"]} for e in natural})
-        crow = {r["method"]: r for r in metric_rows(rc.scores, rc.labels, rc.ids, bootstrap, seed)}
-        nrow = {r["method"]: r for r in metric_rows(rn.scores, rn.labels, rn.ids, bootstrap, seed)}
-        for attack, s in rc.scores.items():
-            s = np.asarray(s, np.float64)
-            ok = np.isfinite(s[once]).all()
-            lo = one_run_audit(s[once], members[once], delta=m.delta, alpha=ALPHA).epsilon if ok else None
-            lo_cp = (epsilon_lower_bound(s[once], members[once].astype(int), delta=m.delta, alpha=ALPHA)
-                     if ok and 0 < members[once].sum() < once.sum() else None)
-            rows.append(audit_row(m, attack, crow.get(attack, {}), nrow.get(attack), lo, lo_cp))
-            by_reps += bounds_by_reps(s, members, c.reps, m, m.testbed.config, attack, m.delta)
+        r, b, sk, nt = score_model("pretrain", m, c, m.testbed.canary_membership(), natural, to_run, seed=seed,
+                                   bootstrap=bootstrap, out=out, progress=progress, timings=timings)
+        rows, by_reps = rows + r, by_reps + b
+        skipped.update(sk)
+        notes += [n for n in nt if n not in notes]
         with timings(f"exposure:{m.name}"):
-            exposure += _exposure_rows(m.name, model, c, p.n_candidates, seed)
-    bad = violations(rows, by_reps)
-    model_rows = [{"model": m.name, "noise": m.noise, "epsilon": None if math.isinf(m.epsilon) else m.epsilon,
+            exposure += _exposure_rows(m.name, m.testbed.load_model(), c, p.n_candidates, seed, source)
+    cfg = plain.config
+    model_rows = [{"model": m.name, "mode": m.mode, "noise": m.noise,
+                   "epsilon": None if math.isinf(m.epsilon) else m.epsilon,
                    "epsilon_rdp": None if m.noise is None else m.testbed.dp_epsilon(delta=m.delta, accountant="rdp"),
                    "delta": m.delta, "sampling": None if m.noise is None else m.testbed.config.dp_sampling,
+                   "sample_rate": None if m.noise is None else dp.sample_rate(cfg), "steps": cfg.train_steps,
                    "testbed": str(m.testbed.root)} for m in models]
-    cfg = plain.config
-    reps = ", ".join(map(str, p.canary_reps))
-    description = (f"Testbed preset {p.testbed} ({cfg.train_steps} steps x batch {cfg.batch_size}, rows of "
-                   f"{cfg.row_len} tokens), {len(c.reps)} random-token canaries (reps {reps}, "
-                   f"{int(c.included.sum())} included), DP-SGD twins at noise "
-                   f"{', '.join(f'{s:g}' for s in noises)} (Poisson sampling, clip {cfg.dp_clip}); natural split "
-                   f"at step {cfg.train_steps}: {sum(e['label'] == 1 and e['partition'] == 'eval' for e in natural)} "
-                   f"members and {sum(e['label'] == 0 and e['partition'] == 'eval' for e in natural)} non-members; "
+    description = (f"Pretraining. Testbed preset {p.testbed} ({cfg.train_steps} steps x batch {cfg.batch_size}, rows "
+                   f"of {cfg.row_len} tokens), {len(c.reps)} canaries of kinds {c.kind} (reps "
+                   f"{', '.join(map(str, p.canary_reps))}, {int(c.included.sum())} included), DP-SGD twins at noise "
+                   f"{', '.join(f'{s:g}' for s in noises)} (Poisson sampling at rate 1/{cfg.train_steps}, clip "
+                   f"{cfg.dp_clip}); natural split at step {cfg.train_steps}: "
+                   f"{sum(e['label'] == 1 and e['partition'] == 'eval' for e in natural)} members and "
+                   f"{sum(e['label'] == 0 and e['partition'] == 'eval' for e in natural)} non-members; "
                    f"delta {models[0].delta:.3g}.")
-    summary = {"description": description, "preset": preset, "models": model_rows, "rows": rows,
-               "by_reps": by_reps, "exposure": exposure, "findings": findings(rows, exposure), "violations": bad,
-               "attacks_run": [label for label, _, _ in to_run], "skipped": skipped, "notes": notes,
-               "alpha": ALPHA}
-    write_tables(rows, out, "audit", COLUMNS, title="Privacy audit: canaries and the natural split")
+    parts = {"description": description, "models": model_rows, "rows": rows, "by_reps": by_reps,
+             "exposure": exposure, "kinds": [], "attacks_run": [label for label, _, _ in to_run],
+             "skipped": skipped, "notes": notes, "delta": models[0].delta}
+    config = {"settings": dataclasses.asdict(p), "noises": list(noises)}
+    hashes = {"config_hash": cfg.config_hash, "canaries_sha256": plain.manifest["canaries"]["sha256"]}
+    return parts, config, hashes, models
+
+
+# ============================================================================================ fine-tune
+def finetune_models(p: FinetunePreset, base, root: Path, *, epsilons, delta: float, progress: bool,
+                    timings: Timings, say) -> list:
+    """The audit's fine-tunes of ``base``: full and LoRA, each non-private and at every target epsilon (built, or
+    reused from ``root``); they share one canary pool."""
+    models, pool_from = [], None
+    for mode, rank in (("full", 0), ("lora", p.lora_rank)):
+        cfg = p.audit.replace(lora_rank=rank, preset=f"{p.audit.preset}-{mode}")
+        noises = [None] + [math.ceil(ft.noise_for_epsilon(cfg.replace(dp_noise=1.0), e, delta=delta) * 1e4) / 1e4
+                           for e in sorted(epsilons)]
+        for noise in noises:
+            c = cfg.replace(dp_noise=noise)
+            eps = ft.finetune_epsilon(c, delta=delta)[0]
+            name = model_name(None if noise is None else eps, mode)
+            with timings(f"finetune:{name}"):
+                say(f"fine-tuning {name} ...")
+                run = ft.build_finetune(base, root / name.replace(" ", "-"), c, progress=progress, delta=delta,
+                                        canaries_from=pool_from)
+            pool_from = pool_from or run
+            models.append(Model(name, run, eps, noise, delta, mode,
+                                group_epsilon=None if noise is None else
+                                (lambda r, c=c: ft.finetune_epsilon(c, delta=delta, group=r))))
+    return models
+
+
+def run_finetune(preset: str, out: Path, root: Path, *, epsilons, attacks, delta, seed, bootstrap, progress,
+                 timings: Timings, say) -> tuple:
+    """The fine-tuning audit: (summary parts, config, hashes, the models)."""
+    if preset not in FT_PRESETS:
+        raise ExperimentError(f"unknown preset {preset!r} for --setting finetune; presets: {', '.join(FT_PRESETS)}")
+    p = FT_PRESETS[preset]
+    to_run, skipped = select_attacks(p.attacks if attacks is None else attacks, max_cost=p.max_cost,
+                                     unavailable=tuple(u for u in UNAVAILABLE if u != "ref"), preset=preset)
+    if not to_run:
+        raise ExperimentError(f"no attack to run: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}")
+    delta = ft.DEFAULT_DELTA if delta is None else float(delta)
+    epsilons = tuple(p.epsilons if epsilons is None else epsilons)
+    with timings("base"):
+        base = build_testbed(p.base, root / "base", progress=progress, **dict(p.base_overrides))
+    models = finetune_models(p, base, root, epsilons=epsilons, delta=delta, progress=progress, timings=timings,
+                             say=say)
+    if p.kinds is not None:
+        with timings("finetune:kinds"):
+            say("fine-tuning the kinds run ...")
+            kinds_run = ft.build_finetune(base, root / "kinds", p.kinds, progress=progress, delta=delta)
+        models.append(Model("kinds", kinds_run, math.inf, None, delta, "kinds"))
+    ref_model = base.load_model()
+    start, stop = models[0].testbed.natural_rows()
+    natural = _natural_examples(base.dataset(), np.arange(start, stop), np.arange(stop, base.n_rows), p.n_natural,
+                                seed)
+    rows, by_reps, notes = [], [], []
+    for m in models:
+        c = m.testbed.canaries()
+        r, b, sk, nt = score_model("finetune", m, c, m.testbed.canary_membership(), natural, to_run, seed=seed,
+                                   bootstrap=bootstrap, out=out, progress=progress, ref_model=ref_model,
+                                   timings=timings)
+        rows, by_reps = rows + r, by_reps + b
+        skipped.update(sk)
+        notes += [n for n in nt if n not in notes]
+    audit_rows = [r for r in rows if r["model"] != "kinds"]
+    kinds = kinds_table(rows, "kinds")
+    model_rows = []
+    for m in models:
+        pr = m.testbed.manifest["privacy"]
+        model_rows.append({"model": m.name, "mode": m.mode, "noise": m.noise,
+                           "epsilon": None if math.isinf(m.epsilon) else m.epsilon,
+                           "epsilon_rdp": pr["epsilon_rdp"] if m.noise is not None else None, "delta": m.delta,
+                           "sampling": "poisson", "sample_rate": m.testbed.config.sample_rate,
+                           "steps": m.testbed.config.steps, "trained": m.testbed.manifest["trained"],
+                           "first_loss": m.testbed.manifest["train"]["first_loss"],
+                           "final_loss": m.testbed.manifest["train"]["final_loss"],
+                           "train_s": m.testbed.manifest["timings"]["train_s"], "testbed": str(m.testbed.root)})
+    a = p.audit
+    scale = a.replace(lora_rank=p.lora_rank).lora_scale
+    k = p.kinds
+    c0 = models[0].testbed.canaries()
+    description = (f"Fine-tuning. Base: testbed preset {p.base} ({base.train_steps} steps x batch {base.batch_size}, "
+                   f"rows of {base.row_len} tokens, {base.n_params:,} parameters). Private set: {a.n_private} natural "
+                   f"rows the base never trained and {c0.m} new-token canaries of {c0.row_len} tokens (groups "
+                   f"{', '.join(f'{n} x reps {r}' for _, r, n in a.canary_groups)}; {int(c0.included.sum())} "
+                   f"included). Trained {a.steps} steps, Poisson sampling at rate {a.sample_rate:g}, {a.optimizer} lr "
+                   f"{a.lr:g}: full-parameter and LoRA (rank {p.lora_rank}, scale {scale:g}, "
+                   f"on {', '.join(a.lora_targets)}, and the reserved tokens' rows), without privacy and with DP-SGD "
+                   f"at epsilon {', '.join(f'{e:g}' for e in epsilons)} (clip {a.dp_clip}); delta {delta:.3g}. "
+                   + (f"Kinds run: {k.m} canaries ({', '.join(f'{n} {kind}' for kind, _, n in k.canary_groups)}), "
+                      f"{k.steps} steps at rate {k.sample_rate:g}, {k.optimizer} lr {k.lr:g}, non-private. "
+                      if k is not None else "")
+                   + f"Natural rows: {sum(e['label'] == 1 for e in natural)} private-set members and "
+                   f"{sum(e['label'] == 0 for e in natural)} non-members.")
+    parts = {"description": description, "models": model_rows, "rows": rows, "by_reps": by_reps, "exposure": [],
+             "kinds": kinds, "attacks_run": [label for label, _, _ in to_run] + [CONTRAST], "skipped": skipped,
+             "notes": notes, "delta": delta, "audit_rows": len(audit_rows)}
+    config = {"settings": {**dataclasses.asdict(p), "audit": p.audit.to_dict(),
+                           "kinds": None if p.kinds is None else p.kinds.to_dict()}, "epsilons": list(epsilons)}
+    hashes = {"base_config_hash": base.config.config_hash, "base_sha256": base.checkpoint_hash(),
+              "canaries_sha256": models[0].testbed.manifest["canaries"]["sha256"]}
+    return parts, config, hashes, models
+
+
+# ============================================================================================ the run
+def run(preset: str = "default", out=None, *, setting: str = "finetune", testbed_dir=None,
+        noises: Optional[Sequence[float]] = None, epsilons: Optional[Sequence[float]] = None, attacks=None,
+        delta: Optional[float] = None, seed: int = 0, bootstrap: int = 1000, progress: bool = True,
+        strict: bool = True, argv=None) -> dict:
+    """Run the audit; returns the summary (also ``out/summary.json``). ``strict``: raise :class:`AuditViolation`
+    after writing every output when a lower bound exceeds its accountant epsilon."""
+    if setting not in SETTINGS:
+        raise ExperimentError(f"--setting must be one of {', '.join(SETTINGS)}, got {setting!r}")
+    presets = FT_PRESETS if setting == "finetune" else PRESETS
+    if preset not in presets:
+        raise ExperimentError(f"unknown preset {preset!r} for --setting {setting}; presets: {', '.join(presets)}")
+    if noises is not None and epsilons is not None:
+        raise ExperimentError("give --noises or --epsilons, not both")
+    if noises is not None and setting == "finetune":
+        raise ExperimentError("--noises is for --setting pretrain; the fine-tune takes --epsilons")
+    for flag, values in (("--noises", noises), ("--epsilons", epsilons)):
+        if values is not None and (not values or any(not (math.isfinite(v) and v > 0) for v in values)
+                                   or len(set(values)) != len(values)):
+            raise ExperimentError(f"{flag} must be distinct positive numbers, got {', '.join(map(str, values))}")
+    if delta is not None and not 0 < delta < 1:
+        raise ExperimentError(f"--delta must be in (0, 1), got {delta}")
+    tag = "" if setting == "finetune" else "-pretrain"
+    out = Path(out) if out is not None else Path("results") / f"audit-{preset}{tag}"
+    root = Path(testbed_dir) if testbed_dir is not None else Path("testbeds") / f"audit-{preset}{tag}"
+    check_paths(out=out, output_dirs=[("--testbed-dir", root)])
+    say = say_fn(progress)
+    timings = Timings()
+    t0 = time.perf_counter()
+    kw = dict(epsilons=epsilons, attacks=attacks, delta=delta, seed=seed, bootstrap=bootstrap, progress=progress,
+              timings=timings, say=say)
+    if setting == "finetune":
+        parts, config, hashes, models = run_finetune(preset, out, root, **kw)
+    else:
+        parts, config, hashes, models = run_pretrain(preset, out, root, noises=noises, **kw)
+    rows, by_reps, exposure = parts["rows"], parts["by_reps"], parts["exposure"]
+    bad = violations(rows, by_reps)
+    audit_rows = [r for r in rows if r["model"] != "kinds"]
+    summary = {"description": parts["description"], "setting": setting, "preset": preset, "models": parts["models"],
+               "rows": rows, "kinds": parts["kinds"], "by_reps": by_reps, "exposure": exposure,
+               "targets": targets(rows, setting),
+               "findings": findings(audit_rows, exposure, parts["kinds"]), "violations": bad,
+               "attacks_run": parts["attacks_run"], "skipped": parts["skipped"], "notes": parts["notes"],
+               "alpha": ALPHA, "delta": parts["delta"]}
+    write_tables(rows, out, "audit", COLUMNS, title="Privacy audit: canaries and natural rows")
     write_tables(by_reps, out, "by_reps", REPS_COLUMNS, title="One-run bounds by repetitions")
-    write_tables(exposure, out, "exposure", EXPOSURE_COLUMNS, title="Exposure by repetitions")
-    plot_vs_epsilon(rows, out / "auc_vs_epsilon.png")
-    plot_eps_lower(rows, out / "eps_lower_vs_epsilon.png")
-    plot_exposure(exposure, out / "exposure_vs_reps.png")
+    if parts["kinds"]:
+        write_tables(parts["kinds"], out, "kinds", KINDS_COLUMNS, title="Canary kinds (non-private)")
+        plot_kinds(parts["kinds"], out / "kinds.png")
+    if exposure:
+        write_tables(exposure, out, "exposure", EXPOSURE_COLUMNS, title="Exposure by repetitions")
+        plot_exposure(exposure, out / "exposure_vs_reps.png")
+    plot_vs_epsilon(audit_rows, out / "auc_vs_epsilon.png")
+    plot_eps_lower(audit_rows, out / "eps_lower_vs_epsilon.png")
     write_json(out / "summary.json", summary)
     write_text(out / "report.md", report_markdown(summary))
     write_manifest(out, module="experiments.audit", argv=argv, config={
-        "preset": preset, "settings": dataclasses.asdict(p), "noises": list(noises), "delta": delta,
-        "bootstrap": bootstrap, "attacks": summary["attacks_run"]},
-        seeds={"natural_split": seed, "bootstrap": seed, "exposure_candidates": seed, "testbed": cfg.seed},
-        hashes={"config_hash": cfg.config_hash, "canaries_sha256": plain.manifest["canaries"]["sha256"]},
+        "setting": setting, "preset": preset, **config, "delta": delta, "bootstrap": bootstrap,
+        "attacks": summary["attacks_run"]},
+        seeds={"natural_split": seed, "bootstrap": seed}, hashes=hashes,
         paths={"testbeds": [str(m.testbed.root) for m in models]},
-        outputs=["report.md", "audit.*", "by_reps.*", "exposure.*", "*.png", "summary.json", "scores/"])
+        outputs=["report.md", "audit.*", "kinds.*", "by_reps.*", "exposure.*", "*.png", "summary.json", "scores/"])
     timings["total"] = round(time.perf_counter() - t0, 1)
     timings.write(out)
     say(f"wrote {out}/ in {timings['total']:.0f} s")
@@ -437,16 +828,20 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, noises: Optional
 def build_parser():
     from mia import validate as V
 
-    ap = experiment_parser("python -m experiments.audit", __doc__, PRESETS)
-    ap.add_argument("--testbed-dir", default=None, help="where the testbeds go (default: testbeds/audit-<preset>)")
-    ap.add_argument("--noises", default=None, help="DP-SGD noise multipliers of the private twins, comma-separated "
-                                                   "(default per preset: those of epsilon 1, 4, 16)")
-    ap.add_argument("--epsilons", default=None, help="target accountant epsilons instead of --noises (the noise is "
-                                                     "found by bisection over the accountant: slower)")
-    ap.add_argument("--attacks", default=None, help="attack spec (default per preset: every attack that needs only "
-                                                    "the examples, up to the preset's cost)")
+    ap = experiment_parser("python -m experiments.audit", __doc__, sorted(set(PRESETS) | set(FT_PRESETS)))
+    ap.add_argument("--setting", default="finetune", choices=SETTINGS,
+                    help="finetune (default: a trained testbed fine-tuned on a private set with canaries) or pretrain "
+                         "(a testbed trained from scratch with them)")
+    ap.add_argument("--testbed-dir", default=None,
+                    help="where the models go (default: testbeds/audit-<preset>, -pretrain for --setting pretrain)")
+    ap.add_argument("--noises", default=None, help="--setting pretrain: DP-SGD noise multipliers of the private "
+                                                   "twins, comma-separated (default: the preset's)")
+    ap.add_argument("--epsilons", default=None, help="target accountant epsilons of the private models, comma-"
+                                                     "separated (default: the preset's; pretrain: instead of "
+                                                     "--noises, found by bisection over the accountant: slower)")
+    ap.add_argument("--attacks", default=None, help="attack spec (default: the preset's list)")
     ap.add_argument("--delta", type=V.arg_float(0, 1, lo_open=True, hi_open=True), default=None,
-                    help="delta of every epsilon (default 1 / records of the testbed)")
+                    help="delta of every epsilon (default: fine-tune 1e-5; pretrain 1 / (train_steps x batch))")
     return ap
 
 
@@ -462,7 +857,7 @@ def _floats(v, flag: str) -> Optional[list]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    status, s = run_main(lambda: run(a.preset, a.out, testbed_dir=a.testbed_dir,
+    status, s = run_main(lambda: run(a.preset, a.out, setting=a.setting, testbed_dir=a.testbed_dir,
                                      noises=_floats(a.noises, "--noises"), epsilons=_floats(a.epsilons, "--epsilons"),
                                      attacks=a.attacks, delta=a.delta, seed=a.seed, bootstrap=a.bootstrap,
                                      progress=not a.no_progress, strict=False, argv=argv),
