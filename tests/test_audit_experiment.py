@@ -10,37 +10,78 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from experiments import audit
-from mia.audit import AuditViolation, one_run_audit
+from mia.audit import AuditViolation
 from mia.testbed import dp, preset
 
 from notebook_runner import run_notebook
 from table_check import rendered_again
 
 
-def _model(eps=math.inf, noise=None, delta=1e-3):
-    return audit.Model(audit.model_name(None if math.isinf(eps) else eps), None, eps, noise, delta)
+def _model(eps=math.inf, noise=None, delta=1e-3, group=None):
+    return audit.Model(audit.model_name(None if math.isinf(eps) else eps), None, eps, noise, delta,
+                       group_epsilon=group)
+
+
+def test_audit_grid_and_bound_by_hand():
+    """The grid is fixed by m alone; the bound is the best one-run epsilon over it, each guess count k ("in" for the
+    k highest scores, "out" for the k lowest) tested at alpha / (grid size), recomputed here from the counts."""
+    from mia.audit import one_run_epsilon
+
+    assert audit.audit_grid(1000) == [12, 25, 50, 100, 400] and audit.audit_grid(40) == [1, 2, 4, 16]
+    assert audit.audit_grid(2) == [1] and all(2 * k <= 7 for k in audit.audit_grid(7))
+    rng = np.random.default_rng(0)
+    included = rng.random(400) < 0.5
+    scores = included * 2.0 + rng.normal(size=400)
+    order = np.argsort(-scores, kind="stable")
+    best = 0.0
+    for k in audit.audit_grid(400):
+        v = int(included[order[:k]].sum() + (~included[order[400 - k:]]).sum())
+        best = max(best, one_run_epsilon(400, 2 * k, v, delta=1e-5, alpha=0.05 / len(audit.audit_grid(400))))
+    res = audit.audit_bound(scores, included, 1e-5)
+    assert res.epsilon == pytest.approx(best) and best > 0 and res.k_pos == res.k_neg
+    perfect = audit.audit_bound(included.astype(float), included, 1e-5)  # every guess right: the largest k binds
+    assert perfect.k_pos == 160 and perfect.v == perfect.r == 320
 
 
 def test_bounds_by_reps_are_one_run_audits_per_group():
-    """Each repetition count's bound is the one-run audit of those canaries alone, at the group delta of r copies;
-    the upper bound is the accountant's group epsilon (none for the non-private model)."""
+    """Each repetition count's bound is the audit of those canaries alone, at the group delta of r copies; the upper
+    bound is the accountant's group epsilon (none for the non-private model)."""
     rng = np.random.default_rng(0)
     reps = np.tile([1, 4, 16], 40)
     included = rng.random(len(reps)) < 0.5
     scores = included * (reps / 4.0) + rng.normal(size=len(reps))
     cfg = preset("smoke", train_steps=40, canaries=120, canary_reps=(1, 4, 16), dp_noise=2.0)
     d = dp.default_delta(cfg)
-    rows = audit.bounds_by_reps(scores, included, reps, _model(1.0, 2.0, d), cfg, "loss", d)
-    assert [r["reps"] for r in rows] == [1, 4, 16]
+    group = lambda r: dp.canary_epsilon(cfg, r, delta=d)  # noqa: E731
+    rows = audit.bounds_by_reps(scores, included, reps, _model(1.0, 2.0, d, group), "loss", "tokens", d)
+    assert [r["reps"] for r in rows] == [1, 4, 16] and {r["canary_kind"] for r in rows} == {"tokens"}
     for r in rows:
         sel = reps == r["reps"]
         eps_r, delta_r = dp.canary_epsilon(cfg, r["reps"], delta=d)
         assert (r["eps_upper"], r["delta"]) == (eps_r, delta_r)
-        expected = one_run_audit(scores[sel], included[sel], delta=delta_r, alpha=0.05).epsilon if delta_r < 1 else None
+        expected = audit.audit_bound(scores[sel], included[sel], delta_r).epsilon if delta_r < 1 else None
         assert r["eps_lower"] == expected and r["n"] == sel.sum() and r["n_included"] == included[sel].sum()
-    plain = audit.bounds_by_reps(scores, included, reps, _model(), cfg, "loss", d)
+    plain = audit.bounds_by_reps(scores, included, reps, _model(), "loss", "tokens", d)
     assert all(r["eps_upper"] is None and r["delta"] == d and r["eps_lower"] is not None for r in plain)
     assert plain[-1]["eps_lower"] > 0  # 16 copies with a strong signal: the non-private model is caught
+
+
+def test_targets_and_kinds_table():
+    rows = [{"model": "full non-private", "attack": "contrast", "canary_kind": "new", "epsilon": None, "eps_lower": 5.1,
+             "auc": 1.0, "tpr_at_1pct_fpr": 1.0, "tpr_at_0.1pct_fpr": 1.0, "n": 1000},
+            {"model": "lora eps=3.99", "attack": "contrast", "canary_kind": "new", "epsilon": 3.99, "eps_lower": 0.9},
+            {"model": "lora eps=16", "attack": "contrast", "canary_kind": "new", "epsilon": 16.0, "eps_lower": 3.0},
+            {"model": "kinds", "attack": "loss", "canary_kind": "tokens", "epsilon": None, "eps_lower": 1.0,
+             "auc": 0.9, "tpr_at_1pct_fpr": 0.4, "tpr_at_0.1pct_fpr": 0.1, "n": 1000},
+            {"model": "kinds", "attack": "ref", "canary_kind": "tokens", "epsilon": None, "eps_lower": 0.8,
+             "auc": 0.95, "tpr_at_1pct_fpr": 0.3, "tpr_at_0.1pct_fpr": 0.2, "n": 1000}]
+    t = audit.targets(rows, "finetune")
+    assert t["nonprivate"]["met"] and t["nonprivate"]["gap"] == pytest.approx(4 - 5.1)
+    assert not t["eps4"]["met"] and t["eps4"]["gap"] == pytest.approx(0.1) and t["eps4"]["epsilon"] == 3.99
+    assert "MISSED by 0.100" in audit.targets_lines(t)[1] and "met." in audit.targets_lines(t)[0]
+    kinds = audit.kinds_table(rows, "kinds")
+    assert kinds == [{"canary_kind": "tokens", "attack": "loss", "n": 1000, "auc": 0.9, "tpr_at_1pct_fpr": 0.4,
+                      "tpr_at_0.1pct_fpr": 0.1, "eps_lower": 1.0}]
 
 
 def test_violations_name_every_bound_above_its_epsilon():
@@ -109,37 +150,76 @@ def test_preset_noises_give_their_target_epsilons(name, targets):
 # ----------------------------------------------------------------------------------------------- smoke, slow
 @pytest.fixture(scope="module")
 def audit_smoke(tmp_path_factory):
+    """The fine-tuning smoke preset (the default setting)."""
     root = tmp_path_factory.mktemp("audit")
     return root / "out", audit.run("smoke", root / "out", testbed_dir=root / "tb", progress=False, bootstrap=100)
+
+
+@pytest.fixture(scope="module")
+def pretrain_smoke(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audit-pretrain")
+    return root / "out", audit.run("smoke", root / "out", setting="pretrain", testbed_dir=root / "tb",
+                                   progress=False, bootstrap=100)
 
 
 def _read_scores(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def _recompute(out, s):
+    """Every row's AUC and eps_lower again from the saved per-example scores, independently (sklearn, and the
+    one-run audit on the canaries of the row's kind inserted once); and no bound above its accountant epsilon."""
+    for r in s["rows"]:
+        lines = _read_scores(out / "scores" / r["model"] / "canaries.jsonl")
+        once = np.array([x["reps"] == 1 and x["kind"] == r["canary_kind"] for x in lines])
+        y = np.array([x["label"] for x in lines])[once]
+        sc = np.array([x["scores"][r["attack"]] for x in lines], float)[once]
+        assert r["n"] == once.sum() and roc_auc_score(y, sc) == pytest.approx(r["auc"], abs=1e-12)
+        delta = next(m["delta"] for m in s["models"] if m["model"] == r["model"])
+        assert audit.audit_bound(sc, y.astype(bool), delta).epsilon == pytest.approx(r["eps_lower"])
+        if r["epsilon"] is not None:  # science check 1: no bound above the accountant's epsilon
+            assert r["eps_lower"] <= r["epsilon"]
+    assert not s["violations"]
+
+
 @pytest.mark.slow
 def test_smoke_end_to_end_and_the_science_checks(audit_smoke):
+    """The fine-tuning smoke preset: every output, every number again from the saved scores, the new-token contrast
+    catching every canary of the non-private fine-tunes, the kinds table, the targets."""
     out, s = audit_smoke
-    for f in ("report.md", "summary.json", "audit.csv", "audit.tex", "by_reps.md", "exposure.json",
-              "auc_vs_epsilon.png", "eps_lower_vs_epsilon.png", "exposure_vs_reps.png", "manifest.json"):
+    for f in ("report.md", "summary.json", "audit.csv", "audit.tex", "by_reps.md", "kinds.json", "kinds.png",
+              "auc_vs_epsilon.png", "eps_lower_vs_epsilon.png", "manifest.json"):
+        assert (out / f).stat().st_size > 0, f
+    assert s["setting"] == "finetune" and all(r["setting"] == "finetune" for r in s["rows"])
+    models = [m["model"] for m in s["models"]]
+    assert models == ["full non-private", "full eps=0.999", "full eps=7.99", "lora non-private", "lora eps=0.999",
+                      "lora eps=7.99", "kinds"]
+    assert {r["canary_kind"] for r in s["rows"] if r["model"] != "kinds"} == {"new"}
+    assert {r["canary_kind"] for r in s["rows"] if r["model"] == "kinds"} == set(audit.ALL_KINDS)
+    _recompute(out, s)
+    for name in ("full non-private", "lora non-private", "kinds"):  # untrained ids score 0 exactly, trained ones > 0
+        lines = [x for x in _read_scores(out / "scores" / name / "canaries.jsonl") if x["kind"] == "new"]
+        assert all((x["scores"]["contrast"] > 0) == (x["label"] == 1) for x in lines)
+    assert [k["canary_kind"] for k in s["kinds"]] == list(audit.ALL_KINDS)
+    assert s["kinds"][0]["attack"] == "contrast" and s["kinds"][0]["tpr_at_1pct_fpr"] == 1.0
+    assert s["targets"]["nonprivate"]["eps_lower"] == max(r["eps_lower"] for r in s["rows"] if r["epsilon"] is None)
+    same = rendered_again("experiments.audit", out, ["audit", "by_reps", "kinds"])
+    assert same and all(same.values()), same
+
+
+@pytest.mark.slow
+def test_pretrain_smoke_end_to_end(pretrain_smoke):
+    """The pretraining setting (today's audit): three testbeds, the science checks (AUC towards 0.5 as epsilon
+    shrinks, exposure growing with repetitions), every number again from the saved scores."""
+    out, s = pretrain_smoke
+    for f in ("report.md", "summary.json", "exposure.json", "exposure_vs_reps.png", "eps_lower_vs_epsilon.png"):
         assert (out / f).stat().st_size > 0, f
     attacks = s["attacks_run"]
     models = [m["model"] for m in s["models"]]
     assert len(models) == 3 and models[0] == "non-private" and s["models"][0]["epsilon"] is None
     assert [(r["model"], r["attack"]) for r in s["rows"]] == [(m, a) for m in models for a in attacks]
-    for r in s["rows"]:
-        assert {"epsilon", "attack", "auc", "tpr_at_0.1pct_fpr", "eps_lower"} <= set(r)
-        # the numbers again from the saved per-example scores, independently
-        lines = _read_scores(out / "scores" / r["model"] / "canaries.jsonl")
-        y = np.array([x["label"] for x in lines])
-        sc = np.array([x["scores"][r["attack"]] for x in lines], float)
-        assert roc_auc_score(y, sc) == pytest.approx(r["auc"], abs=1e-12)
-        once = np.array([x["reps"] for x in lines]) == 1
-        delta = next(m["delta"] for m in s["models"] if m["model"] == r["model"])
-        assert one_run_audit(sc[once], y[once].astype(bool), delta=delta).epsilon == pytest.approx(r["eps_lower"])
-        if r["epsilon"] is not None:  # science check 1: no bound above the accountant's epsilon
-            assert r["eps_lower"] <= r["epsilon"]
-    assert not s["violations"]
+    assert {r["canary_kind"] for r in s["rows"]} == {"tokens"} and s["setting"] == "pretrain"
+    _recompute(out, s)
     for a in attacks:  # science check 2: AUC towards 0.5 as epsilon shrinks
         by_eps = {r["epsilon"]: r["auc"] for r in s["rows"] if r["attack"] == a}
         smallest = min(e for e in by_eps if e is not None)
@@ -153,12 +233,16 @@ def test_smoke_end_to_end_and_the_science_checks(audit_smoke):
 
 @pytest.mark.slow
 def test_notebook_computes_the_tables(audit_smoke, monkeypatch):
+    """The notebook redraws the table, the kinds and the plots from summary.json alone."""
     out, s = audit_smoke
     ns, shown, printed = run_notebook("audit", monkeypatch, {"MIA_AUDIT_DIR": out})
     assert ns["S"] == json.loads((out / "summary.json").read_text())
     text = shown.text()
     for r in s["rows"]:
-        assert f"{r['auc']:.3f}" in text
+        if r["canary_kind"] == "new":
+            assert f"{r['eps_lower']:.3f}" in text
+    for k in s["kinds"]:
+        assert f"{k['tpr_at_1pct_fpr']:.3f}" in text
     for v in s["findings"].values():
         assert v in printed
     assert len(shown.images()) >= 3

@@ -74,8 +74,14 @@ def test_config_refuses_bad_options():
         preset("smoke", dp_noise=1.0, dp_sampling="shuffle")
     with pytest.raises(TestbedError, match="dp_noise"):
         preset("smoke", dp_noise=-0.5)
-    with pytest.raises(TestbedError, match="more than its 1600 natural rows"):
-        plan_canaries(preset("smoke", canaries=100, canary_reps=(64,)))
+    with pytest.raises(TestbedError, match="need reserved_tokens >= 3"):
+        preset("smoke", canaries=4, canary_reps=(1,), canary_kind="new,tokens")
+    with pytest.raises(TestbedError, match="without repeats"):
+        preset("smoke", canary_kind="new,new")
+    assert preset("smoke", canary_kind=" new , tokens", reserved_tokens=8).canary_kind == "new,tokens"
+    # a pool may add more rows than the natural ones (each step trains its natural rows and its copies)
+    many = plan_canaries(preset("smoke", canaries=100, canary_reps=(64,)))
+    assert many.n_copies > 1600 and many.n_copies == 64 * many.included.sum()
 
 
 def test_cli_options(tmp_path, capsys):
@@ -172,6 +178,108 @@ def test_word_canaries_are_corpus_words_in_the_testbed_tokenization(canary_testb
     again = Canaries.from_json(json.loads(json.dumps(c.to_json())))
     np.testing.assert_array_equal(again.tokens, c.tokens)
     assert all(np.array_equal(a, b) for a, b in zip(again.steps, c.steps))
+
+
+KINDS = "new,unigram,bigram,sampled,tokens,words"
+
+
+@pytest.fixture(scope="module")
+def kinds_world():
+    """What the canary kinds draw from, without training anything: a tokenizer with 16 reserved ids, the packed
+    corpus and an untrained sampler."""
+    import jax.numpy as jnp
+
+    from mia.data.corpus import load_corpus
+    from mia.models import from_config
+    from mia.models.hub import family
+    from mia.testbed.build import model_config
+    from mia.testbed.init import init_params
+    from mia.testbed.packing import dedup_rows, pack_rows
+    from mia.testbed.tokenizer import encode_documents, train_tokenizer
+
+    texts = load_corpus(None, "text", 60_000).texts
+    tok = train_tokenizer(texts, 300, reserved=16)
+    cfg = preset("smoke", **{**TINY, "max_corpus_bytes": 60_000}, reserved_tokens=16, canaries=24, canary_reps=(1, 4),
+                 canary_kind=KINDS)
+    rows, _ = dedup_rows(pack_rows(encode_documents(tok, texts), cfg.row_len))
+    mcfg = model_config(cfg, len(tok))
+    sampler = from_config(mcfg, params=init_params(family("gpt_neox").module_cls(mcfg, dtype=jnp.float32,
+                                                                                  param_dtype=jnp.float32), 0))
+    return cfg, tok, texts, rows, sampler
+
+
+def test_canary_kinds_are_recorded_and_reproducible(kinds_world):
+    """Every kind of a mixed pool is drawn as its definition says, recorded in canaries.json (kind and secret of each
+    canary, each kind's parameters) and drawn again identically from the seed (another seed: other rows)."""
+    from mia.testbed.canaries import RARE_POOL, kind_params, rare_successors, rare_tokens
+    from mia.testbed.tokenizer import reserved_ids
+
+    cfg, tok, texts, rows, sampler = kinds_world
+    c = make_canaries(cfg, tok, texts, rows=rows, sampler=sampler)
+    again = make_canaries(cfg, tok, texts, rows=rows, sampler=sampler)
+    np.testing.assert_array_equal(c.tokens, again.tokens)
+    other = make_canaries(cfg.replace(seed=1), tok, texts, rows=rows, sampler=sampler)
+    assert not np.array_equal(c.tokens, other.tokens)
+    reserved = reserved_ids(tok)
+    assert len(reserved) == 16 and reserved.stop == len(tok) and rows.max() < reserved.start  # never in the corpus
+    # kinds cycle in blocks of len(canary_reps): every (kind, reps) pair has as many canaries
+    kinds = list(KINDS.split(","))
+    assert list(c.kind_of) == [kinds[(i // 2) % 6] for i in range(24)]
+    assert all(((c.kind_of == k) & (c.reps == r)).sum() == 2 for k in kinds for r in (1, 4))
+    by = {k: c.tokens[c.kind_of == k] for k in kinds}
+    new_ids = by["new"][:, -1]
+    assert list(new_ids) == list(range(reserved.start, reserved.start + 4))  # one reserved id each, in id order
+    assert set(c.spare_ids) == set(range(reserved.start + 4, reserved.stop))
+    assert (by["new"][:, :-1] < reserved.start).all() and (c.secrets[c.kind_of == "new"] == cfg.row_len - 1).all()
+    assert (c.secrets[c.kind_of != "new"] == 0).all()
+    counts = np.bincount(rows.ravel(), minlength=reserved.start)[:reserved.start]
+    assert set(by["unigram"].ravel()) <= set(rare_tokens(counts).tolist()) and len(rare_tokens(counts)) == RARE_POOL
+    assert all(counts[t] >= 1 for t in rare_tokens(counts)) and 0 not in rare_tokens(counts)
+    for k in ("tokens", "sampled", "unigram", "bigram", "words"):
+        assert (by[k] >= 1).all() and (by[k] < reserved.start).all(), k
+    # bigram: each next token is one of the rarest successors of the previous one (the same seeded table)
+    pairs = np.zeros((reserved.start, reserved.start), np.int64)
+    np.add.at(pairs, (rows[:, :-1].ravel(), rows[:, 1:].ravel()), 1)
+    succ = rare_successors(pairs, counts, 8, np.random.default_rng([cfg.seed, 0xCA7C, 5]))
+    assert all(b in succ[a] for row in by["bigram"] for a, b in zip(row[:-1], row[1:]))
+    # the record: kind, secret and parameters, read back exactly
+    d = json.loads(json.dumps(c.to_json()))
+    assert d["kinds"] == {k: kind_params(k) for k in kinds} and d["spare_ids"] == list(c.spare_ids)
+    assert [r["kind"] for r in d["canaries"]] == list(c.kind_of)
+    back = Canaries.from_json(d)
+    np.testing.assert_array_equal(back.tokens, c.tokens)
+    np.testing.assert_array_equal(back.secrets, c.secrets)
+    assert list(back.kind_of) == list(c.kind_of) and back.spare_ids == c.spare_ids
+    mask = back.secret_mask()  # a new-token canary's loss and score: its last prediction only
+    assert mask[c.kind_of == "new"].sum(1).tolist() == [1.0] * 4 and (mask[c.kind_of == "tokens"] == 1).all()
+
+
+def test_new_token_contrast_is_zero_without_training(kinds_world):
+    """The reserved ids start equal (zero rows): before any training, every new-token canary's contrast is 0 exactly,
+    and the other kinds get no score."""
+    import jax.numpy as jnp
+
+    from mia.models import from_config
+    from mia.models.hub import family
+    from mia.testbed.build import model_config, zero_reserved_rows
+    from mia.testbed.canaries import new_token_contrast
+    from mia.testbed.init import init_params
+    from mia.testbed.tokenizer import reserved_ids
+
+    cfg, tok, texts, rows, sampler = kinds_world
+    c = make_canaries(cfg.replace(canary_kind="new,tokens"), tok, texts, rows=rows)
+    mcfg = model_config(cfg, len(tok))
+    params = init_params(family("gpt_neox").module_cls(mcfg, dtype=jnp.float32, param_dtype=jnp.float32), 3)
+    model = from_config(mcfg, params=zero_reserved_rows(params, reserved_ids(tok).start))
+    s = new_token_contrast(model, c)
+    assert (s[c.kind_of == "new"] == 0).all() and np.isnan(s[c.kind_of == "tokens"]).all()
+    # a canary whose reserved id's output row moved towards its context scores above 0, the others stay at 0
+    h_dir = np.ones(mcfg.hidden_size, np.float32)
+    i = int(np.flatnonzero(c.kind_of == "new")[0])
+    moved = dict(model.params)
+    moved["embed_out"] = {"kernel": model.params["embed_out"]["kernel"].at[:, int(c.tokens[i, -1])].add(h_dir)}
+    s2 = new_token_contrast(from_config(mcfg, params=moved), c)
+    assert s2[i] != 0 and np.count_nonzero(s2[c.kind_of == "new"]) == 1
 
 
 def test_sequence_nll_is_the_training_loss(canary_testbed):
