@@ -358,14 +358,19 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def _series(rows: Sequence[dict]) -> dict:
-    """{label: rows} of one line per (mode, attack, canary kind) with a private model; the label says what differs."""
-    keys = dict.fromkeys((r.get("mode"), r["attack"], r.get("canary_kind")) for r in rows)
-    many_modes = len({k[0] for k in keys}) > 1
+    """{label: (rows, line style)} of one line per (mode, attack, canary kind); the label says what differs; one
+    colour per attack and kind, one dash pattern per mode."""
+    keys = list(dict.fromkeys((r.get("mode"), r["attack"], r.get("canary_kind")) for r in rows))
+    modes = list(dict.fromkeys(k[0] for k in keys))
+    colours = list(dict.fromkeys((k[1], k[2]) for k in keys))
     many_kinds = len({k[2] for k in keys}) > 1
     out = {}
     for mode, attack, kind in keys:
-        label = " ".join(x for x in (mode if many_modes else None, attack, f"[{kind}]" if many_kinds else None) if x)
-        out[label] = [r for r in rows if (r.get("mode"), r["attack"], r.get("canary_kind")) == (mode, attack, kind)]
+        label = " ".join(x for x in (mode if len(modes) > 1 else None, attack, f"[{kind}]" if many_kinds else None)
+                         if x)
+        style = {"color": f"C{colours.index((attack, kind)) % 10}", "ls": ("-", "--", ":", "-.")[modes.index(mode) % 4]}
+        out[label] = ([r for r in rows if (r.get("mode"), r["attack"], r.get("canary_kind")) == (mode, attack, kind)],
+                      style)
     return out
 
 
@@ -377,9 +382,10 @@ def plot_vs_epsilon(rows: Sequence[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for ax, (key, title) in zip(axes, (("auc", "canaries: AUC"), ("natural_auc", "natural rows: AUC"),
                                        ("tpr_at_1pct_fpr", "canaries: TPR@1%FPR"))):
-        for label, rs in _series(rows).items():
+        for label, (rs, style) in _series(rows).items():
             rs = sorted((r for r in rs if r.get(key) is not None), key=lambda r: _x(r["epsilon"], largest))
-            ax.plot([_x(r["epsilon"], largest) for r in rs], [r[key] for r in rs], marker="o", ms=3, label=label)
+            ax.plot([_x(r["epsilon"], largest) for r in rs], [r[key] for r in rs], marker="o", ms=3, label=label,
+                    **style)
         if key != "tpr_at_1pct_fpr":
             ax.axhline(0.5, color="k", ls="--", lw=0.8)
         ax.set_xscale("log")
@@ -394,14 +400,15 @@ def plot_eps_lower(rows: Sequence[dict], path: Path) -> Path:
     must lie on or below it."""
     plt = _plt()
     priv = [r for r in rows if r["epsilon"] is not None]
-    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
     hi = max([r["epsilon"] for r in priv] + [r["eps_lower"] or 0 for r in priv] + [1.0])
-    ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="eps_lower = epsilon")
-    for label, rs in _series(priv).items():
+    ax.plot([0, hi], [0, hi], "k", lw=0.8, label="eps_lower = epsilon")
+    for label, (rs, style) in _series(priv).items():
         rs = sorted(rs, key=lambda r: r["epsilon"])
-        ax.plot([r["epsilon"] for r in rs], [r["eps_lower"] or 0 for r in rs], marker="o", ms=4, label=label)
+        ax.plot([r["epsilon"] for r in rs], [r["eps_lower"] or 0 for r in rs], marker="o", ms=4, label=label, **style)
     ax.set(xlabel="accountant epsilon (upper bound)", ylabel="eps_lower (one run, 95%)",
-           title="what the attacks prove", xscale="symlog", yscale="symlog")
+           title="what the attacks prove", xlim=(0, hi * 1.03), ylim=(-0.02 * hi, hi * 1.03))
+    ax.set_aspect("equal")
     ax.legend(fontsize=6)
     return _save(plt, fig, path)
 
