@@ -73,9 +73,6 @@ def test_accountant_is_the_composed_gaussian():
     assert e4 == pytest.approx(4 * eps) and d4 == pytest.approx(min(1.0, 4 * math.exp(3 * eps) * 1e-5))
     assert ft.finetune_epsilon(cfg.replace(dp_noise=None))[0] == math.inf
     assert ft.finetune_epsilon(cfg.replace(dp_noise=0.0))[0] == math.inf
-    sigma = ft.noise_for_epsilon(cfg, 4.0, tol=1e-2)
-    assert ft.finetune_epsilon(cfg.replace(dp_noise=sigma))[0] <= 4.0 < \
-        ft.finetune_epsilon(cfg.replace(dp_noise=sigma * 0.98))[0]
     rec = ft.privacy_record(cfg)
     assert rec["epsilon_pld"] == pytest.approx(eps) and rec["epsilon_rdp"] >= eps and rec["sample_rate"] == 1.0
 
@@ -110,7 +107,7 @@ def test_lora_merge_and_trainable_mask(tiny):
 
 def test_clipped_gradient_sum_matches_one_example_at_a_time(tiny):
     """DP: the sum of the per-example gradients of the masked mean loss, each clipped to dp_clip (padding weight 0
-    adds nothing), equals clipping one example's gradient at a time; ordinary: the plain sum."""
+    adds nothing), equals clipping one example's gradient at a time."""
     import jax
     import jax.numpy as jnp
 
@@ -145,17 +142,17 @@ def test_clipped_gradient_sum_matches_one_example_at_a_time(tiny):
     for got, ref in zip(jax.tree_util.tree_leaves(summed), want):
         np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-4, atol=1e-7)
     assert int(n_clipped) == sum(n > 0.05 for n in norms) and float(loss_sum) == pytest.approx(sum(losses), rel=1e-5)
-    plain, _, _ = ft.make_gradient_sum(tiny, cfg.replace(dp_noise=None), V)(trainable, frozen, jnp.asarray(rows),
-                                                                          jnp.asarray(masks), jnp.asarray(w))
-    unclipped = [np.asarray(x) * 0 for x in jax.tree_util.tree_leaves(trainable)]
-    for i in range(4):
-        g = g1(trainable, jnp.asarray(rows[i]), jnp.asarray(masks[i]))[1]
-        unclipped = [a + np.asarray(b) for a, b in zip(unclipped, jax.tree_util.tree_leaves(g))]
-    for got, ref in zip(jax.tree_util.tree_leaves(plain), unclipped):
-        np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-4, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------- slow
+@pytest.mark.slow
+def test_noise_for_epsilon_is_the_smallest_noise_within_the_target():
+    cfg = ft.FinetuneConfig(steps=8, sample_rate=1.0, dp_noise=1.0)
+    sigma = ft.noise_for_epsilon(cfg, 4.0)
+    assert ft.finetune_epsilon(cfg.replace(dp_noise=sigma))[0] <= 4.0 < \
+        ft.finetune_epsilon(cfg.replace(dp_noise=sigma * 0.995))[0]
+
+
 TINY_BASE = dict(max_corpus_bytes=120_000, seq_len=16, vocab_size=300, hidden_size=32, num_layers=1, num_heads=2,
                  batch_size=8, train_steps=40, checkpoints=(), warmup_steps=4, lr=5e-3, reserved_tokens=40)
 

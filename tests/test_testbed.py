@@ -299,7 +299,7 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(TestbedError, match=r"corpus too small: 1 documents made \d+ rows of 65 tokens, but 100 steps x "
                                            r"batch 16 need 1600 rows"):
         build_testbed("smoke", tmp_path / "t2", corpus=str(small), progress=False)
-    with pytest.raises(TestbedError, match="unknown preset 'nope'; presets: smoke, default, large"):
+    with pytest.raises(TestbedError, match="unknown preset 'nope'; presets: smoke, default, audit, large"):
         build_testbed("nope", tmp_path / "t3")
 
 

@@ -46,6 +46,7 @@ Exposure (``canary_exposure``) ranks each canary's log-perplexity among fresh ra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections import Counter
@@ -388,14 +389,7 @@ def sampled_rows(model, n: int, row_len: int, corpus_vocab: int, rng: np.random.
     """[n, row_len] rows sampled token by token from ``model`` at ``temperature`` after an EOD, over the corpus
     vocabulary [1, corpus_vocab) (EOD and reserved ids never drawn). Gumbel-max with noise from ``rng``: the same
     model and seed give the same rows."""
-    import jax
-    import jax.numpy as jnp
-
-    @jax.jit
-    def next_logits(params, ctx, t):
-        lg = model.logits(params, ctx)  # causal: positions after t do not change position t
-        return jax.lax.dynamic_index_in_dim(lg, t, axis=1, keepdims=False).astype(jnp.float32)
-
+    next_logits = _next_logits_fn(model)
     n, L = int(n), int(row_len)
     gumbel = rng.gumbel(size=(n, L, int(corpus_vocab) - 1))
     out = np.zeros((n, L + 1), np.int32)  # column 0: the EOD prompt
@@ -407,6 +401,20 @@ def sampled_rows(model, n: int, row_len: int, corpus_vocab: int, rng: np.random.
             lg = np.asarray(next_logits(model.params, ctx, t), np.float64)[:k, 1:corpus_vocab]
             out[lo:lo + k, t + 1] = 1 + np.argmax(lg / temperature + gumbel[lo:lo + k, t], axis=1)
     return out[:, 1:].astype(np.int64)
+
+
+@functools.lru_cache(maxsize=2)
+def _next_logits_fn(model):
+    """jit((params, ctx [b, L], t) -> [b, V] float32 logits at position t) of ``model``, compiled once per model."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def next_logits(params, ctx, t):
+        lg = model.logits(params, ctx)  # causal: positions after t do not change position t
+        return jax.lax.dynamic_index_in_dim(lg, t, axis=1, keepdims=False).astype(jnp.float32)
+
+    return next_logits
 
 
 def kind_params(kind: str) -> dict:
@@ -550,19 +558,11 @@ def sequence_nll(model, rows, batch_size: int = 64, params=None, mask=None) -> n
     row[:t]) over t = 1..L-1, the training loss of the row times L - 1; with ``mask`` [n, L-1] (1 = counted) over
     the masked predictions only (``Canaries.secret_mask``: the secret). Rows are scored in fixed-size batches (the
     last one padded), so one compilation serves any n."""
-    import jax  # local: the canary file and plan are read without loading JAX (as the testbed CLI does)
-    import jax.numpy as jnp
-
     rows = np.asarray(rows, np.int32)
     mask = np.ones((len(rows), max(rows.shape[1] - 1, 0)), np.float32) if mask is None else \
         np.asarray(mask, np.float32)
     params = model.params if params is None else params
-
-    @jax.jit
-    def nll(p, x, w):
-        logp = jax.nn.log_softmax(model.logits(p, x[:, :-1]).astype(jnp.float32), axis=-1)
-        return -(jnp.take_along_axis(logp, x[:, 1:, None], axis=-1)[..., 0] * w).sum(-1)
-
+    nll = _nll_fn(model)
     out = []
     b = max(1, min(int(batch_size), len(rows)))
     for lo in range(0, len(rows), b):
@@ -573,6 +573,21 @@ def sequence_nll(model, rows, batch_size: int = 64, params=None, mask=None) -> n
             w = np.concatenate([w, np.repeat(w[-1:], pad, axis=0)])
         out.append(np.asarray(nll(params, chunk, w), np.float64)[: b - pad])
     return np.concatenate(out) if out else np.zeros(0)
+
+
+@functools.lru_cache(maxsize=4)
+def _nll_fn(model):
+    """jit((params, rows [b, L], weights [b, L-1]) -> [b] weighted NLL) of ``model``, compiled once per model (a
+    Model hashes by identity)."""
+    import jax  # local: the canary file and plan are read without loading JAX (as the testbed CLI does)
+    import jax.numpy as jnp
+
+    @jax.jit
+    def nll(p, x, w):
+        logp = jax.nn.log_softmax(model.logits(p, x[:, :-1]).astype(jnp.float32), axis=-1)
+        return -(jnp.take_along_axis(logp, x[:, 1:, None], axis=-1)[..., 0] * w).sum(-1)
+
+    return nll
 
 
 def secret_nll(model, canaries: Canaries, batch_size: int = 64, params=None) -> np.ndarray:
@@ -596,14 +611,15 @@ def new_token_contrast(model, canaries: Canaries, n_spare: int = 8, batch_size: 
     if not len(spare):
         raise TestbedError("the new-token contrast needs spare reserved ids (reserve more tokens than canaries)")
     rows, mask = canaries.tokens[new], canaries.secret_mask()[new]
-    own = sequence_nll(model, rows, batch_size, params, mask)
     ids = canaries.new_token_ids()[new]
-    alt = []
+    variants = [rows]
     for sp in spare:
         r = rows.copy()
         r[r == ids[:, None]] = sp
-        alt.append(sequence_nll(model, r, batch_size, params, mask))
-    out[new] = np.mean(alt, axis=0) - own
+        variants.append(r)
+    nll = sequence_nll(model, np.concatenate(variants), batch_size, params, np.tile(mask, (len(variants), 1)))
+    nll = nll.reshape(len(variants), len(rows))
+    out[new] = nll[1:].mean(axis=0) - nll[0]
     return out
 
 
