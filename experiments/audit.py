@@ -687,6 +687,11 @@ def finetune_models(p: FinetunePreset, base, root: Path, *, epsilons, delta: flo
     return models
 
 
+def build_base(p: FinetunePreset, root: Path, progress: bool):
+    """The fine-tunes' base: the preset's testbed (no canaries), built or reused in ``root/base``."""
+    return build_testbed(p.base, root / "base", progress=progress, **dict(p.base_overrides))
+
+
 def run_finetune(preset: str, out: Path, root: Path, *, epsilons, attacks, delta, seed, bootstrap, progress,
                  timings: Timings, say) -> tuple:
     """The fine-tuning audit: (summary parts, config, hashes, the models)."""
@@ -700,7 +705,7 @@ def run_finetune(preset: str, out: Path, root: Path, *, epsilons, attacks, delta
     delta = ft.DEFAULT_DELTA if delta is None else float(delta)
     epsilons = tuple(p.epsilons if epsilons is None else epsilons)
     with timings("base"):
-        base = build_testbed(p.base, root / "base", progress=progress, **dict(p.base_overrides))
+        base = build_base(p, root, progress)
     models = finetune_models(p, base, root, epsilons=epsilons, delta=delta, progress=progress, timings=timings,
                              say=say)
     if p.kinds is not None:

@@ -185,7 +185,14 @@ def test_finetune_end_to_end(base, tmp_path):
     assert [r["rows"] for r in log] == [len(ft.poisson_batch(cfg, s, 32 + c.n_copies)) for s in range(4)]
     s = new_token_contrast(run.load_model(), c)
     new = c.kind_of == "new"
-    assert (s[new & ~c.included] == 0).all() and (s[new & c.included] > 0).all()
+    copy_of = np.repeat(np.arange(c.m), c.copies)  # record 32 + j is copy j
+    drawn = np.zeros(c.m, bool)
+    for step in range(4):
+        idx = ft.poisson_batch(cfg, step, 32 + c.n_copies)
+        drawn[copy_of[idx[idx >= 32] - 32]] = True
+    assert not drawn[~c.included].any() and drawn[c.included].mean() > 0.8
+    # a canary never trained (excluded, or included but never drawn) scores exactly 0, a trained one above it
+    assert (s[new & ~drawn] == 0).all() and (s[new & drawn] > 0).all()
     assert ft.build_finetune(base, tmp_path / "np", cfg, progress=False).manifest == m  # reused, not retrained
     private = ft.build_finetune(base, tmp_path / "dp", cfg.replace(dp_noise=2.0), progress=False, canaries_from=run)
     assert private.manifest["canaries"]["sha256"] == m["canaries"]["sha256"]
