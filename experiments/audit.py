@@ -149,9 +149,9 @@ FT_PRESETS = {
         kinds=ft.FinetuneConfig(preset="default-kinds", n_private=512, canary_groups=_kinds_groups(1000),
                                 **_KINDS_RECIPE),
         attacks="loss,zlib,mink,minkpp,ref", max_cost="model", n_natural=300),
-    # for an accelerator: the default preset's testbed model scaled up (docs/testbed.md "default": 0.9M parameters
-    # plus 5,120 reserved tokens), 4,000 + 1,000 new-token canaries (the one-run bound at epsilon 4 grows with m), a
-    # kinds run of 2,000 per kind
+    # for an accelerator: the default testbed preset as base (docs/testbed.md "default", with 5,120 reserved tokens:
+    # 2.2M parameters), 2,048 private rows, 4,000 + 1,000 new-token canaries of 65 tokens (the one-run bound at
+    # epsilon 4 grows with m: 1.79 for a perfect attacker), a kinds run of 2,000 per kind
     "large": FinetunePreset(
         "default", (("reserved_tokens", 5120), ("checkpoints", ())),
         ft.FinetuneConfig(preset="large", n_private=2048, canary_groups=(("new", 1, 4000), ("new", 4, 1000)),
