@@ -7,9 +7,11 @@ on them in order: step ``s`` sees rows ``[s*B, (s+1)*B)`` and checkpoint ``step{
 See ``build`` for the directory layout and ``config.PRESETS`` for the presets; ``suite`` trains several sizes on
 one order (``build_suite``, ``SUITES``).
 
-Privacy auditing: ``canaries=m`` inserts a pool of random canaries with exact membership (``mia.testbed.canaries``);
-``dp_noise=sigma`` trains with DP-SGD and records the accountant's epsilon (``mia.testbed.dp``); ``build_twin``
-trains another model on a testbed's data (same order, same canaries), e.g. its private twin.
+Privacy auditing: ``canaries=m`` inserts a pool of canaries of designed kinds with exact membership
+(``mia.testbed.canaries``; ``reserved_tokens`` gives new-token canaries their ids); ``dp_noise=sigma`` trains with
+DP-SGD and records the accountant's epsilon (``mia.testbed.dp``); ``build_twin`` trains another model on a
+testbed's data (same order, same canaries), e.g. its private twin; ``mia.testbed.finetune`` fine-tunes a trained
+testbed on a private set with canaries (full or LoRA, ordinary or DP-SGD).
 """
 from .build import Testbed, build_from_config, build_testbed, build_twin, model_config, open_testbed
 from .config import PRESETS, TestbedConfig, TestbedError, preset
