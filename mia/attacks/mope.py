@@ -48,6 +48,7 @@ import numpy as np
 from ..engine.batching import plan_batches, put_padded
 from ..models.attention import traced_over
 from ..engine.conditional import token_logprobs
+from ..engine.failsafe import fail_safe
 from ..engine.loop import engine_layout, pipelined, placed_params, rows_per_device, show_progress
 from ..sharding import batch_sharding, compose, data_size, gather_outside_layers, layer_gather, replicated
 from ..engine.stats import chunk_size
@@ -211,8 +212,8 @@ def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int, bl
                    gather=layer_gather(shardings, layers),
                    gather_top=lambda p: gather_outside_layers(p, shardings, layers))
     rows = batch_sharding(mesh)
-    return jax.jit(traced_over(mesh, fn), in_shardings=(replicated(mesh), shardings, rows, rows),
-                   out_shardings=replicated(mesh))
+    return fail_safe(lambda: jax.jit(traced_over(mesh, fn), in_shardings=(replicated(mesh), shardings, rows, rows),
+                                     out_shardings=replicated(mesh)))
 
 
 @functools.lru_cache(maxsize=16)

@@ -44,6 +44,7 @@ from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows,
                        put_padded)
 from .cache import BackgroundWriter, cache_label, cache_namespace, cacheable, example_key, usable_cache_dir
 from .distributed import any_process
+from .failsafe import fail_safe
 from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_device, show_progress
 from ..sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
 from .stats import chunk_size, logprob_from_hidden
@@ -157,8 +158,9 @@ def build_prefix_step(model, mesh, shardings, cache_shardings: PrefixCache):
     gather = layer_gather(shardings, layers)
     fn = lambda params, tokens, valid: prefix_cache(  # noqa: E731
         model, gather_outside_layers(params, shardings, layers), tokens, valid, gather)
-    return jax.jit(_TRACE_WRAP(traced_over(mesh, fn)), in_shardings=(shardings, replicated(mesh), replicated(mesh)),
-                   out_shardings=cache_shardings)
+    return fail_safe(lambda: jax.jit(_TRACE_WRAP(traced_over(mesh, fn)),
+                                     in_shardings=(shardings, replicated(mesh), replicated(mesh)),
+                                     out_shardings=cache_shardings))
 
 
 def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, include_first: bool):
@@ -176,8 +178,9 @@ def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, includ
         return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid,
                                   include_first=include_first, chunk=chunk, layer_transform=gather)
 
-    return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, cache_shardings, replicated(mesh), rows, rows),
-                   out_shardings=replicated(mesh))
+    return fail_safe(lambda: jax.jit(_TRACE_WRAP(lambda *a: fn(*a)),
+                                     in_shardings=(shardings, cache_shardings, replicated(mesh), rows, rows),
+                                     out_shardings=replicated(mesh)))
 
 
 @functools.lru_cache(maxsize=32)
@@ -196,7 +199,8 @@ def _jit_cond(model, include_first: bool):
 
 @functools.lru_cache(maxsize=32)
 def _jit_plain(model):
-    return jax.jit(_TRACE_WRAP(lambda params, tokens, valid: token_logprobs(model, params, tokens, valid)))
+    return fail_safe(lambda: jax.jit(_TRACE_WRAP(lambda params, tokens, valid: token_logprobs(model, params, tokens,
+                                                                                             valid))))
 
 
 # ------------------------------------------------------------------------------------------------ on-disk cache
