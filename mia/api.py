@@ -242,5 +242,15 @@ def _describe(data) -> str:
     return str(data) if isinstance(data, (str, Path)) else "data"
 
 
-__all__ = ["load", "score", "resolve_attacks", "read_data", "check_data", "check_request", "run_attacks", "ScoreRun",
-           "Model", "LEARNED_PARTITIONS"]
+def doctor(*, checks=None, families=None, progress=None):
+    """``mia doctor`` as data: run the checks (``mia.checkup.CHECKS``: platform, attention, mesh, cache, speed,
+    precision; a subset by name) on the registered model families (or ``families``) and return the
+    ``mia.checkup.DoctorReport``: ``report.ok``, ``report.first_failure``, ``report.rows`` (check, result, value,
+    tolerance, ok), ``report.table()``, ``report.to_json()``. docs/doctor.md."""
+    from . import checkup
+
+    return checkup.doctor(checks=checkup.CHECKS if checks is None else checks, families=families, progress=progress)
+
+
+__all__ = ["load", "score", "doctor", "resolve_attacks", "read_data", "check_data", "check_request", "run_attacks",
+           "ScoreRun", "Model", "LEARNED_PARTITIONS"]

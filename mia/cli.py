@@ -1,4 +1,4 @@
-"""Command line: ``mia score | split | blind ...`` (also ``python -m mia``).
+"""Command line: ``mia score | attacks | split | blind | plan | cache | doctor`` (also ``python -m mia``).
 
 Errors in user input are printed as one line (``error: ...``) with exit status 2; ``--debug`` shows the traceback.
 """
@@ -259,7 +259,8 @@ def _fmt(n) -> str:
 
 def cmd_plan(args) -> int:
     """``mia plan``: ``mia.engine.plan.plan_scoring`` and its figures, one per line, then one JSON line."""
-    from .engine import plan, sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
+    from . import sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
+    from .engine import plan  # (the same)
     from .models.hub import resolve_dtype  # (the same)
 
     if args.batch < 1 or args.length < 2:
@@ -363,6 +364,41 @@ def cmd_cache_prune(args) -> int:
     return 0
 
 
+def _add_doctor_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="check that mia works on this machine, and how fast: run it first",
+                       description="Score a few rows with every model family's tiny model and every attention kernel "
+                                   "that can run here against float32 exact attention, compare a mesh of all local "
+                                   "devices with one device, check the cache directories, time a Pythia-160m-shaped "
+                                   "model and measure what bfloat16 costs in each attack's score. Prints one table; "
+                                   "exits 1 naming the first failing check (docs/doctor.md).")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the report to FILE as JSON")
+    p.add_argument("--checks", default=None, metavar="LIST",
+                   help="only these checks, comma-separated (default: platform,attention,mesh,cache,speed,precision)")
+    p.add_argument("--families", default=None, metavar="LIST",
+                   help="only these model families, comma-separated (default: every registered family)")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args) -> int:
+    """``mia doctor``: ``mia.checkup.doctor``'s table on stdout (progress on stderr), 1 when a check failed."""
+    from .checkup import CHECKS, doctor, print_progress, write_report
+
+    if args.json:
+        V.output_file(args.json, "--json")  # before a minute of checks
+    checks = CHECKS if args.checks is None else [c.strip() for c in args.checks.split(",") if c.strip()]
+    families = None if args.families is None else [f.strip() for f in args.families.split(",") if f.strip()]
+    if families is not None:
+        from .models.family import family
+
+        for f in families:
+            family(f)  # an unknown family: one error line listing the supported ones
+    report = doctor(checks=checks, families=families, progress=print_progress)
+    print(report.table())
+    if args.json:
+        write_report(report, args.json)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = V.OneLineParser(prog="mia", description="Membership inference attacks on language models.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -375,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_blind_parser(sub)
     _add_plan_parser(sub)
     _add_cache_parser(sub)
+    _add_doctor_parser(sub)
     return parser
 
 
@@ -384,8 +421,10 @@ def main(argv=None) -> int:
         cache_limit.set_max_gb(args.cache_max_gb)  # before the compilation cache is set up (it gets the limit too)
     if getattr(args, "topology", None) and "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the topology; do not look for a local TPU
+    # `mia cache` compiles nothing; `mia doctor` compiles every program itself (a cached one would not show that
+    # this machine compiles it) and leaves no programs of its own in the cache
     status, result = run_for_user(lambda: args.func(args), debug=args.debug,
-                                  compile_cache=not args.no_compile_cache and args.command != "cache",  # compiles none
+                                  compile_cache=not args.no_compile_cache and args.command not in ("cache", "doctor"),
                                   on_interrupt="interrupted; finished batches are cached and will be reused",
                                   check_first=(lambda: check_score_cache(args)) if args.command == "score" else None)
     return status or int(result or 0)

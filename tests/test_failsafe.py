@@ -19,13 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mia.models as mm
 from mia.engine.batching import ScoringSettings
 from mia.engine.conditional import loglik_matrix
 from mia.engine.failsafe import FailSafeStep, fail_safe
 from mia.engine.loop import compute_token_stats
 from mia.models import attention as A
-from mia.models.family import tiny_config
+from mia.checkup import tiny_models
 
 SETTINGS = ScoringSettings(progress=False, pack=False)
 LENGTHS = (128, 100, 77, 128, 3)  # one bucket of 128: the real splash kernel is traced (and fails to lower)
@@ -146,8 +145,7 @@ def test_a_kernel_failing_outside_an_engine_step_falls_back_in_place(monkeypatch
 # ------------------------------------------------------------------------------------------------ the engine
 @pytest.fixture(scope="module")
 def base_model():
-    cfg = mm.family("gpt_neox").config_cls.from_hf(tiny_config("gpt_neox"))
-    return mm.from_config(cfg, key=jax.random.PRNGKey(3), dtype="float32")
+    return tiny_models("gpt_neox")["float32"]  # random weights drawn with NumPy: no init program to compile
 
 
 @pytest.fixture(scope="module")

@@ -324,7 +324,7 @@ def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sca
         try:
             return _jax_attention(*args, scale=scale, window=window, implementation="cudnn").astype(v_bske.dtype)
         except Exception as e:  # cuDNN missing, too old, or refusing the shapes
-            if _USED.get() is not None:
+            if _USED.get():
                 raise  # inside an engine step: its fail-safe wrapper falls back for the whole step
             failed_outside_step("xla", e)  # a model call jitted elsewhere: this call runs blocked
             return blocked_attention(*args, scale=scale, window=window)
@@ -494,7 +494,7 @@ FALLIBLE = ("xla", "splash")
 FALLBACK = "blocked"
 _FAILED: dict = {}  # kernel -> reason it failed in this process
 _WARNED: set = set()
-_USED: contextvars.ContextVar = contextvars.ContextVar("mia_attention_used", default=None)
+_USED: contextvars.ContextVar = contextvars.ContextVar("mia_attention_used", default=())  # lists recording kernels
 _FORCED: contextvars.ContextVar = contextvars.ContextVar("mia_attention_forced", default=None)
 
 
@@ -563,10 +563,10 @@ def failed_outside_step(kernel: str, error: BaseException) -> None:
 @contextlib.contextmanager
 def recording_kernels():
     """Yields a list that receives the name of every kernel compiled by attention traced inside (nothing when no
-    tracing happens: a jitted call that hits its cache). The engine's fail-safe steps use it to know which kernels a
-    fresh program contains."""
+    tracing happens: a jitted call that hits its cache); recordings nest. The engine's fail-safe steps use it to know
+    which kernels a fresh program contains."""
     used: list = []
-    token = _USED.set(used)
+    token = _USED.set(_USED.get() + (used,))
     try:
         yield used
     finally:
@@ -691,7 +691,6 @@ def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt:
     chosen = _CHOSEN.get()
     if chosen is not None:
         chosen.append((kernel, compiled))
-    used = _USED.get()
-    if used is not None:
+    for used in _USED.get():
         used.append(compiled)
     return KERNELS[compiled](q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, scale=scale, window=window)
