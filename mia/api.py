@@ -27,7 +27,7 @@ from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
 from .sharding import make_mesh, parse_mesh
-from . import cache_limit
+from . import cache_limit, checkup
 from .file_hash import default_cache_dir
 from .models.hub import Model
 from .models.hub import load as load_checkpoint
@@ -247,8 +247,6 @@ def doctor(*, checks=None, families=None, progress=None):
     precision; a subset by name) on the registered model families (or ``families``) and return the
     ``mia.checkup.DoctorReport``: ``report.ok``, ``report.first_failure``, ``report.rows`` (check, result, value,
     tolerance, ok), ``report.table()``, ``report.to_json()``. docs/doctor.md."""
-    from . import checkup
-
     return checkup.doctor(checks=checkup.CHECKS if checks is None else checks, families=families, progress=progress)
 
 

@@ -39,7 +39,30 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import flax
+import jax
+import jax.numpy as jnp
+import jaxlib
 import numpy as np
+
+from . import cache_limit
+from .atomic import write_json
+from .attacks import AttackContext, get
+from .attacks.registry import REGISTRY
+from .attacks.zlib import zlib_length
+from .data.examples import Example
+from .engine.batching import put_padded
+from .engine.compile_cache import ENV_SWITCH, compile_cache_wanted, default_compile_cache_dir
+from .engine.loop import build_token_stats_step
+from .engine.stats import STAT_NAMES
+from .file_hash import default_cache_dir
+from .flops import forward_flops_per_token, mfu, peak_tflops
+from .models import attention as A
+from .models import hub
+from .models.family import FAMILIES, tiny_config
+from .models.family import family as family_of
+from .sharding import batch_sharding, describe, make_mesh, param_shardings, put_params
+from .version import __version__
 
 CHECKS = ("platform", "attention", "mesh", "cache", "speed", "precision")
 CHECK_LENGTH = 384  # tokens per check row: more than one block of the blocked kernel, a multiple of 128 (splash)
@@ -121,9 +144,7 @@ def _num(x: Optional[float]) -> str:
 
 
 def failed(check: str, error: BaseException) -> Check:
-    from .models.attention import failure_reason
-
-    return Check(check, f"error: {failure_reason(error, 300)}", ok=False)
+    return Check(check, f"error: {A.failure_reason(error, 300)}", ok=False)
 
 
 # ------------------------------------------------------------------------------------------------ check rows
@@ -139,11 +160,6 @@ def random_params(module, seed: int, dtype=np.float32, tile: Optional[int] = Non
     embeddings ~ N(0, 1/fan_in) (fan_in = the leaf's second-to-last axis, the width for an embedding [V, D], so a
     tied head's logits are as spread as an untied one's), biases 0, norm weights 1. ``tile``: draw only that many
     numbers and repeat them (the speed line's large model, whose values do not matter)."""
-    import jax
-    import jax.numpy as jnp
-
-    from .models import hub
-
     shapes = jax.eval_shape(partial(module.init, method=hub.init_method(module)), jax.random.PRNGKey(0),
                             jnp.zeros((1, 2), jnp.int32))["params"]
     rng = np.random.default_rng(seed)
@@ -165,13 +181,7 @@ def random_params(module, seed: int, dtype=np.float32, tile: Optional[int] = Non
 def tiny_models(model_type: str) -> dict:
     """{"float32": Model, "bfloat16": Model}: the family's tiny config with random weights (``random_params``, seed
     0), the bf16 model holding the float32 weights rounded to bf16."""
-    import jax
-    import jax.numpy as jnp
-
-    from .models import hub
-    from .models.family import family, tiny_config
-
-    fam = family(model_type)
+    fam = family_of(model_type)
     cfg = fam.config_cls.from_hf(tiny_config(model_type))
     params = random_params(fam.module_cls(cfg, dtype=jnp.float32, param_dtype=jnp.float32), 0)
     low = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
@@ -182,16 +192,9 @@ def tiny_models(model_type: str) -> dict:
 def token_stats_on(model, rows: list, length: int, mesh, *, kernel: Optional[str] = None, fsdp: bool = False) -> dict:
     """{stat: [B, T-1] float32, "mask": [B, T-1]} of ``rows`` (right padded to ``length``) by the engine's token-stats
     step on ``mesh`` (parameters replicated, or FSDP); ``kernel``: the attention kernel (None: auto)."""
-    import jax
-
-    from .engine.batching import put_padded
-    from .engine.loop import build_token_stats_step
-    from .models.attention import forced_kernel
-    from .sharding import batch_sharding, param_shardings, put_params
-
     shardings = param_shardings(model.params, mesh, fsdp=fsdp)
     step = build_token_stats_step(model, mesh, shardings)
-    with forced_kernel(kernel):
+    with A.forced_kernel(kernel):
         out = step(put_params(model.params, shardings), *put_padded(rows, len(rows), length, batch_sharding(mesh)))
         return {k: np.asarray(v) for k, v in jax.device_get(out).items()}
 
@@ -199,8 +202,6 @@ def token_stats_on(model, rows: list, length: int, mesh, *, kernel: Optional[str
 def largest_difference(a: dict, b: dict) -> float:
     """The largest |a - b| of any token statistic at a scored position; inf when the scored positions differ (a row
     or a token lost) or a value there is not finite."""
-    from .engine.stats import STAT_NAMES
-
     m = a["mask"]
     if not np.array_equal(m, b["mask"]):
         return math.inf
@@ -218,14 +219,9 @@ class _Run:
     """State shared by the checks of one doctor run: the devices, the tiny models and memoized token stats."""
 
     def __init__(self, families: Sequence[str]):
-        import jax
-
-        from .models.hub import default_dtype
-        from .sharding import make_mesh
-
         self.devices = jax.local_devices()
         self.backend = jax.default_backend()
-        self.dtype = default_dtype()
+        self.dtype = hub.default_dtype()
         self.families = list(families)
         self.one = make_mesh(devices=self.devices[:1])
         self.rows = check_rows(len(self.devices))
@@ -250,21 +246,11 @@ class _Run:
 
     def auto_kernel(self, length: int, dtype: str, heads: int = 4, head_dim: int = 16) -> str:
         """What auto picks for rows of ``length`` tokens in an engine step here, failures aside."""
-        import jax.numpy as jnp
-
-        from .models import attention as A
-
         with A.over_mesh(self.one):
             return A.auto_kernel(len(self.rows), heads, length, length, head_dim, jnp.dtype(dtype))
 
 
 def platform_rows(run: _Run) -> list:
-    import flax
-    import jax
-    import jaxlib
-
-    from .version import __version__
-
     kinds = sorted({d.device_kind for d in run.devices})
     small, long = run.auto_kernel(CHECK_LENGTH, run.dtype), run.auto_kernel(SPEED_LENGTH, run.dtype, 12, 64)
     forced = os.environ.get("MIA_ATTENTION", "").strip()
@@ -287,8 +273,6 @@ def kernels_here(run: _Run) -> list:
 
 
 def attention_rows(run: _Run) -> list:
-    from .models.attention import failed_kernels
-
     tol = TOLERANCE.get(run.dtype, TOLERANCE["bfloat16"])
     rows = []
     for family in run.families:
@@ -302,8 +286,8 @@ def attention_rows(run: _Run) -> list:
                 continue
             where = f"max |Δ| of token stats vs float32 exact attention, {run.dtype}, {len(run.rows)} rows x " \
                     f"{CHECK_LENGTH}" + (" (auto's pick)" if auto else "")
-            if kernel in failed_kernels():
-                where += f"; auto falls back to blocked here ({failed_kernels()[kernel]})"
+            if kernel in A.failed_kernels():
+                where += f"; auto falls back to blocked here ({A.failed_kernels()[kernel]})"
             rows.append(Check(name, where, d, tol, bool(d <= tol)))
     return rows
 
@@ -315,8 +299,6 @@ def model_axis(n_devices: int, heads: int, kv_heads: int) -> int:
 
 
 def mesh_rows(run: _Run) -> list:
-    from .sharding import describe, make_mesh
-
     n = len(run.devices)
     if n == 1:
         return [Check("mesh", "1 device: no mesh to compare (run with several devices to check one)")]
@@ -356,10 +338,6 @@ def probe_directory(path: Path) -> None:
 
 
 def cache_rows(run: _Run) -> list:
-    from . import cache_limit
-    from .engine.compile_cache import ENV_SWITCH, compile_cache_wanted, default_compile_cache_dir
-    from .file_hash import default_cache_dir
-
     rows = []
     root = Path(default_cache_dir())
     try:
@@ -396,10 +374,7 @@ def speed_shape(backend: str, n_data: int) -> tuple:
 
 def speed_model(layers: int, dtype: str):
     """A Pythia-160m-shaped GPT-NeoX (``layers`` of its 12) with random weights in ``dtype``."""
-    from .models import hub
-    from .models.family import family
-
-    fam = family("gpt_neox")
+    fam = family_of("gpt_neox")
     cfg = fam.config_cls.from_hf(dict(SPEED, num_hidden_layers=layers, model_type="gpt_neox"))
     module = fam.module_cls(cfg, dtype=hub.DTYPES[dtype], param_dtype=hub.DTYPES[dtype])
     params = random_params(module, 1, hub.DTYPES[dtype], tile=1 << 20)
@@ -407,14 +382,6 @@ def speed_model(layers: int, dtype: str):
 
 
 def speed_rows(run: _Run) -> list:
-    import jax
-
-    from .engine.batching import put_padded
-    from .engine.loop import build_token_stats_step
-    from .flops import forward_flops_per_token, mfu, peak_tflops
-    from .models import attention as A
-    from .sharding import batch_sharding, make_mesh, param_shardings, put_params
-
     n = len(run.devices)
     layers, rows, length = speed_shape(run.backend, n)
     model = speed_model(layers, run.dtype)
@@ -422,7 +389,8 @@ def speed_rows(run: _Run) -> list:
     shardings = param_shardings(model.params, mesh, fsdp=False)
     step = build_token_stats_step(model, mesh, shardings)
     params = put_params(model.params, shardings)
-    tokens = [np.random.default_rng(1).integers(0, SPEED["vocab_size"], length).astype(np.int32) for _ in range(rows)]
+    rng = np.random.default_rng(1)
+    tokens = [rng.integers(0, SPEED["vocab_size"], length).astype(np.int32) for _ in range(rows)]
     args = put_padded(tokens, rows, length, batch_sharding(mesh))
     with A.recording_kernels() as used:
         t0 = time.perf_counter()
@@ -458,8 +426,6 @@ def speed_rows(run: _Run) -> list:
 
 def stats_attacks() -> list:
     """The registered attacks scored from the token statistics alone (and the text): no further model call."""
-    from .attacks.registry import REGISTRY
-
     return sorted(n for n, s in REGISTRY.items() if "stats" in s.needs and set(s.needs) <= {"stats", "text"})
 
 
@@ -470,10 +436,6 @@ def check_texts(rows: list) -> list:
 
 def attack_scores(model, rows: list, stats: dict, attacks: Sequence[str]) -> dict:
     """{attack: [N] scores} of the check rows from their token stats (texts: ``check_texts``)."""
-    from .attacks import AttackContext, get
-    from .data.examples import Example
-    from .engine.stats import STAT_NAMES
-
     per_row = [{s: stats[s][i, :len(t) - 1] for s in STAT_NAMES} for i, t in enumerate(rows)]
     examples = [Example(str(i), tokens=t, text=x) for i, (t, x) in enumerate(zip(rows, check_texts(rows)))]
     ctx = AttackContext(model, examples, _stats=per_row)
@@ -484,8 +446,6 @@ def precision_allowance(attack: str, rows: list) -> np.ndarray:
     """[N] how far bf16 may move each check row's score: ``PRECISION_TOLERANCE``, over the compressed length for
     zlib (whose score is the mean log-prob divided by it)."""
     if attack == "zlib":
-        from .attacks.zlib import zlib_length
-
         return PRECISION_TOLERANCE / np.array([zlib_length(x) for x in check_texts(rows)], np.float64)
     return np.full(len(rows), PRECISION_TOLERANCE)
 
@@ -529,8 +489,6 @@ def doctor(*, checks: Sequence[str] = CHECKS, families: Optional[Sequence[str]] 
            progress: Optional[Callable[[str], None]] = None) -> DoctorReport:
     """Run the checks (``CHECKS``, in that order; a subset by name) on ``families`` (default: every registered
     family) and return the report. ``progress(check)`` is called before each check starts."""
-    from .models.family import FAMILIES
-
     unknown = [c for c in checks if c not in CHECK_FUNCTIONS]
     if unknown:
         raise ValueError(f"unknown doctor check(s) {', '.join(unknown)}; expected some of {', '.join(CHECKS)}")
@@ -555,8 +513,6 @@ def doctor(*, checks: Sequence[str] = CHECKS, families: Optional[Sequence[str]] 
 
 def write_report(report: DoctorReport, path) -> None:
     """``report.to_json()`` to ``path`` (written atomically)."""
-    from .atomic import write_json
-
     write_json(path, report.to_json(), indent=1)
 
 

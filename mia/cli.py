@@ -381,14 +381,14 @@ def _add_doctor_parser(sub) -> None:
 
 def cmd_doctor(args) -> int:
     """``mia doctor``: ``mia.checkup.doctor``'s table on stdout (progress on stderr), 1 when a check failed."""
-    from .checkup import CHECKS, doctor, print_progress, write_report
+    from .checkup import CHECKS, doctor, print_progress, write_report  # not at the top: jax (fast --help)
 
     if args.json:
         V.output_file(args.json, "--json")  # before a minute of checks
     checks = CHECKS if args.checks is None else [c.strip() for c in args.checks.split(",") if c.strip()]
     families = None if args.families is None else [f.strip() for f in args.families.split(",") if f.strip()]
     if families is not None:
-        from .models.family import family
+        from .models.family import family  # (the same)
 
         for f in families:
             family(f)  # an unknown family: one error line listing the supported ones
