@@ -37,6 +37,8 @@ class FailSafeStep:
         self._fn = build()
 
     def __getattr__(self, name):
+        if name in ("_fn", "_build"):  # not set yet: no recursion
+            raise AttributeError(name)
         return getattr(self._fn, name)
 
     def __call__(self, *args, **kwargs):
