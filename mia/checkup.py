@@ -3,7 +3,7 @@
 ``doctor()`` runs the checks below and returns a ``DoctorReport`` (the rows as data; ``table()`` is what the command
 prints, ``to_json()`` what ``--json`` writes). A check that raises becomes a failing row naming the error: the
 doctor itself never ends in a traceback. Nothing is downloaded and nothing is written outside a probe file in each
-cache directory (deleted at once). On a CPU it takes well under a minute (docs/doctor.md).
+cache directory (deleted at once). On the 2-core development CPU it takes under a minute (docs/doctor.md).
 
   platform    backend, device kind and count, jax / jaxlib / flax / mia versions, the precision (``auto`` dtype)
               and the attention kernel auto picks here (information rows)

@@ -560,7 +560,9 @@ def failed_outside_step(kernel: str, error: BaseException) -> None:
     """A kernel failed when traced outside an engine step (a model call the user jitted): raise the error naming
     ``MIA_ATTENTION`` when it asked for the kernel, else record the failure and warn; the caller runs FALLBACK."""
     reason = failure_reason(error)
-    if requested_kernel() == kernel or _FORCED.get() == kernel:
+    if _FORCED.get() == kernel:
+        raise error  # pinned by forced_kernel (mia doctor): its caller reports the failure
+    if requested_kernel() == kernel:
         raise explicit_request_error(kernel, reason) from error
     mark_failed(kernel, reason)
     warn_fallback(kernel, reason)
