@@ -88,7 +88,8 @@ def attention_step():
                                                                                           scale=0.25)))
 
 
-@pytest.mark.parametrize("stage", [pytest.param(s, marks=SLOW) if s == "lower-cudnn" else s for s in FAILING])
+# the default run keeps compile and run here; "lower" runs through the engine below (the real splash kernel)
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=SLOW) if s.startswith("lower") else s for s in FAILING])
 def test_failing_auto_kernel_falls_back_to_blocked(stage, monkeypatch, capsys):
     kernel, failing, reason = FAILING[stage]
     args = attention_inputs()
