@@ -259,7 +259,8 @@ def _fmt(n) -> str:
 
 def cmd_plan(args) -> int:
     """``mia plan``: ``mia.engine.plan.plan_scoring`` and its figures, one per line, then one JSON line."""
-    from .engine import plan, sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
+    from . import sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
+    from .engine import plan  # (the same)
     from .models.hub import resolve_dtype  # (the same)
 
     if args.batch < 1 or args.length < 2:
