@@ -414,7 +414,7 @@ def plot_lines(series: Mapping[str, tuple], path, *, xlabel: str, ylabel: str, t
                hline: Optional[float] = 0.5, ncols: int = 1, panels: Optional[Mapping[str, Mapping]] = None):
     """Line plot with shaded bands. ``series``: {label: (x, y, lo, hi)} (lo/hi may be None); or ``panels``:
     {panel title: series} for one subplot per panel. Saved as PNG (Agg backend)."""
-    plt = report._plt()
+    plt = report.pyplot()
     panels = dict(panels) if panels is not None else {title: series}
     n = len(panels)
     cols = min(ncols, n) if n > 1 else 1

@@ -117,11 +117,11 @@ class Model:
 
 
 # ----------------------------------------------------------------------------------------------- safetensors I/O
-_ST_DTYPES = {
+SAFETENSORS_DTYPES = {  # safetensors dtype name -> numpy dtype
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+SAFETENSORS_NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -132,7 +132,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         return {}
     empty = Path(path).stat().st_size == data_start  # only zero-size tensors: nothing to map
     data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
-    return {name: data[lo:hi].view(_ST_DTYPES[dtype]).reshape(shape)
+    return {name: data[lo:hi].view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
             for name, (dtype, shape, (lo, hi)) in header.items()}
 
 
@@ -173,7 +173,7 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Opti
         arr = np.ascontiguousarray(tensors[name]).reshape(np.shape(tensors[name]))  # keeps a 0-d tensor 0-d
         blob = arr.tobytes()
         header[name] = {
-            "dtype": _ST_NAMES[arr.dtype],
+            "dtype": SAFETENSORS_NAMES[arr.dtype],
             "shape": list(arr.shape),
             "data_offsets": [offset, offset + len(blob)],
         }
