@@ -502,6 +502,7 @@ EXPERIMENT_CASES = [
     Case("camia-mlm-missing", ["camia", "--mlm", "{tmp}/none", *_O], ("--mlm", "not found")),
     # checkmiabench
     Case("cmb-preset-unknown", ["checkmiabench", "--preset", "huge", *_O], ("--preset", "huge")),
+    Case("cmb-paper-and-smoke", ["checkmiabench", "--paper", "--preset", "smoke", *_O], ("--paper", "--preset smoke")),
     Case("cmb-out-under-file", ["checkmiabench", "--out", "{tmp}/f/o"], ("--out", "is a file")),
     Case("cmb-steps-text", ["checkmiabench", "--steps", "100,last", *_O], ("--steps", "'last'")),
     Case("cmb-steps-zero", ["checkmiabench", "--steps", "0", *_O], ("--steps",)),
