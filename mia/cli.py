@@ -15,7 +15,7 @@ from .blind.cli import add_blind_parser
 from .commands import USER_ERRORS, add_compile_cache_flag, run_for_user
 from .data.cli import add_split_parser
 from .documents import check_document_records, check_train_documents, score_documents, write_document_scores
-from .file_hash import default_cache_dir
+from .file_hash import check_cache_dir, default_cache_dir
 from .metrics import metric_rows
 from .report import metrics_table
 
@@ -217,9 +217,9 @@ def check_score_cache(args) -> None:
     compilation cache, which shares the directory, is set up)."""
     cache_limit.check_env()  # a bad MIA_CACHE_MAX_GB is one error line, before any work
     if not args.no_cache and args.cache_dir:
-        V.output_dir(args.cache_dir, "--cache-dir")
+        check_cache_dir(args.cache_dir, "--cache-dir", error=V.InputError)
     elif not args.no_cache:
-        V.output_dir(default_cache_dir(), "the cache directory (MIA_CACHE_DIR or ~/.cache/mia)")
+        check_cache_dir(error=V.InputError)
 
 
 def _add_plan_parser(sub) -> None:

@@ -642,6 +642,25 @@ def test_unusable_cache_dir_is_one_error_before_the_compile_cache(tiny_neox_dir,
     assert_one_error(code, lines, "MIA_CACHE_DIR", str(tmp_path / "f"), "is a file")
 
 
+@pytest.mark.parametrize("cache_dir, reason", [("/proc/mia-cache", "cannot be used"),
+                                               ("/dev/null/mia-cache", "is a file")])
+def test_cache_dir_that_cannot_be_made_names_mia_cache_dir(cache_dir, reason, tiny_neox_dir, tmp_path, monkeypatch,
+                                                           capsys):
+    """MIA_CACHE_DIR where no directory can be made (/proc refuses new entries even to root, whatever the permission
+    bits say): one line naming MIA_CACHE_DIR and the path, from ``mia score`` and from ``mia.score`` alike, before
+    any scoring (was: ``error: [Errno 2] No such file or directory: '/proc/mia-cache'`` after the scoring pass)."""
+    import mia
+    from mia.cli import main
+
+    (tmp_path / "d.jsonl").write_text(GOOD)
+    monkeypatch.setenv("MIA_CACHE_DIR", cache_dir)
+    code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl"], capsys)
+    assert_one_error(code, lines, "MIA_CACHE_DIR", cache_dir, reason)
+    with pytest.raises(ValueError, match=f"MIA_CACHE_DIR {cache_dir}: .*{reason}"):
+        mia.score(tiny_neox_dir, tmp_path / "d.jsonl", progress=False)
+
+
 def test_unwritable_cache_dir_says_so(tiny_neox_dir, tmp_path, monkeypatch, capsys):
     """An existing --cache-dir that cannot be written (os.access says so: tests may run as root) is refused up
     front, naming --cache-dir and saying it is not writable."""
