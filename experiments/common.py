@@ -335,8 +335,8 @@ def select_attacks(spec=None, *, max_cost: str = "heavy", unavailable: Sequence[
             try:
                 chosen += parse_attacks(item)
             except AttackError as e:
-                if not tolerant:
-                    raise
+                if not tolerant:  # the user's --attacks: the error names the flag, then the registry's reason
+                    raise ExperimentError(f"--attacks: {str(e).splitlines()[0]}") from None
                 skipped[item] = f"not available in this checkout: {str(e).splitlines()[0]}"
     run = []
     inputs = AttackInputs(None, ref_model="ref" not in reasons, mlm="mlm" not in reasons)

@@ -104,7 +104,11 @@ def cmd_score(args) -> int:
 
     if args.seq_tokens and not args.documents:
         raise ValueError("--seq-tokens cuts documents into sequences: it needs --documents")
-    api.check_request(args.attacks, ref_model=args.ref_model, mlm=args.mlm)  # a bad name stops before any loading
+    try:  # a bad name or parameter stops before any loading, naming the flag
+        api.resolve_attacks(args.attacks)
+    except ValueError as e:
+        raise ValueError(f"--attacks: {str(e).splitlines()[0]}") from None
+    api.check_request(args.attacks, ref_model=args.ref_model, mlm=args.mlm)
     check_score_paths(args)  # every path before any work: a bad --out is not found after all the scoring
     group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
     distributed.initialize(group, timeout=args.init_timeout,  # before any other jax call
