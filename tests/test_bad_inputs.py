@@ -847,6 +847,33 @@ def test_nonfinite_weight_is_named(value, tiny_neox_dir, tmp_path, capsys):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_nan_filled_head_of_a_wider_model_is_refused(tiny_neox_dir, tmp_path, capsys):
+    """The reported case: ``embed_out.weight`` of a GPT-NeoX full of NaN, large enough (1024 x 64) that XLA:CPU's
+    vectorised max drops NaN. ``mia score`` stops with one line naming the tensor (it used to exit 0 with every score
+    null)."""
+    import shutil
+
+    from transformers import GPTNeoXConfig
+
+    from hf_tiny import save_tiny
+    from mia.cli import main
+    from mia.models.hub import read_safetensors, write_safetensors
+
+    m = tmp_path / "m"
+    save_tiny(GPTNeoXConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False), m)
+    shutil.copy(tiny_neox_dir / "tokenizer.json", m / "tokenizer.json")
+    tensors = {k: np.array(v) for k, v in read_safetensors(m / "model.safetensors").items()}
+    tensors["embed_out.weight"][...] = np.nan
+    write_safetensors(tensors, m / "model.safetensors")
+    (tmp_path / "d.jsonl").write_text(_jsonl({"id": "a", "tokens": [1, 2, 3, 4], "label": 1},
+                                             {"id": "b", "tokens": [5, 6, 7, 8], "label": 0}))
+    code, lines, _ = run_main(main, ["score", "--model", m, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl", "--no-progress", "--no-cache"], capsys)
+    assert_one_error(code, lines, "embed_out.weight", "non-finite")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_weight_overflowing_the_param_dtype_is_named(tiny_neox_dir, tmp_path):
     """A finite float32 weight beyond float16's range (1e6) loads in float32 but not with ``param_dtype="float16"``,
     where it would become inf: refused naming the parameter and the dtype."""
