@@ -109,6 +109,24 @@ def test_plan_batches_one_shape_per_length_bucket_and_a_per_device_budget(step):
     assert [(b.length, b.rows) for b in one] == [(384, 4)] * 16
 
 
+@pytest.mark.parametrize("n_data", [1, 8])
+def test_bucket_rows_pad_a_small_set_by_an_eighth_not_to_a_power_of_two(n_data):
+    """One row count per bucket, at most the per-device cap, a multiple of the data size; the padding rows of a
+    bucket stay under 1/8 of its examples plus one granule per batch. Rounding to a power of two padded a set of 33
+    to 64 rows and one of 260 (cap 256) to 512."""
+    from mia.engine.batching import bucket_rows, pow2_floor
+
+    for n in list(range(1, 80)) + [255, 256, 257, 260, 511, 513, 1000, 4097]:
+        for cap in (1, 3, 8, 64, 256):
+            rows = bucket_rows(n, cap, n_data)
+            per = rows // n_data
+            assert rows % n_data == 0 and 1 <= per <= pow2_floor(cap)
+            batches = -(-n // rows)
+            need = -(-n // (batches * n_data))  # rows per device the batches must hold
+            assert per >= need and per - need <= max(0, need // 8), (n, cap, n_data, rows)
+    assert bucket_rows(33, 256, 1) == 36 and bucket_rows(260, 256, 1) == 144
+
+
 def _real_rows(valid) -> int:
     """Rows of a token-stats call that hold an example (not the padding rows a device count adds)."""
     return int(np.asarray(valid).any(axis=1).sum())

@@ -142,9 +142,19 @@ class Batch:
 
 
 def bucket_rows(n_examples: int, cap_per_device: int, n_data: int) -> int:
-    """Rows of every batch of one length bucket: ``n_data`` x min(cap, the power of two holding the bucket)."""
-    per_device = min(pow2_floor(cap_per_device), pow2_ceil(-(-n_examples // n_data)))
-    return per_device * n_data
+    """Rows of every batch of one length bucket of ``n_examples``: ``n_data`` x the rows per device.
+
+    Per device at most pow2_floor(``cap_per_device``) (the token budget); the bucket is split into the fewest
+    batches that cap allows, k = ceil(n / (cap x n_data)), and every batch gets ceil(n / (k x n_data)) rows rounded
+    up to a multiple of max(1, p / 8), p the power of two <= that count. So the padding rows of a bucket are under
+    1/8 of its rows plus one granule per batch (a power-of-two count cost up to 2x on a set just past a power of two,
+    e.g. 33 rows padded to 64), and a dataset still compiles one program per bucket."""
+    cap = pow2_floor(cap_per_device)
+    per_device = -(-int(n_examples) // n_data)
+    batches = -(-per_device // cap)
+    need = -(-per_device // batches)
+    granule = max(1, pow2_floor(need) // 8)
+    return min(cap, -(-need // granule) * granule) * n_data
 
 
 def plan_batches(lengths: Sequence[int], settings: ScoringSettings, n_data: int = 1) -> list[Batch]:
