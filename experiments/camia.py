@@ -685,13 +685,14 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
             model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
         dial = {"epochs": int(memorize_epochs), "n_rows": len(rows), "path": str(model_dir)}
     model = mia.load(model_dir)
-    context = min(int(model.max_length), tb.row_len)
+    context = min(model.max_tokens, tb.row_len)  # whole rows: seq_len + 1 tokens make seq_len predictions
     options = {"ref_model": mia.load(ref.testbed.checkpoint_dir(c))} if ref is not None else {}  # loaded once
     if mlm:
         options["mlm"] = str(mlm)
     attacks, skipped = _baseline_attacks(ref is not None, bool(mlm))
     cache_dir = str(tb.root / "cache")
-    notes = list(notes) + [f"rows are scored at the model's trained context ({context} tokens)"]
+    notes = list(notes) + [f"rows of {context} tokens are scored whole: {context - 1} predictions within the model's "
+                           f"trained context of {model.max_length} positions"]
     conflicts = {d: v["label_conflicts_dropped"] for d, v in pool["domains"].items() if v["label_conflicts_dropped"]}
     if conflicts:
         notes.append(f"{sum(conflicts.values())} non-member row(s) with the same tokens as a member row dropped (the "

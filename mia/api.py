@@ -140,7 +140,8 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
                    (``prefix``, ``member_prefix``, ``calib``, ``train``) are what attacks learn from
     ``attacks``    ``"loss,mink:k=0.2,zlib"``, a list of such strings, or ``[(label, name, params)]``
     ``prefix`` ``member_prefix`` ``calib`` ``train``   more learned-from examples (a path or a list)
-    ``max_length`` tokens kept per example (default and maximum: the model's context)
+    ``max_length`` tokens kept per example (default and maximum: the model's context C + 1: a text's last token is
+                   only predicted, so C + 1 tokens make C predictions at positions 0 .. C-1)
     ``skip_invalid``  set aside (and record) lines with fewer than 2 tokens instead of stopping
     ``seq_tokens`` cut each scored line into sequences of this many tokens (document-level inference)
     ``batch_tokens``  padded tokens per batch per data-parallel device (speed and memory only)
@@ -166,11 +167,13 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     check_data(examples, scored, skip_invalid)  # cheap data checks before the model is loaded
     if not isinstance(model, Model):
         model = load(model)
-    max_length = model.max_length if max_length is None else int(max_length)
-    if not 2 <= max_length <= model.max_length:
-        raise ValueError(f"--max-length {max_length}: must be in [2, {model.max_length}] (the model context)")
-    if seq_tokens is not None and not 2 <= seq_tokens <= model.max_length:
-        raise ValueError(f"--seq-tokens {seq_tokens}: must be in [2, {model.max_length}] (the model context)")
+    max_length = model.max_tokens if max_length is None else int(max_length)
+    if not 2 <= max_length <= model.max_tokens:
+        raise ValueError(f"--max-length {max_length}: must be in [2, {model.max_tokens}] (the model's context "
+                         f"{model.max_length} + the last token, only predicted)")
+    if seq_tokens is not None and not 2 <= seq_tokens <= model.max_tokens:
+        raise ValueError(f"--seq-tokens {seq_tokens}: must be in [2, {model.max_tokens}] (the model's context "
+                         f"{model.max_length} + the last token, only predicted)")
     notes: list = []
     if model.compute_dtype != "float32":
         notes.append(f"the model computes in {model.compute_dtype} (float32 log-probs from {model.compute_dtype} "

@@ -31,7 +31,8 @@ def _add_score_parser(sub) -> None:
                    help="comma-separated, each NAME[:key=value,...]; `mia attacks` lists them")
     p.add_argument("--out", required=True, help="output JSONL, one line per evaluated example")
     p.add_argument("--max-length", type=V.arg_int(2), default=None,
-                   help="truncate to this many tokens (default: model context)")
+                   help="truncate to this many tokens (default and maximum: the model context + 1; a text's last "
+                        "token is only predicted, so C + 1 tokens make C predictions)")
     p.add_argument("--skip-invalid", action="store_true", help="record unusable lines (empty, <2 tokens) and continue")
     p.add_argument("--prefix-data", help="JSONL of non-members for ReCaLL prefixes (disjoint from --data)")
     p.add_argument("--member-prefix-data",

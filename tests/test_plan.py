@@ -270,8 +270,8 @@ def test_attack_plans_are_sane_on_the_cli(attack, run_plan, tmp_path):
     steps = last["steps"]
     assert last["peak_bytes"] == max(s["peak_bytes"] for s in steps.values())
     assert all(s["peak_bytes"] >= last["params_bytes"] for s in steps.values())
-    if attack == "camia":  # 6 x 200 tokens, windowed at the 256-token context
-        assert steps["camia"]["shape"] == [8, 256]
+    if attack == "camia":  # 6 x 200 tokens, windowed at the 256-token context: rows of 257 (the last only predicted)
+        assert steps["camia"]["shape"] == [8, 257]
     elif attack.startswith("samia"):  # prompts of 100 tokens (bucket 128) + 100 new, 2 samples per prompt
         assert steps["samia"]["shape"] == [16, 228] and "SaMIA generation (n=2, top_k=5)" in r.stdout
     else:  # the context rule: prefix max(256 - 200, 128) = 128 tokens, targets cut to 128

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine.batching import ScoringSettings, bucket_length
+from ..engine.batching import ScoringSettings, row_length
 from ..engine.cache import example_key
 from ..engine.loop import compute_token_stats
 from ..engine.plan import register_planned_attack, token_stats_steps
@@ -99,10 +99,10 @@ REPEATS = 6
 
 def _planned_camia(model, mesh, shardings, params, batch, length):
     """``mia plan --attack camia``: the token-stats pass over the repeated text, ``REPEATS`` copies of a
-    ``length``-token text (about REPEATS x length tokens), scored in windows of the model context when longer,
-    padded to the engine's bucket."""
+    ``length``-token text (about REPEATS x length tokens), scored in windows of the model context (+ 1 token, only
+    predicted) when longer, padded to the engine's bucket."""
     settings = ScoringSettings()
-    t = bucket_length(min(REPEATS * length, model.max_length), settings.min_bucket, settings.bucket_step)
+    t = row_length(min(REPEATS * length, model.max_tokens), settings.min_bucket, settings.bucket_step)
     return token_stats_steps("camia", model, mesh, shardings, params, batch, t)
 
 
@@ -227,7 +227,7 @@ def features(ctx, examples, stats, what: str) -> np.ndarray:
         raise AttackError("attack camia: the model directory has no tokenizer (needed to tokenize the repeated text)")
     texts = ctx.texts(examples)
     rep_ids = [np.asarray(tok(repeated_text(t))["input_ids"], np.int32) for t in texts]
-    max_length = int(ctx.options.get("max_length") or ctx.model.max_length)
+    max_length = int(ctx.options.get("max_length") or ctx.model.max_tokens)
     xrep = repeated_logprobs(ctx.model, rep_ids, ctx.settings, max_length)
     windowed = sum(len(r) > max_length for r in rep_ids)
     if windowed:

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine.batching import plan_batches, put_padded
+from ..engine.batching import ScoringSettings, plan_batches, put_padded, row_length
 from ..models.attention import traced_over
 from ..engine.conditional import token_logprobs
 from ..engine.loop import engine_layout, pipelined, placed_params, rows_per_device, show_progress
@@ -227,7 +227,8 @@ def _planned_mope(model, mesh, shardings, params, batch, length, *, mope_n: int 
     """``mia plan --attack mope``: MoPe's step lowered on abstract params (``mia.engine.plan``)."""
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))
     step = build_mope_step(model, mesh, shardings, mope_n, 0.005, mope_chunk)
-    return [("mope", (batch, length), step.lower(key, params, *row_args(batch, length, batch_sharding(mesh))))]
+    t = row_length(length, ScoringSettings().min_bucket, ScoringSettings().bucket_step)  # as plan_batches pads it
+    return [("mope", (batch, t), step.lower(key, params, *row_args(batch, t, batch_sharding(mesh))))]
 
 
 register_planned_attack("mope", _planned_mope, options={"n": ("mope_n", 10), "chunk": ("mope_chunk", 2)},

@@ -46,7 +46,7 @@ from .cache import BackgroundWriter, cache_label, cache_namespace, cacheable, ex
 from .distributed import any_process
 from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_device, show_progress
 from ..sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
-from .stats import chunk_size, logprob_from_hidden
+from .stats import chunk_size, logprob_from_hidden, next_token_inputs
 
 CONDLL_VERSION = "3"  # bump when the meaning or numerics of cached conditional LLs change (2: precision policy;
 # 3: one attention rounding rule)
@@ -128,17 +128,17 @@ def conditional_loglik(model, params, cache: PrefixCache, targets, valid, *, inc
 
 def token_logprobs(model, params, tokens, valid, *, chunk: Optional[int] = None, layer_transform=None,
                    head_params=None) -> jax.Array:
-    """Pure: [B, T-1] float32 log p(t_{i+1} | t_<=i) of a plain pass (no prefix cache). ``layer_transform``: see
+    """Pure: [B, T-1] float32 log p(t_{i+1} | t_<=i) of a plain pass (no prefix cache); the model reads T-1
+    positions, each text's last token only predicted (``stats.next_token_inputs``). ``layer_transform``: see
     ``Model.hidden`` (MoPe perturbs each layer inside the layer scan). ``head_params(params, h) -> params``, if
-    given, gives the parameters the LM head uses once the final hidden states ``h`` [B, T, D] exist (MoPe draws
+    given, gives the parameters the LM head uses once the final hidden states ``h`` [B, T-1, D] exist (MoPe draws
     its perturbed head there, so that the copy is not alive during the layer scan)."""
     b, t = tokens.shape
-    h, _ = model.hidden(params, tokens, valid, layer_transform=layer_transform)
+    inputs, fed, targets, _ = next_token_inputs(tokens, valid)
+    h, _ = model.hidden(params, inputs, fed, layer_transform=layer_transform)
     if head_params is not None:
         params = head_params(params, h)
-    return logprob_from_hidden(
-        model.unembed, params, h[:, :-1], tokens[:, 1:], chunk or chunk_size(b, t - 1, model.vocab_size)
-    )
+    return logprob_from_hidden(model.unembed, params, h, targets, chunk or chunk_size(b, t - 1, model.vocab_size))
 
 
 def prefix_shardings(model, mesh, params=None):

@@ -51,7 +51,7 @@ from ..models import attention as A
 from ..models.common import ConfigError
 from ..models.hub import Model, _dtypes, abstract_params, config_from_hf, family, read_config_json
 from ..validate import check_hf_config
-from .batching import ScoringSettings, bucket_length, pow2_floor
+from .batching import ScoringSettings, bucket_length, pow2_floor, row_length
 from .conditional import build_cond_step, build_prefix_step, prefix_room, prefix_shardings
 from .generate import Sampling, build_decode_step
 from .loop import build_token_stats_step
@@ -417,7 +417,9 @@ def conditional_shapes(attack: str, context: int, length: int, prefix_len: Optio
 
 
 def _stats_steps(model, mesh, shardings, params, batch, length):
-    return token_stats_steps("stats", model, mesh, shardings, params, batch, length)
+    settings = ScoringSettings()
+    t = row_length(length, settings.min_bucket, settings.bucket_step)  # as plan_batches pads an ``length`` text
+    return token_stats_steps("stats", model, mesh, shardings, params, batch, t)
 
 
 def _samia_steps(model, mesh, shardings, params, batch, length, *, samia_n: int = 10, top_k: int = 50):
@@ -477,9 +479,9 @@ def lowered_steps(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: 
     if batch % n_data:
         raise PlanError(f"--batch {batch} must be a multiple of the mesh's data axis ({n_data})")
     model, shapes = abstract_model(hf, dtype, source)
-    if length > model.max_length:
+    if length > model.max_length + 1:
         raise PlanError(f"--length {length} is beyond the model's context: {source} has max_position_embeddings "
-                        f"{model.max_length}")
+                        f"{model.max_length} (a text may hold one token more, predicted only)")
     shardings = param_shardings(shapes, mesh, fsdp=fsdp)
     params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     given = {kw: options[kw] for kw in known if options.get(kw) is not None}

@@ -109,7 +109,14 @@ class Model:
 
     @property
     def max_length(self) -> int:
+        """C: the context the model was trained at (positions 0 .. C-1)."""
         return int(getattr(self.config, "max_position_embeddings", 2048) or 2048)
+
+    @property
+    def max_tokens(self) -> int:
+        """C + 1: the most tokens a scored text may hold. The model reads all but the last, which is only predicted
+        (``mia.engine.stats.next_token_inputs``): Pythia's 2049-token rows make 2048 predictions in a 2048 context."""
+        return self.max_length + 1
 
     @property
     def vocab_size(self) -> int:
