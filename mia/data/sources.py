@@ -54,7 +54,9 @@ def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = No
     if _is_instance(data, "pandas", "DataFrame"):
         return _read_dataframe(data, what, parts, column_map, id_prefix)
     if _is_instance(data, "datasets", "DatasetDict"):
-        data = _one_split(data, what, f"pass one, e.g. {what}[{sorted(data)[0]!r}]" if len(data) else "")
+        splits = sorted(data)
+        data = _one_split(data, what, f"pass one, e.g. {what}[{splits[0]!r}]" if splits else "")
+        what = f"{what}[{splits[0]!r}]"
     if _is_instance(data, "datasets", "Dataset"):
         return _read_dataset(data, what, what, parts, column_map, id_prefix, subscript=True)
     if isinstance(data, (dict, bytes)) or not hasattr(data, "__iter__"):
@@ -236,7 +238,7 @@ def _read_csv(p: Path, parts, column_map: dict, id_prefix: str) -> list[Example]
         text = raw.decode("utf-8-sig")  # a byte-order mark (spreadsheets write one) is not part of the first column
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
-        raise DataError(f"{p}:{line}: not valid UTF-8 (byte {raw[e.start:e.start + 1]!r})") from None
+        raise DataError(f"{p}:line {line}: not valid UTF-8 (byte {raw[e.start:e.start + 1]!r})") from None
     limit = csv.field_size_limit()
     csv.field_size_limit(CSV_FIELD_LIMIT)
     try:
