@@ -273,3 +273,17 @@ def test_every_form_gives_the_jsonl_scores(tiny_model, tiny_neox_dir, tmp_path, 
     assert [line["id"] for line in lines] == base.ids
     assert [line["scores"]["loss"] for line in lines] == base.scores["loss"].tolist()
     capsys.readouterr()
+
+
+def test_saved_dataset_digest_covers_every_file(tmp_path):
+    """Several processes agree on --data by its digest (``mia.cli.score_inputs``): a saved dataset directory's
+    covers every file under it."""
+    from mia.file_hash import path_sha256
+
+    (tmp_path / "ds" / "test").mkdir(parents=True)
+    (tmp_path / "ds" / "dataset_dict.json").write_text('{"splits": ["test"]}')
+    (tmp_path / "ds" / "test" / "data-00000-of-00001.arrow").write_bytes(b"abc")
+    first = path_sha256(tmp_path / "ds")
+    assert first == path_sha256(tmp_path / "ds") and len(first) == 64
+    (tmp_path / "ds" / "test" / "data-00000-of-00001.arrow").write_bytes(b"abd")
+    assert path_sha256(tmp_path / "ds") != first
