@@ -48,9 +48,9 @@ from mia.report import _plt, markdown
 from mia.testbed import build_testbed, build_twin, dp, preset as testbed_preset
 from mia.testbed.canaries import candidate_rows, sequence_nll
 
-from experiments.common import (ExperimentError, SplitSizes, Timings, check_paths, draw_testbed_split,
-                                experiment_parser, run_main, say_fn, score_split, select_attacks, write_json,
-                                write_manifest, write_tables)
+from mia.data.draw import draw_testbed_split, SplitSizes
+from experiments.common import (check_paths, experiment_parser, ExperimentError, run_main, say_fn, score_split,
+                                select_attacks, Timings, write_json, write_manifest, write_tables)
 
 NON_PRIVATE = "non-private"
 ALPHA = 0.05  # confidence of every lower bound: 95%

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from .attacks.context import AttackContext, assert_disjoint
 from .attacks.registry import AttackError, AttackInputs, check_attack_inputs, check_params, get, parse_attacks
 from .data import sources
-from .data.examples import DataError, Example, check_label_conflicts, tokenize_examples
+from .data.examples import LEARNED_PARTITIONS, DataError, Example, check_label_conflicts, tokenize_examples
 from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
@@ -33,7 +33,6 @@ from .models.hub import Model
 from .models.hub import load as load_checkpoint
 from .results import ScoreRun
 
-LEARNED_PARTITIONS = ("prefix", "member_prefix", "calib", "train")  # what attacks learn from; never scored
 
 
 def load(path, *, dtype: str = "auto", param_dtype: Optional[str] = None, mesh=None, fsdp: Optional[bool] = None,

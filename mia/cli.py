@@ -277,7 +277,9 @@ def _fmt(n) -> str:
 
 def cmd_plan(args) -> int:
     """``mia plan``: ``mia.engine.plan.plan_scoring`` and its figures, one per line, then one JSON line."""
-    from .engine import plan, sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
+    from . import sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
+    from .engine import plan  # (the same)
+    from . import attacks  # noqa: F401 (the same; importing the attacks registers their planned steps)
     from .models.hub import resolve_dtype  # (the same)
 
     if args.batch < 1 or args.length < 2:
@@ -296,10 +298,7 @@ def cmd_plan(args) -> int:
                           device_bytes=device_bytes, attack=attack, source=plan.config_source(args.model),
                           platform=platform, **opts)
     where = f"TPU topology {args.topology}" if args.topology else "local devices"
-    step = {"stats": "token stats", "camia": "CAMIA repeated-text token stats",
-            "mope": f"MoPe (n={opts.get('mope_n')}, chunk={opts.get('mope_chunk')})",
-            "recall": "ReCaLL conditional LL", "em_mia": "EM-MIA conditional LL",
-            "samia": f"SaMIA generation (n={opts.get('samia_n')}, top_k={opts.get('top_k')})"}[attack]
+    step = plan.planned_attack(attack).describe(opts)
     print(f"mia plan: {args.model} {args.dtype}, {step} of {args.batch} x {args.length}, {r.devices} x "
           f"{r.device_kind} ({where}), mesh {','.join(f'{k}={v}' for k, v in r.mesh.items())}")
     for name, f in (r.steps or {}).items():

@@ -1114,9 +1114,9 @@ class _RowsTestbed:
 
 
 def test_testbed_split_checks_the_model_vocabulary(tmp_path):
-    """``experiments.common.draw_testbed_split`` draws with the testbed model's vocabulary: one id outside it (row
+    """``mia.data.draw.draw_testbed_split`` draws with the testbed model's vocabulary: one id outside it (row
     13, a member of step 5) stops the draw naming the row and the vocabulary; the same rows within it draw."""
-    from experiments.common import SplitSizes, draw_testbed_split
+    from mia.data.draw import SplitSizes, draw_testbed_split
 
     rows = np.random.default_rng(0).integers(0, 300, size=(40, 9)).astype(np.uint16)
     rows[13, 4] = 300

@@ -290,7 +290,7 @@ def test_em_mia_prefix_group_costs_memory():
 @pytest.mark.parametrize("args, message", [
     (["--attack", "recall:shots=3"], "recall takes prefix_len=INT"),
     (["--attack", "em_mia:group=0"], "em_mia takes group=INT"),
-    (["--attack", "pac"], "expected stats, camia, mope"),
+    (["--attack", "pac"], "expected stats, camia, em_mia[:group=INT], mope[:n=10,chunk=2], recall"),
     (["--attack", "recall", "--length", "4096"], "--length 4096 is beyond the model's context"),
     (["--attack", "em_mia", "--length", "4096"], "--length 4096 is beyond the model's context"),
     (["--attack", "camia", "--length", "4096"], "--length 4096 is beyond the model's context"),

@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engine.batching import ScoringSettings, bucket_length
 from ..engine.cache import example_key
 from ..engine.loop import compute_token_stats
+from ..engine.plan import register_planned_attack, token_stats_steps
 from . import camia_signals as cs
 from .fit import add_note
 from .registry import AttackError, register
@@ -93,6 +95,18 @@ ORIENTS = ("label_free", "train")
 METHODS = ("edgington", "fisher", "pearson", "george")
 MIN_CALIB_FLOOR = 10
 REPEATS = 6
+
+
+def _planned_camia(model, mesh, shardings, params, batch, length):
+    """``mia plan --attack camia``: the token-stats pass over the repeated text, ``REPEATS`` copies of a
+    ``length``-token text (about REPEATS x length tokens), scored in windows of the model context when longer,
+    padded to the engine's bucket."""
+    settings = ScoringSettings()
+    t = bucket_length(min(REPEATS * length, model.max_length), settings.min_bucket, settings.bucket_step)
+    return token_stats_steps("camia", model, mesh, shardings, params, batch, t)
+
+
+register_planned_attack("camia", _planned_camia, describe=lambda o: "CAMIA repeated-text token stats", per_step=True)
 
 
 def repeated_text(text: str) -> str:

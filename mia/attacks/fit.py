@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engine.conditional import prefix_room  # noqa: F401 (the rule above; the engine plans with it too)
 from .registry import AttackError
 
 
 def context_length(ctx) -> int:
     """C: the context the model was trained at (its ``max_position_embeddings``)."""
     return int(ctx.model.max_length)
-
-
-def prefix_room(context: int, longest_target: int, wanted: int) -> int:
-    """R = min(wanted, max(context - longest_target, context // 2)) tokens for the prefix (see the module rule)."""
-    return int(min(wanted, max(context - longest_target, context // 2)))
 
 
 def cut_targets(targets: list, length: int, min_tokens: int, what: str) -> tuple[list, int]:

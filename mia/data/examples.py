@@ -40,6 +40,25 @@ class Example:
 
 # what ``mia score`` reads; docs/score.md#bad-input
 SCORE_PARTITIONS = ("eval", "prefix", "member_prefix", "calib", "train")
+LEARNED_PARTITIONS = ("prefix", "member_prefix", "calib", "train")  # what attacks learn from; never scored
+
+
+def example_field(e, name: str):
+    """Field ``name`` of an ``Example`` or of an example dict (None when absent)."""
+    return e.get(name) if isinstance(e, dict) else getattr(e, name, None)
+
+
+def disjointness_keys(e) -> list:
+    """What makes two examples the same for disjointness: the id, the token ids, the text (those present). The one
+    rule of mia: a scored example may share none of them with an example an attack learns from."""
+    keys = [("id", str(example_field(e, "id")))]
+    tokens = example_field(e, "tokens")
+    if tokens is not None:
+        keys.append(("tokens", np.asarray(tokens, np.int64).tobytes()))
+    text = example_field(e, "text")
+    if text is not None:
+        keys.append(("text", text))
+    return keys
 
 
 def read_examples(path, partitions: Optional[tuple] = SCORE_PARTITIONS, what: str = "data file", *,

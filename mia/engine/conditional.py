@@ -82,6 +82,14 @@ class PrefixCache:
         )
 
 
+def prefix_room(context: int, longest_target: int, wanted: int) -> int:
+    """Tokens a prefix may take before targets of at most ``longest_target`` tokens in a ``context``-token model:
+    R = min(wanted, max(context - longest_target, context // 2)). No position beyond the context is ever fed: when the
+    whole prefix does not fit beside the longest target it is shortened, never below half the context (or
+    ``wanted``), and the targets are cut to the rest (``mia.attacks.fit`` applies the rule; ``mia plan`` plans it)."""
+    return int(min(wanted, max(context - longest_target, context // 2)))
+
+
 def prefix_cache(model, params, prefix_tokens, valid=None, layer_transform=None) -> PrefixCache:
     """Pure: prefix tokens [S] or [B, S] (LEFT padded, ``valid`` [B, S]) -> PrefixCache."""
     tokens = jnp.atleast_2d(jnp.asarray(prefix_tokens))
