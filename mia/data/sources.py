@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import validate as V
-from .examples import FIELDS, DataError, Example, examples_from_records, examples_from_rows, python_value, \
-    read_examples
+from .examples import (FIELDS, DataError, Example, examples_from_records, examples_from_rows, python_value,
+                       read_examples, renamed)
 
 CSV_SUFFIXES = (".csv",)
 PARQUET_SUFFIXES = (".parquet",)
@@ -159,8 +159,6 @@ def _check_columns(columns: list, source: str, column_map: dict) -> None:
 def _table_rows(records, wheres, column_map: dict):
     """(where, fields) of each row of a table: renamed, every value as the Python value it holds, None/NaN/NA
     missing."""
-    from .examples import renamed
-
     for where, r in zip(wheres, records):
         yield where, {k: python_value(v, nan_is_missing=True) for k, v in renamed(r, column_map).items()
                       if k in FIELDS}
@@ -256,8 +254,6 @@ def _read_csv(p: Path, parts, column_map: dict, id_prefix: str) -> list[Example]
         records.append(dict(zip(header, cells)))
 
     def fields():
-        from .examples import renamed
-
         for n, r in enumerate(records, 1):
             where = f"{p}:row {n}"
             yield where, {k: _csv_cell(k, v, where) for k, v in renamed(r, column_map).items() if k in FIELDS}
