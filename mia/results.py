@@ -97,6 +97,9 @@ class ScoreRun:
         who = "unlabelled" if nu == len(y) else (
             f"{_count(n1, 'member')}, {_count(n0, 'non-member')}" + (f", {nu} unlabelled" if nu else ""))
         line = f"ScoreRun: {_count(len(y), 'example')} ({who}), {_count(len(self.scores), 'attack')}"
+        invalid = sum(getattr(e, "invalid", None) is not None for e in self.rows or ())
+        if invalid:
+            line = line.replace(f" ({who})", f" ({who}; {invalid} more set aside as invalid)")
         if self.skipped:
             names = list(self.skipped)
             line += f", {len(names)} skipped ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
@@ -127,7 +130,7 @@ class ScoreRun:
             after.append(f"... {len(self.skipped) - 3} more skipped: run.skipped")
         if self.notes:
             after.append(f"{_count(len(self.notes), 'note')}: run.notes")
-        if self.labelled:
+        if self.labelled and self.scores:
             after.append(f"AUC SE: {OVERVIEW_RESAMPLES} bootstrap resamples; run.metrics() for the full table")
         elif self.scores:
             after.append("no metrics: they need every example labelled 0/1 and both classes")

@@ -143,3 +143,15 @@ def test_to_pandas_stays():
     run = _run()
     df = run.to_pandas()
     assert list(df.columns) == ["id", "label", "loss", "zlib"] and df["loss"].tolist() == run.scores["loss"].tolist()
+
+
+def test_summary_counts_lines_set_aside_and_runs_without_attacks():
+    run = _run(n=4)
+    bad = Example("bad", None, "", None)
+    bad.invalid = "empty text"
+    run.rows = [*run.examples, bad]
+    assert repr(run).splitlines()[0] == ("ScoreRun: 4 examples (2 members, 2 non-members; 1 more set aside as "
+                                         "invalid), 2 attacks")
+    empty = ScoreRun(run.examples, {}, skipped={"ref": "needs --ref-model"})
+    assert repr(empty).splitlines() == ["ScoreRun: 4 examples (2 members, 2 non-members), 0 attacks, 1 skipped (ref)",
+                                        "skipped ref: needs --ref-model"]
