@@ -71,14 +71,15 @@ def resolve_attacks(attacks) -> list[tuple[str, str, dict]]:
 
 
 def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = None, *,
-              column_map: Optional[dict] = None, id_prefix: str = "") -> list[Example]:
+              column_map: Optional[dict] = None, id_prefix: str = "", require_columns: bool = True) -> list[Example]:
     """Checked ``Example``s (copies: the caller's objects are never modified) from data in any common form: a JSONL,
     CSV or Parquet file, a directory saved by ``datasets``, a list of dicts ``{id?, text|tokens, label?,
     partition?, doc_id?}`` or ``Example``s, a pandas DataFrame, a ``datasets.Dataset`` (``mia.data.sources``,
     docs/score.md#inputs). ``partitions``: the partition names allowed (None: any), so a misspelt one is an error,
-    not a line left out; ``column_map``: field -> column (``{"text": "body"}``); ``id_prefix``: before the
-    positions that are the ids of data that give none."""
-    return sources.read_data(data, what, partitions, column_map=column_map, id_prefix=id_prefix)
+    not a line left out; ``column_map``: field -> column (``{"text": "body"}``; ``require_columns``: every mapped
+    column present); ``id_prefix``: before the positions that are the ids of data that give none."""
+    return sources.read_data(data, what, partitions, column_map=column_map, id_prefix=id_prefix,
+                             require_columns=require_columns)
 
 
 def check_data(examples: list[Example], scored: Sequence[str] = ("eval",), skip_invalid: bool = False) -> None:
@@ -126,7 +127,7 @@ def _learned(partitions: dict, given: dict, model: Model, max_length: int, notes
         if source is None:
             continue
         extra = read_data(source, what=f"--{name.replace('_', '-')}-data", column_map=column_map,
-                          id_prefix=f"{name}:")
+                          id_prefix=f"{name}:", require_columns=False)  # e.g. prefixes without the label column
         tokenize_examples(extra, model.tokenizer, max_length, True, model.vocab_size, notes=notes)
         out.setdefault(name, []).extend(e for e in extra if e.invalid is None)
     return out
@@ -146,8 +147,8 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
                    examples of the ``scored`` partitions (default ``eval``; a row without ``partition`` is ``eval``)
                    are scored, the others (``prefix``, ``member_prefix``, ``calib``, ``train``) are what attacks
                    learn from
-    ``column_map`` field -> column of ``data`` (and of the learned-from data), e.g. ``{"text": "body",
-                   "label": "is_member"}``
+    ``column_map`` field -> column of ``data`` (and of the learned-from data, where a mapped column may be
+                   absent), e.g. ``{"text": "body", "label": "is_member"}``
     ``attacks``    ``"loss,mink:k=0.2,zlib"``, a list of such strings, or ``[(label, name, params)]``
     ``prefix`` ``member_prefix`` ``calib`` ``train``   more learned-from examples (any form of ``data``)
     ``max_length`` tokens kept per example (default and maximum: the model's context)

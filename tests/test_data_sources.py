@@ -263,12 +263,14 @@ def test_every_form_gives_the_jsonl_scores(tiny_model, tiny_neox_dir, tmp_path, 
         assert run.ids == base.ids and run.labels.tolist() == base.labels.tolist(), name
         for attack in base.scores:
             np.testing.assert_array_equal(run.scores[attack], base.scores[attack], err_msg=name)
-    renamed = tmp_path / "renamed.csv"
+    renamed = tmp_path / "renamed.csv"  # the CLI: --columns applies to --data and to --prefix-data
     pd.DataFrame(rows).rename(columns={"text": "body", "label": "is_member"}).to_csv(renamed, index=False)
+    prefix.rename(columns={"text": "body"}).to_parquet(tmp_path / "prefix.parquet")
     out = tmp_path / "o.jsonl"
     assert main(["score", "--model", str(tiny_neox_dir), "--data", str(renamed), "--columns",
-                 "text=body,label=is_member", "--attacks", "loss,zlib", "--max-length", "16", "--out", str(out),
-                 "--no-cache", "--no-progress", "--bootstrap", "10"]) == 0
+                 "text=body,label=is_member", "--prefix-data", str(tmp_path / "prefix.parquet"), "--attacks",
+                 "loss,zlib", "--max-length", "16", "--out", str(out), "--no-cache", "--no-progress",
+                 "--bootstrap", "10"]) == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["id"] for line in lines] == base.ids
     assert [line["scores"]["loss"] for line in lines] == base.scores["loss"].tolist()
@@ -287,3 +289,18 @@ def test_saved_dataset_digest_covers_every_file(tmp_path):
     assert first == path_sha256(tmp_path / "ds") and len(first) == 64
     (tmp_path / "ds" / "test" / "data-00000-of-00001.arrow").write_bytes(b"abd")
     assert path_sha256(tmp_path / "ds") != first
+
+
+def test_learned_from_sets_may_lack_mapped_columns(tmp_path):
+    """``require_columns=False`` (what ``mia.score`` reads --prefix-data etc. with): a mapped column a set lacks
+    leaves its field missing (prefixes need no labels), in every form; the scored data must have every one."""
+    cmap = {"text": "body", "label": "is_member"}
+    rows = [{"body": "a b"}, {"body": "c d"}]
+    for name, data in _forms(tmp_path, rows).items():
+        got = [(e.text, e.label) for e in read_data(data, column_map=cmap, require_columns=False)]
+        assert got == [("a b", None), ("c d", None)], name
+        with pytest.raises(DataError, match="'is_member'"):
+            read_data(data, column_map=cmap)
+    standard = [{"text": "a b"}]  # a set that uses the standard name for a mapped field
+    assert read_data(standard, column_map=cmap, require_columns=False)[0].text == "a b"
+    assert read_data(_frame(standard), column_map=cmap, require_columns=False)[0].text == "a b"

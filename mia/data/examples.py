@@ -62,14 +62,15 @@ def disjointness_keys(e) -> list:
 
 
 def read_examples(path, partitions: Optional[tuple] = SCORE_PARTITIONS, what: str = "data file", *,
-                  column_map: Optional[dict] = None, id_prefix: str = "") -> tuple[dict, list[Example]]:
+                  column_map: Optional[dict] = None, id_prefix: str = "",
+                  require_columns: bool = True) -> tuple[dict, list[Example]]:
     """(header, examples) from a JSONL file; the header is {} for plain example files.
 
     Every field goes through ``mia.validate`` (one ``DataError`` naming file:line and field): ``id`` a string or
     integer, unique (or absent from every line: ids are then the positions, see ``examples_from_rows``); ``label``
     0 or 1; ``text`` valid Unicode; ``tokens`` ids in [0, 2**31); ``partition`` one of ``partitions`` (None: any
     name), so a misspelt partition is an error, not a line silently left unscored. ``column_map``: field -> the key
-    the lines use for it (``mia.data.sources``).
+    the lines use for it, ``require_columns``: a key no line has is an error (``examples_from_rows``).
     """
     path = V.input_file(path, what, error=DataError)
     header: dict = {}
@@ -89,12 +90,14 @@ def read_examples(path, partitions: Optional[tuple] = SCORE_PARTITIONS, what: st
                 continue
             yield where, obj
 
-    examples = examples_from_rows(lines(), str(path), partitions, column_map=column_map, id_prefix=id_prefix)
+    examples = examples_from_rows(lines(), str(path), partitions, column_map=column_map, id_prefix=id_prefix,
+                                  require_columns=require_columns)
     return header, examples  # (the header is known once the lines are read)
 
 
 def examples_from_records(records: list, what: str = "data", partitions: Optional[tuple] = None, *,
-                          column_map: Optional[dict] = None, id_prefix: str = "") -> list[Example]:
+                          column_map: Optional[dict] = None, id_prefix: str = "",
+                          require_columns: bool = True) -> list[Example]:
     """``Example``s (or dicts with the fields of an input line) -> checked ``Example`` copies, each field through the
     same checks as a file's line (errors name ``what[i]``). NumPy scalars and arrays count as the Python values they
     hold (``np.int64(1)`` is 1, ``np.True_`` a boolean, refused as a label); ``column_map`` renames dict keys (not
@@ -113,7 +116,7 @@ def examples_from_records(records: list, what: str = "data", partitions: Optiona
     dicts = [r for r in records if isinstance(r, dict)]
     keys = {k for r in dicts for k in r}
     absent = [(f, c) for f, c in (column_map or {}).items() if c not in keys]
-    if absent and dicts:
+    if absent and dicts and require_columns:
         raise DataError(f"{what}: no example has the field {absent[0][1]!r} (mapped to {absent[0][0]!r})")
     out = examples_from_rows(rows(), what, partitions, id_prefix=id_prefix)
     for e, r in zip(out, records):
@@ -126,12 +129,12 @@ FIELDS = ("id", "text", "tokens", "label", "partition", "doc_id")  # an example'
 
 def renamed(obj: dict, column_map: Optional[dict]) -> dict:
     """``obj`` with each mapped key under its field name: ``column_map`` is field -> key (``{"text": "body"}``).
-    A key that a field is read from is not also read under its own name; a field read from another key ignores the
-    key of its own name."""
+    A key that a field is read from is not also read under its own name; a field read from another key that ``obj``
+    has ignores the key of its own name."""
     if not column_map:
         return obj
     sources = set(column_map.values())
-    out = {k: v for k, v in obj.items() if k not in column_map and k not in sources}
+    out = {k: v for k, v in obj.items() if k not in sources and not (k in column_map and column_map[k] in obj)}
     out.update({f: obj[c] for f, c in column_map.items() if c in obj})
     return out
 
@@ -189,12 +192,13 @@ class _Ids:
 
 
 def examples_from_rows(rows, source: str, partitions: Optional[tuple] = None, *, column_map: Optional[dict] = None,
-                       id_prefix: str = "") -> list[Example]:
+                       id_prefix: str = "", require_columns: bool = True) -> list[Example]:
     """Checked ``Example``s from ``rows``, an iterable of (where, dict with an input line's fields): the one place
     every form of data (``mia.data.sources``) goes through. ``where`` names the row in errors (``data.jsonl:7``,
     ``data.csv:row 7``, ``data[6]``); ``source`` names the whole. ``id`` is optional: when no row has one, the ids
     are the rows' positions (0-based, after ``id_prefix``); a source where some rows have one and others not is an
-    error. ``column_map`` (field -> key) renames each row's keys first; a key no row has is an error."""
+    error. ``column_map`` (field -> key) renames each row's keys first; a key no row has is an error
+    (``require_columns``; else that field is missing, as if it were not mapped)."""
     ids = _Ids(id_prefix)
     found: set = set()
     out = []
@@ -206,7 +210,7 @@ def examples_from_rows(rows, source: str, partitions: Optional[tuple] = None, *,
     if not out:
         raise DataError(f"{source}: no examples")
     absent = [(f, c) for f, c in (column_map or {}).items() if c not in found]
-    if absent:
+    if absent and require_columns:
         raise DataError(f"{source}: no example has the field {absent[0][1]!r} (mapped to {absent[0][0]!r})")
     return out
 

@@ -15,7 +15,8 @@ The forms, told apart by the type of ``data`` (in memory) or by the path (docs/s
 
 Columns (keys) are the fields of a JSONL line: ``id`` (optional), ``text`` or ``tokens``, ``label`` (optional),
 ``partition`` (optional), ``doc_id`` (optional); other columns are ignored; ``column_map`` (field -> column, such as
-``{"text": "body", "label": "is_member"}``; ``--columns text=body,label=is_member``) renames them. Every row goes
+``{"text": "body", "label": "is_member"}``; ``--columns text=body,label=is_member``) renames them (a mapped column
+the data lack is an error, unless ``require_columns=False``: the learned-from sets). Every row goes
 through the same checks (``mia.data.examples.examples_from_rows``), and a bad one is one ``DataError`` naming the row:
 ``data.csv:row 7`` (rows of a file counted from 1, the header not counted), ``data.iloc[6]`` (a DataFrame),
 ``data[6]`` (a list or Dataset). Values of tables are taken as the Python values they hold, never converted to
@@ -25,6 +26,7 @@ and a missing cell (None, NaN, pandas' NA) is a missing value (an unlabelled exa
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -41,28 +43,41 @@ PARQUET_SUFFIXES = (".parquet",)
 DATASET_DIR_FILES = ("state.json", "dataset_dict.json")  # what datasets' save_to_disk writes (Dataset, DatasetDict)
 
 
+@dataclasses.dataclass(frozen=True)
+class _How:
+    """How to read one source (the arguments of ``read_data``)."""
+
+    partitions: Optional[tuple]
+    column_map: dict
+    id_prefix: str
+    require_columns: bool
+
+
 def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = None, *,
-              column_map: Optional[dict] = None, id_prefix: str = "") -> list[Example]:
+              column_map: Optional[dict] = None, id_prefix: str = "", require_columns: bool = True) -> list[Example]:
     """Checked ``Example``s (copies: the caller's objects are never modified) from ``data`` in any of the forms of
     the module docstring. ``what`` names an in-memory source in errors (a path names itself); ``partitions``: the
     partition names allowed (None: any), so a misspelt one is an error, not a row left out; ``column_map``: field ->
-    column; ``id_prefix``: put before the positions that serve as ids when the data give none."""
-    parts = None if partitions is None else tuple(partitions)
-    column_map = check_column_map(column_map)
+    column; ``require_columns``: a mapped column the data lack is an error (False: that field is missing, for the
+    learned-from sets, which a map made for the scored data may not fit, e.g. prefixes without labels);
+    ``id_prefix``: put before the positions that serve as ids when the data give none."""
+    how = _How(None if partitions is None else tuple(partitions), check_column_map(column_map), id_prefix,
+               require_columns)
     if isinstance(data, (str, Path)):
-        return _read_path(Path(data), what, parts, column_map, id_prefix)
+        return _read_path(Path(data), what, how)
     if _is_instance(data, "pandas", "DataFrame"):
-        return _read_dataframe(data, what, parts, column_map, id_prefix)
+        return _read_dataframe(data, what, how)
     if _is_instance(data, "datasets", "DatasetDict"):
         splits = sorted(data)
         data = _one_split(data, what, f"pass one, e.g. {what}[{splits[0]!r}]" if splits else "")
         what = f"{what}[{splits[0]!r}]"
     if _is_instance(data, "datasets", "Dataset"):
-        return _read_dataset(data, what, what, parts, column_map, id_prefix, subscript=True)
+        return _read_dataset(data, what, what, how, subscript=True)
     if isinstance(data, (dict, bytes)) or not hasattr(data, "__iter__"):
         raise DataError(f"{what}: expected a path, a list of dicts, a pandas DataFrame or a datasets Dataset; got "
                         f"{type(data).__name__}")
-    return examples_from_records(list(data), what, parts, column_map=column_map, id_prefix=id_prefix)
+    return examples_from_records(list(data), what, how.partitions, column_map=how.column_map, id_prefix=how.id_prefix,
+                                 require_columns=how.require_columns)
 
 
 def data_format(path) -> str:
@@ -127,33 +142,37 @@ def _is_instance(obj, module: str, name: str) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
-def _read_path(p: Path, what: str, parts, column_map: dict, id_prefix: str) -> list[Example]:
+def _read_path(p: Path, what: str, how: _How) -> list[Example]:
     kind = data_format(p)
     if kind == "dataset":
         check_data_path(p, what)
-        return _read_dataset_dir(p, parts, column_map, id_prefix)
+        return _read_dataset_dir(p, how)
     V.input_file(p, what, error=DataError)
     if kind == "csv":
-        return _read_csv(p, parts, column_map, id_prefix)
+        return _read_csv(p, how)
     if kind == "parquet":
-        return _read_parquet(p, parts, column_map, id_prefix)
-    return read_examples(p, parts, what, column_map=column_map, id_prefix=id_prefix)[1]
+        return _read_parquet(p, how)
+    return read_examples(p, how.partitions, what, column_map=how.column_map, id_prefix=how.id_prefix,
+                         require_columns=how.require_columns)[1]
 
 
-def _check_columns(columns: list, source: str, column_map: dict) -> None:
-    """A table's column names: none twice, every mapped one present, and a ``text`` or ``tokens`` column once
-    mapped (one ``DataError`` naming ``source`` and the columns otherwise)."""
+def _check_columns(columns: list, source: str, how: _How) -> dict:
+    """A table's column names: none twice, every mapped one present (``require_columns``), and a ``text`` or
+    ``tokens`` column once mapped (one ``DataError`` naming ``source`` and the columns otherwise). Returns the
+    column map to read the table with (without the columns it lacks)."""
     shown = ", ".join(map(str, columns[:12])) + (" ..." if len(columns) > 12 else "")
     twice = sorted({str(c) for c in columns if columns.count(c) > 1})
     if twice:
         raise DataError(f"{source}: column {twice[0]!r} appears twice")
-    for field, column in column_map.items():
-        if column not in columns:
+    column_map = {f: c for f, c in how.column_map.items() if c in columns}
+    for field, column in how.column_map.items():
+        if column not in columns and how.require_columns:
             raise DataError(f"{source}: no column {column!r} (mapped to {field!r}); columns: {shown}")
     named = {f for f in FIELDS if f in columns and f not in column_map.values()} | set(column_map)
     if not named & {"text", "tokens"}:
         raise DataError(f"{source}: no 'text' or 'tokens' column (columns: {shown}); name yours with "
                         "column_map={'text': COLUMN} (mia score: --columns text=COLUMN)")
+    return column_map
 
 
 def _table_rows(records, wheres, column_map: dict):
@@ -164,15 +183,15 @@ def _table_rows(records, wheres, column_map: dict):
                       if k in FIELDS}
 
 
-def _read_dataframe(df, what: str, parts, column_map: dict, id_prefix: str) -> list[Example]:
+def _read_dataframe(df, what: str, how: _How) -> list[Example]:
     names = [n for n in df.index.names if n is not None]
     if names and not set(names) & set(df.columns):
         df = df.reset_index()  # a named index (set_index("id")) is a column of the data
     columns = list(df.columns)
-    _check_columns(columns, what, column_map)
+    column_map = _check_columns(columns, what, how)
     records = df.to_dict("records")
     return examples_from_rows(_table_rows(records, (f"{what}.iloc[{i}]" for i in range(len(records))), column_map),
-                              what, parts, id_prefix=id_prefix)
+                              what, how.partitions, id_prefix=how.id_prefix)
 
 
 def _one_split(dd, source: str, hint: str):
@@ -185,15 +204,15 @@ def _one_split(dd, source: str, hint: str):
     raise DataError(f"{source}: a DatasetDict with splits {', '.join(map(repr, splits))}: {hint}")
 
 
-def _read_dataset(ds, source: str, what: str, parts, column_map: dict, id_prefix: str,
-                  subscript: bool) -> list[Example]:
-    _check_columns(list(ds.column_names), source, column_map)
+def _read_dataset(ds, source: str, what: str, how: _How, subscript: bool) -> list[Example]:
+    column_map = _check_columns(list(ds.column_names), source, how)
     records = ds.to_list()
     wheres = (f"{what}[{i}]" if subscript else f"{source}:row {i + 1}" for i in range(len(records)))
-    return examples_from_rows(_table_rows(records, wheres, column_map), source, parts, id_prefix=id_prefix)
+    return examples_from_rows(_table_rows(records, wheres, column_map), source, how.partitions,
+                              id_prefix=how.id_prefix)
 
 
-def _read_dataset_dir(p: Path, parts, column_map: dict, id_prefix: str) -> list[Example]:
+def _read_dataset_dir(p: Path, how: _How) -> list[Example]:
     try:
         import datasets
     except ImportError:
@@ -208,10 +227,10 @@ def _read_dataset_dir(p: Path, parts, column_map: dict, id_prefix: str) -> list[
         source = p / splits[0] if len(splits) == 1 else p
         ds = _one_split(ds, str(p), f"give one, e.g. {p / (splits[0] if splits else 'SPLIT')}")
         p = source
-    return _read_dataset(ds, str(p), str(p), parts, column_map, id_prefix, subscript=False)
+    return _read_dataset(ds, str(p), str(p), how, subscript=False)
 
 
-def _read_parquet(p: Path, parts, column_map: dict, id_prefix: str) -> list[Example]:
+def _read_parquet(p: Path, how: _How) -> list[Example]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -221,16 +240,16 @@ def _read_parquet(p: Path, parts, column_map: dict, id_prefix: str) -> list[Exam
     except Exception as e:  # noqa: BLE001 (pyarrow's errors: not Parquet, damaged, unreadable)
         raise DataError(f"{p}: not a readable Parquet file ({str(e).strip().splitlines()[0] if str(e) else e!r})"
                         ) from None
-    _check_columns(list(table.column_names), str(p), column_map)
+    column_map = _check_columns(list(table.column_names), str(p), how)
     records = table.to_pylist()
     return examples_from_rows(_table_rows(records, (f"{p}:row {i + 1}" for i in range(len(records))), column_map),
-                              str(p), parts, id_prefix=id_prefix)
+                              str(p), how.partitions, id_prefix=how.id_prefix)
 
 
 CSV_FIELD_LIMIT = 2 ** 31 - 1  # characters in one cell (the csv module's default is 128 KiB: a long text)
 
 
-def _read_csv(p: Path, parts, column_map: dict, id_prefix: str) -> list[Example]:
+def _read_csv(p: Path, how: _How) -> list[Example]:
     raw = p.read_bytes()
     try:
         text = raw.decode("utf-8-sig")  # a byte-order mark (spreadsheets write one) is not part of the first column
@@ -246,7 +265,7 @@ def _read_csv(p: Path, parts, column_map: dict, id_prefix: str) -> list[Example]
     if not rows:
         raise DataError(f"{p}: no header row (a CSV file starts with its column names)")
     header, body = rows[0], rows[1:]
-    _check_columns(header, str(p), column_map)
+    column_map = _check_columns(header, str(p), how)
     records = []
     for n, cells in enumerate(body, 1):
         if len(cells) != len(header):
@@ -258,7 +277,7 @@ def _read_csv(p: Path, parts, column_map: dict, id_prefix: str) -> list[Example]
             where = f"{p}:row {n}"
             yield where, {k: _csv_cell(k, v, where) for k, v in renamed(r, column_map).items() if k in FIELDS}
 
-    return examples_from_rows(fields(), str(p), parts, id_prefix=id_prefix)
+    return examples_from_rows(fields(), str(p), how.partitions, id_prefix=how.id_prefix)
 
 
 def _csv_rows(p: Path, text: str):
