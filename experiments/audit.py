@@ -44,7 +44,7 @@ from mia.atomic import save_figure, write_text
 from mia.audit import AuditViolation, one_run_audit
 from mia.exposure import exposure_by_reps, exposure_sampled, exposure_skewnorm
 from mia.metrics import epsilon_lower_bound, metric_rows
-from mia.report import _plt, markdown
+from mia.report import pyplot, markdown
 from mia.testbed import build_testbed, build_twin, dp, preset as testbed_preset
 from mia.testbed.canaries import candidate_rows, sequence_nll
 
@@ -199,7 +199,7 @@ def _save(plt, fig, path: Path) -> Path:
 def plot_vs_epsilon(rows: Sequence[dict], path: Path) -> Path:
     """AUC (canaries, natural) and TPR@1%FPR (canaries) against the accountant epsilon, log scale; the non-private
     model is drawn at 4x the largest epsilon (marked "inf")."""
-    plt = _plt()
+    plt = pyplot()
     largest = max((r["epsilon"] for r in rows if r["epsilon"] is not None), default=1.0)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for ax, (key, title) in zip(axes, (("auc", "canaries: AUC"), ("natural_auc", "natural split: AUC"),
@@ -220,7 +220,7 @@ def plot_vs_epsilon(rows: Sequence[dict], path: Path) -> Path:
 def plot_eps_lower(rows: Sequence[dict], path: Path) -> Path:
     """eps_lower (one run, 95%) against the accountant epsilon of each private model, with the diagonal: every point
     must lie on or below it."""
-    plt = _plt()
+    plt = pyplot()
     priv = [r for r in rows if r["epsilon"] is not None]
     fig, ax = plt.subplots(figsize=(4.6, 4))
     hi = max([r["epsilon"] for r in priv] + [r["eps_lower"] or 0 for r in priv] + [1.0])
@@ -237,7 +237,7 @@ def plot_eps_lower(rows: Sequence[dict], path: Path) -> Path:
 def plot_exposure(exposure: Sequence[dict], path: Path) -> Path:
     """Mean exposure (skew-normal) of the included canaries against repetitions, one line per model; the excluded
     canaries' mean is the no-memorization baseline."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.8))
     for name in dict.fromkeys(e["model"] for e in exposure):
         es = sorted((e for e in exposure if e["model"] == name), key=lambda e: e["reps"])

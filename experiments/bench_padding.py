@@ -62,13 +62,13 @@ def corpus_lengths(name: str, n: int, seed: int = 0) -> np.ndarray:
 
 def plan_numbers(lengths, settings) -> dict:
     """Programs, padding factor by row lengths, padding factor as computed (batches x rows x length)."""
-    from mia.engine.batching import _first_fit_rows, bucket_length, pack_rows, plan_batches
+    from mia.engine.batching import first_fit_rows, bucket_length, pack_rows, plan_batches
 
     lengths = [int(n) for n in lengths]
     plan = (pack_rows if settings.pack else plan_batches)(lengths, settings)
     real = int(np.sum(lengths))
     if settings.pack:
-        by_row = sum(length for length, _ in _first_fit_rows(lengths, settings))
+        by_row = sum(length for length, _ in first_fit_rows(lengths, settings))
     else:
         by_row = sum(bucket_length(int(n), settings.min_bucket, settings.bucket_step) for n in lengths)
     return {"programs": len({(b.length, b.rows) for b in plan}), "pad_rows": by_row / real,

@@ -83,7 +83,7 @@ class Preset:
     n_domains: int
     n_members: int
     n_nonmembers: int
-    member: str = "middle"  # the target suite member (mia.checkpoints.pick_members): middle, largest, smallest or a name
+    member: str = "middle"  # the target suite member (mia.checkpoints.pick_members): middle, largest, smallest, a name
     draws: int = 10
     alpha: float = 0.3
     min_share: float = 0.5

@@ -636,6 +636,7 @@ def build_parser():
 
     p = experiment_parser(f"python -m {MODULE}", __doc__, PRESETS)
     p.add_argument("--paper", action="store_true", help="the paper's settings (= --preset paper)")
+    p.set_defaults(preset=None)  # to tell an explicit --preset from the default (see chosen_preset)
     g = p.add_argument_group("models and checkpoints")
     g.add_argument("--suite", default=None, help="suite name (default: the preset's: smoke for smoke, else default)")
     g.add_argument("--suite-dir", default=None, help="suite directory (built there if missing)")
@@ -670,10 +671,19 @@ def build_parser():
     return p
 
 
+def chosen_preset(parser, args) -> str:
+    """The preset asked for: ``--paper`` is ``--preset paper``; with any other ``--preset`` it is a usage error naming
+    both flags (a smoke run must never quietly become the paper's long one)."""
+    if args.paper and args.preset not in (None, "paper"):
+        parser.error(f"--paper and --preset {args.preset}: --paper means --preset paper; give one of them")
+    return "paper" if args.paper else (args.preset or "default")
+
+
 def main(argv=None) -> int:
     argv = argv_or_sys(argv)
-    args = build_parser().parse_args(argv)
-    preset = "paper" if args.paper else args.preset
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    preset = chosen_preset(parser, args)
     steps = args.steps
     status, s = run_main(
         lambda: run(preset, args.out, testbeds=args.testbed or [], suite=args.suite, suite_dir=args.suite_dir,

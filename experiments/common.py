@@ -53,7 +53,7 @@ from mia.blind import run_blind, shift_verdict
 from mia.checkpoints import IDENTICAL_FLAG, ArgumentError
 from mia.commands import add_compile_cache_flag, run_for_user
 from mia.data.splits import read_split
-from mia.file_hash import sha256_of_file
+from mia.file_hash import check_cache_dir, sha256_of_file
 from mia.metrics import N_RESAMPLES
 from mia.report import json_safe, write_json
 from mia.testbed import build_testbed
@@ -237,8 +237,10 @@ def run_main(fn: Callable[[], object], *, debug: bool = False, compile_cache: bo
     """``(status, result)`` of ``fn()`` through ``mia.commands.run_for_user``: one ``error: ...`` line and status 2 for
     bad input, 130 on Ctrl-C. It also turns on JAX's persistent compilation cache (``mia.engine.compile_cache``: every
     checkpoint of one model size and every rerun reuse compiled code; ``--no-compile-cache`` or
-    ``MIA_COMPILE_CACHE=0`` turn it off)."""
-    return run_for_user(fn, debug=debug, on_interrupt=on_interrupt, compile_cache=compile_cache)
+    ``MIA_COMPILE_CACHE=0`` turn it off). The cache directory (``$MIA_CACHE_DIR`` or ~/.cache/mia) is made and
+    proved writable first (``mia.file_hash.check_cache_dir``): an unusable one is the run's one error line."""
+    return run_for_user(fn, debug=debug, on_interrupt=on_interrupt, compile_cache=compile_cache,
+                        check_first=lambda: check_cache_dir(error=ExperimentError))
 
 
 def default_out(module: str, preset: str, tag: str = "") -> Path:
@@ -333,8 +335,8 @@ def select_attacks(spec=None, *, max_cost: str = "heavy", unavailable: Sequence[
             try:
                 chosen += parse_attacks(item)
             except AttackError as e:
-                if not tolerant:
-                    raise
+                if not tolerant:  # the user's --attacks: the error names the flag, then the registry's reason
+                    raise ExperimentError(f"--attacks: {str(e).splitlines()[0]}") from None
                 skipped[item] = f"not available in this checkout: {str(e).splitlines()[0]}"
     run = []
     inputs = AttackInputs(None, ref_model="ref" not in reasons, mlm="mlm" not in reasons)
@@ -414,7 +416,7 @@ def plot_lines(series: Mapping[str, tuple], path, *, xlabel: str, ylabel: str, t
                hline: Optional[float] = 0.5, ncols: int = 1, panels: Optional[Mapping[str, Mapping]] = None):
     """Line plot with shaded bands. ``series``: {label: (x, y, lo, hi)} (lo/hi may be None); or ``panels``:
     {panel title: series} for one subplot per panel. Saved as PNG (Agg backend)."""
-    plt = report._plt()
+    plt = report.pyplot()
     panels = dict(panels) if panels is not None else {title: series}
     n = len(panels)
     cols = min(ncols, n) if n > 1 else 1

@@ -28,7 +28,7 @@ from .documents import chunk_examples
 from .engine.batching import ScoringSettings
 from .sharding import make_mesh, parse_mesh
 from . import cache_limit
-from .file_hash import default_cache_dir
+from .file_hash import check_cache_dir
 from .models.hub import Model
 from .models.hub import load as load_checkpoint
 from .results import ScoreRun
@@ -213,7 +213,8 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     for name, part in partitions.items():
         assert_disjoint(evaluated, part, f"partition {name!r}")
     settings = ScoringSettings(token_budget=batch_tokens, progress=progress, pack=pack, bucket_step=bucket_step,
-                               cache_dir=(cache_dir or default_cache_dir()) if cache else None)
+                               cache_dir=str(check_cache_dir(cache_dir, "cache_dir" if cache_dir else None))
+                               if cache else None)
     opts = {"seed": seed, "ref_model": ref_model, "mlm": mlm, "max_length": max_length, **(options or {})}
     if isinstance(freq_corpus, (str, Path)):
         opts["freq_corpus"] = read_corpus(freq_corpus, model.tokenizer, model.vocab_size)

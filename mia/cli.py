@@ -16,7 +16,7 @@ from .commands import USER_ERRORS, add_compile_cache_flag, run_for_user
 from .data.cli import add_split_parser
 from .data.sources import check_data_path, parse_column_map
 from .documents import check_document_records, check_train_documents, score_documents, write_document_scores
-from .file_hash import default_cache_dir
+from .file_hash import check_cache_dir, default_cache_dir
 from .metrics import metric_rows
 from .report import metrics_table
 
@@ -120,7 +120,11 @@ def cmd_score(args) -> int:
 
     if args.seq_tokens and not args.documents:
         raise ValueError("--seq-tokens cuts documents into sequences: it needs --documents")
-    api.check_request(args.attacks, ref_model=args.ref_model, mlm=args.mlm)  # a bad name stops before any loading
+    try:  # a bad name or parameter stops before any loading, naming the flag
+        api.resolve_attacks(args.attacks)
+    except ValueError as e:
+        raise ValueError(f"--attacks: {str(e).splitlines()[0]}") from None
+    api.check_request(args.attacks, ref_model=args.ref_model, mlm=args.mlm)
     check_score_paths(args)  # every path before any work: a bad --out is not found after all the scoring
     group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
     distributed.initialize(group, timeout=args.init_timeout,  # before any other jax call
@@ -235,9 +239,9 @@ def check_score_cache(args) -> None:
     compilation cache, which shares the directory, is set up)."""
     cache_limit.check_env()  # a bad MIA_CACHE_MAX_GB is one error line, before any work
     if not args.no_cache and args.cache_dir:
-        V.output_dir(args.cache_dir, "--cache-dir")
+        check_cache_dir(args.cache_dir, "--cache-dir", error=V.InputError)
     elif not args.no_cache:
-        V.output_dir(default_cache_dir(), "the cache directory (MIA_CACHE_DIR or ~/.cache/mia)")
+        check_cache_dir(error=V.InputError)
 
 
 def _add_plan_parser(sub) -> None:

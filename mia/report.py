@@ -168,7 +168,8 @@ def write_tables(rows: Sequence[Mapping], out_dir, stem: str = "results", column
 
 
 # ----------------------------------------------------------------------------------------------- plots
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no screen)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -184,7 +185,7 @@ def plot_roc(curves: Mapping[str, tuple], labels=None, path=None, title: str = "
     Returns the matplotlib Figure; saves it when ``path`` is given.
     """
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 5))
     draw_roc(ax, curves, labels, title=title, min_rate=min_rate)
     fig.tight_layout()
@@ -224,7 +225,7 @@ def draw_roc(ax, curves: Mapping[str, tuple], labels=None, *, log: bool = True, 
 
 def plot_histograms(scores: Mapping[str, Iterable[float]], labels, path=None, bins: int = 40):
     """One panel per method: score histograms of members and non-members (density)."""
-    plt = _plt()
+    plt = pyplot()
     names = list(scores)
     cols = min(3, len(names))
     rows_ = math.ceil(len(names) / cols)

@@ -183,3 +183,26 @@ def test_packed_rows_score_as_separate_rows(case, monkeypatch):
             for s in STAT_NAMES:
                 np.testing.assert_allclose(g[s], w[s], atol=2e-5, rtol=0, err_msg=f"{name} {kernel} {s}")
     loop.jitted_token_stats.cache_clear()
+
+
+def test_nonfinite_weights_are_refused_naming_the_tensor(case, tmp_path):
+    """Every family: its largest tensor all NaN, one NaN in it, or one -inf: ``load`` refuses the checkpoint in one
+    line naming that tensor (by its checkpoint name) and the file, never a model that scores NaN."""
+    from mia.models.hub import CheckpointError, read_safetensors, write_safetensors
+
+    name, path, _, _ = case
+    tensors = {k: np.array(v) for k, v in read_safetensors(path / "model.safetensors").items()}
+    big = max((k for k, v in tensors.items() if v.dtype.kind == "f"), key=lambda k: (tensors[k].size, k))
+    for damage in ("all nan", "one nan", "one -inf"):
+        bad = dict(tensors)
+        bad[big] = tensors[big].copy()
+        if damage == "all nan":
+            bad[big][...] = np.nan
+        else:
+            bad[big].flat[bad[big].size // 2] = np.nan if damage == "one nan" else -np.inf
+        d = tmp_path / damage.replace(" ", "_")
+        d.mkdir()
+        (d / "config.json").write_text((path / "config.json").read_text())
+        write_safetensors(bad, d / "model.safetensors")
+        with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{big}' holds \d+ non-finite"):
+            mm.load(d)

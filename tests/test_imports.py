@@ -147,3 +147,24 @@ def test_the_layer_check_sees_an_upward_import():
     graph = {"mia.engine.plan": {"mia.attacks.mope"}, "mia.models.hub": {"mia.engine.loop", "mia.sharding"},
              "mia.attacks.mope": {"mia.engine.plan"}}
     assert upward_imports(graph) == [("mia.engine.plan", "mia.attacks.mope"), ("mia.models.hub", "mia.engine.loop")]
+
+
+def private_imports_of_mia(paths) -> list:
+    """``file:line name`` of every ``from mia... import _name`` / ``mia...._name`` use in ``paths``."""
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mia"):
+                found += [f"{path.name}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in ("mia", "A", "C", "report"):
+                    found.append(f"{path.name}:{node.lineno} {node.attr}")
+    return found
+
+
+def test_experiments_use_only_public_names_of_mia():
+    assert private_imports_of_mia(sorted((ROOT / "experiments").glob("*.py"))) == []

@@ -187,8 +187,8 @@ def test_conditional_plan_lowers_the_programs_scoring_runs(attack, prefix_len, t
     from mia.engine.plan import lowered_steps, read_hf_config
 
     seen = {}
-    monkeypatch.setattr(C, "_jit_prefix", _spy(seen, "prefix", C._jit_prefix))
-    monkeypatch.setattr(C, "_jit_cond", _spy(seen, "conditional", C._jit_cond))
+    monkeypatch.setattr(C, "jitted_prefix", _spy(seen, "prefix", C.jitted_prefix))
+    monkeypatch.setattr(C, "jitted_conditional", _spy(seen, "conditional", C.jitted_conditional))
     rng = np.random.default_rng(0)
     texts = [rng.integers(0, tiny_model.vocab_size, target_len).astype(np.int32) for _ in range(n_targets)]
     prefixes = [t[-prefix_len:] for t in texts] if attack == "em_mia" else [rng.integers(0, 50, prefix_len)]

@@ -177,7 +177,7 @@ class PackedBatch:
     slots: tuple
 
 
-def _first_fit_rows(lengths: Sequence[int], settings: ScoringSettings) -> list:
+def first_fit_rows(lengths: Sequence[int], settings: ScoringSettings) -> list:
     """[(row length, [example indices in row order])]: longest first, each text into the open row with the most
     room left if it fits there, else into a new row of ``bucket_length`` of max(its length, ``pack_length``). Long
     texts get rows of about their own length whose tails shorter texts fill; short texts share rows of
@@ -205,7 +205,7 @@ def pack_rows(lengths: Sequence[int], settings: ScoringSettings, n_data: int = 1
     mixed-length set pads only the tail of each row. Rows of one length form batches of one row count (``bucket_rows``
     as in ``plan_batches``), so a dataset compiles at most one program per row length. Deterministic."""
     by_length: dict = {}
-    for length, members in _first_fit_rows(lengths, settings):
+    for length, members in first_fit_rows(lengths, settings):
         by_length.setdefault(length, []).append(members)
     batches = []
     for length, rows in sorted(by_length.items()):

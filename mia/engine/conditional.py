@@ -160,7 +160,7 @@ def build_prefix_step(model, mesh, shardings, cache_shardings: PrefixCache):
     replicated, LEFT padded) -> PrefixCache [``cache_shardings``]; every device computes the whole (small) group.
 
     Like ``loop.build_token_stats_step``, it can be ``.lower()``ed on ``jax.ShapeDtypeStruct``s for abstract devices
-    (``mia plan``): the engine (``_jit_prefix``) and the planner build the step here, so they cannot differ."""
+    (``mia plan``): the engine (``jitted_prefix``) and the planner build the step here, so they cannot differ."""
     layers = model.module.LAYERS
     gather = layer_gather(shardings, layers)
     fn = lambda params, tokens, valid: prefix_cache(  # noqa: E731
@@ -172,7 +172,7 @@ def build_prefix_step(model, mesh, shardings, cache_shardings: PrefixCache):
 def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, include_first: bool):
     """jit of one conditional-LL call: (params, prefix group [G, S] [``cache_shardings``], p_idx int32 scalar,
     targets [B, T], valid [B, T]) -> [B] LL(target | prefix p_idx), target rows over ``data`` (B must divide by it),
-    the result replicated. Shared by the engine (``_jit_cond``) and ``mia plan``, as ``build_prefix_step``."""
+    the result replicated. Shared by the engine (``jitted_conditional``) and ``mia plan``, as ``build_prefix_step``."""
     rows = batch_sharding(mesh)
     layers = model.module.LAYERS
     gather = layer_gather(shardings, layers)
@@ -189,21 +189,22 @@ def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, includ
 
 
 @functools.lru_cache(maxsize=32)
-def _jit_prefix(model):
+def jitted_prefix(model):
     """The prefix pass on the engine's layout (``build_prefix_step``)."""
     mesh, shardings = engine_layout(model)
     return build_prefix_step(model, mesh, shardings, prefix_shardings(model, mesh))
 
 
 @functools.lru_cache(maxsize=32)
-def _jit_cond(model, include_first: bool):
+def jitted_conditional(model, include_first: bool):
     """The conditional-LL call on the engine's layout (``build_cond_step``)."""
     mesh, shardings = engine_layout(model)
     return build_cond_step(model, mesh, shardings, prefix_shardings(model, mesh), include_first)
 
 
 @functools.lru_cache(maxsize=32)
-def _jit_plain(model):
+def jitted_token_logprobs(model):
+    """``token_logprobs`` jitted for ``model`` (a plain pass, no prefix cache; default placement)."""
     return jax.jit(_TRACE_WRAP(lambda params, tokens, valid: token_logprobs(model, params, tokens, valid)))
 
 
@@ -344,7 +345,7 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
         if total:
             mesh, _ = engine_layout(model)
             params = placed_params(model, params)
-            prefix_fn, cond_fn = _jit_prefix(model), _jit_cond(model, bool(include_first))
+            prefix_fn, cond_fn = jitted_prefix(model), jitted_conditional(model, bool(include_first))
             rows_sharding, rep, n_data = batch_sharding(mesh), replicated(mesh), data_size(mesh)
             need_t = sorted(set().union(*todo.values()))
             t_buckets = _buckets({tk: len(t_of[tk]) for tk in need_t}, settings.min_bucket)
@@ -401,7 +402,7 @@ def plain_loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence
     pairs = [(i, j) for i in range(len(prefixes)) for j in range(len(targets))] if pairs is None else list(pairs)
     seqs = [np.concatenate([prefixes[i], targets[j]]) for i, j in pairs]
     out = np.full((len(prefixes), len(targets)), np.nan, np.float32)
-    fn = _jit_plain(model)
+    fn = jitted_token_logprobs(model)
     for batch in plan_batches([len(s) for s in seqs], settings):
         tok, val = padded_rows([seqs[m] for m in batch.members], batch.length, np.arange(batch.rows))
         lp = np.asarray(jax.device_get(fn(params, tok, val)))
