@@ -99,3 +99,14 @@ def file_sha256(path, memo_dir: Optional[str] = None) -> str:
         except OSError:
             pass
     return digest
+
+
+def path_sha256(path, memo_dir: Optional[str] = None) -> str:
+    """``file_sha256`` of a file; of a directory (a saved dataset), the SHA-256 of the sorted list of (path relative
+    to it, ``file_sha256``) of every file under it."""
+    path = Path(path)
+    if not path.is_dir():
+        return file_sha256(path, memo_dir)
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    listing = [[p.relative_to(path).as_posix(), file_sha256(p, memo_dir)] for p in files]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()

@@ -119,7 +119,7 @@ SCORE_CASES = [
     score_case("deep-nesting", '{"id": 1, "text": ' + "[" * 100_000 + "\n", ("d.jsonl:1",)),
     score_case("not-utf8", b'{"id": 1, "text": "\xff\xfe ab"}\n', ("d.jsonl:1", "UTF-8")),
     score_case("empty-file", "", ("d.jsonl", "no examples")),
-    score_case("id-missing", _jsonl({"text": "a b c"}), ("d.jsonl:1", "'id'")),
+    score_case("id-missing", _jsonl({"id": 1, "text": "a b"}, {"text": "a b c"}), ("d.jsonl:2", "'id'")),
     score_case("id-object", _jsonl({"id": {"a": 1}, "text": "a b c"}), ("d.jsonl:1", "'id'")),
     score_case("id-bool", _jsonl({"id": True, "text": "a b c"}), ("d.jsonl:1", "'id'")),
     score_case("id-surrogate", '{"id": "\\udc80", "text": "a b c"}\n', ("d.jsonl:1", "'id'", "surrogate")),

@@ -204,6 +204,12 @@ def test_quickstart_notebook_runs(smoke_testbed, monkeypatch):
         o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})
     ]
     assert len(images) >= 2  # ROC and the per-token traces
+    # a cell ending with `run` shows the summary line and the metrics table (text and HTML), not the arrays
+    shown = next(o["data"] for c in nb.cells if c.cell_type == "code" and c.source.startswith("import mia")
+                 for o in c.outputs if o.get("output_type") == "execute_result")
+    text = shown["text/plain"]
+    assert text.startswith("ScoreRun: 300 examples (150 members, 150 non-members), 4 attacks"), text
+    assert len(text.splitlines()) <= 40 and "AUC" in text and "<table>" in shown["text/html"]
 
 
 @pytest.mark.slow
