@@ -306,10 +306,10 @@ def test_one_run_fdp_audit_and_its_edges():
         one_run_audit(s, inc, delta=1e-5, bound="best")
 
 
-@pytest.mark.slow
 def test_one_run_fdp_holds_for_a_gaussian_mechanism():
     """Canary scores inclusion * mu0 + N(0, 1): the output is mu0-GDP in each canary's inclusion, so the f-DP
-    audit's mu exceeds mu0 at most alpha of the time."""
+    audit's mu exceeds mu0 at most alpha of the time (never here; a wrong level, alpha = 0.9, exceeds it in more
+    than half the runs)."""
     mu0, alpha, m = 1.0, 0.1, 1000
     rng = np.random.default_rng(7)
     grid = [25, 50, 100]
