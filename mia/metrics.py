@@ -6,6 +6,7 @@
 - ``bootstrap``: seeded bootstrap (stratified by default) of AUC and TPR@FPR: SEs and percentile confidence intervals.
 - ``paired_bootstrap_test``: is method A better than method B on the same examples? (paired bootstrap p-value)
 - ``auc_vs_chance``: one-sided Mann-Whitney test of AUC > 0.5 (normal approximation with tie and continuity correction).
+- ``bonferroni_significant`` / ``holm_significant``: which of a family of tests hold at a family-wise level.
 - ``clopper_pearson_upper`` / ``clopper_pearson``: exact binomial confidence bounds.
 - ``epsilon_bound`` / ``epsilon_lower_bound``: the differential-privacy epsilon that the attack's (FPR, FNR) rules out,
   with Clopper-Pearson confidence (see the section "Epsilon lower bounds" below and docs/auditing.md).
