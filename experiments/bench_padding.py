@@ -61,18 +61,19 @@ def corpus_lengths(name: str, n: int, seed: int = 0) -> np.ndarray:
 
 
 def plan_numbers(lengths, settings) -> dict:
-    """Programs, padding factor by row lengths, padding factor as computed (batches x rows x length)."""
-    from mia.engine.batching import _first_fit_rows, bucket_length, pack_rows, plan_batches
+    """Programs, padding factor by row lengths, padding factor as computed (batches x rows x positions read). The
+    model reads n - 1 positions of an n-token text (its last token is only predicted) and length - 1 of a row."""
+    from mia.engine.batching import first_fit_rows, pack_rows, plan_batches, row_length
 
     lengths = [int(n) for n in lengths]
     plan = (pack_rows if settings.pack else plan_batches)(lengths, settings)
-    real = int(np.sum(lengths))
+    real = int(np.sum(lengths)) - len(lengths)
     if settings.pack:
-        by_row = sum(length for length, _ in _first_fit_rows(lengths, settings))
+        by_row = sum(length - 1 for length, _ in first_fit_rows(lengths, settings))
     else:
-        by_row = sum(bucket_length(int(n), settings.min_bucket, settings.bucket_step) for n in lengths)
+        by_row = sum(row_length(int(n), settings.min_bucket, settings.bucket_step) - 1 for n in lengths)
     return {"programs": len({(b.length, b.rows) for b in plan}), "pad_rows": by_row / real,
-            "pad_computed": sum(b.rows * b.length for b in plan) / real}
+            "pad_computed": sum(b.rows * (b.length - 1) for b in plan) / real}
 
 
 def tiny_model(hidden: int, layers: int, vocab: int):
@@ -153,6 +154,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--plan-only", action="store_true", help="print the plan table only (no model, no timing)")
     args = ap.parse_args(argv)
 
     import jax
@@ -174,6 +176,8 @@ def main(argv=None):
                 p = plan_numbers(lengths, s)
                 print(f"{name:<15} {n:6d} {label:<26} {p['programs']:8d} {p['pad_rows']:10.3f} "
                       f"{p['pad_computed']:14.3f}")
+    if args.plan_only:
+        return
 
     model = tiny_model(args.hidden, args.layers, args.vocab)
     print(f"\ntoken stats, random GPT-NeoX hidden={args.hidden} layers={args.layers} vocab={args.vocab}, "

@@ -37,11 +37,11 @@ from mia.data.splits import write_split
 from mia.metrics import metric_rows, summary_row
 from mia.testbed import build_testbed
 
-from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, ExperimentError, add_model_flags, experiment_parser,
-                                check_testbed_checkpoints, one_step, SplitSizes, Timings, check_paths,
-                                draw_testbed_split,
-                                fmt, plot_roc, run_blind_baselines, run_main, say_fn, score_split,
-                                select_attacks as _select, sha_file, versions, write_json)
+from mia.checkpoints import check_testbed_checkpoints
+from mia.data.draw import draw_testbed_split, SplitSizes
+from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, add_model_flags, check_paths, experiment_parser,
+                                ExperimentError, fmt, one_step, plot_roc, run_blind_baselines, run_main, say_fn,
+                                score_split, select_attacks as _select, sha_file, Timings, versions, write_json)
 
 # Examples per class in each partition, per preset (non-members only in calib / prefix).
 SIZES = {
@@ -61,7 +61,7 @@ JobError = ExperimentError  # a bad request for the main job (one line)
 def draw_split(tb, step: int, n_eval_members: int, n_eval_nonmembers: int, n_train: int, n_calib: int,
                n_prefix: int, seed: int, end_step: Optional[int] = None):
     """(header, examples) of the checkpoint split of testbed ``tb`` at checkpoint ``step``
-    (``experiments.common.draw_testbed_split``): members rows [0, step*B), non-members rows [step*B, end_step*B)
+    (``mia.data.draw.draw_testbed_split``): members rows [0, step*B), non-members rows [step*B, end_step*B)
     with end_step = the first epoch's end; partitions members -> train, eval; non-members -> prefix, calib,
     train, eval."""
     sizes = SplitSizes(n_eval_members, n_train, n_calib, n_prefix, n_eval_nonmembers)

@@ -65,8 +65,10 @@ from .sharding import batch_sharding, describe, make_mesh, param_shardings, put_
 from .version import __version__
 
 CHECKS = ("platform", "attention", "mesh", "cache", "speed", "precision")
-CHECK_LENGTH = 384  # tokens per check row: more than one block of the blocked kernel, a multiple of 128 (splash)
-CHECK_LENGTHS = (384, 300, 129, 37, 384, 256, 2, 200)  # tokens of each check row (right padded to CHECK_LENGTH)
+# positions the model reads per check row: more than one block of the blocked kernel, a multiple of 128 (splash). A
+# row of n tokens feeds n - 1 positions (each text's last token is only predicted), so rows are CHECK_POSITIONS + 1.
+CHECK_POSITIONS = 384
+CHECK_LENGTHS = (385, 300, 129, 37, 385, 256, 2, 200)  # tokens of each check row (right padded to 385)
 CHECK_VOCAB = 128  # the tiny configs' vocabulary
 # largest |difference| of a token statistic (nats) against float32 with exact attention, by activation dtype:
 # float32 kernels differ by summation order (at most 4e-6 here); bfloat16 rounds weights and activations to 8 bits
@@ -83,10 +85,10 @@ PRECISION_UNITS = {"loss": "nats", "mink": "nats", "surp": "nats", "minkpp": "sd
                    "zlib": "nats / compressed byte"}
 SPEED = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
              vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)  # Pythia-160m's shape
-SPEED_LENGTH = 2048
+SPEED_POSITIONS = 2048  # positions the model reads per row (rows of 2049 tokens: 2048 predictions each)
 SPEED_ROWS_PER_DEVICE = 8
-SPEED_CPU_LAYERS = 2  # on a CPU: 2 of the 12 layers and 512 tokens in all, so the line takes a few seconds
-SPEED_CPU_TOKENS = 512
+SPEED_CPU_LAYERS = 2  # on a CPU: 2 of the 12 layers and 512 positions in all, so the line takes a few seconds
+SPEED_CPU_POSITIONS = 512
 SPEED_REPEATS = 3  # timed calls after the first (compiling) one; 1 on a CPU
 
 
@@ -238,7 +240,7 @@ class _Run:
         """Token stats of the check rows, memoized by (family, dtype, kernel, mesh, fsdp); mesh None: one device."""
         key = (family, dtype, kernel, None if mesh is None else tuple(mesh.shape.items()), fsdp)
         if key not in self._stats:
-            self._stats[key] = token_stats_on(self.model(family, dtype), self.rows, CHECK_LENGTH,
+            self._stats[key] = token_stats_on(self.model(family, dtype), self.rows, CHECK_POSITIONS + 1,
                                               self.one if mesh is None else mesh, kernel=kernel, fsdp=fsdp)
         return self._stats[key]
 
@@ -246,14 +248,14 @@ class _Run:
         return self.stats(family, "float32", "exact")
 
     def auto_kernel(self, length: int, dtype: str, heads: int = 4, head_dim: int = 16) -> str:
-        """What auto picks for rows of ``length`` tokens in an engine step here, failures aside."""
+        """What auto picks for ``length`` positions in an engine step here, failures aside."""
         with A.over_mesh(self.one):
             return A.auto_kernel(len(self.rows), heads, length, length, head_dim, jnp.dtype(dtype))
 
 
 def platform_rows(run: _Run) -> list:
     kinds = sorted({d.device_kind for d in run.devices})
-    small, long = run.auto_kernel(CHECK_LENGTH, run.dtype), run.auto_kernel(SPEED_LENGTH, run.dtype, 12, 64)
+    small, long = run.auto_kernel(CHECK_POSITIONS, run.dtype), run.auto_kernel(SPEED_POSITIONS, run.dtype, 12, 64)
     forced = os.environ.get("MIA_ATTENTION", "").strip()
     return [
         Check("platform", f"{run.backend}: {len(run.devices)} x {', '.join(kinds)} (process {jax.process_index()} of "
@@ -262,14 +264,14 @@ def platform_rows(run: _Run) -> list:
                           f"{__version__}, python {_platform.python_version()}"),
         Check("auto precision", f"{run.dtype} (float32 on a CPU, bfloat16 on a GPU/TPU; --dtype float32 asks for "
                                 "float32)"),
-        Check("auto attention", f"{small} at {CHECK_LENGTH} tokens, {long} at {SPEED_LENGTH} (12 heads of 64)"
+        Check("auto attention", f"{small} at {CHECK_POSITIONS} positions, {long} at {SPEED_POSITIONS} (12 heads of 64)"
                                 + (f"; MIA_ATTENTION={forced} overrides it" if forced else "")),
     ]
 
 
 def kernels_here(run: _Run) -> list:
     """(kernel, is auto's pick) for every kernel that can run on this backend: auto's pick, blocked, exact."""
-    auto = run.auto_kernel(CHECK_LENGTH, run.dtype)
+    auto = run.auto_kernel(CHECK_POSITIONS, run.dtype)
     return [(k, k == auto) for k in dict.fromkeys([auto, "blocked", "exact"])]
 
 
@@ -290,7 +292,7 @@ def attention_rows(run: _Run) -> list:
                 rows.append(row)
                 continue
             where = f"max |Δ| of token stats vs float32 exact attention, {run.dtype}, {len(run.rows)} rows x " \
-                    f"{CHECK_LENGTH}" + (" (auto's pick)" if auto else "")
+                    f"{CHECK_POSITIONS} positions" + (" (auto's pick)" if auto else "")
             rows.append(Check(name, where, d, tol, bool(d <= tol)))
     return rows
 
@@ -316,7 +318,7 @@ def mesh_rows(run: _Run) -> list:
             mesh = make_mesh(axes, run.devices)
             name = f"mesh {family} {describe(mesh)}"
             try:
-                one = run.stats(family, "float32", run.auto_kernel(CHECK_LENGTH, "float32"))
+                one = run.stats(family, "float32", run.auto_kernel(CHECK_POSITIONS, "float32"))
                 d = largest_difference(one, run.stats(family, "float32", None, mesh, fsdp))
             except Exception as e:
                 rows.append(failed(name, e))
@@ -368,11 +370,12 @@ def cache_rows(run: _Run) -> list:
 
 
 def speed_shape(backend: str, n_data: int) -> tuple:
-    """(layers, rows, length) of the speed line: Pythia-160m's 12 layers, 8 rows of 2048 tokens per device on an
-    accelerator; on a CPU 2 layers and ``SPEED_CPU_TOKENS`` tokens in all (one row per device, at least 64 tokens)."""
+    """(layers, rows, positions per row) of the speed line: Pythia-160m's 12 layers, 8 rows of 2048 positions per
+    device on an accelerator; on a CPU 2 layers and ``SPEED_CPU_POSITIONS`` in all (one row per device, at least 64).
+    A row holds one token more than its positions (the last is only predicted)."""
     if backend == "cpu":
-        return SPEED_CPU_LAYERS, n_data, max(64, SPEED_CPU_TOKENS // n_data)
-    return SPEED["num_hidden_layers"], SPEED_ROWS_PER_DEVICE * n_data, SPEED_LENGTH
+        return SPEED_CPU_LAYERS, n_data, max(64, SPEED_CPU_POSITIONS // n_data)
+    return SPEED["num_hidden_layers"], SPEED_ROWS_PER_DEVICE * n_data, SPEED_POSITIONS
 
 
 def speed_model(layers: int, dtype: str):
@@ -386,15 +389,15 @@ def speed_model(layers: int, dtype: str):
 
 def speed_rows(run: _Run) -> list:
     n = len(run.devices)
-    layers, rows, length = speed_shape(run.backend, n)
+    layers, rows, positions = speed_shape(run.backend, n)
     model = speed_model(layers, run.dtype)
     mesh = make_mesh(devices=run.devices)
     shardings = param_shardings(model.params, mesh, fsdp=False)
     step = build_token_stats_step(model, mesh, shardings)
     params = put_params(model.params, shardings)
     rng = np.random.default_rng(1)
-    tokens = [rng.integers(0, SPEED["vocab_size"], length).astype(np.int32) for _ in range(rows)]
-    args = put_padded(tokens, rows, length, batch_sharding(mesh))
+    tokens = [rng.integers(0, SPEED["vocab_size"], positions + 1).astype(np.int32) for _ in range(rows)]
+    args = put_padded(tokens, rows, positions + 1, batch_sharding(mesh))
     with A.recording_kernels() as used:
         t0 = time.perf_counter()
         out = jax.block_until_ready(step(params, *args))
@@ -409,19 +412,19 @@ def speed_rows(run: _Run) -> list:
     host = jax.device_get(out)
     finite = all(np.isfinite(np.asarray(host[s])[np.asarray(host["mask"])]).all()
                  for s in ("logprob", "mean_logp", "std_logp", "entropy"))
-    tokens_s = rows * length / best
+    tokens_s = rows * positions / best  # tokens scored (each position predicts one)
     kind = run.devices[0].device_kind
     peak = peak_tflops(kind)
     flops = forward_flops_per_token(SPEED["hidden_size"], layers, SPEED["intermediate_size"], SPEED["vocab_size"],
-                                    length) * rows * length
+                                    positions) * rows * positions
     util = mfu(flops, best, peak, n)
     shape = ("Pythia-160m shape" if layers == SPEED["num_hidden_layers"] else
              f"Pythia-160m shape with {layers} of its 12 layers (CPU: kept small)")
     kernels = ", ".join(dict.fromkeys(used)) or "?"
     rate = (f"MFU {100 * util:.1f}% of {peak:g} TFLOP/s bf16 per device ({kind})" if util is not None else
             f"MFU n/a (no peak known for {kind})")
-    result = (f"tokens/s of token stats, {shape}, {rows} x {length} tokens, {run.dtype}, {kernels} attention, {n} "
-              f"device(s), best of {repeats} ({best * 1e3:.0f} ms; compile {compile_s:.1f} s); {rate}")
+    result = (f"tokens/s of token stats, {shape}, {rows} x {positions} positions, {run.dtype}, {kernels} attention, "
+              f"{n} device(s), best of {repeats} ({best * 1e3:.0f} ms; compile {compile_s:.1f} s); {rate}")
     if not finite:
         result += "; NON-FINITE token stats"
     return [Check("speed", result, tokens_s, None, bool(finite and math.isfinite(tokens_s)))]
@@ -458,7 +461,7 @@ def precision_rows(run: _Run) -> list:
         attacks = stats_attacks()
         scores = {}
         for family in run.families:
-            low = run.stats(family, "bfloat16", run.auto_kernel(CHECK_LENGTH, "bfloat16"))
+            low = run.stats(family, "bfloat16", run.auto_kernel(CHECK_POSITIONS, "bfloat16"))
             scores[family] = (attack_scores(run.model(family, "float32"), run.rows, run.reference(family), attacks),
                               attack_scores(run.model(family, "bfloat16"), run.rows, low, attacks))
     except Exception as e:

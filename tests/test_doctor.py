@@ -114,7 +114,7 @@ def test_speed_line_says_what_it_measured_and_fails_on_non_finite_numbers(monkey
     monkeypatch.setattr(checkup, "speed_model", poisoned)
     row = mia.doctor(checks=("speed",)).rows[0]
     assert row.check == "speed" and row.ok is False and "NON-FINITE" in row.result
-    assert row.value > 0 and "2 of its 12 layers" in row.result and "1 x 512 tokens, float32, exact" in row.result
+    assert row.value > 0 and "2 of its 12 layers" in row.result and "1 x 512 positions, float32, exact" in row.result
     assert "MFU n/a" in row.result  # no peak is known for a CPU
 
 
@@ -160,7 +160,7 @@ def test_every_family_has_a_tiny_config_the_doctor_can_shard():
         cfg = read_config(fam.config_cls, hf, fam.harmless)  # every field understood
         assert hf["model_type"] == name and cfg.vocab_size == checkup.CHECK_VOCAB
         positions = getattr(cfg, "max_position_embeddings", None) or cfg.n_positions
-        assert positions >= checkup.CHECK_LENGTH
+        assert positions >= checkup.CHECK_POSITIONS
     FAMILIES["nameless"] = dataclasses.replace(FAMILIES["gpt2"], model_type="nameless", tiny=None)
     try:
         with pytest.raises(ValueError, match="registered no tiny config"):

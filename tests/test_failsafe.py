@@ -192,7 +192,7 @@ def test_conditional_steps_fall_back_too(base_model, seqs, monkeypatch, capsys):
 def test_every_engine_step_builder_is_fail_safe(base_model):
     """Each builder the engine and ``mia plan`` share returns the guarded step (built, not traced: cheap)."""
     from mia.attacks.mope import build_mope_step
-    from mia.engine.conditional import _jit_plain, build_cond_step, build_prefix_step, prefix_shardings
+    from mia.engine.conditional import build_cond_step, build_prefix_step, jitted_token_logprobs, prefix_shardings
     from mia.engine.generate import Sampling, build_decode_step
     from mia.engine.loop import build_token_stats_step, engine_layout
 
@@ -200,7 +200,7 @@ def test_every_engine_step_builder_is_fail_safe(base_model):
     mesh, shardings = engine_layout(model)
     cache = prefix_shardings(model, mesh)
     steps = [build_token_stats_step(model, mesh, shardings), build_prefix_step(model, mesh, shardings, cache),
-             build_cond_step(model, mesh, shardings, cache, True), _jit_plain(model),
+             build_cond_step(model, mesh, shardings, cache, True), jitted_token_logprobs(model),
              build_decode_step(model, mesh, shardings, Sampling(max_new=4)),
              build_mope_step(model, mesh, shardings, 2, 0.01, 1)]
     assert all(isinstance(s, FailSafeStep) for s in steps)

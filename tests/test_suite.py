@@ -134,7 +134,7 @@ _FMT = {"testbed.json": "mia-testbed/3", "suite.json": "mia-suite/1"}
 def test_corrupt_manifest_is_one_line_naming_it(manifest, content, names, tmp_path, capsys, monkeypatch):
     """A testbed.json / suite.json that is not JSON, not an object, or has a field of the wrong type: one
     ``error:`` line naming the file (opening it, building into its directory, and from the CLI)."""
-    from experiments.common import open_suite as open_experiment_suite
+    from mia.checkpoints import open_suite_members as open_experiment_suite
     from mia.testbed import TestbedError, build_testbed, open_suite, open_testbed
     from mia.testbed.__main__ import main
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from experiments import camia, checkmia, checkmiabench, em_mia
-from experiments.common import ExperimentError, check_testbed_checkpoints
+from mia.checkpoints import check_testbed_checkpoints
+from mia.checkpoints import CheckpointError
 from mia.testbed import open_testbed
 
 
@@ -48,7 +49,7 @@ def test_a_damaged_testbed_checkpoint_is_refused_naming_the_file(kind, smoke_tes
     records, identical = check_testbed_checkpoints([(f"step{step}", tb, step)])  # the intact copy passes
     assert records[f"step{step}"]["digest"] and identical == []
     path, fragment = _damage(copy, step, kind)
-    with pytest.raises(ExperimentError) as e:
+    with pytest.raises(CheckpointError) as e:
         check_testbed_checkpoints([(f"step{step}", open_testbed(copy), step)])
     msg = str(e.value)
     assert str(path) in msg and fragment in msg and "\n" not in msg, msg

@@ -132,9 +132,13 @@ def compute_token_stats(
     every process calls this with
     the same arguments and gets every result.
     """
+    limit = getattr(model, "max_tokens", None)
     for i, t in enumerate(token_lists):
         if len(t) < 2:
             raise ValueError(f"example {i} has {len(t)} token(s); at least 2 are needed to score")
+        if limit is not None and len(t) > limit:  # never a position the model was not trained at
+            raise ValueError(f"example {i} has {len(t)} tokens; the model's context of {limit - 1} positions scores "
+                             f"at most {limit} (the last only predicted)")
     cache_dir = settings.cache_dir if settings.cache_dir and cacheable(model, params) else None  # no cache, no hash
     mesh, _ = engine_layout(model)
     params = placed_params(model, params)

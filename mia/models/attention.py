@@ -410,7 +410,7 @@ def _splash_kernel(heads: int, length: int, window, interpret: bool):
                               q_seq_shards=1, interpret=interpret)
 
 
-def _splash_local(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpret):
+def splash_per_device(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpret):
     """Splash on one device's rows and heads: q [b, T, h, E], k, v [b, T, k, E] (q's dtype), seg [b, T] int32.
     q is scaled in float32 and rounded to its dtype (splash takes no scale), after the transpose to the kernel's
     [b, h, T, E] so that XLA does both in one pass."""
@@ -429,7 +429,7 @@ def _splash_local(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpret):
 
 def _splash_sharded(q, k, v, seg, *, scale, window, interpret):
     mesh = _MESH.get()
-    local = partial(_splash_local, scale=scale, window=window, interpret=interpret)
+    local = partial(splash_per_device, scale=scale, window=window, interpret=interpret)
     if mesh is None or mesh.size == 1:
         return local(q, k, v, seg)
     from jax.sharding import PartitionSpec as P
