@@ -72,14 +72,14 @@ CHECK_LENGTHS = (385, 300, 129, 37, 385, 256, 2, 200)  # tokens of each check ro
 CHECK_VOCAB = 128  # the tiny configs' vocabulary
 # largest |difference| of a token statistic (nats) against float32 with exact attention, by activation dtype:
 # float32 kernels differ by summation order (at most 4e-6 here); bfloat16 rounds weights and activations to 8 bits
-# of mantissa (measured on the CPU: at most 0.12 over every family and kernel, splash in interpret mode included;
-# an accelerator rounds elsewhere, hence the margin). A kernel that lets a query see the next token gives 1.6 to 3.
+# of mantissa (measured on the CPU: at most 0.11 over every family and kernel, splash in interpret mode included;
+# an accelerator rounds elsewhere, hence the margin). A kernel that lets a query see the next token gives 1.7 to 3.8.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}
 MESH_TOLERANCE = 1e-4  # float32: a layout changes summation order only
 # bf16 may move a check row's score by at most this much, for scores that are means of per-token log-probs (loss,
 # mink, surp; nats) or of standardised log-probs (minkpp); zlib's (LL / compressed bytes) by this over the row's
-# compressed length. Measured on the CPU: at most 0.014 over every family; weights that are not the float32 model's
-# (garbage) move them by 0.5 or more.
+# compressed length. Measured on the CPU: at most 0.0097 over every family (a tenth of it); weights that are not the
+# float32 model's (garbage) move them by 2.4 to 20 times it.
 PRECISION_TOLERANCE = 0.1
 PRECISION_UNITS = {"loss": "nats", "mink": "nats", "surp": "nats", "minkpp": "sd units",
                    "zlib": "nats / compressed byte"}
