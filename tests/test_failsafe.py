@@ -19,15 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mia.checkup import tiny_models
 from mia.engine.batching import ScoringSettings
 from mia.engine.conditional import loglik_matrix
 from mia.engine.failsafe import FailSafeStep, fail_safe
 from mia.engine.loop import compute_token_stats
 from mia.models import attention as A
-from mia.checkup import tiny_models
 
 SETTINGS = ScoringSettings(progress=False, pack=False)
-LENGTHS = (128, 100, 77, 128, 3)  # one bucket of 128: the real splash kernel is traced (and fails to lower)
+LENGTHS = (128, 100, 77, 128, 3)  # one bucket: the model reads 128 positions a row, so the real splash kernel is
+# traced (and fails to lower)
 
 
 def _compile_failure(*args, scale, window=None):
