@@ -90,22 +90,10 @@ def testbed_dir(value: str) -> str:
 testbed_dir.__name__ = "testbed directory"
 
 
-class _Renamed(argparse.Action):
-    """An old flag spelling: refused with one line naming the flag it became (never silently accepted: argparse would
-    otherwise take ``--step`` as an abbreviation of ``--steps``)."""
-
-    def __init__(self, option_strings, dest, new: str = "", **kw):
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} was renamed {self.new}")
-
-
 def _add_renamed(parser, new: str) -> None:
     for old, to in RENAMED_FLAGS.items():
         if to == new:
-            parser.add_argument(old, action=_Renamed, new=new, dest=f"_renamed_{old.strip('-')}", default=None)
+            V.add_renamed_flag(parser, old, new)
 
 
 def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_preset: str = "default",
