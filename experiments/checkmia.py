@@ -228,7 +228,8 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     if blind:
         say("blind baselines ...")
         with timings("blind"):
-            blind_rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, blind_features)
+            blind_rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, blind_features,
+                                                             progress=progress)
         skipped.update({f"blind {k}": v for k, v in bskip.items()})
     best_blind = [dict(r, kind="blind") for r in (blind_rows or []) if r.get("kind") == "chosen"]
 

@@ -469,7 +469,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         if blind and features:
             say(f"step{c}: blind baselines ({', '.join(features)}) ...")
             with timings("blind"):
-                rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, features)
+                rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, features, progress=progress)
             skipped.update({f"blind {k}": v for k, v in bskip.items()})
             for r in rows or []:
                 r = dict(r, step=c)

@@ -355,11 +355,12 @@ BLIND_FEATURES = ("bow", "tfidf", "w2v", "bert")
 
 
 def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Sequence[str] = BLIND_FEATURES,
-                        classifiers: Optional[Sequence[str]] = None):
+                        classifiers: Optional[Sequence[str]] = None, progress: bool = False):
     """(rows, verdict, {feature: reason skipped}) of ``mia.blind`` on a split file, one feature at a time so a
     missing optional dependency (an encoder) skips that feature only. Rows: every feature x classifier run
     (``kind`` "run"), the classifier chosen per feature by cross-validation on the training partition (``kind``
-    "chosen") and, for comparison with the paper's Table 1 rule, the best on evaluation data (``kind`` "best_eval")."""
+    "chosen") and, for comparison with the paper's Table 1 rule, the best on evaluation data (``kind`` "best_eval").
+    ``progress``: a bar per feature (fit, features, each classifier, the cross-validated choice)."""
     split = read_split(split_path)
     rows, skipped = [], {}
     kw = {} if classifiers is None else {"classifiers": tuple(classifiers)}
@@ -367,7 +368,7 @@ def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Seque
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                rows += run_blind(split, features=(f,), seed=seed, n_resamples=n_resamples, **kw)
+                rows += run_blind(split, features=(f,), seed=seed, n_resamples=n_resamples, progress=progress, **kw)
         except Exception as e:  # a missing optional dependency / encoder must not stop the experiment
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             skipped[f] = f"{type(e).__name__}: {msg}"
