@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from mia import validate as V
+
 
 def compiled_bytes(jitted, *args) -> int:
     """XLA's memory estimate for one call: arguments + outputs + temporaries - aliased."""
@@ -64,7 +66,9 @@ def main(argv=None):
     ap.add_argument("--em-texts", type=int, default=64)
     ap.add_argument("--mope-n", type=int, default=10)
     ap.add_argument("--mope-chunk", type=int, default=2)
-    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--batch-tokens", dest="token_budget", type=int, default=16384,
+                    help="token budget per batch (mia score's --batch-tokens)")
+    V.add_renamed_flag(ap, "--token-budget", "--batch-tokens")
     ap.add_argument("--gen-prompts", type=int, default=8)
     ap.add_argument("--gen-samples", type=int, default=4, help="samples per prompt (SaMIA's n)")
     ap.add_argument("--gen-new", type=int, default=64, help="new tokens per sample")

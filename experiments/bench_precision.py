@@ -35,7 +35,7 @@ from mia.engine.batching import ScoringSettings
 from mia.engine.loop import compute_token_stats
 from mia.metrics import auc as roc_auc
 
-from mia.checkpoints import open_members, pick_members
+from mia.checkpoints import memorized_checkpoint, open_members, pick_members
 from mia.data.draw import draw_testbed_split, SplitSizes
 from .common import flags_named, experiment_parser, ExperimentError, fmt, run_main, select_attacks, write_tables
 
@@ -97,8 +97,8 @@ def run(suite: str = "default", member: str = "largest", *, testbeds: Sequence =
     evaluated = [e for e in examples if e.get("partition", "eval") == "eval"]
     model_dir = tb.checkpoint_dir(step)
     if memorize_epochs:
-        model_dir = tb.memorize([e["index"] for e in evaluated if e["label"] == 1], memorize_epochs, step=step,
-                                seed=seed, progress=progress)
+        model_dir = memorized_checkpoint(tb, [e["index"] for e in evaluated if e["label"] == 1], memorize_epochs,
+                                         step=step, seed=seed, progress=progress)
     to_run, skipped = select_attacks(attacks, tolerant=attacks is None)
     runs, logprobs, seconds = {}, {}, {}
     for mode in dtypes:

@@ -53,7 +53,8 @@ from mia.atomic import save_npz, write_text
 from mia.attacks import camia
 from mia.report import csv_text
 
-from mia.checkpoints import check_checkpoints, check_testbed_checkpoints, open_members, pick_members
+from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, memorized_checkpoint, open_members,
+                             pick_members)
 from mia.data.draw import check_token_ids, without_label_conflicts
 from experiments.common import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, check_model_dir, check_paths,
                                 flags_named,
@@ -682,7 +683,7 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
     if memorize_epochs and memorize_epochs > 0:
         rows = sorted(e["index"] for _, ex in datasets for e in ex if e["label"] == 1)
         with timings("memorize"):
-            model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
+            model_dir = memorized_checkpoint(tb, rows, memorize_epochs, step=c, seed=seed, progress=progress)
         dial = {"epochs": int(memorize_epochs), "n_rows": len(rows), "path": str(model_dir)}
     model = mia.load(model_dir)
     context = min(model.max_tokens, tb.row_len)  # whole rows: seq_len + 1 tokens make seq_len predictions

@@ -37,7 +37,7 @@ from mia.data.splits import write_split
 from mia.metrics import metric_rows, summary_row
 from mia.testbed import build_testbed
 
-from mia.checkpoints import check_testbed_checkpoints
+from mia.checkpoints import check_testbed_checkpoints, memorized_checkpoint
 from mia.data.draw import draw_testbed_split, SplitSizes
 from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, add_model_flags, check_paths, experiment_parser,
                                 ExperimentError, fmt, one_step, plot_roc, run_blind_baselines, run_main, say_fn,
@@ -195,7 +195,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     if memorize_epochs and memorize_epochs > 0:
         with timings("memorize"):
             rows = [e["index"] for e in examples if e["label"] == 1]
-            model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
+            model_dir = memorized_checkpoint(tb, rows, memorize_epochs, step=c, seed=seed, progress=progress)
         mem_info = json.loads((model_dir / "memorize.json").read_text())
         mem_info = {k: v for k, v in mem_info.items() if k != "rows"} | {"path": str(model_dir)}
     model = mia.load(model_dir)
@@ -228,7 +228,8 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     if blind:
         say("blind baselines ...")
         with timings("blind"):
-            blind_rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, blind_features)
+            blind_rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, blind_features,
+                                                             progress=progress)
         skipped.update({f"blind {k}": v for k, v in bskip.items()})
     best_blind = [dict(r, kind="blind") for r in (blind_rows or []) if r.get("kind") == "chosen"]
 

@@ -44,8 +44,8 @@ from mia.file_hash import default_cache_dir
 from mia.metrics import metric_rows
 
 from experiments import curves
-from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, count_params, olmo_checkpoint,
-                             olmo_order_settings, open_members, pick_members, select_pythia, size_name)
+from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, count_params, memorized_checkpoint,
+                             olmo_checkpoint, olmo_order_settings, open_members, pick_members, select_pythia, size_name)
 from mia.data.draw import (check_token_ids, draw_olmo_split, draw_pythia_split, draw_testbed_split,
                            drop_label_conflicts, drop_learned_duplicates, SplitSizes)
 from experiments.common import (flags_named, BLIND_FEATURES, DEFAULT_BOOTSTRAP, PYTHIA_ORDER_HINT, add_identical_flag,
@@ -469,7 +469,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         if blind and features:
             say(f"step{c}: blind baselines ({', '.join(features)}) ...")
             with timings("blind"):
-                rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, features)
+                rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, features, progress=progress)
             skipped.update({f"blind {k}": v for k, v in bskip.items()})
             for r in rows or []:
                 r = dict(r, step=c)
@@ -488,7 +488,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
             if memorize_epochs:
                 with timings("memorize"):
                     rows_ = [e["index"] for e in examples if e["label"] == 1]
-                    model_dir = t.testbed.memorize(rows_, memorize_epochs, step=c, seed=seed, progress=progress)
+                    model_dir = memorized_checkpoint(t.testbed, rows_, memorize_epochs, step=c, seed=seed,
+                                                     progress=progress)
             model = mia.load(model_dir)
             check_token_ids(examples, model.vocab_size, setup.data_desc, f"{t.model} step{c} ({t.path.name})")
             cache_dir = t.cache_dir or default_cache_dir()

@@ -90,22 +90,10 @@ def testbed_dir(value: str) -> str:
 testbed_dir.__name__ = "testbed directory"
 
 
-class _Renamed(argparse.Action):
-    """An old flag spelling: refused with one line naming the flag it became (never silently accepted: argparse would
-    otherwise take ``--step`` as an abbreviation of ``--steps``)."""
-
-    def __init__(self, option_strings, dest, new: str = "", **kw):
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} was renamed {self.new}")
-
-
 def _add_renamed(parser, new: str) -> None:
     for old, to in RENAMED_FLAGS.items():
         if to == new:
-            parser.add_argument(old, action=_Renamed, new=new, dest=f"_renamed_{old.strip('-')}", default=None)
+            V.add_renamed_flag(parser, old, new)
 
 
 def experiment_parser(prog: str, doc: str, presets: Iterable[str], default_preset: str = "default",
@@ -367,11 +355,12 @@ BLIND_FEATURES = ("bow", "tfidf", "w2v", "bert")
 
 
 def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Sequence[str] = BLIND_FEATURES,
-                        classifiers: Optional[Sequence[str]] = None):
+                        classifiers: Optional[Sequence[str]] = None, progress: bool = False):
     """(rows, verdict, {feature: reason skipped}) of ``mia.blind`` on a split file, one feature at a time so a
     missing optional dependency (an encoder) skips that feature only. Rows: every feature x classifier run
     (``kind`` "run"), the classifier chosen per feature by cross-validation on the training partition (``kind``
-    "chosen") and, for comparison with the paper's Table 1 rule, the best on evaluation data (``kind`` "best_eval")."""
+    "chosen") and, for comparison with the paper's Table 1 rule, the best on evaluation data (``kind`` "best_eval").
+    ``progress``: a bar per feature (fit, features, each classifier, the cross-validated choice)."""
     split = read_split(split_path)
     rows, skipped = [], {}
     kw = {} if classifiers is None else {"classifiers": tuple(classifiers)}
@@ -379,7 +368,7 @@ def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Seque
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                rows += run_blind(split, features=(f,), seed=seed, n_resamples=n_resamples, **kw)
+                rows += run_blind(split, features=(f,), seed=seed, n_resamples=n_resamples, progress=progress, **kw)
         except Exception as e:  # a missing optional dependency / encoder must not stop the experiment
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             skipped[f] = f"{type(e).__name__}: {msg}"

@@ -50,8 +50,8 @@ from mia.atomic import write_text
 from mia.data.splits import DROPPED_ROWS, partition_counts, read_split
 from mia.metrics import metric_rows
 
-from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, olmo_checkpoint, olmo_order_settings,
-                             open_members, pick_members)
+from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, memorized_checkpoint, olmo_checkpoint,
+                             olmo_order_settings, open_members, pick_members)
 from mia.data.draw import check_token_ids, draw_testbed_split, SplitSizes
 from experiments.common import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, add_olmo_flags, check_paths,
                                 flags_named,
@@ -536,7 +536,7 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
         if memorize_epochs and memorize_epochs > 0:
             rows = sorted({e["index"] for e in pool_ex if e["label"] == 1})
             with timings(f"memorize:{m.name}"):
-                model_dir = m.testbed.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
+                model_dir = memorized_checkpoint(m.testbed, rows, memorize_epochs, step=c, seed=seed, progress=progress)
             dial = {"epochs": int(memorize_epochs), "n_rows": len(rows)}
         r = ref if (ref is not None and m is not ref) else None
         targets.append(Target(m.name, Path(model_dir), r.testbed.checkpoint_dir(c) if r else None, context,

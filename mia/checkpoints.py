@@ -10,7 +10,8 @@ Finding    ``open_suite_members`` (a testbed suite's members, built or reused), 
 Counting   ``count_params`` (parameters only, from the safetensors headers; buffers left out), ``size_name``.
 Checking   ``check_checkpoints`` (every real checkpoint opened before any work: config, tensor names, shapes,
            dtypes, a sampled weights digest; identical weights refused unless allowed), ``check_testbed_checkpoints``
-           (the same for testbed checkpoints, and against the testbed's own record), ``olmo_order_settings`` (OLMo's
+           (the same for testbed checkpoints, and against the testbed's own record), ``memorized_checkpoint`` (the
+           memorization dial's checkpoint, built or reused, then checked the same way), ``olmo_order_settings`` (OLMo's
            batch size and instance length against what the checkpoint states).
 """
 from __future__ import annotations
@@ -277,31 +278,67 @@ def check_checkpoints(checkpoints: Mapping[str, Path], *, allow_identical: bool 
     return {label: r.to_json() for label, r in found.items()}, pairs
 
 
+def testbed_config_problem(tb, path: Path) -> Optional[str]:
+    """None when the config.json at ``path`` is the model config testbed ``tb``'s own settings give
+    (``mia.testbed.build.model_config``: sizes, heads, context, vocabulary, rotary fraction; fields such as the context
+    that ``check_checkpoint``'s shape check cannot see), else one line naming the file."""
+    vocab = tb.manifest.get("tokenizer", {}).get("vocab_size")
+    if vocab is None:
+        return None
+    want = model_config(tb.config, int(vocab))
+    got = load_config(path)[1]
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name, None), getattr(want, f.name)
+        if a != b:
+            return (f"{Path(path) / 'config.json'}: {f.name} is {a!r}, but the testbed at {tb.root} was built with "
+                    f"{b!r}: the checkpoint is not this testbed's")
+    return None
+
+
+def weights_problem(path: Path, want_sha256: Optional[str], record) -> Optional[str]:
+    """None when ``path``/model.safetensors has the sha256 that ``record`` (a file, named in the message) states, or
+    when nothing is recorded; else one line naming the weights file."""
+    weights = Path(path) / "model.safetensors"
+    if not want_sha256 or not weights.is_file():
+        return None
+    got = file_sha256(weights)
+    if got != want_sha256:
+        return (f"{weights}: damaged: sha256 {got[:12]}, {record} records {want_sha256[:12]}; delete it and build it "
+                "again")
+    return None
+
+
 def testbed_checkpoint_problem(tb, step: int, path: Path) -> Optional[str]:
     """None when testbed ``tb``'s checkpoint ``step`` at ``path`` is what the testbed says it is, else one line naming
-    the file: config.json against the model config the testbed's own settings give (``mia.testbed.build.model_config``:
-    sizes, heads, context, vocabulary, rotary fraction; a field ``check_checkpoint``'s shape check cannot see, such as
-    the context), and model.safetensors against the sha256 its testbed.json records (checkpoints the build saved; a
-    step trained on demand has no record). ``check_checkpoint`` (run by ``check_testbed_checkpoints`` first) covers
-    the rest: a missing or truncated weight file, a wrong tensor name, shape or dtype."""
+    the file: its config (``testbed_config_problem``) and model.safetensors against the sha256 its testbed.json
+    records (checkpoints the build saved; a step trained on demand has no record). ``check_checkpoint`` (run by
+    ``check_testbed_checkpoints`` first) covers the rest: a missing or truncated weight file, a wrong tensor name,
+    shape or dtype."""
+    rec = (tb.manifest.get("checkpoints") or {}).get(str(int(step))) or {}
+    return testbed_config_problem(tb, path) or weights_problem(path, rec.get("sha256"), tb.root / "testbed.json")
 
-    vocab = tb.manifest.get("tokenizer", {}).get("vocab_size")
-    if vocab is not None:
-        want = model_config(tb.config, int(vocab))
-        got = load_config(path)[1]
-        for f in dataclasses.fields(want):
-            a, b = getattr(got, f.name, None), getattr(want, f.name)
-            if a != b:
-                return (f"{Path(path) / 'config.json'}: {f.name} is {a!r}, but the testbed at {tb.root} was built with "
-                        f"{b!r}: the checkpoint is not this testbed's")
-    rec = (tb.manifest.get("checkpoints") or {}).get(str(int(step)))
-    weights = Path(path) / "model.safetensors"
-    if rec and rec.get("sha256") and weights.is_file():
-        got = file_sha256(weights)
-        if got != rec["sha256"]:
-            return (f"{weights}: damaged: sha256 {got[:12]}, {tb.root / 'testbed.json'} records {rec['sha256'][:12]}; "
-                    "delete the testbed and build it again")
-    return None
+
+def memorized_checkpoint(tb, rows, epochs: int, *, step: Optional[int] = None, seed: int = 0,
+                         progress: bool = True) -> Path:
+    """The memorization dial's checkpoint (``Testbed.memorize``: checkpoint ``step`` trained ``epochs`` more passes
+    over ``rows``), built or reused, then checked as every checkpoint is before it is scored: opened
+    (``check_checkpoint``: config, tensor names, shapes, dtypes), its config the testbed's (``testbed_config_problem``),
+    its weights the ones its memorize.json records, and not identical to the checkpoint it was trained from (that
+    dial did nothing: its scores would be the base's under another name). ``epochs`` <= 0: the checkpoint itself,
+    checked as ``check_testbed_checkpoints`` does. A problem is one ``CheckpointError`` naming the file."""
+    step = tb.train_steps if step is None else int(step)
+    if epochs <= 0:
+        check_testbed_checkpoints([(f"step{step}", tb, step)])
+        return tb.checkpoint_dir(step)
+    path = Path(tb.memorize(rows, epochs, step=step, seed=seed, progress=progress))
+    check_testbed_checkpoints([(f"step{step}", tb, step)])
+    check_checkpoints({f"step{step}": tb.checkpoint_dir(step), f"step{step}-dial": path})
+    record = path / "memorize.json"
+    sha = json.loads(record.read_text()).get("weights_sha256") if record.is_file() else None
+    problem = testbed_config_problem(tb, path) or weights_problem(path, sha, record)
+    if problem:
+        raise CheckpointError(problem)
+    return path
 
 
 def check_testbed_checkpoints(models: Sequence[tuple], *, allow_identical: bool = False) -> tuple:
