@@ -65,8 +65,12 @@ def open_suite_members(name: str, path=None, *, progress: bool = True) -> tuple[
     """``(members ordered by parameter count, description)`` of the testbed suite ``name`` (``mia.testbed.suite``):
     opened when ``path`` holds a complete suite, else built, resumed or reused there (default
     ``testbeds/suite-<name>``)."""
-    if path is not None and (Path(path) / "suite.json").exists() and \
-            read_manifest(Path(path) / "suite.json", SUITE_FIELDS).get("complete"):
+    manifest = Path(path) / "suite.json" if path is not None else None
+    recorded = read_manifest(manifest, SUITE_FIELDS) if manifest is not None and manifest.exists() else {}
+    if recorded.get("complete"):
+        if recorded.get("name") != name:
+            raise ArgumentError("path", path, f"holds the testbed suite {str(recorded.get('name'))[:40]!r}, not "
+                                f"{name!r}; give another directory, or ask for that suite")
         suite = open_built_suite(path)
     else:
         suite = build_suite(name, path, progress=progress)

@@ -140,6 +140,9 @@ def test_notebook_computes_the_tables(cmb_smoke, monkeypatch):
              if (r["model"], r["step"]) == (target["model"], target["step"]) and r.get("auc") is not None}
     for method, auc in saved.items():
         assert roc_auc_score(ns["labels"], ns["scores"][method]) == pytest.approx(auc, abs=1e-9), method
+    # the notebook's last cells redo the target's split and LOSS score through mia.data.draw / mia.checkpoints /
+    # mia.score: the same split row for row (asserted in the notebook) and the table's AUC
+    assert ns["api_auc"] == pytest.approx(saved["loss"], abs=1e-9) and ns["table_auc"] == saved["loss"]
 
 
 # ----------------------------------------------------------------------------------------------- curves math
