@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from mia import validate as V
+
 
 def compiled_bytes(jitted, *args) -> int:
     """XLA's memory estimate for one call: arguments + outputs + temporaries - aliased."""
@@ -64,7 +66,9 @@ def main(argv=None):
     ap.add_argument("--em-texts", type=int, default=64)
     ap.add_argument("--mope-n", type=int, default=10)
     ap.add_argument("--mope-chunk", type=int, default=2)
-    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--batch-tokens", dest="token_budget", type=int, default=16384,
+                    help="token budget per batch (mia score's --batch-tokens)")
+    V.add_renamed_flag(ap, "--token-budget", "--batch-tokens")
     ap.add_argument("--gen-prompts", type=int, default=8)
     ap.add_argument("--gen-samples", type=int, default=4, help="samples per prompt (SaMIA's n)")
     ap.add_argument("--gen-new", type=int, default=64, help="new tokens per sample")
@@ -78,7 +82,7 @@ def main(argv=None):
 
     import mia.models as mm
     from mia.attacks.mope import jitted_mope
-    from mia.engine.conditional import _jit_cond, _jit_plain, _jit_prefix, loglik_matrix
+    from mia.engine.conditional import jitted_conditional, jitted_token_logprobs, jitted_prefix, loglik_matrix
     from mia.models.gpt_neox import GPTNeoXConfig
     from mia.engine.batching import ScoringSettings
 
@@ -90,7 +94,7 @@ def main(argv=None):
     settings = ScoringSettings(token_budget=args.token_budget, progress=False)
     rng = np.random.default_rng(0)
     texts = lambda n: [rng.integers(1, args.vocab, args.length).astype(np.int32) for _ in range(n)]  # noqa: E731
-    plain_fn = _jit_plain(model)
+    plain_fn = jitted_token_logprobs(model)
     rows_plain = lambda length: max(1, min(settings.max_batch, args.token_budget // length))  # noqa: E731
 
     def plain_pairs(prefixes, targets, pairs, include_first):
@@ -125,14 +129,14 @@ def main(argv=None):
         results.append((f"ReCaLL {args.shots}-shot ({len(prefix)}-token prefix), {args.targets} targets",
                         tc, tp, float(np.nanmax(np.abs(a - b)))))
         plen = 1 << (len(prefix) - 1).bit_length()
-        group = _jit_prefix(model)(params, prefix[None], np.ones((1, len(prefix)), bool))
+        group = jitted_prefix(model)(params, prefix[None], np.ones((1, len(prefix)), bool))
         gp = np.zeros((1, plen), np.int32)
         trows = min(settings.max_batch, args.token_budget // args.length, 2 * args.token_budget // (plen + args.length))
         trows = min(1 << (trows.bit_length() - 1), 1 << (len(targets) - 1).bit_length())
         tt = np.zeros((trows, args.length), np.int32)
-        mem.append(("ReCaLL cached: prefix pass", compiled_bytes(_jit_prefix(model), params, gp, gp.astype(bool))))
+        mem.append(("ReCaLL cached: prefix pass", compiled_bytes(jitted_prefix(model), params, gp, gp.astype(bool))))
         mem.append((f"ReCaLL cached: {trows} targets x {args.length} vs cache {plen}",
-                    compiled_bytes(_jit_cond(model, True), params, group, np.int32(0), tt, tt.astype(bool))))
+                    compiled_bytes(jitted_conditional(model, True), params, group, np.int32(0), tt, tt.astype(bool))))
         tok = np.zeros((rows, length), np.int32)
         mem.append((f"ReCaLL plain: {rows} x {length}", compiled_bytes(plain_fn, params, tok, tok.astype(bool))))
 

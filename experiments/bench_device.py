@@ -13,8 +13,8 @@ transformers runs its default attention (SDPA, flash on a GPU) under ``torch.no_
 Printed: tokens/second of each side, their ratio, and MFU = model FLOPs / (seconds x peak FLOPs of the device).
 Model FLOPs per token (forward only, PaLM's convention): 2 N + 4 L T D, where N counts every matmul weight
 (layers and LM head, not the input embedding gather), L layers, T the padded length, D the width. The peak is looked
-up from the device kind (dense bf16/fp16 tensor-core or MXU numbers from the vendors' data sheets) or given with
-``--peak-tflops``; on a CPU it is unknown unless given, and MFU is printed as n/a.
+up from the device kind (``mia.flops``: dense bf16 tensor-core or MXU numbers from the vendors' data sheets) or given
+with ``--peak-tflops``; on a CPU it is unknown unless given, and MFU is printed as n/a.
 """
 from __future__ import annotations
 
@@ -24,26 +24,7 @@ import time
 
 import numpy as np
 
-# Dense (no sparsity) bf16 peak TFLOP/s per device, from the vendors' data sheets; matched as substrings of
-# jax's ``device_kind`` (lower case), first match wins.
-PEAK_BF16_TFLOPS = (
-    ("h200", 989.0), ("h100 nvl", 835.0), ("h100 pcie", 756.0), ("h100", 989.0), ("gh200", 989.0),
-    ("a100", 312.0), ("l40s", 362.0), ("l4", 121.0), ("a10g", 70.0), ("v100", 125.0),
-    ("tpu v6 lite", 918.0), ("tpu v5 lite", 197.0), ("tpu v5p", 459.0), ("tpu v5", 459.0), ("tpu v4", 275.0),
-)
-
-
-def peak_tflops(device_kind: str):
-    """Peak dense bf16 TFLOP/s of a jax ``device_kind``, or None when unknown (e.g. a CPU)."""
-    kind = device_kind.lower()
-    return next((v for k, v in PEAK_BF16_TFLOPS if k in kind), None)
-
-
-def forward_flops_per_token(hidden: int, layers: int, ffn: int, vocab: int, length: int) -> float:
-    """2 N + 4 L T D: N = matmul weights (qkv, out, 2 MLP per layer, plus the LM head)."""
-    n_matmul = layers * (4 * hidden * hidden + 2 * hidden * ffn) + hidden * vocab
-    return 2.0 * n_matmul + 4.0 * layers * length * hidden
-
+from mia.flops import forward_flops_per_token, peak_tflops
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -54,7 +54,7 @@ def write_checkpoint(root: Path, dtype: str, shape: dict, seed: int = 0) -> int:
     import ml_dtypes
     import transformers as tf
 
-    from mia.models.hub import _ST_NAMES, abstract_params, family
+    from mia.models.hub import SAFETENSORS_NAMES, abstract_params, family
 
     fam = family("gpt_neox")
     hf = tf.GPTNeoXConfig(max_position_embeddings=2048, tie_word_embeddings=False, **shape).to_dict()
@@ -74,7 +74,7 @@ def write_checkpoint(root: Path, dtype: str, shape: dict, seed: int = 0) -> int:
     for name in sorted(tensors):
         n = int(np.prod(tensors[name]))
         size = n * np.dtype(np_dtype).itemsize
-        header[name] = {"dtype": _ST_NAMES[np.dtype(np_dtype)], "shape": list(tensors[name]),
+        header[name] = {"dtype": SAFETENSORS_NAMES[np.dtype(np_dtype)], "shape": list(tensors[name]),
                         "data_offsets": [offset, offset + size]}
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()

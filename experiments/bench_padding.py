@@ -1,14 +1,14 @@
 """Benchmark: padding and speed of the scoring engine's rows: power-of-two buckets, multiple-of-step buckets, packing.
 
-    python -m experiments.bench_padding [--rows 128 --budget 2048] [--plan-rows 1000 10000] [--step 128]
+    python -m experiments.bench_padding [--rows 128 --batch-tokens 2048] [--plan-rows 1000 10000] [--bucket-step 128]
 
 Three rules side by side on the same synthetic corpora (``ScoringSettings``, everything else at its default):
 
   baseline  ``bucket_step=0, pack=False``: every text in its own row padded to the power of two >= its length
             (>= ``min_bucket`` 16)
-  buckets   ``bucket_step=--step, pack=False``: powers of two up to the step, multiples of it above (at most 8 per
-            octave), one text per row (the default)
-  packed    ``bucket_step=--step, pack=True``: several texts per row (segment ids), rows of those bucket lengths
+  buckets   ``bucket_step=--bucket-step, pack=False``: powers of two up to the step, multiples of it above (at
+            most 8 per octave), one text per row (the default)
+  packed    ``bucket_step=--bucket-step, pack=True``: several texts per row (segment ids), rows of those bucket lengths
 
 The default (``pack=None``, auto) is one of the last two, chosen per call by ``packs_rows``' cost estimate; each
 timed corpus prints which one auto picks for the model and the estimated packed / unpacked cost.
@@ -24,7 +24,7 @@ Printed per corpus and rule: compiled programs (distinct batch shapes of the pla
 factor (padded tokens / real tokens, by the row lengths alone, and as computed: batches x rows x length, which also
 counts the empty rows of each bucket: a bucket's row count is a power of two), the first run (compiling included)
 and the best of ``--repeats`` warm runs of ``compute_token_stats`` with a tiny random GPT-NeoX (hidden 32, 1 layer,
-vocab 256: cheap enough that 2 CPU cores finish in about 2 minutes) at ``--budget`` padded tokens per batch, real
+vocab 256: cheap enough that 2 CPU cores finish in about 2 minutes) at ``--batch-tokens`` padded tokens per batch, real
 tokens/s, and the ratio baseline / mia. The two rules' log-probs are compared (max |difference|). The plan-only
 table (no model) gives the same padding columns at the default token budget for ``--plan-rows`` texts.
 
@@ -42,6 +42,8 @@ import time
 from typing import Optional
 
 import numpy as np
+
+from mia import validate as V
 
 CORPORA = ("log-uniform", "wikimia+mimir", "long")
 
@@ -61,18 +63,19 @@ def corpus_lengths(name: str, n: int, seed: int = 0) -> np.ndarray:
 
 
 def plan_numbers(lengths, settings) -> dict:
-    """Programs, padding factor by row lengths, padding factor as computed (batches x rows x length)."""
-    from mia.engine.batching import _first_fit_rows, bucket_length, pack_rows, plan_batches
+    """Programs, padding factor by row lengths, padding factor as computed (batches x rows x positions read). The
+    model reads n - 1 positions of an n-token text (its last token is only predicted) and length - 1 of a row."""
+    from mia.engine.batching import first_fit_rows, pack_rows, plan_batches, row_length
 
     lengths = [int(n) for n in lengths]
     plan = (pack_rows if settings.pack else plan_batches)(lengths, settings)
-    real = int(np.sum(lengths))
+    real = int(np.sum(lengths)) - len(lengths)
     if settings.pack:
-        by_row = sum(length for length, _ in _first_fit_rows(lengths, settings))
+        by_row = sum(length - 1 for length, _ in first_fit_rows(lengths, settings))
     else:
-        by_row = sum(bucket_length(int(n), settings.min_bucket, settings.bucket_step) for n in lengths)
+        by_row = sum(row_length(int(n), settings.min_bucket, settings.bucket_step) - 1 for n in lengths)
     return {"programs": len({(b.length, b.rows) for b in plan}), "pad_rows": by_row / real,
-            "pad_computed": sum(b.rows * b.length for b in plan) / real}
+            "pad_computed": sum(b.rows * (b.length - 1) for b in plan) / real}
 
 
 def tiny_model(hidden: int, layers: int, vocab: int):
@@ -144,15 +147,20 @@ def fitted_score_overhead(model, seconds: dict) -> Optional[float]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=128, help="texts per corpus for the timed runs")
-    ap.add_argument("--budget", type=int, default=2048, help="token_budget of the timed runs")
+    ap.add_argument("--batch-tokens", dest="budget", type=int, default=2048,
+                    help="token budget per batch of the timed runs (mia score's --batch-tokens)")
     ap.add_argument("--plan-rows", type=int, nargs="+", default=[1000, 10000],
                     help="texts per corpus for the plan-only table")
-    ap.add_argument("--step", type=int, default=128, help="bucket_step of the mia side")
+    ap.add_argument("--bucket-step", dest="step", type=int, default=128,
+                    help="bucket step of the mia side (mia score's --bucket-step)")
     ap.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=CORPORA)
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--plan-only", action="store_true", help="print the plan table only (no model, no timing)")
+    for old, new in (("--budget", "--batch-tokens"), ("--step", "--bucket-step")):
+        V.add_renamed_flag(ap, old, new)
     args = ap.parse_args(argv)
 
     import jax
@@ -174,6 +182,8 @@ def main(argv=None):
                 p = plan_numbers(lengths, s)
                 print(f"{name:<15} {n:6d} {label:<26} {p['programs']:8d} {p['pad_rows']:10.3f} "
                       f"{p['pad_computed']:14.3f}")
+    if args.plan_only:
+        return
 
     model = tiny_model(args.hidden, args.layers, args.vocab)
     print(f"\ntoken stats, random GPT-NeoX hidden={args.hidden} layers={args.layers} vocab={args.vocab}, "

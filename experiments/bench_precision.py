@@ -35,8 +35,9 @@ from mia.engine.batching import ScoringSettings
 from mia.engine.loop import compute_token_stats
 from mia.metrics import auc as roc_auc
 
-from .common import (ExperimentError, SplitSizes, draw_testbed_split, experiment_parser, fmt, open_members,
-                     pick_members, run_main, select_attacks, write_tables)
+from mia.checkpoints import memorized_checkpoint, open_members, pick_members
+from mia.data.draw import draw_testbed_split, SplitSizes
+from .common import flags_named, experiment_parser, ExperimentError, fmt, run_main, select_attacks, write_tables
 
 # attacks whose scores depend on the seed (random noise, sampling, augmentation): their float32 scores under another
 # seed are the yardstick for the bf16 change
@@ -87,16 +88,17 @@ def run(suite: str = "default", member: str = "largest", *, testbeds: Sequence =
     """The comparison as a dict (also ``out/summary.json`` when ``out`` is given); see the module docstring."""
     if len(dtypes) < 2:
         raise ExperimentError("--dtypes: give at least two modes to compare, e.g. float32,bfloat16")
-    members, desc, _ = open_members(suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
-    target = pick_members(members, member)[-1]
+    with flags_named(testbeds="--testbed", member="--member"):
+        members, desc, _ = open_members(suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
+        target = pick_members(members, member)[-1]
     tb = target.testbed
     step = int(steps[-1]) if steps else tb.train_steps
     header, examples, note = draw_testbed_split(tb, step, SPLITS.get(suite, SPLITS['default']), seed)
     evaluated = [e for e in examples if e.get("partition", "eval") == "eval"]
     model_dir = tb.checkpoint_dir(step)
     if memorize_epochs:
-        model_dir = tb.memorize([e["index"] for e in evaluated if e["label"] == 1], memorize_epochs, step=step,
-                                seed=seed, progress=progress)
+        model_dir = memorized_checkpoint(tb, [e["index"] for e in evaluated if e["label"] == 1], memorize_epochs,
+                                         step=step, seed=seed, progress=progress)
     to_run, skipped = select_attacks(attacks, tolerant=attacks is None)
     runs, logprobs, seconds = {}, {}, {}
     for mode in dtypes:

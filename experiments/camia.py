@@ -53,11 +53,13 @@ from mia.atomic import save_npz, write_text
 from mia.attacks import camia
 from mia.report import csv_text
 
-from experiments.common import (DEFAULT_BOOTSTRAP, ExperimentError, Timings, add_identical_flag, add_model_flags,
-                                one_step, check_checkpoints, identical_note,
-                                check_model_dir, check_paths, check_suite_steps, check_testbed_checkpoints,
-                                check_token_ids, experiment_parser, open_members, pick_members, run_blind_baselines,
-                                run_main, say_fn, score_split, select_attacks, sha_file, without_label_conflicts,
+from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, memorized_checkpoint, open_members,
+                             pick_members)
+from mia.data.draw import check_token_ids, without_label_conflicts
+from experiments.common import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, check_model_dir, check_paths,
+                                flags_named,
+                                check_suite_steps, experiment_parser, ExperimentError, identical_note, one_step,
+                                run_blind_baselines, run_main, say_fn, score_split, select_attacks, sha_file, Timings,
                                 write_json, write_manifest, write_tables)
 
 BASELINES = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "ref", "neighbor")  # the paper's K = 20 for Min-K%
@@ -82,7 +84,7 @@ class Preset:
     n_domains: int
     n_members: int
     n_nonmembers: int
-    member: str = "middle"  # the target suite member (common.pick_members): middle, largest, smallest or a name
+    member: str = "middle"  # the target suite member (mia.checkpoints.pick_members): middle, largest, smallest, a name
     draws: int = 10
     alpha: float = 0.3
     min_share: float = 0.5
@@ -661,8 +663,9 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
                  blind, seed, bootstrap, progress, timings, allow_identical: bool = False) -> dict:
     say = say_fn(progress)
     with timings("testbed"):
-        members, desc, notes = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
-    targets = pick_members(members, p.member)
+        with flags_named(testbeds="--testbed", member="--member"):
+            members, desc, notes = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
+            targets = pick_members(members, p.member)
     if len(targets) != 1:
         raise ExperimentError("--member all is not offered here: Table 1 is one model; run once per --member NAME")
     target = targets[0]
@@ -680,16 +683,17 @@ def _run_testbed(p: Preset, preset: str, out: Path, *, testbeds, suite_dir, step
     if memorize_epochs and memorize_epochs > 0:
         rows = sorted(e["index"] for _, ex in datasets for e in ex if e["label"] == 1)
         with timings("memorize"):
-            model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
+            model_dir = memorized_checkpoint(tb, rows, memorize_epochs, step=c, seed=seed, progress=progress)
         dial = {"epochs": int(memorize_epochs), "n_rows": len(rows), "path": str(model_dir)}
     model = mia.load(model_dir)
-    context = min(int(model.max_length), tb.row_len)
+    context = min(model.max_tokens, tb.row_len)  # whole rows: seq_len + 1 tokens make seq_len predictions
     options = {"ref_model": mia.load(ref.testbed.checkpoint_dir(c))} if ref is not None else {}  # loaded once
     if mlm:
         options["mlm"] = str(mlm)
     attacks, skipped = _baseline_attacks(ref is not None, bool(mlm))
     cache_dir = str(tb.root / "cache")
-    notes = list(notes) + [f"rows are scored at the model's trained context ({context} tokens)"]
+    notes = list(notes) + [f"rows of {context} tokens are scored whole: {context - 1} predictions within the model's "
+                           f"trained context of {model.max_length} positions"]
     conflicts = {d: v["label_conflicts_dropped"] for d, v in pool["domains"].items() if v["label_conflicts_dropped"]}
     if conflicts:
         notes.append(f"{sum(conflicts.values())} non-member row(s) with the same tokens as a member row dropped (the "

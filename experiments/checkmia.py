@@ -37,11 +37,11 @@ from mia.data.splits import write_split
 from mia.metrics import metric_rows, summary_row
 from mia.testbed import build_testbed
 
-from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, ExperimentError, add_model_flags, experiment_parser,
-                                check_testbed_checkpoints, one_step, SplitSizes, Timings, check_paths,
-                                draw_testbed_split,
-                                fmt, plot_roc, run_blind_baselines, run_main, say_fn, score_split,
-                                select_attacks as _select, sha_file, versions, write_json)
+from mia.checkpoints import check_testbed_checkpoints, memorized_checkpoint
+from mia.data.draw import draw_testbed_split, SplitSizes
+from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, add_model_flags, check_paths, experiment_parser,
+                                ExperimentError, fmt, one_step, plot_roc, run_blind_baselines, run_main, say_fn,
+                                score_split, select_attacks as _select, sha_file, Timings, versions, write_json)
 
 # Examples per class in each partition, per preset (non-members only in calib / prefix).
 SIZES = {
@@ -61,7 +61,7 @@ JobError = ExperimentError  # a bad request for the main job (one line)
 def draw_split(tb, step: int, n_eval_members: int, n_eval_nonmembers: int, n_train: int, n_calib: int,
                n_prefix: int, seed: int, end_step: Optional[int] = None):
     """(header, examples) of the checkpoint split of testbed ``tb`` at checkpoint ``step``
-    (``experiments.common.draw_testbed_split``): members rows [0, step*B), non-members rows [step*B, end_step*B)
+    (``mia.data.draw.draw_testbed_split``): members rows [0, step*B), non-members rows [step*B, end_step*B)
     with end_step = the first epoch's end; partitions members -> train, eval; non-members -> prefix, calib,
     train, eval."""
     sizes = SplitSizes(n_eval_members, n_train, n_calib, n_prefix, n_eval_nonmembers)
@@ -195,7 +195,7 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     if memorize_epochs and memorize_epochs > 0:
         with timings("memorize"):
             rows = [e["index"] for e in examples if e["label"] == 1]
-            model_dir = tb.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
+            model_dir = memorized_checkpoint(tb, rows, memorize_epochs, step=c, seed=seed, progress=progress)
         mem_info = json.loads((model_dir / "memorize.json").read_text())
         mem_info = {k: v for k, v in mem_info.items() if k != "rows"} | {"path": str(model_dir)}
     model = mia.load(model_dir)
@@ -228,7 +228,8 @@ def run(preset: str = "default", out=None, *, testbed_dir=None, step: Optional[i
     if blind:
         say("blind baselines ...")
         with timings("blind"):
-            blind_rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, blind_features)
+            blind_rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, blind_features,
+                                                             progress=progress)
         skipped.update({f"blind {k}": v for k, v in bskip.items()})
     best_blind = [dict(r, kind="blind") for r in (blind_rows or []) if r.get("kind") == "chosen"]
 

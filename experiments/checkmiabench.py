@@ -44,16 +44,15 @@ from mia.file_hash import default_cache_dir
 from mia.metrics import metric_rows
 
 from experiments import curves
-from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, PYTHIA_ORDER_HINT, ExperimentError, SplitSizes,
-                                Timings, add_model_flags, check_testbed_checkpoints, add_olmo_flags,
-                                olmo_order_settings, pick_members,
-                                argv_or_sys, check_paths, check_suite_steps, check_token_ids, count_params, default_out,
-                                draw_olmo_split, draw_pythia_split, draw_testbed_split, drop_label_conflicts,
-                                drop_learned_duplicates, experiment_parser, add_identical_flag, check_checkpoints,
-                                identical_note,
-                                olmo_checkpoint, open_members, require_order, run_blind_baselines, run_main, say_fn,
-                                score_split, select_attacks, select_pythia, sha_file, size_name, write_json,
-                                write_manifest, write_tables)
+from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, count_params, memorized_checkpoint,
+                             olmo_checkpoint, olmo_order_settings, open_members, pick_members, select_pythia, size_name)
+from mia.data.draw import (check_token_ids, draw_olmo_split, draw_pythia_split, draw_testbed_split,
+                           drop_label_conflicts, drop_learned_duplicates, SplitSizes)
+from experiments.common import (flags_named, BLIND_FEATURES, DEFAULT_BOOTSTRAP, PYTHIA_ORDER_HINT, add_identical_flag,
+                                add_model_flags, add_olmo_flags, argv_or_sys, check_paths, check_suite_steps,
+                                default_out, experiment_parser, ExperimentError, identical_note, require_order,
+                                run_blind_baselines, run_main, say_fn, score_split, select_attacks, sha_file, Timings,
+                                write_json, write_manifest, write_tables)
 
 MODULE = "experiments.checkmiabench"
 
@@ -240,12 +239,13 @@ def testbed_setup(preset: Preset, *, testbeds: Sequence = (), suite: Optional[st
                   allow_fewer: bool = False, allow_identical: bool = False) -> Setup:
     """The testbed suite ``suite`` (or the testbeds given, which must share one data order) as a Setup. Every
     checkpoint is opened and checked (``check_testbed_checkpoints``) before any split is drawn."""
-    members, desc, notes = open_members(suite or preset.suite, testbeds=testbeds, suite_dir=suite_dir,
-                                        progress=progress)
-    names = [m.name for m in members]
-    if len(set(names)) != len(names):
-        raise ExperimentError(f"two suite members have the same size name ({', '.join(names)})")
-    members = pick_members(members, member or "all")
+    with flags_named(testbeds="--testbed", member="--member"):
+        members, desc, notes = open_members(suite or preset.suite, testbeds=testbeds, suite_dir=suite_dir,
+                                            progress=progress)
+        names = [m.name for m in members]
+        if len(set(names)) != len(names):
+            raise ExperimentError(f"two suite members have the same size name ({', '.join(names)})")
+        members = pick_members(members, member or "all")
     first = members[0].testbed
     common = sorted(set.intersection(*(set(_saved_steps(m.testbed)) for m in members)))
     chosen = _pick_steps(steps if steps is not None else preset.steps, common, "the suite")
@@ -292,7 +292,8 @@ def pythia_setup(root, data: Sequence, idx, *, member: Optional[str], steps: Seq
     from mia.models import load_config
 
     require_order("--pythia", {"--data": data, "--idx": idx}, PYTHIA_ORDER_HINT)
-    chosen = select_pythia(root, member, steps)
+    with flags_named(root="--pythia", member="--member"):
+        chosen = select_pythia(root, member, steps)
     records, identical = check_checkpoints({f"{size}-step{s}": path for size, by_step in chosen.items()
                                             for s, path in by_step.items()}, allow_identical=allow_identical)
     targets = [Target(size, count_params(path), c, path, None) for c in steps for size, by_step in chosen.items()
@@ -320,7 +321,8 @@ def olmo_setup(root, global_indices, data_paths, *, steps: Sequence[int], split_
     checkpoint is opened and checked (``check_checkpoints``) before anything else is read, and the batch size,
     instance length and first-step position against what the checkpoints state (``olmo_order_settings``)."""
     require_order("--olmo", {"--global-indices": global_indices, "--data-paths": data_paths})
-    paths = {c: olmo_checkpoint(root, c) for c in sorted(steps)}
+    with flags_named(root="--olmo"):
+        paths = {c: olmo_checkpoint(root, c) for c in sorted(steps)}
     records, identical = check_checkpoints({f"step{c}": p for c, p in paths.items()}, allow_identical=allow_identical)
     batch_size, seq_len, order_record, order_note = olmo_order_settings(paths, batch_size, seq_len)
     targets = []
@@ -467,7 +469,7 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
         if blind and features:
             say(f"step{c}: blind baselines ({', '.join(features)}) ...")
             with timings("blind"):
-                rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, features)
+                rows, verdict, bskip = run_blind_baselines(split_path, seed, bootstrap, features, progress=progress)
             skipped.update({f"blind {k}": v for k, v in bskip.items()})
             for r in rows or []:
                 r = dict(r, step=c)
@@ -486,7 +488,8 @@ def run(preset: str = "default", out=None, *, testbeds: Sequence = (), suite: Op
             if memorize_epochs:
                 with timings("memorize"):
                     rows_ = [e["index"] for e in examples if e["label"] == 1]
-                    model_dir = t.testbed.memorize(rows_, memorize_epochs, step=c, seed=seed, progress=progress)
+                    model_dir = memorized_checkpoint(t.testbed, rows_, memorize_epochs, step=c, seed=seed,
+                                                     progress=progress)
             model = mia.load(model_dir)
             check_token_ids(examples, model.vocab_size, setup.data_desc, f"{t.model} step{c} ({t.path.name})")
             cache_dir = t.cache_dir or default_cache_dir()
@@ -634,6 +637,7 @@ def build_parser():
 
     p = experiment_parser(f"python -m {MODULE}", __doc__, PRESETS)
     p.add_argument("--paper", action="store_true", help="the paper's settings (= --preset paper)")
+    p.set_defaults(preset=None)  # to tell an explicit --preset from the default (see chosen_preset)
     g = p.add_argument_group("models and checkpoints")
     g.add_argument("--suite", default=None, help="suite name (default: the preset's: smoke for smoke, else default)")
     g.add_argument("--suite-dir", default=None, help="suite directory (built there if missing)")
@@ -668,10 +672,19 @@ def build_parser():
     return p
 
 
+def chosen_preset(parser, args) -> str:
+    """The preset asked for: ``--paper`` is ``--preset paper``; with any other ``--preset`` it is a usage error naming
+    both flags (a smoke run must never quietly become the paper's long one)."""
+    if args.paper and args.preset not in (None, "paper"):
+        parser.error(f"--paper and --preset {args.preset}: --paper means --preset paper; give one of them")
+    return "paper" if args.paper else (args.preset or "default")
+
+
 def main(argv=None) -> int:
     argv = argv_or_sys(argv)
-    args = build_parser().parse_args(argv)
-    preset = "paper" if args.paper else args.preset
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    preset = chosen_preset(parser, args)
     steps = args.steps
     status, s = run_main(
         lambda: run(preset, args.out, testbeds=args.testbed or [], suite=args.suite, suite_dir=args.suite_dir,

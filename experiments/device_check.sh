@@ -5,6 +5,8 @@
 #   bash experiments/device_check.sh [DIR]   # DIR: a built testbed suite (default testbeds/suite-default; its largest
 #                                            # member is used) or one built testbed directory
 #
+# 0. mia doctor: every family and kernel against float32, the mesh, the caches, a speed line, what bf16 costs
+#    ($OUT/doctor.json; a failing check is reported and the script goes on: the later steps show how it fails)
 # 1. speed: Pythia-1B-shaped token stats in bf16, mia vs transformers on the same device (tokens/s, MFU, ratio)
 # 2. attention kernels in bf16 (exact, blocked, xla = cuDNN on a GPU) against float32, per-token log-probs
 # 3. what bf16 costs in scores: every attack in float32 and bf16 on the suite's largest member
@@ -30,6 +32,7 @@ step() {
   echo "   ($((SECONDS - t)) s)" | tee -a "$OUT/log.txt"
 }
 $py -c "import jax, torch; print(jax.devices(), torch.__version__, torch.cuda.is_available())" 2>&1 | tee "$OUT/log.txt"
+step "0 mia doctor" $py -m mia doctor --json "$OUT/doctor.json"
 step "1 bench_device bf16" $py -m experiments.bench_device --dtype bfloat16
 [ -n "$largest" ] && step "2 bench_kernels bf16" $py -m experiments.bench_kernels --testbed "$largest" --rows 256 --length 129 --block 32
 [ -n "$largest" ] && step "3 bench_precision" $py -m experiments.bench_precision --testbed "$largest" --no-progress \

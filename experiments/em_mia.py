@@ -50,13 +50,14 @@ from mia.atomic import write_text
 from mia.data.splits import DROPPED_ROWS, partition_counts, read_split
 from mia.metrics import metric_rows
 
-from experiments.common import (DEFAULT_BOOTSTRAP, ExperimentError, SplitSizes, Timings, add_identical_flag,
-                                add_model_flags, add_olmo_flags, check_checkpoints, check_testbed_checkpoints,
-                                olmo_order_settings, one_step,
-                                check_paths, check_suite_steps, check_token_ids, identical_note,
-                                draw_testbed_split, experiment_parser, olmo_checkpoint, open_members,
-                                pick_members, run_blind_baselines, run_main, say_fn, score_split, select_attacks,
-                                sha_file, write_json, write_manifest, write_tables)
+from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, memorized_checkpoint, olmo_checkpoint,
+                             olmo_order_settings, open_members, pick_members)
+from mia.data.draw import check_token_ids, draw_testbed_split, SplitSizes
+from experiments.common import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, add_olmo_flags, check_paths,
+                                flags_named,
+                                check_suite_steps, experiment_parser, ExperimentError, identical_note, one_step,
+                                run_blind_baselines, run_main, say_fn, score_split, select_attacks, sha_file, Timings,
+                                write_json, write_manifest, write_tables)
 
 SPLITS = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
 INITS = ("loss", "ref", "zlib", "mink", "minkpp")
@@ -80,7 +81,7 @@ class Preset:
     blind: tuple = ("bow", "bert")
     doc_len: Optional[int] = None  # None: half the trained context (testbed); OLMoMIA's 128 for --olmo
     niter: int = 50
-    member: str = "middle"  # suite members evaluated (experiments.common.pick_members); the smallest is their Ref
+    member: str = "middle"  # suite members evaluated (mia.checkpoints.pick_members); the smallest is their Ref
 
 
 PRESETS = {
@@ -96,7 +97,7 @@ PRESETS = {
 # ============================================================================================ the pool
 def dedup_texts(examples: list) -> tuple:
     """(examples whose token ids occur exactly once, number dropped): a text that is both a member and a non-member
-    (or a member twice) is ambiguous, so every copy goes. Unlike checkmiabench (``common.drop_label_conflicts``,
+    (or a member twice) is ambiguous, so every copy goes. Unlike checkmiabench (``mia.data.draw.drop_label_conflicts``,
     which keeps the member of a member/non-member pair) the member copies go too: the difficulty splits cluster
     the pool's texts, and a text twice in a class would be a cluster of its own copies."""
     seen: dict = {}
@@ -413,7 +414,9 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
     if olmo is not None:
         ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)
         check_olmo_request(model_step, ms, ns, global_indices, data_paths)
-        ckpts = {"model": olmo_checkpoint(olmo, model_step), **({"ref_model": Path(ref_model)} if ref_model else {})}
+        with flags_named(root="--olmo"):
+            ckpts = {"model": olmo_checkpoint(olmo, model_step)}
+        ckpts.update({"ref_model": Path(ref_model)} if ref_model else {})
         ckpt_records, identical = check_checkpoints(ckpts, allow_identical=allow_identical_checkpoints)
         batch_size, seq_len, order_record, order_note = olmo_order_settings({model_step: ckpts["model"]},
                                                                             batch_size, seq_len)
@@ -503,11 +506,12 @@ def run(preset: Optional[str] = None, out=None, *, testbeds: Sequence = (), suit
 
 def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, progress, notes, timings,
                    allow_identical: bool = False) -> tuple:
-    members, desc, n = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
+    with flags_named(testbeds="--testbed", member="--member"):
+        members, desc, n = open_members(p.suite, testbeds=testbeds, suite_dir=suite_dir, progress=progress)
+        used = {m.name: m for m in [members[0], *pick_members(members, p.member)]}  # the Ref (smallest), the targets
     notes += n
     tb0 = members[0].testbed
     c = tb0.train_steps if step is None else int(step)
-    used = {m.name: m for m in [members[0], *pick_members(members, p.member)]}  # the Ref (smallest) and the targets
     ckpt_records, identical = check_testbed_checkpoints([(f"{m.name}-step{c}", m.testbed, c) for m in used.values()],
                                                         allow_identical=allow_identical)
     if identical:
@@ -532,7 +536,7 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
         if memorize_epochs and memorize_epochs > 0:
             rows = sorted({e["index"] for e in pool_ex if e["label"] == 1})
             with timings(f"memorize:{m.name}"):
-                model_dir = m.testbed.memorize(rows, memorize_epochs, step=c, seed=seed, progress=progress)
+                model_dir = memorized_checkpoint(m.testbed, rows, memorize_epochs, step=c, seed=seed, progress=progress)
             dial = {"epochs": int(memorize_epochs), "n_rows": len(rows)}
         r = ref if (ref is not None and m is not ref) else None
         targets.append(Target(m.name, Path(model_dir), r.testbed.checkpoint_dir(c) if r else None, context,
@@ -563,7 +567,8 @@ def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonme
     from mia.models.hub import load_config
 
     ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)
-    model_dir = olmo_checkpoint(olmo, model_step)
+    with flags_named(root="--olmo"):
+        model_dir = olmo_checkpoint(olmo, model_step)
     doc_len = p.doc_len or 128
     _, cfg, _ = load_config(model_dir)  # context and vocabulary from config.json; the weights load in evaluate()
     context, vocab_size = int(getattr(cfg, "max_position_embeddings", 2048) or 2048), int(cfg.vocab_size)

@@ -39,7 +39,7 @@ def main(argv=None) -> None:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
     def splash_only(q, k, v, q_pos, k_pos, k_valid):
-        return A._splash_local(q, k, v, k_valid.astype(jnp.int32), scale=scale, window=None, interpret=False)
+        return A.splash_per_device(q, k, v, k_valid.astype(jnp.int32), scale=scale, window=None, interpret=False)
 
     kernels = {"exact": partial_kernel(A.exact_attention, scale), "blocked": partial_kernel(A.blocked_attention, scale),
                "splash": partial_kernel(A.splash_attention, scale, interpret=False), "splash_only": splash_only}

@@ -15,12 +15,12 @@ _force_offline()  # local files only, whatever HF_*_OFFLINE say (mia.offline)
 _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from .version import __version__  # noqa: E402,F401
-__all__ = ["load", "score", "ScoreRun"]
+__all__ = ["load", "score", "ScoreRun", "doctor"]
 
 
 def __getattr__(name):
-    # ``mia.load`` / ``mia.score`` import jax and the engine on first use, not on ``import mia``: the CLI's --help
-    # and ``mia plan --topology`` (which must set JAX_PLATFORMS before jax is imported) start without them.
+    # ``mia.load`` / ``mia.score`` / ``mia.doctor`` import jax and the engine on first use, not on ``import mia``: the
+    # CLI's --help and ``mia plan --topology`` (which must set JAX_PLATFORMS before jax is imported) start without them.
     if name in __all__:
         from . import api  # lazily: ``import mia`` stays light (see above)
 

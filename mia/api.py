@@ -21,19 +21,18 @@ from tqdm.auto import tqdm
 
 from .attacks.context import AttackContext, assert_disjoint
 from .attacks.registry import AttackError, AttackInputs, check_attack_inputs, check_params, get, parse_attacks
-from .data.examples import (DataError, Example, check_label_conflicts, examples_from_records, read_examples,
-                            tokenize_examples)
+from .data import sources
+from .data.examples import LEARNED_PARTITIONS, DataError, Example, check_label_conflicts, tokenize_examples
 from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
 from .sharding import make_mesh, parse_mesh
-from . import cache_limit
-from .file_hash import default_cache_dir
+from . import cache_limit, checkup
+from .file_hash import check_cache_dir
 from .models.hub import Model
 from .models.hub import load as load_checkpoint
 from .results import ScoreRun
 
-LEARNED_PARTITIONS = ("prefix", "member_prefix", "calib", "train")  # what attacks learn from; never scored
 
 
 def load(path, *, dtype: str = "auto", param_dtype: Optional[str] = None, mesh=None, fsdp: Optional[bool] = None,
@@ -71,13 +70,16 @@ def resolve_attacks(attacks) -> list[tuple[str, str, dict]]:
     return out
 
 
-def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = None) -> list[Example]:
-    """A JSONL example or split file (path), or a list of ``Example``s or dicts ``{id, text|tokens, label?,
-    partition?, doc_id?}`` -> checked ``Example``s (copies: the caller's objects are never modified).
-    ``partitions``: the partition names allowed (None: any), so a misspelt one is an error, not a line left out."""
-    if isinstance(data, (str, Path)):
-        return read_examples(data, partitions=None if partitions is None else tuple(partitions), what=what)[1]
-    return examples_from_records(list(data), what, partitions)
+def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = None, *,
+              column_map: Optional[dict] = None, id_prefix: str = "", require_columns: bool = True) -> list[Example]:
+    """Checked ``Example``s (copies: the caller's objects are never modified) from data in any common form: a JSONL,
+    CSV or Parquet file, a directory saved by ``datasets``, a list of dicts ``{id?, text|tokens, label?,
+    partition?, doc_id?}`` or ``Example``s, a pandas DataFrame, a ``datasets.Dataset`` (``mia.data.sources``,
+    docs/score.md#inputs). ``partitions``: the partition names allowed (None: any), so a misspelt one is an error,
+    not a line left out; ``column_map``: field -> column (``{"text": "body"}``; ``require_columns``: every mapped
+    column present); ``id_prefix``: before the positions that are the ids of data that give none."""
+    return sources.read_data(data, what, partitions, column_map=column_map, id_prefix=id_prefix,
+                             require_columns=require_columns)
 
 
 def check_data(examples: list[Example], scored: Sequence[str] = ("eval",), skip_invalid: bool = False) -> None:
@@ -114,14 +116,18 @@ def _check_inputs(chosen, inputs: AttackInputs, on_error: str) -> tuple:
     return run, skipped
 
 
-def _learned(partitions: dict, given: dict, model: Model, max_length: int, notes: list) -> dict:
-    """The learned-from partitions: those in the data, plus the ones given separately (paths or lists), tokenized;
-    lines unusable for scoring (fewer than 2 tokens) are left out of a partition given separately."""
+def _learned(partitions: dict, given: dict, model: Model, max_length: int, notes: list,
+             column_map: Optional[dict] = None) -> dict:
+    """The learned-from partitions: those in the data, plus the ones given separately (in any form of
+    ``read_data``), tokenized; lines unusable for scoring (fewer than 2 tokens) are left out of a partition given
+    separately. Ids of a partition given without any are ``NAME:0``, ``NAME:1``, ... (so they never equal the
+    evaluated examples' positions)."""
     out = {k: list(v) for k, v in partitions.items()}
     for name, source in given.items():
         if source is None:
             continue
-        extra = read_data(source, what=f"--{name.replace('_', '-')}-data")
+        extra = read_data(source, what=f"--{name.replace('_', '-')}-data", column_map=column_map,
+                          id_prefix=f"{name}:", require_columns=False)  # e.g. prefixes without the label column
         tokenize_examples(extra, model.tokenizer, max_length, True, model.vocab_size, notes=notes)
         out.setdefault(name, []).extend(e for e in extra if e.invalid is None)
     return out
@@ -132,16 +138,21 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
           scored: Sequence[str] = ("eval",), seed: int = 0, batch_tokens: int = 16384, cache: bool = True,
           cache_dir: Optional[str] = None, progress: bool = True, ref_model=None, mlm=None, freq_corpus=None,
           on_error: str = "raise", options: Optional[dict] = None, cache_max_gb: Optional[float] = None,
-          pack: Optional[bool] = None, bucket_step: int = 128) -> ScoreRun:
+          pack: Optional[bool] = None, bucket_step: int = 128, column_map: Optional[dict] = None) -> ScoreRun:
     """Score the examples of ``data`` with ``attacks``; higher = more likely member.
 
     ``model``      a ``Model`` (``mia.load``) or a checkpoint directory
-    ``data``       a JSONL example/split file or a list of examples/dicts; examples of the ``scored`` partitions
-                   (default ``eval``; a line without ``partition`` is ``eval``) are scored, the others
-                   (``prefix``, ``member_prefix``, ``calib``, ``train``) are what attacks learn from
+    ``data``       the examples, in any form of ``read_data``: a JSONL (or split), CSV or Parquet file, a directory
+                   saved by ``datasets``, a list of dicts or ``Example``s, a pandas DataFrame, a ``datasets.Dataset``;
+                   examples of the ``scored`` partitions (default ``eval``; a row without ``partition`` is ``eval``)
+                   are scored, the others (``prefix``, ``member_prefix``, ``calib``, ``train``) are what attacks
+                   learn from
+    ``column_map`` field -> column of ``data`` (and of the learned-from data, where a mapped column may be
+                   absent), e.g. ``{"text": "body", "label": "is_member"}``
     ``attacks``    ``"loss,mink:k=0.2,zlib"``, a list of such strings, or ``[(label, name, params)]``
-    ``prefix`` ``member_prefix`` ``calib`` ``train``   more learned-from examples (a path or a list)
-    ``max_length`` tokens kept per example (default and maximum: the model's context)
+    ``prefix`` ``member_prefix`` ``calib`` ``train``   more learned-from examples (any form of ``data``)
+    ``max_length`` tokens kept per example (default and maximum: the model's context C + 1: a text's last token is
+                   only predicted, so C + 1 tokens make C predictions at positions 0 .. C-1)
     ``skip_invalid``  set aside (and record) lines with fewer than 2 tokens instead of stopping
     ``seq_tokens`` cut each scored line into sequences of this many tokens (document-level inference)
     ``batch_tokens``  padded tokens per batch per data-parallel device (speed and memory only)
@@ -163,15 +174,17 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     chosen, skipped = check_request(attacks, ref_model=ref_model, mlm=mlm, freq_corpus=freq_corpus,
                                     on_error=on_error)
     scored = tuple(scored)
-    examples = read_data(data, partitions=scored + LEARNED_PARTITIONS)
+    examples = read_data(data, partitions=scored + LEARNED_PARTITIONS, column_map=column_map)
     check_data(examples, scored, skip_invalid)  # cheap data checks before the model is loaded
     if not isinstance(model, Model):
         model = load(model)
-    max_length = model.max_length if max_length is None else int(max_length)
-    if not 2 <= max_length <= model.max_length:
-        raise ValueError(f"--max-length {max_length}: must be in [2, {model.max_length}] (the model context)")
-    if seq_tokens is not None and not 2 <= seq_tokens <= model.max_length:
-        raise ValueError(f"--seq-tokens {seq_tokens}: must be in [2, {model.max_length}] (the model context)")
+    max_length = model.max_tokens if max_length is None else int(max_length)
+    if not 2 <= max_length <= model.max_tokens:
+        raise ValueError(f"--max-length {max_length}: must be in [2, {model.max_tokens}] (the model's context "
+                         f"{model.max_length} + the last token, only predicted)")
+    if seq_tokens is not None and not 2 <= seq_tokens <= model.max_tokens:
+        raise ValueError(f"--seq-tokens {seq_tokens}: must be in [2, {model.max_tokens}] (the model's context "
+                         f"{model.max_length} + the last token, only predicted)")
     notes: list = []
     if model.compute_dtype != "float32":
         notes.append(f"the model computes in {model.compute_dtype} (float32 log-probs from {model.compute_dtype} "
@@ -197,13 +210,14 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
         if e.partition not in scored and e.invalid is None:
             in_data.setdefault(e.partition, []).append(e)
     partitions = _learned(in_data, {"prefix": prefix, "member_prefix": member_prefix, "calib": calib,
-                                    "train": train}, model, max_length, notes)
+                                    "train": train}, model, max_length, notes, column_map)
     chosen, late = _check_inputs(chosen, AttackInputs(partitions, ref_model, mlm, freq_corpus), on_error)
     skipped.update(late)
     for name, part in partitions.items():
         assert_disjoint(evaluated, part, f"partition {name!r}")
     settings = ScoringSettings(token_budget=batch_tokens, progress=progress, pack=pack, bucket_step=bucket_step,
-                               cache_dir=(cache_dir or default_cache_dir()) if cache else None)
+                               cache_dir=str(check_cache_dir(cache_dir, "cache_dir" if cache_dir else None))
+                               if cache else None)
     opts = {"seed": seed, "ref_model": ref_model, "mlm": mlm, "max_length": max_length, **(options or {})}
     if isinstance(freq_corpus, (str, Path)):
         opts["freq_corpus"] = read_corpus(freq_corpus, model.tokenizer, model.vocab_size)
@@ -242,5 +256,13 @@ def _describe(data) -> str:
     return str(data) if isinstance(data, (str, Path)) else "data"
 
 
-__all__ = ["load", "score", "resolve_attacks", "read_data", "check_data", "check_request", "run_attacks", "ScoreRun",
-           "Model", "LEARNED_PARTITIONS"]
+def doctor(*, checks=None, families=None, progress=None):
+    """``mia doctor`` as data: run the checks (``mia.checkup.CHECKS``: platform, attention, mesh, cache, speed,
+    precision; a subset by name) on the registered model families (or ``families``) and return the
+    ``mia.checkup.DoctorReport``: ``report.ok``, ``report.first_failure``, ``report.rows`` (check, result, value,
+    tolerance, ok), ``report.table()``, ``report.to_json()``. docs/doctor.md."""
+    return checkup.doctor(checks=checkup.CHECKS if checks is None else checks, families=families, progress=progress)
+
+
+__all__ = ["load", "score", "doctor", "resolve_attacks", "read_data", "check_data", "check_request", "run_attacks",
+           "ScoreRun", "Model", "LEARNED_PARTITIONS"]

@@ -1,4 +1,4 @@
-"""Command line: ``mia score | split | blind ...`` (also ``python -m mia``).
+"""Command line: ``mia score | attacks | split | blind | plan | cache | doctor`` (also ``python -m mia``).
 
 Errors in user input are printed as one line (``error: ...``) with exit status 2; ``--debug`` shows the traceback.
 """
@@ -14,31 +14,40 @@ from . import validate as V
 from .blind.cli import add_blind_parser
 from .commands import USER_ERRORS, add_compile_cache_flag, run_for_user
 from .data.cli import add_split_parser
+from .data.sources import check_data_path, parse_column_map
 from .documents import check_document_records, check_train_documents, score_documents, write_document_scores
-from .file_hash import default_cache_dir
+from .file_hash import check_cache_dir, default_cache_dir
 from .metrics import metric_rows
 from .report import metrics_table
 
 
 def _add_score_parser(sub) -> None:
     p = sub.add_parser("score", help="score examples with one or more attacks",
-                       description="Score a JSONL file ({id, text|tokens, label?}) with membership inference attacks. "
-                                   "Every score: higher = more likely member.")
+                       description="Score examples ({id?, text|tokens, label?}: a JSONL, CSV or Parquet file, or a "
+                                   "datasets save_to_disk directory) with membership inference attacks. Every score: "
+                                   "higher = more likely member.")
     p.add_argument("--model", required=True, help="local Hugging Face-layout model directory, or ORG/NAME[@REVISION] "
                                                   "from the Hugging Face cache (offline; docs/models.md)")
-    p.add_argument("--data", required=True, help="JSONL examples or a split file")
+    p.add_argument("--data", required=True,
+                   help="the examples: JSONL (or a split file), .csv or .parquet, or a directory saved by datasets' "
+                        "save_to_disk (a DatasetDict: DIR/SPLIT); docs/score.md#inputs")
+    p.add_argument("--columns", type=_column_map, default=None, metavar="FIELD=COLUMN,...",
+                   help="the data's column for each field it names differently, e.g. text=body,label=is_member "
+                        "(fields: id, text, tokens, label, partition, doc_id); applies to every data flag")
     p.add_argument("--attacks", default="loss",
                    help="comma-separated, each NAME[:key=value,...]; `mia attacks` lists them")
     p.add_argument("--out", required=True, help="output JSONL, one line per evaluated example")
     p.add_argument("--max-length", type=V.arg_int(2), default=None,
-                   help="truncate to this many tokens (default: model context)")
+                   help="truncate to this many tokens (default and maximum: the model context + 1; a text's last "
+                        "token is only predicted, so C + 1 tokens make C predictions)")
     p.add_argument("--skip-invalid", action="store_true", help="record unusable lines (empty, <2 tokens) and continue")
-    p.add_argument("--prefix-data", help="JSONL of non-members for ReCaLL prefixes (disjoint from --data)")
+    p.add_argument("--prefix-data", help="non-members for ReCaLL prefixes (disjoint from --data; any form of --data)")
     p.add_argument("--member-prefix-data",
-                   help="JSONL of known members for Con-ReCaLL's member prefix (disjoint from --data)")
-    p.add_argument("--calib-data", help="JSONL of calibration non-members for CAMIA p-values (disjoint from --data)")
-    p.add_argument("--train-data", help="JSONL of labelled training examples for learned combiners (disjoint from "
-                                        "--data)")
+                   help="known members for Con-ReCaLL's member prefix (disjoint from --data; any form of --data)")
+    p.add_argument("--calib-data", help="calibration non-members for CAMIA p-values (disjoint from --data; any form "
+                                        "of --data)")
+    p.add_argument("--train-data", help="labelled training examples for learned combiners (disjoint from --data; "
+                                        "any form of --data)")
     p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
     p.add_argument("--freq-corpus", help="local corpus (.jsonl with text|tokens, or plain text, one document a line) "
@@ -96,6 +105,14 @@ def _add_score_parser(sub) -> None:
     p.set_defaults(func=cmd_score)
 
 
+def _column_map(text: str) -> dict:
+    """argparse type of ``--columns``: ``mia.data.sources.parse_column_map``."""
+    try:
+        return parse_column_map(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_score(args) -> int:
     """``mia score``: the flags checked, then ``mia.score``; process 0 writes ``--out`` and prints the metrics."""
     # here, not at the top: the CLI's --help (and ``mia plan --topology``) start without jax and the engine
@@ -104,7 +121,11 @@ def cmd_score(args) -> int:
 
     if args.seq_tokens and not args.documents:
         raise ValueError("--seq-tokens cuts documents into sequences: it needs --documents")
-    api.check_request(args.attacks, ref_model=args.ref_model, mlm=args.mlm)  # a bad name stops before any loading
+    try:  # a bad name or parameter stops before any loading, naming the flag
+        api.resolve_attacks(args.attacks)
+    except ValueError as e:
+        raise ValueError(f"--attacks: {str(e).splitlines()[0]}") from None
+    api.check_request(args.attacks, ref_model=args.ref_model, mlm=args.mlm)
     check_score_paths(args)  # every path before any work: a bad --out is not found after all the scoring
     group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
     distributed.initialize(group, timeout=args.init_timeout,  # before any other jax call
@@ -112,7 +133,7 @@ def cmd_score(args) -> int:
     # several processes: a failure on any one stops all of them, one line each
     with distributed.guard(debug=args.debug, user_errors=USER_ERRORS):
         scored = ("eval", "train") if args.documents else ("eval",)  # --documents: train documents are scored too
-        examples = api.read_data(args.data, "--data", scored + api.LEARNED_PARTITIONS)
+        examples = api.read_data(args.data, "--data", scored + api.LEARNED_PARTITIONS, column_map=args.columns)
         if args.documents:
             for e in examples if args.seq_tokens else ():
                 e.doc_id = e.id if e.doc_id is None else e.doc_id  # one line = one document unless doc_id says so
@@ -127,7 +148,8 @@ def cmd_score(args) -> int:
                         batch_tokens=args.batch_tokens, cache=not args.no_cache, cache_dir=args.cache_dir,
                         progress=not args.no_progress, ref_model=args.ref_model, mlm=args.mlm,
                         freq_corpus=args.freq_corpus, cache_max_gb=args.cache_max_gb,
-                        pack={"auto": None, "on": True, "off": False}[args.pack], bucket_step=args.bucket_step)
+                        pack={"auto": None, "on": True, "off": False}[args.pack], bucket_step=args.bucket_step,
+                        column_map=args.columns)
         if args.documents:
             check_documents(run.examples, args.data)  # again, without the lines --skip-invalid set aside
         if distributed.is_main():  # every process holds every score; process 0 alone writes and prints
@@ -159,9 +181,9 @@ def score_inputs(args) -> dict:
             out["--" + flag.replace("_", "-")] = fingerprint(model_dir(getattr(args, flag)))
     for flag in ("data", "prefix_data", "member_prefix_data", "calib_data", "train_data", "freq_corpus"):
         if getattr(args, flag):
-            out["--" + flag.replace("_", "-")] = file_hash.file_sha256(getattr(args, flag))
-    for flag in ("attacks", "max_length", "skip_invalid", "dtype", "batch_tokens", "pack", "bucket_step", "mesh",
-                 "no_fsdp", "seed",
+            out["--" + flag.replace("_", "-")] = file_hash.path_sha256(getattr(args, flag))
+    for flag in ("columns", "attacks", "max_length", "skip_invalid", "dtype", "batch_tokens", "pack", "bucket_step",
+                 "mesh", "no_fsdp", "seed",
                  "documents", "doc_features", "doc_bins", "doc_classifier", "seq_tokens"):
         out["--" + flag.replace("_", "-")] = json.dumps(getattr(args, flag))
     return out
@@ -197,10 +219,11 @@ def check_score_paths(args) -> None:
     from .models.hf_cache import model_dir  # not at the top: mia.models imports jax and flax (fast --help)
 
     V.input_dir(model_dir(args.model, error=lambda m: V.InputError(f"--model {m}")), "--model", noun="model directory")
-    V.input_file(args.data, "--data")
-    for flag in ("prefix_data", "member_prefix_data", "calib_data", "train_data", "freq_corpus"):
+    for flag in ("data", "prefix_data", "member_prefix_data", "calib_data", "train_data"):
         if getattr(args, flag):
-            V.input_file(getattr(args, flag), "--" + flag.replace("_", "-"))
+            check_data_path(getattr(args, flag), "--" + flag.replace("_", "-"))  # a file or a saved dataset
+    if args.freq_corpus:
+        V.input_file(args.freq_corpus, "--freq-corpus")
     if args.ref_model:
         V.input_dir(model_dir(args.ref_model, error=lambda m: V.InputError(f"--ref-model {m}")), "--ref-model",
                     noun="model directory")
@@ -217,9 +240,9 @@ def check_score_cache(args) -> None:
     compilation cache, which shares the directory, is set up)."""
     cache_limit.check_env()  # a bad MIA_CACHE_MAX_GB is one error line, before any work
     if not args.no_cache and args.cache_dir:
-        V.output_dir(args.cache_dir, "--cache-dir")
+        check_cache_dir(args.cache_dir, "--cache-dir", error=V.InputError)
     elif not args.no_cache:
-        V.output_dir(default_cache_dir(), "the cache directory (MIA_CACHE_DIR or ~/.cache/mia)")
+        check_cache_dir(error=V.InputError)
 
 
 def _add_plan_parser(sub) -> None:
@@ -259,7 +282,9 @@ def _fmt(n) -> str:
 
 def cmd_plan(args) -> int:
     """``mia plan``: ``mia.engine.plan.plan_scoring`` and its figures, one per line, then one JSON line."""
-    from .engine import plan, sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
+    from . import sharding  # not at the top: --topology sets JAX_PLATFORMS before jax is imported (main)
+    from .engine import plan  # (the same)
+    from . import attacks  # noqa: F401 (the same; importing the attacks registers their planned steps)
     from .models.hub import resolve_dtype  # (the same)
 
     if args.batch < 1 or args.length < 2:
@@ -278,10 +303,7 @@ def cmd_plan(args) -> int:
                           device_bytes=device_bytes, attack=attack, source=plan.config_source(args.model),
                           platform=platform, **opts)
     where = f"TPU topology {args.topology}" if args.topology else "local devices"
-    step = {"stats": "token stats", "camia": "CAMIA repeated-text token stats",
-            "mope": f"MoPe (n={opts.get('mope_n')}, chunk={opts.get('mope_chunk')})",
-            "recall": "ReCaLL conditional LL", "em_mia": "EM-MIA conditional LL",
-            "samia": f"SaMIA generation (n={opts.get('samia_n')}, top_k={opts.get('top_k')})"}[attack]
+    step = plan.planned_attack(attack).describe(opts)
     print(f"mia plan: {args.model} {args.dtype}, {step} of {args.batch} x {args.length}, {r.devices} x "
           f"{r.device_kind} ({where}), mesh {','.join(f'{k}={v}' for k, v in r.mesh.items())}")
     for name, f in (r.steps or {}).items():
@@ -363,6 +385,41 @@ def cmd_cache_prune(args) -> int:
     return 0
 
 
+def _add_doctor_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="check that mia works on this machine, and how fast: run it first",
+                       description="Score a few rows with every model family's tiny model and every attention kernel "
+                                   "that can run here against float32 exact attention, compare a mesh of all local "
+                                   "devices with one device, check the cache directories, time a Pythia-160m-shaped "
+                                   "model and measure what bfloat16 costs in each attack's score. Prints one table; "
+                                   "exits 1 naming the first failing check (docs/doctor.md).")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the report to FILE as JSON")
+    p.add_argument("--checks", default=None, metavar="LIST",
+                   help="only these checks, comma-separated (default: platform,attention,mesh,cache,speed,precision)")
+    p.add_argument("--families", default=None, metavar="LIST",
+                   help="only these model families, comma-separated (default: every registered family)")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args) -> int:
+    """``mia doctor``: ``mia.checkup.doctor``'s table on stdout (progress on stderr), 1 when a check failed."""
+    from .checkup import CHECKS, doctor, print_progress, write_report  # not at the top: jax (fast --help)
+
+    if args.json:
+        V.output_file(args.json, "--json")  # before a minute of checks
+    checks = CHECKS if args.checks is None else [c.strip() for c in args.checks.split(",") if c.strip()]
+    families = None if args.families is None else [f.strip() for f in args.families.split(",") if f.strip()]
+    if families is not None:
+        from .models.family import family  # (the same)
+
+        for f in families:
+            family(f)  # an unknown family: one error line listing the supported ones
+    report = doctor(checks=checks, families=families, progress=print_progress)
+    print(report.table())
+    if args.json:
+        write_report(report, args.json)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = V.OneLineParser(prog="mia", description="Membership inference attacks on language models.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -375,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_blind_parser(sub)
     _add_plan_parser(sub)
     _add_cache_parser(sub)
+    _add_doctor_parser(sub)
     return parser
 
 
@@ -384,8 +442,10 @@ def main(argv=None) -> int:
         cache_limit.set_max_gb(args.cache_max_gb)  # before the compilation cache is set up (it gets the limit too)
     if getattr(args, "topology", None) and "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the topology; do not look for a local TPU
+    # `mia cache` compiles nothing; `mia doctor` compiles every program itself (a cached one would not show that
+    # this machine compiles it) and leaves no programs of its own in the cache
     status, result = run_for_user(lambda: args.func(args), debug=args.debug,
-                                  compile_cache=not args.no_compile_cache and args.command != "cache",  # compiles none
+                                  compile_cache=not args.no_compile_cache and args.command not in ("cache", "doctor"),
                                   on_interrupt="interrupted; finished batches are cached and will be reused",
                                   check_first=(lambda: check_score_cache(args)) if args.command == "score" else None)
     return status or int(result or 0)

@@ -9,8 +9,11 @@ own (1 = the model prefers it to every other candidate); its exposure is
 |R| is astronomically large, so the rank is estimated from ``n`` candidates sampled from R:
 
 - ``exposure_sampled`` (rank estimate): rank / |R| is estimated by (1 + #{candidates with loss <= canary loss}) /
-  (n + 1), counting the canary as one of the sampled candidates. Unbiased in the rank fraction, but capped at
-  log2(n + 1) bits.
+  (n + 1), counting the canary as one of the sampled candidates. With p = rank / |R| the canary's true rank
+  fraction, the count is Binomial(n, p), so the estimate's expectation is (1 + n p) / (n + 1): biased upwards by
+  (1 - p) / (n + 1), and never below 1 / (n + 1). Exposure is therefore at most log2(n + 1) bits (a canary the
+  model prefers to every candidate), however far beyond that its true exposure -log2 p goes; only for
+  p >> 1 / n is the estimate close to p.
 - ``exposure_skewnorm`` (extrapolation, the paper's Section 4.3 approach): fit a skew-normal distribution to the
   candidates' losses and take exposure = -log2 CDF(canary loss). Not capped; it trusts the fitted tail. Where the
   CDF underflows float64 (beyond ~1000 bits) it is +inf.

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import cache_limit
+from . import cache_limit, validate
 from .atomic import write_json
 
 SETTLE_NS = 2_000_000_000  # a file must be this old (mtime and ctime) before its digest is memoised
@@ -30,6 +30,33 @@ def default_cache_dir() -> str:
     """``$MIA_CACHE_DIR`` or ``~/.cache/mia``: the root of every mia cache (scores, compiled programs, hashes).
     An empty ``MIA_CACHE_DIR`` counts as unset (it would otherwise put the caches in the working directory)."""
     return os.environ.get("MIA_CACHE_DIR", "").strip() or str(Path.home() / ".cache" / "mia")
+
+
+def cache_dir_origin() -> str:
+    """Where ``default_cache_dir`` came from, for messages: "MIA_CACHE_DIR" or the default's description."""
+    if os.environ.get("MIA_CACHE_DIR", "").strip():
+        return "the cache directory from MIA_CACHE_DIR"
+    return "the default cache directory ~/.cache/mia (set MIA_CACHE_DIR to move it)"
+
+
+def check_cache_dir(path=None, what: Optional[str] = None, *, error=ValueError) -> Path:
+    """The cache directory ``path`` (default ``default_cache_dir()``) made and proved writable: created if missing
+    and a probe file written and removed in it. Permission bits alone are not enough: root may "write" to any
+    directory, yet /proc refuses every new entry. Raises ``error`` with one line naming ``what`` (default: where
+    the directory came from, e.g. MIA_CACHE_DIR) and the reason."""
+    p = Path(default_cache_dir() if path is None else path)
+    what = what or (cache_dir_origin() if path is None else "the cache directory")
+    validate.output_dir(p, what, error=error)  # a file in the way, an unwritable directory: said as such
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        where = f" at {e.filename}" if e.filename and Path(e.filename) != p else ""
+        raise error(f"{what} {p}: cannot be used ({reason}{where})") from None
+    return p
 
 
 def _stat_key(st: os.stat_result) -> list:
@@ -72,3 +99,14 @@ def file_sha256(path, memo_dir: Optional[str] = None) -> str:
         except OSError:
             pass
     return digest
+
+
+def path_sha256(path, memo_dir: Optional[str] = None) -> str:
+    """``file_sha256`` of a file; of a directory (a saved dataset), the SHA-256 of the sorted list of (path relative
+    to it, ``file_sha256``) of every file under it."""
+    path = Path(path)
+    if not path.is_dir():
+        return file_sha256(path, memo_dir)
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    listing = [[p.relative_to(path).as_posix(), file_sha256(p, memo_dir)] for p in files]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()

@@ -6,6 +6,7 @@
 - ``bootstrap``: seeded bootstrap (stratified by default) of AUC and TPR@FPR: SEs and percentile confidence intervals.
 - ``paired_bootstrap_test``: is method A better than method B on the same examples? (paired bootstrap p-value)
 - ``auc_vs_chance``: one-sided Mann-Whitney test of AUC > 0.5 (normal approximation with tie and continuity correction).
+- ``bonferroni_significant`` / ``holm_significant``: which of a family of tests hold at a family-wise level.
 - ``clopper_pearson_upper`` / ``clopper_pearson``: exact binomial confidence bounds.
 - ``epsilon_bound`` / ``epsilon_lower_bound``: the differential-privacy epsilon that the attack's (FPR, FNR) rules out,
   with Clopper-Pearson confidence (see the section "Epsilon lower bounds" below and docs/auditing.md).
@@ -281,6 +282,22 @@ def bonferroni_significant(p_values: Sequence[float], alpha: float = 0.05) -> li
     return [p < alpha / m for p in p_values]
 
 
+def holm_significant(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
+    """Which of m hypotheses Holm's step-down procedure rejects at family-wise level ``alpha``: with the p-values
+    sorted ascending, p_(1) <= alpha / m, p_(2) <= alpha / (m - 1), ... up to the first that fails. The chance of
+    rejecting any true hypothesis is at most ``alpha`` whatever their dependence; it rejects everything Bonferroni
+    (p <= alpha / m) rejects, and more."""
+    p = np.asarray(p_values, np.float64)
+    if p.ndim != 1 or np.isnan(p).any():
+        raise MetricError(f"p-values must be a 1-D list of numbers, got {p_values!r}")
+    out = np.zeros(len(p), bool)
+    for rank, i in enumerate(np.argsort(p, kind="stable")):
+        if p[i] > alpha / (len(p) - rank):
+            break
+        out[i] = True
+    return out.tolist()
+
+
 # ----------------------------------------------------------------------------------------------- epsilon lower bounds
 # An (epsilon, delta)-DP training algorithm limits every membership test on one example: with the test's false
 # positive rate FPR (non-member called member) and false negative rate FNR (member called non-member),
@@ -331,7 +348,7 @@ class EpsilonBound:
     (0: nothing ruled out). ``threshold``: the test "member iff score >= threshold" (None when nothing was ruled
     out); ``fpr``/``fnr``: its observed rates on the data it was evaluated on; ``fpr_upper``/``fnr_upper``: their
     one-sided Clopper-Pearson bounds used in the inequalities, each at confidence 1 - ``alpha_per_bound``.
-    ``method``: "bonferroni", "split" or "fixed"; ``n_thresholds``: candidate thresholds paid for (Bonferroni);
+    ``method``: "bonferroni", "hull", "split" or "fixed"; ``n_thresholds``: candidate thresholds paid for;
     ``n_members``/``n_nonmembers``: the examples the bound was computed on (half of them for "split").
     """
 
@@ -357,6 +374,28 @@ def _threshold_counts(s: np.ndarray, y: np.ndarray) -> tuple:
     fp = len(neg) - np.searchsorted(neg, t, side="left")  # non-members scoring >= t
     fn = np.searchsorted(pos, t, side="left")  # members scoring < t
     return t, fp, fn
+
+
+def roc_hull(t: np.ndarray, fp: np.ndarray, fn: np.ndarray, n1: int) -> tuple:
+    """The tests at the vertices of the ROC curve's upper convex hull: (thresholds [H], FP [H], FN [H]).
+
+    ``t``, ``fp``, ``fn`` as ``_threshold_counts`` gives them (descending thresholds). The empty test
+    (threshold +inf: nobody called a member) is added in front; points on a hull edge but not at a corner are
+    dropped. This is the set of thresholds jax-privacy's ``CanaryScoreAuditor`` searches (docs/auditing.md)."""
+    t = np.concatenate([[np.inf], t])
+    x = np.concatenate([[0], fp]).astype(np.float64)  # ROC points (FP, TP), both non-decreasing
+    y = n1 - np.concatenate([[n1], fn]).astype(np.float64)
+    keep: list = []
+    for i in range(len(t)):
+        # drop the last kept point while it is not strictly above the segment from its predecessor to point i
+        while len(keep) >= 2:
+            a, b = keep[-2], keep[-1]
+            if (x[b] - x[a]) * (y[i] - y[a]) - (y[b] - y[a]) * (x[i] - x[a]) < 0:
+                break
+            keep.pop()
+        keep.append(i)
+    k = np.asarray(keep)
+    return t[k], x[k].astype(int), (n1 - y[k]).astype(int)
 
 
 def _bound_at(fp, fn, n0: int, n1: int, delta: float, a: float) -> tuple:
@@ -394,6 +433,9 @@ def epsilon_bound(scores, labels, *, delta: float, alpha: float = 0.05,
     ``threshold``:
       "bonferroni" (default)  the best of all K distinct score values as thresholds, each bound at alpha / (2K)
                               (valid for the maximum over thresholds; deterministic; uses all examples);
+      "hull"                  jax-privacy's choice: only the H corners of the ROC curve's convex hull (the empty
+                              test included, ``roc_hull``), each bound at alpha / (2H); H is chosen after seeing the
+                              data, so this pays for fewer tests than it searches (docs/auditing.md);
       "split"                 members and non-members each split in half (seeded by ``split_seed``); the threshold
                               with the best bound on the first halves is evaluated on the second halves, at alpha / 2;
       a number                that threshold, fixed in advance, on all examples, at alpha / 2.
@@ -403,16 +445,18 @@ def epsilon_bound(scores, labels, *, delta: float, alpha: float = 0.05,
     s, y = _check(scores, labels, ids)
     delta, alpha = _check_privacy_args(delta, alpha)
     n1, n0 = int(y.sum()), int(len(y) - y.sum())
-    if isinstance(threshold, str) and threshold == "bonferroni":
+    if isinstance(threshold, str) and threshold in ("bonferroni", "hull"):
         t, fp, fn = _threshold_counts(s, y)
+        if threshold == "hull":
+            t, fp, fn = roc_hull(t, fp, fn, n1)
         a = alpha / (2 * len(t))
         eps, fpr_hi, fnr_hi = _bound_at(fp, fn, n0, n1, delta, a)
         return _bound_result(eps, t, fp, fn, fpr_hi, fnr_hi, n0, n1, delta=delta, alpha=alpha, a=a,
-                             method="bonferroni", n_thr=len(t))
+                             method=threshold, n_thr=len(t))
     if isinstance(threshold, str) and threshold == "split":
         return _split_bound(s, y, delta, alpha, split_seed)
     if isinstance(threshold, str) or isinstance(threshold, bool):
-        raise MetricError(f"threshold must be 'bonferroni', 'split' or a number, got {threshold!r}")
+        raise MetricError(f"threshold must be 'bonferroni', 'hull', 'split' or a number, got {threshold!r}")
     t = np.array([float(threshold)])
     if not np.isfinite(t).all():
         raise MetricError(f"threshold must be finite, got {threshold!r}")

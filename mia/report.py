@@ -2,7 +2,8 @@
 
 A row is a dict such as ``{"method", "auc", "auc_se", "tpr_at_1pct_fpr", ...}`` (see ``mia.metrics.summary_row``).
 ``markdown``, ``csv_text`` and ``latex`` render a list of rows; ``write_tables`` writes all three plus JSON.
-``plot_roc`` draws every method of a run on log-log axes; ``plot_histograms`` draws per-class score histograms.
+``plot_roc`` draws every method of a run on log-log axes (``draw_roc`` on axes of your own); ``plot_histograms``
+draws per-class score histograms.
 Plots use matplotlib's Agg backend (no display needed).
 """
 from __future__ import annotations
@@ -167,7 +168,8 @@ def write_tables(rows: Sequence[Mapping], out_dir, stem: str = "results", column
 
 
 # ----------------------------------------------------------------------------------------------- plots
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no screen)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -183,25 +185,9 @@ def plot_roc(curves: Mapping[str, tuple], labels=None, path=None, title: str = "
     Returns the matplotlib Figure; saves it when ``path`` is given.
     """
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 5))
-    floor = min_rate
-    for name, v in curves.items():
-        s, y = (v if labels is None else (v, labels))
-        fpr, tpr = roc(s, y)
-        n0 = int((np.asarray(y) == 0).sum())
-        floor = min(floor or 1.0, 0.5 / max(n0, 1))
-        ax.plot(fpr, tpr, label=f"{name} (AUC {_auc(s, y):.3f})", lw=1.2, drawstyle="steps-post")
-    floor = floor or 1e-3
-    ax.plot([floor, 1], [floor, 1], "k--", lw=0.8, label="chance")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(floor, 1)
-    ax.set_ylim(floor, 1)
-    ax.set_xlabel("False positive rate")
-    ax.set_ylabel("True positive rate")
-    ax.set_title(title)
-    ax.legend(fontsize=7, loc="lower right")
+    draw_roc(ax, curves, labels, title=title, min_rate=min_rate)
     fig.tight_layout()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -210,9 +196,36 @@ def plot_roc(curves: Mapping[str, tuple], labels=None, path=None, title: str = "
     return fig
 
 
+def draw_roc(ax, curves: Mapping[str, tuple], labels=None, *, log: bool = True, title: Optional[str] = "ROC",
+             min_rate: Optional[float] = None):
+    """Draw the ROC of every method on the matplotlib axes ``ax``, AUC in the legend, with the chance diagonal;
+    ``log``: log-log axes from ``min_rate`` (default: half of 1 / the largest non-member count), so that the
+    low-FPR region shows. ``curves`` as in ``plot_roc``. Returns ``ax``."""
+    floor = min_rate
+    for name, v in curves.items():
+        s, y = (v if labels is None else (v, labels))
+        fpr, tpr = roc(s, y)
+        n0 = int((np.asarray(y) == 0).sum())
+        floor = min(floor or 1.0, 0.5 / max(n0, 1))
+        ax.plot(fpr, tpr, label=f"{name} (AUC {_auc(s, y):.3f})", lw=1.2, drawstyle="steps-post")
+    floor = (floor or 1e-3) if log else 0.0
+    ax.plot([floor, 1], [floor, 1], "k--", lw=0.8, label="chance")
+    if log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlim(floor, 1)
+    ax.set_ylim(floor, 1)
+    ax.set_xlabel("False positive rate")
+    ax.set_ylabel("True positive rate")
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
+
+
 def plot_histograms(scores: Mapping[str, Iterable[float]], labels, path=None, bins: int = 40):
     """One panel per method: score histograms of members and non-members (density)."""
-    plt = _plt()
+    plt = pyplot()
     names = list(scores)
     cols = min(3, len(names))
     rows_ = math.ceil(len(names) / cols)

@@ -197,6 +197,25 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class _Renamed(argparse.Action):
+    """An old flag spelling: refused with one line naming the flag it became (never silently accepted: argparse would
+    otherwise take ``--step`` as an abbreviation of ``--steps``)."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kw):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was renamed {self.new}")
+
+
+def add_renamed_flag(parser, old: str, new: str) -> None:
+    """Refuse ``old`` with one usage error naming ``new`` (mia's one flag vocabulary: ``--steps``, ``--member``,
+    ``--batch-tokens``, ``--bucket-step`` wherever a command takes them)."""
+    parser.add_argument(old, action=_Renamed, new=new, dest=f"_renamed_{old.strip('-').replace('-', '_')}",
+                        default=None)
+
+
 # ============================================================================================== paths
 def utf8_lines(path, error: type = InputError):
     """Yield ``(lineno, line)`` for every non-blank line of the file at ``path`` (1-based line numbers, the newline

@@ -123,8 +123,8 @@ def test_em_matrix_and_recall_avg_match_numpy(tiny_model, data, ref_logits, tmp_
     def boom(*a, **k):
         raise AssertionError("model called")
 
-    monkeypatch.setattr(C, "_jit_prefix", boom)
-    monkeypatch.setattr(C, "_jit_cond", boom)
+    monkeypatch.setattr(C, "jitted_prefix", boom)
+    monkeypatch.setattr(C, "jitted_conditional", boom)
     again = ctx_for(tiny_model, data)
     again.settings = cached
     np.testing.assert_array_equal(get("em_mia").fn(again, init="loss", iters=3, prefix_score="rankdist"),

@@ -11,6 +11,8 @@ from sklearn.metrics import roc_auc_score
 
 from experiments import audit
 from mia.audit import AuditViolation
+from mia.gdp import gdp_epsilon_estimate
+from mia.metrics import epsilon_lower_bound
 from mia.testbed import dp, preset
 
 from notebook_runner import run_notebook
@@ -61,8 +63,13 @@ def test_bounds_by_reps_are_one_run_audits_per_group():
         assert (r["eps_upper"], r["delta"]) == (eps_r, delta_r)
         expected = audit.audit_bound(scores[sel], included[sel], delta_r).epsilon if delta_r < 1 else None
         assert r["eps_lower"] == expected and r["n"] == sel.sum() and r["n_included"] == included[sel].sum()
+        p = audit.audit_claim_p_value(scores[sel], included[sel], eps_r, delta_r) if delta_r < 1 else None
+        assert r["p_accountant"] == p
+        if p is not None:  # the p-value and the bound tell the same story
+            assert (p <= 0.05) == (r["eps_lower"] > eps_r)
     plain = audit.bounds_by_reps(scores, included, reps, _model(), "loss", "tokens", d)
     assert all(r["eps_upper"] is None and r["delta"] == d and r["eps_lower"] is not None for r in plain)
+    assert all(r["p_accountant"] is None for r in plain)  # no claim to test
     assert plain[-1]["eps_lower"] > 0  # 16 copies with a strong signal: the non-private model is caught
 
 
@@ -84,16 +91,50 @@ def test_targets_and_kinds_table():
                       "tpr_at_0.1pct_fpr": 0.1, "eps_lower": 1.0}]
 
 
-def test_violations_name_every_bound_above_its_epsilon():
-    rows = [{"model": "eps=1", "attack": "loss", "epsilon": 1.0, "eps_lower": 1.2},
-            {"model": "eps=1", "attack": "zlib", "epsilon": 1.0, "eps_lower": 1.0},
-            {"model": "non-private", "attack": "loss", "epsilon": None, "eps_lower": 9.0},
-            {"model": "eps=4", "attack": "loss", "epsilon": 4.0, "eps_lower": None}]
-    reps = [{"model": "eps=1", "attack": "loss", "reps": 4, "eps_upper": 4.0, "eps_lower": 4.5},
-            {"model": "eps=1", "attack": "loss", "reps": 16, "eps_upper": None, "eps_lower": 30.0}]
+def test_violations_are_holm_over_every_claim_tested():
+    """Each private row and group tests the accountant's claim at 95% on its own; a violation is a claim Holm's
+    procedure rejects at family-wise 5% over all of them (here 4 claims: 0.01 <= 0.05 / 4; 0.03 > 0.05 / 3)."""
+    rows = [{"model": "eps=1", "attack": "loss", "epsilon": 1.0, "eps_lower": 1.4, "p_accountant": 0.01},
+            {"model": "eps=1", "attack": "zlib", "epsilon": 1.0, "eps_lower": 1.1, "p_accountant": 0.03},
+            {"model": "non-private", "attack": "loss", "epsilon": None, "eps_lower": 9.0, "p_accountant": None},
+            {"model": "eps=4", "attack": "loss", "epsilon": 4.0, "eps_lower": None, "p_accountant": None},
+            {"model": "eps=4", "attack": "zlib", "epsilon": 4.0, "eps_lower": 0.0, "p_accountant": 1.0}]
+    reps = [{"model": "eps=1", "attack": "loss", "reps": 4, "eps_upper": 4.0, "eps_lower": 4.5, "p_accountant": 0.04},
+            {"model": "eps=1", "attack": "loss", "reps": 16, "eps_upper": None, "eps_lower": 30.0,
+             "p_accountant": None}]
+    check = audit.violation_check(rows, reps)
+    assert (check["method"], check["alpha"], check["n_checks"], check["n_above_per_row"]) == ("holm", 0.05, 4, 3)
     bad = audit.violations(rows, reps)
-    assert len(bad) == 2 and bad[0].startswith("eps=1 loss: eps_lower 1.2 > accountant epsilon 1")
-    assert bad[1].startswith("eps=1 loss reps 4: eps_lower 4.5 > group epsilon 4")
+    assert len(bad) == 1 and bad[0].startswith("eps=1 loss: eps_lower 1.4 vs accountant epsilon 1 (p = 0.01, Holm")
+    rows[1]["p_accountant"], reps[0]["p_accountant"] = 0.012, 0.02  # 0.012 <= 0.05 / 3, 0.02 <= 0.05 / 2
+    assert [b.split(" (p")[0] for b in audit.violations(rows, reps)] == [
+        "eps=1 loss: eps_lower 1.4 vs accountant epsilon 1", "eps=1 zlib: eps_lower 1.1 vs accountant epsilon 1",
+        "eps=1 loss reps 4: eps_lower 4.5 vs group epsilon 4"]
+
+
+def test_gaussian_curve_bounds_above_the_accountant_are_named_not_violations():
+    rows = [{"model": "eps=1", "attack": "loss", "epsilon": 1.0, "eps_lower_fdp": 1.3, "eps_gdp": 0.4},
+            {"model": "eps=1", "attack": "zlib", "epsilon": 1.0, "eps_lower_fdp": None, "eps_gdp": 2.0},
+            {"model": "non-private", "attack": "loss", "epsilon": None, "eps_lower_fdp": 9.0, "eps_gdp": 9.0}]
+    lines = audit.above_accountant(rows)
+    assert [x.split(" (")[0] for x in lines] == ["eps=1 loss: eps_lower_fdp 1.3 > accountant epsilon 1",
+                                                  "eps=1 zlib: eps_gdp 2 > accountant epsilon 1"]
+
+
+def test_help_states_the_presets_defaults():
+    """--help's defaults come from the presets (each pretrain preset's noises, each fine-tune preset's epsilons, both
+    settings' attacks), and delta's is the code's rule."""
+    text = " ".join(audit.build_parser().format_help().split())
+    for name, p in audit.PRESETS.items():
+        assert f"{name}: {','.join(f'{x:g}' for x in p.noises)}" in text
+    for name, p in audit.FT_PRESETS.items():
+        assert f"{name}: {','.join(f'{x:g}' for x in p.epsilons)}" in text
+    for name, p in {**audit.PRESETS, **audit.FT_PRESETS}.items():
+        assert f"{name}: {p.attacks}" in text or (p.attacks == "default" and f"up to cost '{p.max_cost}'" in text)
+    assert "1 / (train_steps x batch_size)" in text and "canary copies are not counted" in text
+    assert "1 / records" not in text and "those of epsilon 1, 4, 16" not in text and "fine-tune 1e-05" in text
+    cfg = audit.preset_config(audit.PRESETS["smoke"])
+    assert 1 / dp.n_records(cfg) < dp.default_delta(cfg) == 1 / (cfg.train_steps * cfg.batch_size)
 
 
 def test_findings_follow_the_numbers():
@@ -177,8 +218,14 @@ def _recompute(out, s):
         assert r["n"] == once.sum() and roc_auc_score(y, sc) == pytest.approx(r["auc"], abs=1e-12)
         delta = next(m["delta"] for m in s["models"] if m["model"] == r["model"])
         assert audit.audit_bound(sc, y.astype(bool), delta).epsilon == pytest.approx(r["eps_lower"])
+        assert audit.audit_bound(sc, y.astype(bool), delta, bound="fdp").epsilon == pytest.approx(r["eps_lower_fdp"])
+        if 0 < y.sum() < len(y):
+            assert epsilon_lower_bound(sc, y, delta=delta) == pytest.approx(r["eps_lower_cp"])
+            assert gdp_epsilon_estimate(sc, y, delta=delta) == pytest.approx(r["eps_gdp"])
         if r["epsilon"] is not None:  # science check 1: no bound above the accountant's epsilon
             assert r["eps_lower"] <= r["epsilon"]
+            assert r["p_accountant"] == pytest.approx(audit.audit_claim_p_value(sc, y.astype(bool), r["epsilon"],
+                                                                                delta))
     assert not s["violations"]
 
 
@@ -220,6 +267,8 @@ def test_pretrain_smoke_end_to_end(pretrain_smoke):
     assert [(r["model"], r["attack"]) for r in s["rows"]] == [(m, a) for m in models for a in attacks]
     assert {r["canary_kind"] for r in s["rows"]} == {"tokens"} and s["setting"] == "pretrain"
     _recompute(out, s)
+    assert s["violation_check"]["n_checks"] == sum(r["p_accountant"] is not None for r in s["rows"] + s["by_reps"])
+    assert s["violation_check"]["method"] == "holm"
     for a in attacks:  # science check 2: AUC towards 0.5 as epsilon shrinks
         by_eps = {r["epsilon"]: r["auc"] for r in s["rows"] if r["attack"] == a}
         smallest = min(e for e in by_eps if e is not None)
@@ -240,7 +289,7 @@ def test_notebook_computes_the_tables(audit_smoke, monkeypatch):
     text = shown.text()
     for r in s["rows"]:
         if r["model"] != "kinds":
-            assert f"{r['eps_lower']:.3f}" in text
+            assert f"{r['eps_lower']:.3f}" in text and f"{r['eps_lower_fdp']:.3f}" in text
     for k in s["kinds"]:
         assert f"{k['tpr_at_1pct_fpr']:.3f}" in text
     for v in s["findings"].values():
@@ -248,14 +297,47 @@ def test_notebook_computes_the_tables(audit_smoke, monkeypatch):
     assert len(shown.images()) >= 3
     # the notebook's own epsilon-vs-bound check, from the rows
     assert ns["worst_gap"] == max(r["eps_lower"] - r["epsilon"] for r in s["rows"] if r["epsilon"] is not None)
+    assert f"{s['violation_check']['n_checks']} accountant claims tested, Holm" in printed
 
 
 @pytest.mark.slow
 def test_strict_run_raises_after_writing(audit_smoke, monkeypatch, tmp_path):
     """strict=True (the Python API's default) raises AuditViolation, after every output is written."""
     out, _ = audit_smoke
-    monkeypatch.setattr(audit, "violations", lambda rows, by_reps: ["eps=1 loss: forced for the test"])
+    monkeypatch.setattr(audit, "violation_check", lambda rows, by_reps: {
+        "method": "holm", "alpha": 0.05, "n_checks": 1, "n_above_per_row": 1,
+        "violations": ["eps=1 loss: forced for the test"]})
     with pytest.raises(AuditViolation, match="forced for the test"):
         audit.run("smoke", tmp_path / "o", testbed_dir=out.parent / "tb", progress=False, bootstrap=20)
     assert "PRIVACY AUDIT VIOLATIONS" in (tmp_path / "o" / "report.md").read_text()
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["violations"]
+
+
+@pytest.mark.parametrize("setting", ["pretrain", "finetune"])
+def test_a_damaged_audit_checkpoint_stops_the_run_before_any_scoring(setting, smoke_testbed, tmp_path, monkeypatch):
+    """The audit's testbeds (pretrain: the canary testbed and its twins; fine-tune: the base) are opened and checked
+    like every checkpoint (``mia.checkpoints``) before anything is trained on them or scored: a damaged weights file
+    is one line naming it. They used to be scored unchecked."""
+    import shutil
+    from pathlib import Path
+
+    from mia.checkpoints import CheckpointError
+    from mia.testbed import open_testbed
+
+    copy = Path(shutil.copytree(smoke_testbed.root, tmp_path / "tb", ignore=shutil.ignore_patterns("*-mem*", "cache")))
+    weights = copy / "checkpoints" / f"step{smoke_testbed.train_steps}" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 1
+    weights.write_bytes(bytes(data))
+    tb = open_testbed(copy)
+    if setting == "pretrain":
+        monkeypatch.setattr(audit, "_models", lambda *a, **k: [audit.Model(audit.NON_PRIVATE, tb, math.inf, None,
+                                                                            1e-3)])
+    else:
+        monkeypatch.setattr(audit, "build_base", lambda *a, **k: tb)
+    scored = []
+    monkeypatch.setattr(audit, "score_model", lambda *a, **k: scored.append(a))
+    monkeypatch.setattr(audit.ft, "build_finetune", lambda *a, **k: scored.append(a))
+    with pytest.raises(CheckpointError, match="damaged: sha256") as e:
+        audit.run("smoke", tmp_path / "out", setting=setting, testbed_dir=tmp_path / "t", progress=False)
+    assert str(weights) in str(e.value) and scored == []

@@ -119,7 +119,7 @@ SCORE_CASES = [
     score_case("deep-nesting", '{"id": 1, "text": ' + "[" * 100_000 + "\n", ("d.jsonl:1",)),
     score_case("not-utf8", b'{"id": 1, "text": "\xff\xfe ab"}\n', ("d.jsonl:1", "UTF-8")),
     score_case("empty-file", "", ("d.jsonl", "no examples")),
-    score_case("id-missing", _jsonl({"text": "a b c"}), ("d.jsonl:1", "'id'")),
+    score_case("id-missing", _jsonl({"id": 1, "text": "a b"}, {"text": "a b c"}), ("d.jsonl:2", "'id'")),
     score_case("id-object", _jsonl({"id": {"a": 1}, "text": "a b c"}), ("d.jsonl:1", "'id'")),
     score_case("id-bool", _jsonl({"id": True, "text": "a b c"}), ("d.jsonl:1", "'id'")),
     score_case("id-surrogate", '{"id": "\\udc80", "text": "a b c"}\n', ("d.jsonl:1", "'id'", "surrogate")),
@@ -172,7 +172,7 @@ SCORE_CASES = [
                ["--num-processes", "1"]),
     score_case("attacks-empty", GOOD, ("--attacks",), ["--attacks", ""]),
     score_case("attacks-commas", GOOD, ("--attacks",), ["--attacks", " , ;"]),
-    score_case("attack-unknown", GOOD, ("nosuch",), ["--attacks", "loss,nosuch"]),
+    score_case("attack-unknown", GOOD, ("--attacks", "nosuch"), ["--attacks", "loss,nosuch"]),
     score_case("attack-twice", GOOD, ("'loss'", "twice"), ["--attacks", "loss,loss"]),
     score_case("attack-param-twice", GOOD, ("mink", "'k'", "twice"), ["--attacks", "mink:k=0.1,k=0.2"]),
     score_case("attack-param-unknown", GOOD, ("mink", "'q'"), ["--attacks", "mink:q=1"]),
@@ -180,7 +180,7 @@ SCORE_CASES = [
     score_case("em-iters-zero", GOOD, ("em_mia", "iters"), ["--attacks", "em_mia:iters=0"]),
     score_case("em-iters-negative", GOOD, ("em_mia", "iters"), ["--attacks", "em_mia:iters=-1"]),
     score_case("em-init-unknown", GOOD, ("em_mia", "init"), ["--attacks", "em_mia:init=bogus"]),
-    score_case("mink-k-above-one", GOOD, ("mink", "parameter k"), ["--attacks", "mink:k=1.5"]),
+    score_case("mink-k-above-one", GOOD, ("--attacks", "mink", "parameter k"), ["--attacks", "mink:k=1.5"]),
     score_case("mink-k-zero", GOOD, ("mink", "parameter k"), ["--attacks", "mink:k=0"]),
     score_case("mink-k-nan", GOOD, ("mink", "parameter k"), ["--attacks", "mink:k=nan"]),
     score_case("minkpp-k-text", GOOD, ("minkpp", "parameter k"), ["--attacks", "minkpp:k=small"]),
@@ -399,9 +399,12 @@ CHECKMIA_CASES = [
          ("--testbed", "is a file"), {"f": "x"}),
     Case("checkmia-out-is-file", ["--preset", "smoke", "--out", "{tmp}/f"], ("--out", "is a file"), {"f": "x"}),
     Case("checkmia-attacks-empty", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", ""], ("--attacks",)),
-    Case("checkmia-attack-unknown", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", "nosuch"], ("nosuch",)),
-    Case("checkmia-attack-param", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", "mink:k=2"], ("mink", "k")),
-    Case("checkmia-em-iters-0", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", "em_mia:iters=0"], ("iters",)),
+    Case("checkmia-attack-unknown", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", "nosuch"],
+         ("--attacks", "nosuch")),
+    Case("checkmia-attack-param", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", "mink:k=2"],
+         ("--attacks", "mink", "k")),
+    Case("checkmia-em-iters-0", ["--preset", "smoke", "--out", "{tmp}/o", "--attacks", "em_mia:iters=0"],
+         ("--attacks", "iters")),
     Case("checkmia-step-negative", ["--preset", "smoke", "--steps", "-1"], ("--steps",)),
     Case("checkmia-n-members-0", ["--preset", "smoke", "--n-members", "0"], ("--n-members",)),
     Case("checkmia-seed-negative", ["--preset", "smoke", "--seed", "-1"], ("--seed",)),
@@ -502,6 +505,7 @@ EXPERIMENT_CASES = [
     Case("camia-mlm-missing", ["camia", "--mlm", "{tmp}/none", *_O], ("--mlm", "not found")),
     # checkmiabench
     Case("cmb-preset-unknown", ["checkmiabench", "--preset", "huge", *_O], ("--preset", "huge")),
+    Case("cmb-paper-and-smoke", ["checkmiabench", "--paper", "--preset", "smoke", *_O], ("--paper", "--preset smoke")),
     Case("cmb-out-under-file", ["checkmiabench", "--out", "{tmp}/f/o"], ("--out", "is a file")),
     Case("cmb-steps-text", ["checkmiabench", "--steps", "100,last", *_O], ("--steps", "'last'")),
     Case("cmb-steps-zero", ["checkmiabench", "--steps", "0", *_O], ("--steps",)),
@@ -515,8 +519,8 @@ EXPERIMENT_CASES = [
     Case("cmb-batch-size-0", ["checkmiabench", "--batch-size", "0", *_O], ("--batch-size",)),
     Case("cmb-end-step-0", ["checkmiabench", "--end-step", "0", *_O], ("--end-step",)),
     Case("cmb-memorize-negative", ["checkmiabench", "--memorize-epochs", "-1", *_O], ("--memorize-epochs",)),
-    Case("cmb-attack-param", ["checkmiabench", "--attacks", "mink:k=2", *_O], ("mink", "k")),
-    Case("cmb-attack-unknown", ["checkmiabench", "--attacks", "loss,nosuch", *_O], ("nosuch",)),
+    Case("cmb-attack-param", ["checkmiabench", "--attacks", "mink:k=2", *_O], ("--attacks", "mink", "k")),
+    Case("cmb-attack-unknown", ["checkmiabench", "--attacks", "loss,nosuch", *_O], ("--attacks", "nosuch")),
     Case("cmb-testbed-missing", ["checkmiabench", "--testbed", "{tmp}/none", *_O], ("--testbed", "not found")),
     Case("cmb-suite-dir-under-file", ["checkmiabench", "--suite-dir", "{tmp}/f/s", *_O], ("--suite-dir", "is a file")),
     Case("cmb-pythia-missing", ["checkmiabench", "--pythia", "{tmp}/none", *_O], ("--pythia", "not found")),
@@ -639,6 +643,25 @@ def test_unusable_cache_dir_is_one_error_before_the_compile_cache(tiny_neox_dir,
     code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out",
                                      tmp_path / "o.jsonl"], capsys)
     assert_one_error(code, lines, "MIA_CACHE_DIR", str(tmp_path / "f"), "is a file")
+
+
+@pytest.mark.parametrize("cache_dir, reason", [("/proc/mia-cache", "cannot be used"),
+                                               ("/dev/null/mia-cache", "is a file")])
+def test_cache_dir_that_cannot_be_made_names_mia_cache_dir(cache_dir, reason, tiny_neox_dir, tmp_path, monkeypatch,
+                                                           capsys):
+    """MIA_CACHE_DIR where no directory can be made (/proc refuses new entries even to root, whatever the permission
+    bits say): one line naming MIA_CACHE_DIR and the path, from ``mia score`` and from ``mia.score`` alike, before
+    any scoring (was: ``error: [Errno 2] No such file or directory: '/proc/mia-cache'`` after the scoring pass)."""
+    import mia
+    from mia.cli import main
+
+    (tmp_path / "d.jsonl").write_text(GOOD)
+    monkeypatch.setenv("MIA_CACHE_DIR", cache_dir)
+    code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl"], capsys)
+    assert_one_error(code, lines, "MIA_CACHE_DIR", cache_dir, reason)
+    with pytest.raises(ValueError, match=f"MIA_CACHE_DIR {cache_dir}: .*{reason}"):
+        mia.score(tiny_neox_dir, tmp_path / "d.jsonl", progress=False)
 
 
 def test_unwritable_cache_dir_says_so(tiny_neox_dir, tmp_path, monkeypatch, capsys):
@@ -821,6 +844,33 @@ def test_nonfinite_weight_is_named(value, tiny_neox_dir, tmp_path, capsys):
     code, lines, _ = run_main(main, ["score", "--model", m, "--data", tmp_path / "d.jsonl", "--out",
                                      tmp_path / "o.jsonl", "--no-progress", "--no-cache"], capsys)
     assert_one_error(code, lines, name, str(m / "model.safetensors"), "non-finite")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_nan_filled_head_of_a_wider_model_is_refused(tiny_neox_dir, tmp_path, capsys):
+    """The reported case: ``embed_out.weight`` of a GPT-NeoX full of NaN, large enough (1024 x 64) that XLA:CPU's
+    vectorised max drops NaN. ``mia score`` stops with one line naming the tensor (it used to exit 0 with every score
+    null)."""
+    import shutil
+
+    from transformers import GPTNeoXConfig
+
+    from hf_tiny import save_tiny
+    from mia.cli import main
+    from mia.models.hub import read_safetensors, write_safetensors
+
+    m = tmp_path / "m"
+    save_tiny(GPTNeoXConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False), m)
+    shutil.copy(tiny_neox_dir / "tokenizer.json", m / "tokenizer.json")
+    tensors = {k: np.array(v) for k, v in read_safetensors(m / "model.safetensors").items()}
+    tensors["embed_out.weight"][...] = np.nan
+    write_safetensors(tensors, m / "model.safetensors")
+    (tmp_path / "d.jsonl").write_text(_jsonl({"id": "a", "tokens": [1, 2, 3, 4], "label": 1},
+                                             {"id": "b", "tokens": [5, 6, 7, 8], "label": 0}))
+    code, lines, _ = run_main(main, ["score", "--model", m, "--data", tmp_path / "d.jsonl", "--out",
+                                     tmp_path / "o.jsonl", "--no-progress", "--no-cache"], capsys)
+    assert_one_error(code, lines, "embed_out.weight", "non-finite")
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -1114,9 +1164,9 @@ class _RowsTestbed:
 
 
 def test_testbed_split_checks_the_model_vocabulary(tmp_path):
-    """``experiments.common.draw_testbed_split`` draws with the testbed model's vocabulary: one id outside it (row
+    """``mia.data.draw.draw_testbed_split`` draws with the testbed model's vocabulary: one id outside it (row
     13, a member of step 5) stops the draw naming the row and the vocabulary; the same rows within it draw."""
-    from experiments.common import SplitSizes, draw_testbed_split
+    from mia.data.draw import SplitSizes, draw_testbed_split
 
     rows = np.random.default_rng(0).integers(0, 300, size=(40, 9)).astype(np.uint16)
     rows[13, 4] = 300

@@ -209,3 +209,16 @@ def test_mlp_sparse_path_equals_dense_path(monkeypatch):
     a = mlp(x[:100], y[:100], x[100:], seed=1)
     b = mlp(sp.csr_matrix(x[:100]), y[:100], sp.csr_matrix(x[100:]), seed=1)
     np.testing.assert_allclose(a, b, atol=2e-4)
+
+
+def test_progress_bar_names_each_step(capsys):
+    """``make demo`` printed "blind baselines ..." and then nothing for minutes: the features, encoders and
+    classifiers now advance a bar that names the step running; without ``progress`` nothing is printed."""
+    ex = _examples(n_train=20, n_eval=10)
+    run_blind(ex, ["bow"], ["lr", "rf"], seed=0, n_resamples=0)
+    assert capsys.readouterr().err == ""
+    run_blind(ex, ["bow"], ["lr", "rf"], seed=0, n_resamples=0, progress=True)
+    err = capsys.readouterr().err
+    for step in ("blind baselines", "bow: fit", "bow: features of 60 texts", "bow + lr", "bow + rf", "3-fold choice",
+                 "5/5"):
+        assert step in err, (step, err[-400:])

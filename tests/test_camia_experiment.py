@@ -266,7 +266,7 @@ def test_mimir_model_and_ref_checked_first(tmp_path, tiny_neox_dir, capsys):
 def test_a_text_in_both_mimir_files_drops_the_non_member_with_a_note(tmp_path):
     """MIMIR's member and non-member files may share a text: the non-member copy is dropped (the member kept) with a
     counted note, as checkmiabench does, instead of ``mia.score`` refusing the whole domain."""
-    from experiments.common import label_conflicts
+    from mia.data.draw import label_conflicts
     from mia import api
 
     root = _fake_mimir(tmp_path, {"arxiv_ngram_7_0.2": (3, 3)})
@@ -283,7 +283,7 @@ def test_a_text_in_both_mimir_files_drops_the_non_member_with_a_note(tmp_path):
 
 
 def test_without_label_conflicts_keeps_the_member_and_counts():
-    from experiments.common import without_label_conflicts
+    from mia.data.draw import without_label_conflicts
 
     rows = [{"id": "a", "label": 1, "tokens": [1, 2, 3]}, {"id": "b", "label": 0, "tokens": [1, 2, 3]},
             {"id": "c", "label": 0, "tokens": [1, 2]}, {"id": "d", "label": 1, "tokens": [1, 2, 3]},

@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from experiments.checkmia import JobError, draw_split, main, run
+from experiments.checkmia import draw_split, main, run
+from mia.data.splits import SplitError
 
 
 def test_split_correct_by_construction(smoke_testbed, tmp_path):
@@ -57,14 +58,31 @@ def test_split_correct_by_construction(smoke_testbed, tmp_path):
 
 def test_split_errors(smoke_testbed):
     tb = smoke_testbed
-    with pytest.raises(JobError, match=r"checkpoint step 5000 is beyond the run: the testbed trained 100 steps"):
+    with pytest.raises(SplitError, match=r"checkpoint step 5000 is beyond the run: the testbed trained 100 steps"):
         draw_split(tb, 5000, 10, 10, 0, 0, 0, seed=0)
-    with pytest.raises(JobError, match=r"asks for 2000 members .* has seen only 1600 rows"):
+    with pytest.raises(SplitError, match=r"asks for 2000 members .* has seen only 1600 rows"):
         draw_split(tb, 100, 2000, 10, 0, 0, 0, seed=0)
-    with pytest.raises(JobError, match=r"non-members .* hold only \d+ rows"):
+    with pytest.raises(SplitError, match=r"non-members .* hold only \d+ rows"):
         draw_split(tb, 100, 10, 100_000, 0, 0, 0, seed=0)
-    with pytest.raises(JobError, match="no members"):
+    with pytest.raises(SplitError, match="no members"):
         draw_split(tb, 0, 10, 10, 0, 0, 0, seed=0)
+
+
+def test_testbed_rows_are_scored_whole(smoke_testbed):
+    """A testbed row holds seq_len + 1 tokens (the training target of its last position included); scored, it keeps
+    every token and makes seq_len predictions, each one within the trained context. The experiments used to cut
+    rows to seq_len, so one target token per row was never scored."""
+    import mia
+    from mia.data.draw import SplitSizes, draw_testbed_split
+
+    tb = smoke_testbed
+    _, examples, _ = draw_testbed_split(tb, tb.train_steps, SplitSizes(eval=3), seed=0)
+    run = mia.score(tb.load_model(tb.train_steps), [e for e in examples if e["partition"] == "eval"], "loss",
+                    progress=False, cache=False)
+    assert [e.n_tokens for e in run.examples] == [tb.row_len] * 6 and tb.row_len == tb.config.seq_len + 1
+    assert not any(e.truncated for e in run.examples) and not any("truncated" in n for n in run.notes)
+    stats = run.context.stats()
+    assert all(len(s["logprob"]) == tb.config.seq_len and np.isfinite(s["logprob"]).all() for s in stats)
 
 
 def test_main_job_end_to_end(smoke_testbed, tmp_path):
@@ -186,6 +204,12 @@ def test_quickstart_notebook_runs(smoke_testbed, monkeypatch):
         o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})
     ]
     assert len(images) >= 2  # ROC and the per-token traces
+    # a cell ending with `run` shows the summary line and the metrics table (text and HTML), not the arrays
+    shown = next(o["data"] for c in nb.cells if c.cell_type == "code" and c.source.startswith("import mia")
+                 for o in c.outputs if o.get("output_type") == "execute_result")
+    text = shown["text/plain"]
+    assert text.startswith("ScoreRun: 300 examples (150 members, 150 non-members), 4 attacks"), text
+    assert len(text.splitlines()) <= 40 and "AUC" in text and "<table>" in shown["text/html"]
 
 
 @pytest.mark.slow

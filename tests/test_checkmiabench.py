@@ -140,6 +140,9 @@ def test_notebook_computes_the_tables(cmb_smoke, monkeypatch):
              if (r["model"], r["step"]) == (target["model"], target["step"]) and r.get("auc") is not None}
     for method, auc in saved.items():
         assert roc_auc_score(ns["labels"], ns["scores"][method]) == pytest.approx(auc, abs=1e-9), method
+    # the notebook's last cells redo the target's split and LOSS score through mia.data.draw / mia.checkpoints /
+    # mia.score: the same split row for row (asserted in the notebook) and the table's AUC
+    assert ns["api_auc"] == pytest.approx(saved["loss"], abs=1e-9) and ns["table_auc"] == saved["loss"]
 
 
 # ----------------------------------------------------------------------------------------------- curves math
@@ -300,7 +303,7 @@ def _run_with_planted_copy(tiny_neox_dir, tmp_path, copy_of, original) -> tuple:
     checkmiabench on it -> (copy, original, results dir, summary)."""
     import transformers
 
-    from experiments.common import draw_pythia_split
+    from mia.data.draw import draw_pythia_split
 
     vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
     _, shards, idx, _ = pythia_layout(tmp_path / "clean", tiny_neox_dir, vocab)
@@ -362,7 +365,7 @@ def test_count_params_skips_buffers_of_old_pythia_checkpoints(tiny_neox_dir, tin
     from safetensors.numpy import load_file, save_file
 
     import mia.models as mm
-    from experiments.common import count_params
+    from mia.checkpoints import count_params
 
     want = sum(p.numel() for p in tiny_neox_torch.parameters())
     assert count_params(tiny_neox_dir) == want

@@ -107,7 +107,7 @@ def _base(model, data, out):
     ([{"id": 1, "text": "hello", "label": 2}], "'label' must be 0 or 1"),
     ([{"id": 1}], "needs a 'text' or a 'tokens'"),
     ([{"id": 1, "tokens": [3]}], "only 1 token"),
-    ([{"text": "abc"}], "'id' is missing"),
+    ([{"id": 1, "text": "abc"}, {"text": "abd"}], ":2: field 'id' is missing"),  # ids: on every line or none
     ([{"id": 1, "text": "a b"}, {"id": 1, "text": "c d"}], "duplicate id"),
     ([{"id": 1, "tokens": [1, 99999]}], "outside the model vocabulary"),
 ])

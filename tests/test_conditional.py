@@ -116,7 +116,7 @@ def test_batching_does_not_change_values(model):
 
 def test_bucketed_shapes_compile_once(model, monkeypatch):
     monkeypatch.setattr(C, "_TRACE_WRAP", lambda f: chex.assert_max_traces(f, n=1))
-    for fn in (C._jit_prefix, C._jit_cond):
+    for fn in (C.jitted_prefix, C.jitted_conditional):
         fn.cache_clear()
     try:
         # every length is in the 32-bucket, 2 prefixes and 4 targets: one shape each, whatever the lengths
@@ -126,7 +126,7 @@ def test_bucketed_shapes_compile_once(model, monkeypatch):
             targets = seqs(rng.integers(2, 16, 4), seed + 10)
             C.loglik_matrix(model, prefixes, targets, include_first=False, settings=SETTINGS)
     finally:
-        for fn in (C._jit_prefix, C._jit_cond):
+        for fn in (C.jitted_prefix, C.jitted_conditional):
             fn.cache_clear()
         chex.clear_trace_counter()
 
@@ -140,8 +140,8 @@ def test_disk_cache_makes_no_model_call(model, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("model called although every pair is cached")
 
-    monkeypatch.setattr(C, "_jit_prefix", boom)
-    monkeypatch.setattr(C, "_jit_cond", boom)
+    monkeypatch.setattr(C, "jitted_prefix", boom)
+    monkeypatch.setattr(C, "jitted_conditional", boom)
     b = C.loglik_matrix(model, prefixes[::-1], targets, include_first=False, settings=settings)
     np.testing.assert_array_equal(a[::-1], b)
     # the include_first setting is part of the key

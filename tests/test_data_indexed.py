@@ -150,7 +150,7 @@ def test_shards_out_of_order_by_number_gap_or_size(tmp_path, capsys):
                                                "other shard is 50 bytes"):
         IndexedDataset(swapped, idx_path=idx)
     capsys.readouterr()
-    assert main(["split", "pythia", "--data", *swapped, "--idx", idx, "--step", "1", "--batch-size", "2",
+    assert main(["split", "pythia", "--data", *swapped, "--idx", idx, "--steps", "1", "--batch-size", "2",
                  "--n-members", "1", "--n-nonmembers", "1", "--out", str(tmp_path / "s.jsonl")]) == 2
     lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and renamed[3] in lines[0] and renamed[1] in lines[0]
@@ -219,7 +219,7 @@ def test_a_directory_is_named_as_one(tmp_path, capsys):
     for extra, flag in ((["--data", tmp_path / "d"], "--data"),
                         (["--data", bins[0], "--idx", tmp_path / "d"], "--idx")):
         capsys.readouterr()
-        assert main(["split", "pythia", *map(str, extra), "--step", "1", "--n-members", "1", "--n-nonmembers", "1",
+        assert main(["split", "pythia", *map(str, extra), "--steps", "1", "--n-members", "1", "--n-nonmembers", "1",
                      "--out", str(tmp_path / "s.jsonl")]) == 2
         lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
         assert len(lines) == 1 and lines[0].startswith(f"error: {flag} ") and "is a directory" in lines[0], lines

@@ -120,7 +120,7 @@ def test_cli_olmo_and_check(tmp_path, capsys):
     make_order(tmp_path, len(inst))
     out = tmp_path / "o.jsonl"
     base = ["split", "olmo", "--global-indices", str(tmp_path / "global_indices.npy"), "--data-paths",
-            str(tmp_path / "paths.txt"), "--step", "2", "--nonmember-start", "3", "--batch-size", str(B),
+            str(tmp_path / "paths.txt"), "--steps", "2", "--nonmember-start", "3", "--batch-size", str(B),
             "--seq-len", str(SEQ), "--seed", "3"]
     assert run_cli(base + ["--partition", "train=1,eval=1", "--out", str(out)]) == 0
     s = read_split(out)

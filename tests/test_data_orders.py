@@ -53,7 +53,7 @@ def test_olmo_order_as_olmo_writes_it(tmp_path, drop_last, capsys):
     # a split drawn through the CLI: every position inside the usable order, the note in the header and on stderr
     out = tmp_path / "s.jsonl"
     assert olmo_cli(["split", "olmo", "--global-indices", str(tmp_path / "global_indices.npy"), "--data-paths",
-                     str(tmp_path / "paths.txt"), "--seq-len", str(SEQ), "--batch-size", str(batch), "--step", "1",
+                     str(tmp_path / "paths.txt"), "--seq-len", str(SEQ), "--batch-size", str(batch), "--steps", "1",
                      "--n-members", "4", "--n-nonmembers", "4", "--out", str(out)]) == 0
     assert note in capsys.readouterr().err
     s = read_split(out)
@@ -85,7 +85,7 @@ def test_pythia_draw_stops_at_the_first_id_outside_the_vocabulary(tmp_path, caps
         pythia.draw_checkpoint_split(ds, 6, 24, 24, seed=0, vocab_size=47000, **kw)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"vocab_size": 47000}))
-    argv = ["split", "pythia", "--data", *bins, "--idx", idx, "--step", "6", "--end-step", "12", "--batch-size", "4",
+    argv = ["split", "pythia", "--data", *bins, "--idx", idx, "--steps", "6", "--end-step", "12", "--batch-size", "4",
             "--n-members", "24", "--n-nonmembers", "24", "--out", str(tmp_path / "o.jsonl")]
     for bound in (["--model", str(tmp_path / "m")], ["--vocab-size", "47000"]):
         with pytest.raises(ValueError, match=msg):

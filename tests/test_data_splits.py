@@ -213,7 +213,7 @@ def test_cli_pythia_shards_and_check(tmp_path, pdata, capsys):
     _, bins, idx = pdata
     out = tmp_path / "cli.jsonl"
     argv = ["split", "pythia"] + sum((["--data", b] for b in bins), []) + [
-        "--idx", idx, "--step", "5", "--gap", "1", "--end-step", "10", "--batch-size", str(B),
+        "--idx", idx, "--steps", "5", "--gap", "1", "--end-step", "10", "--batch-size", str(B),
         "--seed", "7", "--partition", "train=3,calib=1,eval=2", "--out", str(out)]
     assert run_cli(argv) == 0
     assert "6 members, 6 non-members" in capsys.readouterr().out
@@ -228,12 +228,12 @@ def test_cli_pythia_shards_and_check(tmp_path, pdata, capsys):
 def test_cli_errors_are_value_errors(tmp_path, pdata):
     _, bins, idx = pdata
     with pytest.raises(ValueError, match="give --n-members"):
-        run_cli(["split", "pythia", "--data", bins[0], "--idx", idx, "--step", "3", "--out", str(tmp_path / "x")])
+        run_cli(["split", "pythia", "--data", bins[0], "--idx", idx, "--steps", "3", "--out", str(tmp_path / "x")])
     with pytest.raises(ValueError, match="crosses the end of the data"):
-        run_cli(["split", "pythia", "--data", bins[0], "--data", bins[1], "--idx", idx, "--step", "3",
+        run_cli(["split", "pythia", "--data", bins[0], "--data", bins[1], "--idx", idx, "--steps", "3",
                  "--n-members", "1", "--n-nonmembers", "1", "--batch-size", "4", "--out", str(tmp_path / "x")])
     with pytest.raises(ValueError, match="pass the single .idx"):
-        run_cli(["split", "pythia", "--data", bins[0], bins[1], "--step", "3",
+        run_cli(["split", "pythia", "--data", bins[0], bins[1], "--steps", "3",
                  "--n-members", "1", "--n-nonmembers", "1", "--out", str(tmp_path / "x")])
 
 

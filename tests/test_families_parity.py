@@ -183,3 +183,55 @@ def test_packed_rows_score_as_separate_rows(case, monkeypatch):
             for s in STAT_NAMES:
                 np.testing.assert_allclose(g[s], w[s], atol=2e-5, rtol=0, err_msg=f"{name} {kernel} {s}")
     loop.jitted_token_stats.cache_clear()
+
+
+def test_nonfinite_weights_are_refused_naming_the_tensor(case, tmp_path):
+    """Every family: its largest tensor all NaN, one NaN in it, or one -inf: ``load`` refuses the checkpoint in one
+    line naming that tensor (by its checkpoint name) and the file, never a model that scores NaN."""
+    from mia.models.hub import CheckpointError, read_safetensors, write_safetensors
+
+    name, path, _, _ = case
+    tensors = {k: np.array(v) for k, v in read_safetensors(path / "model.safetensors").items()}
+    big = max((k for k, v in tensors.items() if v.dtype.kind == "f"), key=lambda k: (tensors[k].size, k))
+    for damage in ("all nan", "one nan", "one -inf"):
+        bad = dict(tensors)
+        bad[big] = tensors[big].copy()
+        if damage == "all nan":
+            bad[big][...] = np.nan
+        else:
+            bad[big].flat[bad[big].size // 2] = np.nan if damage == "one nan" else -np.inf
+        d = tmp_path / damage.replace(" ", "_")
+        d.mkdir()
+        (d / "config.json").write_text((path / "config.json").read_text())
+        write_safetensors(bad, d / "model.safetensors")
+        with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{big}' holds \d+ non-finite"):
+            mm.load(d)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neo"])
+def test_a_text_of_context_plus_one_tokens_is_scored_inside_the_context(name, tmp_path_factory):
+    """A model with a learned position table of C entries scores a text of C + 1 tokens (Pythia's 2049-token rows,
+    a testbed's seq_len + 1): C predictions, each equal to transformers' on the first C tokens, whether the text
+    fills its row, sits in a longer padded row or is packed beside others (a text's last token is never read, so
+    no position reaches C); a text of C + 2 tokens is refused."""
+    import dataclasses
+
+    from hf_tiny import log_softmax, torch_sequence_logits
+    from mia.engine import loop
+    from mia.engine.batching import ScoringSettings
+
+    _, _, ref, model = _build(name, tmp_path_factory)
+    c = model.max_length
+    rng = np.random.default_rng(8)
+    texts = [rng.integers(0, V, n).astype(np.int32) for n in (c + 1, 7, c + 1, 5, c)]
+    plain = ScoringSettings(progress=False, pack=False, bucket_step=0)
+    for settings in (plain, dataclasses.replace(plain, min_bucket=2 * c),  # rows of 2C + 1: padding after the text
+                     dataclasses.replace(plain, pack=True, pack_length=4 * c)):  # C + 1 texts mid-row
+        got = loop.compute_token_stats(model, texts, settings)
+        for t, g in zip(texts, got):
+            lp = log_softmax(torch_sequence_logits(ref, t[:c]))  # transformers reads at most C positions
+            want = lp[np.arange(len(t) - 1), t[1:]]
+            assert len(g["logprob"]) == len(t) - 1
+            np.testing.assert_allclose(g["logprob"], want, atol=1e-4, rtol=0, err_msg=f"{name} {settings}")
+    with pytest.raises(ValueError, match=f"has {c + 2} tokens; the model's context of {c} positions scores at most"):
+        loop.compute_token_stats(model, [rng.integers(0, V, c + 2).astype(np.int32)], plain)

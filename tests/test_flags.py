@@ -117,3 +117,48 @@ def test_one_checkpoint_experiments_refuse_several_steps(module, capsys):
         main(["--steps", "50,100"])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "evaluates one checkpoint" in err[0], err
+
+
+# Beyond the experiments: the same spelling wherever mia takes a checkpoint step, a token budget or a bucket step.
+RETIRED = {"--step": "--steps", "--budget": "--batch-tokens", "--token-budget": "--batch-tokens"}
+
+
+def test_no_command_defines_a_retired_spelling():
+    """Every ``add_argument`` of mia/ and experiments/ (the CLI, ``mia split``, every experiment and bench script)
+    uses the shared spellings; a retired one exists only as a refusal (``add_renamed_flag``)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in sorted([*(root / "mia").rglob("*.py"), *(root / "experiments").glob("*.py")]):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for flag in re.findall(r'add_argument\(\s*"(--[a-z-]+)"', line):
+                if flag in RETIRED:
+                    found.append(f"{path.relative_to(root)}:{n} {flag}")
+    assert found == []
+
+
+@pytest.mark.parametrize("argv, old", [
+    (["split", "pythia", "--data", "x.bin", "--step", "5", "--out", "s.jsonl"], "--step"),
+    (["split", "olmo", "--global-indices", "g", "--data-paths", "p", "--step", "5", "--out", "s.jsonl"], "--step"),
+])
+def test_mia_split_takes_steps_and_refuses_step(argv, old, capsys):
+    from mia.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{old} was renamed {RETIRED[old]}" in err[0], err
+
+
+@pytest.mark.parametrize("module, old", [("bench_padding", "--budget"), ("bench_padding", "--step"),
+                                         ("bench_attacks", "--token-budget")])
+def test_bench_scripts_refuse_their_old_spellings(module, old, capsys):
+    main = importlib.import_module(f"experiments.{module}").main
+    with pytest.raises(SystemExit) as e:
+        main([old, "5"])
+    assert e.value.code == 2
+    new = "--bucket-step" if (module, old) == ("bench_padding", "--step") else RETIRED[old]
+    assert f"{old} was renamed {new}" in capsys.readouterr().err

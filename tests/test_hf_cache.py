@@ -199,7 +199,7 @@ def pythia_cache(tiny_neox_dir, tmp_path_factory):
 
 
 def test_pythia_checkpoints_are_discovered_in_the_hub_cache(pythia_cache):
-    from experiments.common import ExperimentError, pythia_checkpoint, pythia_checkpoints, select_pythia
+    from mia.checkpoints import CheckpointError, pythia_checkpoint, pythia_checkpoints, select_pythia
 
     found = pythia_checkpoints(pythia_cache)
     assert {size: {s: p.name for s, p in steps.items()} for size, steps in found.items()} == {
@@ -207,7 +207,7 @@ def test_pythia_checkpoints_are_discovered_in_the_hub_cache(pythia_cache):
     assert list(select_pythia(pythia_cache, None, [100])) == ["70m", "160m"]
     assert pythia_checkpoint(pythia_cache, "70m", 200) == pythia_cache / "models--EleutherAI--pythia-70m-deduped" / \
         "snapshots" / MAIN
-    with pytest.raises(ExperimentError, match="no checkpoint pythia-160m-deduped/step200.*70m-deduped: steps 100, 200"):
+    with pytest.raises(CheckpointError, match="no checkpoint pythia-160m-deduped/step200.*70m-deduped: steps 100, 200"):
         pythia_checkpoint(pythia_cache, "160m", 200)
 
 
@@ -234,12 +234,12 @@ def test_checkmiabench_pythia_from_the_hub_cache(tiny_neox_dir, tmp_path, no_net
 
 
 def test_olmo_checkpoint_from_a_cached_repository(tiny_neox_dir, tmp_path):
-    from experiments.common import ExperimentError, olmo_checkpoint
+    from mia.checkpoints import CheckpointError, olmo_checkpoint
 
     repo = tmp_path / "models--allenai--OLMo-7B"
     _add_snapshot(repo, MAIN, tiny_neox_dir, refs=["main", "step1000-tokens4B"])
     _add_snapshot(repo, STEP, tiny_neox_dir, refs=["step2000-tokens9B"])
     assert olmo_checkpoint(repo, 2000) == repo / "snapshots" / STEP
     assert olmo_checkpoint(repo, 1000) == repo / "snapshots" / MAIN
-    with pytest.raises(ExperimentError, match="no checkpoint at step 3000.*step1000, step2000"):
+    with pytest.raises(CheckpointError, match="no checkpoint at step 3000.*step1000, step2000"):
         olmo_checkpoint(repo, 3000)

@@ -122,3 +122,49 @@ def test_relative_imports_resolve_to_modules():
     tree = ast.parse("from ..engine import loop\nfrom .registry import get\nfrom .. import validate as V\n")
     got = [resolve(n, "mia.attacks.mink", False, modules) for n in tree.body]
     assert got == [["mia.engine.loop"], ["mia.attacks.registry"], ["mia.validate"]]
+
+
+# Layers, from the bottom: models (and the placement they use, mia.sharding) -> engine -> attacks -> api / cli. An
+# arrow may only point down: the engine never imports an attack (an attack's planned step registers itself with
+# ``mia.engine.plan``), and no model module imports the engine.
+LAYER_RULES = (("mia.engine", "mia.attacks"), ("mia.models", "mia.engine"), ("mia.models", "mia.attacks"),
+               ("mia.sharding", "mia.engine"), ("mia.sharding", "mia.models"))
+
+
+def upward_imports(graph: dict) -> list:
+    """(importer, imported) pairs of ``graph`` that break ``LAYER_RULES``."""
+    within = lambda name, pkg: name == pkg or name.startswith(pkg + ".")  # noqa: E731
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  for low, high in LAYER_RULES if within(a, low) and within(b, high))
+
+
+def test_every_import_points_down_the_layers():
+    graph, _ = import_graph()
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"mia.engine.plan": {"mia.attacks.mope"}, "mia.models.hub": {"mia.engine.loop", "mia.sharding"},
+             "mia.attacks.mope": {"mia.engine.plan"}}
+    assert upward_imports(graph) == [("mia.engine.plan", "mia.attacks.mope"), ("mia.models.hub", "mia.engine.loop")]
+
+
+def private_imports_of_mia(paths) -> list:
+    """``file:line name`` of every ``from mia... import _name`` / ``mia...._name`` use in ``paths``."""
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mia"):
+                found += [f"{path.name}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in ("mia", "A", "C", "report"):
+                    found.append(f"{path.name}:{node.lineno} {node.attr}")
+    return found
+
+
+def test_experiments_use_only_public_names_of_mia():
+    assert private_imports_of_mia(sorted((ROOT / "experiments").glob("*.py"))) == []

@@ -13,7 +13,8 @@ from pathlib import Path, PosixPath
 import numpy as np
 import pytest
 
-from experiments.common import ExperimentError, olmo_order_settings
+from mia.checkpoints import olmo_order_settings
+from mia.checkpoints import CheckpointError
 from mia.data.olmo_state import OlmoStateError, check_order, checkpoint_facts, read_config_yaml, read_trainer_state
 
 torch = pytest.importorskip("torch")
@@ -136,7 +137,7 @@ def test_matching_settings_are_checked_and_recorded(tmp_path):
 def test_batch_size_mismatch_names_both_values_and_the_file(tmp_path):
     d = tmp_path / "ckpt"
     write_config_yaml(d, batch=2048)
-    with pytest.raises(ExperimentError) as e:
+    with pytest.raises(CheckpointError) as e:
         olmo_order_settings({400000: d}, batch_size=2160)
     msg = str(e.value)
     assert "--batch-size 2160" in msg and "global_train_batch_size 2048" in msg and str(d / "config.yaml") in msg
@@ -146,29 +147,29 @@ def test_batch_size_mismatch_names_both_values_and_the_file(tmp_path):
 
 def test_seq_len_mismatch_is_refused(tmp_path):
     write_config_yaml(tmp_path / "c", seq_len=4096)
-    with pytest.raises(ExperimentError, match="--seq-len 2048 does not match model.max_sequence_length 4096"):
+    with pytest.raises(CheckpointError, match="--seq-len 2048 does not match model.max_sequence_length 4096"):
         olmo_order_settings({10: tmp_path / "c"}, seq_len=2048)
 
 
 def test_step_mismatch_is_refused(tmp_path):
     write_trainer_state(tmp_path, 399000, 399000 * 2160)
-    with pytest.raises(ExperimentError, match=r"--steps 400000 does not match global_step 399000 in .*train\.pt"):
+    with pytest.raises(CheckpointError, match=r"--steps 400000 does not match global_step 399000 in .*train\.pt"):
         olmo_order_settings({400000: tmp_path})
 
 
 def test_first_step_position_mismatch_is_refused(tmp_path):
     """A run that started one batch into the order (or fast-forwarded) has seen (s + 1) * B examples at step s."""
     write_trainer_state(tmp_path, 1000, 1001 * 2160)
-    with pytest.raises(ExperimentError, match="the first step does not start at position 0"):
+    with pytest.raises(CheckpointError, match="the first step does not start at position 0"):
         olmo_order_settings({1000: tmp_path}, batch_size=2160)
     write_trainer_state(tmp_path, 1000, 1000 * 2048)  # the other batch size: the implied one is said
-    with pytest.raises(ExperimentError, match=r"2048000 / 1000 = batch 2048"):
+    with pytest.raises(CheckpointError, match=r"2048000 / 1000 = batch 2048"):
         olmo_order_settings({1000: tmp_path}, batch_size=2160)
 
 
 def test_a_later_epoch_is_refused(tmp_path):
     write_trainer_state(tmp_path, 500000, 10 * 2160, epoch=1)
-    with pytest.raises(ExperimentError, match="epoch 1"):
+    with pytest.raises(CheckpointError, match="epoch 1"):
         olmo_order_settings({500000: tmp_path})
 
 
@@ -179,7 +180,7 @@ def test_revision_name_tokens_check_the_batch_size(tmp_path):
     b, _, record, note = olmo_order_settings({400000: d})
     assert b == 2160 and record["checked"]["step400000"] == ["tokens in the name"]
     assert "first step at position 0 assumed, not checked" in note and "batch size" not in note.split("assumed")[0]
-    with pytest.raises(ExperimentError, match=r"step400000-tokens1769B: the name says 1769B tokens, but step 400000 x "
+    with pytest.raises(CheckpointError, match=r"step400000-tokens1769B: the name says 1769B tokens, but step 400000 x "
                                               r"--batch-size 2048 x --seq-len 2048 = 1677\.7B"):
         olmo_order_settings({400000: d}, batch_size=2048)
 

@@ -187,8 +187,8 @@ def test_conditional_plan_lowers_the_programs_scoring_runs(attack, prefix_len, t
     from mia.engine.plan import lowered_steps, read_hf_config
 
     seen = {}
-    monkeypatch.setattr(C, "_jit_prefix", _spy(seen, "prefix", C._jit_prefix))
-    monkeypatch.setattr(C, "_jit_cond", _spy(seen, "conditional", C._jit_cond))
+    monkeypatch.setattr(C, "jitted_prefix", _spy(seen, "prefix", C.jitted_prefix))
+    monkeypatch.setattr(C, "jitted_conditional", _spy(seen, "conditional", C.jitted_conditional))
     rng = np.random.default_rng(0)
     texts = [rng.integers(0, tiny_model.vocab_size, target_len).astype(np.int32) for _ in range(n_targets)]
     prefixes = [t[-prefix_len:] for t in texts] if attack == "em_mia" else [rng.integers(0, 50, prefix_len)]
@@ -270,8 +270,8 @@ def test_attack_plans_are_sane_on_the_cli(attack, run_plan, tmp_path):
     steps = last["steps"]
     assert last["peak_bytes"] == max(s["peak_bytes"] for s in steps.values())
     assert all(s["peak_bytes"] >= last["params_bytes"] for s in steps.values())
-    if attack == "camia":  # 6 x 200 tokens, windowed at the 256-token context
-        assert steps["camia"]["shape"] == [8, 256]
+    if attack == "camia":  # 6 x 200 tokens, windowed at the 256-token context: rows of 257 (the last only predicted)
+        assert steps["camia"]["shape"] == [8, 257]
     elif attack.startswith("samia"):  # prompts of 100 tokens (bucket 128) + 100 new, 2 samples per prompt
         assert steps["samia"]["shape"] == [16, 228] and "SaMIA generation (n=2, top_k=5)" in r.stdout
     else:  # the context rule: prefix max(256 - 200, 128) = 128 tokens, targets cut to 128
@@ -290,7 +290,7 @@ def test_em_mia_prefix_group_costs_memory():
 @pytest.mark.parametrize("args, message", [
     (["--attack", "recall:shots=3"], "recall takes prefix_len=INT"),
     (["--attack", "em_mia:group=0"], "em_mia takes group=INT"),
-    (["--attack", "pac"], "expected stats, camia, mope"),
+    (["--attack", "pac"], "expected stats, camia, em_mia[:group=INT], mope[:n=10,chunk=2], recall"),
     (["--attack", "recall", "--length", "4096"], "--length 4096 is beyond the model's context"),
     (["--attack", "em_mia", "--length", "4096"], "--length 4096 is beyond the model's context"),
     (["--attack", "camia", "--length", "4096"], "--length 4096 is beyond the model's context"),

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from hf_tiny import padded_batch, torch_logits
 from mia.engine.batching import (BUCKETS_PER_OCTAVE, RowCost, bucket_length, pack_rows, packs_rows, plan_batches,
-                                 plan_cost, pow2_ceil, row_cost, SCORE_OVERHEAD_FLOPS_DEFAULT, ScoringSettings)
+                                 plan_cost, pow2_ceil, row_cost, row_length, SCORE_OVERHEAD_FLOPS_DEFAULT,
+                                 ScoringSettings)
 from mia.engine.loop import compute_token_stats
 from mia.engine.stats import token_stats
 
@@ -61,13 +62,14 @@ def test_scores_do_not_depend_on_batch_padding_or_bucket(tiny_model):
 
 
 def test_scores_do_not_depend_on_the_bucket_rule(tiny_model):
-    """Power-of-two buckets (``bucket_step=0``) and multiple-of-step buckets pad rows over 16 to other lengths
-    (150 -> 256 or 160, 40 -> 64 or 48, 90 -> 128 or 96); the token stats agree within float tolerance."""
+    """Power-of-two buckets (``bucket_step=0``) and multiple-of-step buckets pad rows over 16 to other lengths (the
+    model reads n - 1 tokens, bucketed, and the row holds one more: 150 -> 257 or 161, 40 -> 65 or 49, 90 -> 129 or
+    97); the token stats agree within float tolerance."""
     seqs = _random_lists(tiny_model.vocab_size, [150, 40, 90, 17, 3, 129], seed=2)
     lengths = [len(s) for s in seqs]
     pow2, fine = ScoringSettings(progress=False, bucket_step=0), ScoringSettings(progress=False, bucket_step=16)
-    assert {b.length for b in plan_batches(lengths, pow2)} == {16, 32, 64, 128, 256}
-    assert {b.length for b in plan_batches(lengths, fine)} == {16, 32, 48, 96, 144, 160}
+    assert {b.length for b in plan_batches(lengths, pow2)} == {17, 65, 129, 257}
+    assert {b.length for b in plan_batches(lengths, fine)} == {17, 49, 97, 129, 161}
     a, b = (compute_token_stats(tiny_model, seqs, s) for s in (pow2, fine))
     for x, y in zip(a, b):
         for k in x:
@@ -97,16 +99,35 @@ def test_plan_batches_one_shape_per_length_bucket_and_a_per_device_budget(step):
     for n_data in (1, 8):
         plan = plan_batches(lengths, ScoringSettings(token_budget=2048, bucket_step=step), n_data)
         assert sorted(i for b in plan for i in b.members) == list(range(len(lengths)))
-        n_buckets = len({bucket_length(n, 16, step) for n in lengths})  # 16 ... 1024, or 16 ... 128, 256 ... 640
+        n_buckets = len({row_length(n, 16, step) for n in lengths})  # 17 ... 1025, or 17 ... 129, 257 ... 641
         assert len({(b.length, b.rows) for b in plan}) == len({b.length for b in plan}) == n_buckets
         assert n_buckets == (7 if step == 0 else 8)
         for b in plan:
             assert all(lengths[i] <= b.length for i in b.members) and len(b.members) <= b.rows
-            assert b.rows % n_data == 0 and (b.rows // n_data) * b.length <= max(2048, b.length)
+            read = b.length - 1  # positions the model reads per row (the last token is only predicted)
+            assert b.rows % n_data == 0 and (b.rows // n_data) * read <= max(2048, read)
     one, eight = (plan_batches([300] * 64, ScoringSettings(token_budget=2048, bucket_step=0), n) for n in (1, 8))
     assert [b.rows for b in one] == [4] * 16 and [b.rows for b in eight] == [32, 32]  # 8 devices: 8x the rows
-    one = plan_batches([300] * 64, ScoringSettings(token_budget=2048), 1)  # bucket 384: 5 rows -> 4 (a power of 2)
-    assert [(b.length, b.rows) for b in one] == [(384, 4)] * 16
+    one = plan_batches([300] * 64, ScoringSettings(token_budget=2048), 1)  # reads 384: 5 rows -> 4 (a power of 2)
+    assert [(b.length, b.rows) for b in one] == [(385, 4)] * 16
+
+
+@pytest.mark.parametrize("n_data", [1, 8])
+def test_bucket_rows_pad_a_small_set_by_an_eighth_not_to_a_power_of_two(n_data):
+    """One row count per bucket, at most the per-device cap, a multiple of the data size; the padding rows of a
+    bucket stay under 1/8 of its examples plus one granule per batch. Rounding to a power of two padded a set of 33
+    to 64 rows and one of 260 (cap 256) to 512."""
+    from mia.engine.batching import bucket_rows, pow2_floor
+
+    for n in list(range(1, 80)) + [255, 256, 257, 260, 511, 513, 1000, 4097]:
+        for cap in (1, 3, 8, 64, 256):
+            rows = bucket_rows(n, cap, n_data)
+            per = rows // n_data
+            assert rows % n_data == 0 and 1 <= per <= pow2_floor(cap)
+            batches = -(-n // rows)
+            need = -(-n // (batches * n_data))  # rows per device the batches must hold
+            assert per >= need and per - need <= max(0, need // 8), (n, cap, n_data, rows)
+    assert bucket_rows(33, 256, 1) == 36 and bucket_rows(260, 256, 1) == 144
 
 
 def _real_rows(valid) -> int:

@@ -197,7 +197,7 @@ def set_idx_code(idx, code):
 def test_wrong_dtype_code_refused_at_draw(tmp_path, capsys, code, msg):
     bins, idx = raw_pythia(tmp_path, cut=5 * L * 2 + 3)
     set_idx_code(idx, code)
-    argv = ["split", "pythia", "--data", *bins, "--idx", idx, "--step", "5", "--end-step", "10", "--batch-size",
+    argv = ["split", "pythia", "--data", *bins, "--idx", idx, "--steps", "5", "--end-step", "10", "--batch-size",
             str(B), "--n-members", "6", "--n-nonmembers", "6", "--out", str(tmp_path / "x.jsonl")]
     code_, out, err = cli(argv, capsys)
     assert code_ == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
@@ -226,7 +226,7 @@ def test_dtype_code_changed_after_the_draw_is_caught(tmp_path):
 
 def test_shards_in_the_wrong_order(tmp_path, capsys):
     bins, idx = raw_pythia(tmp_path, cut=5 * L * 2 + 3)
-    argv = ["split", "pythia", "--data", bins[1], bins[0], "--idx", idx, "--step", "5", "--end-step", "10",
+    argv = ["split", "pythia", "--data", bins[1], bins[0], "--idx", idx, "--steps", "5", "--end-step", "10",
             "--batch-size", str(B), "--n-members", "6", "--n-nonmembers", "6", "--out", str(tmp_path / "x.jsonl")]
     code, _, err = cli(argv, capsys)
     assert (code, err) == (2, f"error: {bins[0]}: shard given after {bins[1]} but numbered before "
@@ -243,7 +243,7 @@ def test_shards_in_the_wrong_order(tmp_path, capsys):
 
 def test_truncated_idx_and_bin_are_one_error_line(tmp_path, capsys):
     bins, idx = raw_pythia(tmp_path)
-    base = ["split", "pythia", "--data", bins[0], "--idx", idx, "--step", "5", "--end-step", "10", "--batch-size",
+    base = ["split", "pythia", "--data", bins[0], "--idx", idx, "--steps", "5", "--end-step", "10", "--batch-size",
             str(B), "--n-members", "1", "--n-nonmembers", "1", "--out", str(tmp_path / "x.jsonl")]
     data = open(idx, "rb").read()
     for cut, msg in ((len(data) - 3, "document.idx: index is"), (30, "document.idx: truncated header"),
@@ -273,7 +273,7 @@ def test_bad_olmo_token_dtype(tmp_path, capsys, dtype, msg):
     _, inst = make_files(tmp_path)
     make_order(tmp_path, len(inst))
     code, _, err = cli(["split", "olmo", "--global-indices", str(tmp_path / "global_indices.npy"), "--data-paths",
-                        str(tmp_path / "paths.txt"), "--step", "2", "--batch-size", "3", "--seq-len", str(SEQ),
+                        str(tmp_path / "paths.txt"), "--steps", "2", "--batch-size", "3", "--seq-len", str(SEQ),
                         "--n-members", "1", "--n-nonmembers", "1", "--token-dtype", dtype,
                         "--out", str(tmp_path / "o.jsonl")], capsys)
     assert (
@@ -287,7 +287,7 @@ def test_olmo_global_indices_out_of_range(tmp_path, capsys):
     gi[gi == 0] = 4_000_000_000  # one entry past the instances
     gi.tofile(tmp_path / "global_indices.npy")
     code, _, err = cli(["split", "olmo", "--global-indices", str(tmp_path / "global_indices.npy"), "--data-paths",
-                        str(tmp_path / "paths.txt"), "--step", "3", "--batch-size", "3", "--seq-len", str(SEQ),
+                        str(tmp_path / "paths.txt"), "--steps", "3", "--batch-size", "3", "--seq-len", str(SEQ),
                         "--n-members", "9", "--n-nonmembers", "0", "--out", str(tmp_path / "o.jsonl")], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "global_indices.npy: position" in err and "holds instance 4000000000, but the token files hold 12" in err
@@ -298,7 +298,7 @@ def test_olmo_split_is_fully_verified_and_redrawn(tmp_path, capsys):
     make_order(tmp_path, len(inst))
     out = tmp_path / "o.jsonl"
     base = ["split", "olmo", "--global-indices", str(tmp_path / "global_indices.npy"), "--data-paths",
-            str(tmp_path / "paths.txt"), "--step", "2", "--nonmember-start", "3", "--batch-size", "3", "--seq-len",
+            str(tmp_path / "paths.txt"), "--steps", "2", "--nonmember-start", "3", "--batch-size", "3", "--seq-len",
             str(SEQ), "--seed", "3", "--vocab-size", "50304", "--n-members", "2", "--n-nonmembers", "2"]
     assert cli(base + ["--out", str(out)], capsys)[0] == 0
     assert cli(["split", "check", str(out)], capsys)[:2] == (0, f"{out}: ok\n")

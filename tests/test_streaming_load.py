@@ -186,6 +186,23 @@ def test_finite_check_holds_no_bool_per_parameter():
         assert flags.tolist() == [ok, True, True], bad
 
 
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+@pytest.mark.parametrize("damage", ["all nan", "one nan", "one inf", "one -inf"])
+def test_finite_check_sees_nan_in_large_leaves(damage, dtype):
+    """Leaves large enough for XLA:CPU to vectorise the reduction (64,000 elements): its max drops NaN (an all-NaN
+    leaf's max |x| is -inf, one NaN among ones gives 1), so the check must not rest on max; every damage is seen,
+    alone or among healthy leaves, and ``finite_rule_holds`` confirms the rule on this backend."""
+    x = np.ones((1000, 64), np.float32)
+    if damage == "all nan":
+        x[:] = np.nan
+    else:
+        x[617, 33] = {"one nan": np.nan, "one inf": np.inf, "one -inf": -np.inf}[damage]
+    healthy = jnp.ones((1000, 64), dtype)
+    flags = np.asarray(jax.jit(hub.finite_leaves)([healthy, jnp.asarray(x, dtype), healthy]))
+    assert flags.tolist() == [True, False, True]
+    assert hub.finite_rule_holds()
+
+
 def test_mapped_pages_release_finds_the_maps(tiny_neox_dir):
     tensors = hub.read_safetensors(tiny_neox_dir / "model.safetensors")
     release = hub.mapped_pages_release(tensors.values())

@@ -134,7 +134,7 @@ _FMT = {"testbed.json": "mia-testbed/3", "suite.json": "mia-suite/1"}
 def test_corrupt_manifest_is_one_line_naming_it(manifest, content, names, tmp_path, capsys, monkeypatch):
     """A testbed.json / suite.json that is not JSON, not an object, or has a field of the wrong type: one
     ``error:`` line naming the file (opening it, building into its directory, and from the CLI)."""
-    from experiments.common import open_suite as open_experiment_suite
+    from mia.checkpoints import open_suite_members as open_experiment_suite
     from mia.testbed import TestbedError, build_testbed, open_suite, open_testbed
     from mia.testbed.__main__ import main
 
@@ -240,3 +240,26 @@ def test_numpy_init_matches_flax_default_init():
             assert np.array_equal(x, y)
         else:
             assert abs(x.std() / y.std() - 1) < 0.05 and abs(np.abs(x).max() / np.abs(y).max() - 1) < 0.3
+
+
+def test_open_suite_members_leaves_a_complete_suite_and_refuses_another(smoke_suite, tmp_path):
+    """``open_suite_members`` (what every experiment opens a suite with) on a complete suite opens it and leaves
+    suite.json complete and unchanged; a directory holding another suite is refused naming both (it used to be
+    opened as if it were the suite asked for); an interrupted build (suite.json incomplete) is finished."""
+    import json
+    import shutil
+
+    from mia.checkpoints import CheckpointError, open_suite_members
+
+    before = (smoke_suite.root / "suite.json").read_bytes()
+    members, desc = open_suite_members("smoke", smoke_suite.root, progress=False)
+    assert (smoke_suite.root / "suite.json").read_bytes() == before and json.loads(before)["complete"]
+    assert [m.n_params for m in members] == sorted(m.n_params for m in members) and "smoke" in desc
+    with pytest.raises(CheckpointError, match=r"holds the testbed suite 'smoke', not 'default'"):
+        open_suite_members("default", smoke_suite.root, progress=False)
+    copy = tmp_path / "s"
+    shutil.copytree(smoke_suite.root, copy, symlinks=True)
+    m = json.loads((copy / "suite.json").read_text())
+    (copy / "suite.json").write_text(json.dumps(dict(m, complete=False)))
+    open_suite_members("smoke", copy, progress=False)
+    assert json.loads((copy / "suite.json").read_text())["complete"] is True

@@ -7,7 +7,7 @@ and the command goes on. Nothing expensive runs: each command stops at a sentine
   command whose environment is accepted stops at that (cheap, before the model) check;
 * testbed manifests: ``testbed.json`` / ``suite.json`` of a small hand-made testbed and suite (their data files
   real, their sha256 recorded), mutated, replaced by any JSON or bytes, or a data file's byte flipped:
-  ``open_testbed`` / ``open_suite`` / ``experiments.common.open_members`` open it or refuse it in one line that
+  ``open_testbed`` / ``open_suite`` / ``mia.checkpoints.open_members`` open it or refuse it in one line that
   names the file (a flipped data byte is always refused);
 * ``mia plan``: ``--batch``, ``--length``, ``--mesh``, ``--device-memory``, ``--topology``, ``--attack``,
   ``--dtype``, ``--model`` (``plan_scoring`` replaced by the sentinel);
@@ -426,8 +426,6 @@ def corrupt(path: Path, data) -> str:
 
 def _open_or_refuse(fn, root: Path, must_refuse: bool) -> str:
     """``fn()`` opens (returns "accepted") or raises one user error line naming ``root`` ("refused")."""
-    from experiments.common import ExperimentError  # noqa: F401 (a ValueError, as TestbedError)
-
     try:
         fn()
     except Accepted:
@@ -450,7 +448,7 @@ SUITE_COUNTS: dict = {}
 def _testbed_case(base: Path, data, counts: dict):
     import shutil
 
-    from experiments.common import open_members
+    from mia.checkpoints import open_members
     from mia.testbed import open_testbed
 
     root = base / f"tb{len(list(base.iterdir()))}"
@@ -470,7 +468,7 @@ def _testbed_case(base: Path, data, counts: dict):
 def _suite_case(base: Path, data, counts: dict, monkeypatch):
     import shutil
 
-    from experiments import common
+    from mia import checkpoints
     from mia.testbed import suite
     from mia.testbed.suite import open_suite
 
@@ -487,7 +485,8 @@ def _suite_case(base: Path, data, counts: dict, monkeypatch):
     else:
         how = corrupt(root / target, data)
     entry = data.draw(st.sampled_from(["open_suite", "experiments"]))
-    fn = (lambda: open_suite(root)) if entry == "open_suite" else (lambda: common.open_suite("smoke", root))
+    fn = (lambda: open_suite(root)) if entry == "open_suite" else \
+        (lambda: checkpoints.open_suite_members("smoke", root))
     verdict = _open_or_refuse(fn, root, must_refuse=target.endswith(".bin"))
     counts[(how, verdict)] = counts.get((how, verdict), 0) + 1
 
@@ -711,7 +710,7 @@ MANIFEST_REGRESSIONS = [
 def test_manifest_regressions(manifests, kind, rel, edit, entry, message):
     import shutil
 
-    from experiments.common import open_members
+    from mia.checkpoints import open_members
     from mia.testbed import open_testbed
     from mia.testbed.suite import open_suite
 
@@ -745,7 +744,7 @@ def test_an_incomplete_suite_json_with_odd_members_is_one_line(manifests, monkey
     raised TypeError."""
     import shutil
 
-    from experiments import common
+    from mia import checkpoints
     from mia.testbed import suite
 
     monkeypatch.setattr(suite, "build_from_config", sentinel)
@@ -755,4 +754,4 @@ def test_an_incomplete_suite_json_with_odd_members_is_one_line(manifests, monkey
     (root / "suite.json").write_text(json.dumps(dict(m, complete=False, members=[None])))
     with pytest.raises(ValueError, match=r"holds another suite \(smoke, mia-suite/1\) or one built by another "
                                          r"version \(its suite.json\)"):
-        common.open_suite("smoke", root)
+        checkpoints.open_suite_members("smoke", root)

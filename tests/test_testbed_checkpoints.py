@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from experiments import camia, checkmia, checkmiabench, em_mia
-from experiments.common import ExperimentError, check_testbed_checkpoints
+from mia.checkpoints import check_testbed_checkpoints
+from mia.checkpoints import CheckpointError
 from mia.testbed import open_testbed
 
 
@@ -48,10 +49,47 @@ def test_a_damaged_testbed_checkpoint_is_refused_naming_the_file(kind, smoke_tes
     records, identical = check_testbed_checkpoints([(f"step{step}", tb, step)])  # the intact copy passes
     assert records[f"step{step}"]["digest"] and identical == []
     path, fragment = _damage(copy, step, kind)
-    with pytest.raises(ExperimentError) as e:
+    with pytest.raises(CheckpointError) as e:
         check_testbed_checkpoints([(f"step{step}", open_testbed(copy), step)])
     msg = str(e.value)
     assert str(path) in msg and fragment in msg and "\n" not in msg, msg
+
+
+def test_the_memorization_dial_checkpoint_is_checked(smoke_testbed, tmp_path):
+    """The dial's checkpoint is checked before it is scored, built or reused: weights against the sha256 its
+    memorize.json records, config against the testbed's, and refused when its weights equal the checkpoint it was
+    trained from (the dial did nothing). The experiments got it from ``Testbed.memorize`` unchecked."""
+    from mia.checkpoints import memorized_checkpoint
+
+    copy = _copy(smoke_testbed, tmp_path)
+    tb = open_testbed(copy)
+    step = tb.train_steps
+    rows = tb.default_memorize_rows(4, step=step)
+    dial = memorized_checkpoint(tb, rows, 1, step=step, progress=False)
+    assert json.loads((dial / "memorize.json").read_text())["weights_sha256"]
+    assert memorized_checkpoint(tb, rows, 1, step=step, progress=False) == dial  # reused, and still passes
+    weights, config = dial / "model.safetensors", dial / "config.json"
+    good_weights, good_config = weights.read_bytes(), config.read_text()
+    for kind in ("bit-flipped", "identical to its base", "config"):
+        if kind == "bit-flipped":
+            data = bytearray(good_weights)
+            data[-5] ^= 1
+            weights.write_bytes(bytes(data))
+            named, fragment = weights, "damaged: sha256"
+        elif kind == "identical to its base":
+            shutil.copy(copy / "checkpoints" / f"step{step}" / "model.safetensors", weights)
+            named, fragment = dial, "identical weights"
+        else:
+            cfg = json.loads(good_config)
+            cfg["max_position_embeddings"] *= 2
+            config.write_text(json.dumps(cfg))
+            named, fragment = config, "max_position_embeddings"
+        with pytest.raises(CheckpointError) as e:
+            memorized_checkpoint(open_testbed(copy), rows, 1, step=step, progress=False)
+        msg = str(e.value)
+        assert str(named) in msg and fragment in msg and "\n" not in msg, (kind, msg)
+        weights.write_bytes(good_weights)
+        config.write_text(good_config)
 
 
 def _argv(module: str, copy: Path, step: int, out: Path) -> list:

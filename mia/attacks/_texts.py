@@ -19,7 +19,7 @@ def target_ids(ctx, texts: Sequence[str], what: str) -> list:
     tok = ctx.model.tokenizer
     if tok is None:
         raise AttackError(f"attack {what} needs the target model's tokenizer to score re-written texts")
-    limit = int(ctx.options.get("max_length") or ctx.model.max_length)
+    limit = int(ctx.options.get("max_length") or ctx.model.max_tokens)
     return [np.asarray(tok(t)["input_ids"] if t else [], np.int32)[:limit] for t in texts]
 
 

@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engine.batching import ScoringSettings, row_length
 from ..engine.cache import example_key
 from ..engine.loop import compute_token_stats
+from ..engine.plan import register_planned_attack, token_stats_steps
 from . import camia_signals as cs
 from .fit import add_note
 from .registry import AttackError, register
@@ -93,6 +95,18 @@ ORIENTS = ("label_free", "train")
 METHODS = ("edgington", "fisher", "pearson", "george")
 MIN_CALIB_FLOOR = 10
 REPEATS = 6
+
+
+def _planned_camia(model, mesh, shardings, params, batch, length):
+    """``mia plan --attack camia``: the token-stats pass over the repeated text, ``REPEATS`` copies of a
+    ``length``-token text (about REPEATS x length tokens), scored in windows of the model context (+ 1 token, only
+    predicted) when longer, padded to the engine's bucket."""
+    settings = ScoringSettings()
+    t = row_length(min(REPEATS * length, model.max_tokens), settings.min_bucket, settings.bucket_step)
+    return token_stats_steps("camia", model, mesh, shardings, params, batch, t)
+
+
+register_planned_attack("camia", _planned_camia, describe=lambda o: "CAMIA repeated-text token stats", per_step=True)
 
 
 def repeated_text(text: str) -> str:
@@ -213,7 +227,7 @@ def features(ctx, examples, stats, what: str) -> np.ndarray:
         raise AttackError("attack camia: the model directory has no tokenizer (needed to tokenize the repeated text)")
     texts = ctx.texts(examples)
     rep_ids = [np.asarray(tok(repeated_text(t))["input_ids"], np.int32) for t in texts]
-    max_length = int(ctx.options.get("max_length") or ctx.model.max_length)
+    max_length = int(ctx.options.get("max_length") or ctx.model.max_tokens)
     xrep = repeated_logprobs(ctx.model, rep_ids, ctx.settings, max_length)
     windowed = sum(len(r) > max_length for r in rep_ids)
     if windowed:

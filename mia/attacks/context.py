@@ -9,6 +9,7 @@ import numpy as np
 from ..engine.batching import ScoringSettings
 from ..engine.loop import compute_token_stats
 from ..engine.stats import pad_stats
+from ..data.examples import disjointness_keys, example_field as _field
 from .registry import AttackError
 
 
@@ -79,22 +80,6 @@ class AttackContext:
 
     def labels(self) -> np.ndarray:
         return np.array([-1 if e.label is None else e.label for e in self.examples])
-
-
-def _field(e, name: str):
-    return e.get(name) if isinstance(e, dict) else getattr(e, name, None)
-
-
-def disjointness_keys(e) -> list:
-    """What makes two examples the same for disjointness: the id, the token ids, the text (those present)."""
-    keys = [("id", str(_field(e, "id")))]
-    tokens = _field(e, "tokens")
-    if tokens is not None:
-        keys.append(("tokens", np.asarray(tokens, np.int64).tobytes()))
-    text = _field(e, "text")
-    if text is not None:
-        keys.append(("text", text))
-    return keys
 
 
 def assert_disjoint(evaluated: list, learned: list, what: str) -> None:

@@ -9,28 +9,25 @@ evaluated targets of at most L tokens:
   target room   C - len(prefix actually used)  (>= C - R)
 
 So when the whole prefix fits beside the longest target nothing changes; otherwise the prefix is shortened to what
-fits (ReCaLL keeps its last whole shots, EM-MIA the last tokens of each prefix text), but never below half the context
-(or W), and targets longer than the rest are cut to their FIRST tokens. On full-context rows (Pythia's 2049-token rows
-after ``mia score`` cuts them to 2048, the testbed's seq_len + 1) this gives the prefix half of the context and scores
-the targets' first half. LL(x) in the ratio LL(x | P) / LL(x) is then the mean over the same cut target (its first
-n - 1 log-probs of the unconditional pass; the model is causal, so they are the cut target's own): both terms see the
-same tokens. Every cut is said in a note (``ctx.notes``, printed by ``mia score``).
+fits (ReCaLL keeps its last whole shots, EM-MIA the last tokens of each prefix text), but never below half the
+context (or W), and targets longer than the rest are cut to their FIRST tokens. On full-context rows (Pythia's
+2049-token rows, the testbed's seq_len + 1: a text may hold C + 1 tokens, its last only predicted) this gives the
+prefix half of the context and scores the targets' first half. LL(x) in the ratio LL(x | P) / LL(x) is then the mean
+over the same cut target (its first n - 1 log-probs of the unconditional pass; the model is causal, so they are the
+cut target's own): both terms see the same tokens. Every cut is said in a note (``ctx.notes``, printed by
+``mia score``).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..engine.conditional import prefix_room  # noqa: F401 (the rule above; the engine plans with it too)
 from .registry import AttackError
 
 
 def context_length(ctx) -> int:
     """C: the context the model was trained at (its ``max_position_embeddings``)."""
     return int(ctx.model.max_length)
-
-
-def prefix_room(context: int, longest_target: int, wanted: int) -> int:
-    """R = min(wanted, max(context - longest_target, context // 2)) tokens for the prefix (see the module rule)."""
-    return int(min(wanted, max(context - longest_target, context // 2)))
 
 
 def cut_targets(targets: list, length: int, min_tokens: int, what: str) -> tuple[list, int]:

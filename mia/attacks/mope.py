@@ -45,10 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine.batching import plan_batches, put_padded
+from ..engine.batching import ScoringSettings, plan_batches, put_padded, row_length
 from ..models.attention import traced_over
 from ..engine.conditional import token_logprobs
+from ..engine.failsafe import fail_safe
 from ..engine.loop import engine_layout, pipelined, placed_params, rows_per_device, show_progress
+from ..engine.plan import largest_group_bytes, register_planned_attack, row_args
 from ..sharding import batch_sharding, compose, data_size, gather_outside_layers, layer_gather, replicated
 from ..engine.stats import chunk_size
 from ..validate import Range
@@ -211,8 +213,8 @@ def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int, bl
                    gather=layer_gather(shardings, layers),
                    gather_top=lambda p: gather_outside_layers(p, shardings, layers))
     rows = batch_sharding(mesh)
-    return jax.jit(traced_over(mesh, fn), in_shardings=(replicated(mesh), shardings, rows, rows),
-                   out_shardings=replicated(mesh))
+    return fail_safe(lambda: jax.jit(traced_over(mesh, fn), in_shardings=(replicated(mesh), shardings, rows, rows),
+                                     out_shardings=replicated(mesh)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -220,6 +222,19 @@ def jitted_mope(model, n: int, sigma: float, chunk: int):
     """MoPe on the engine's layout for ``model`` (``scoring.engine_layout``)."""
     mesh, shardings = engine_layout(model)
     return build_mope_step(model, mesh, shardings, n, sigma, chunk)
+
+
+def _planned_mope(model, mesh, shardings, params, batch, length, *, mope_n: int = 10, mope_chunk: int = 2):
+    """``mia plan --attack mope``: MoPe's step lowered on abstract params (``mia.engine.plan``)."""
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))
+    step = build_mope_step(model, mesh, shardings, mope_n, 0.005, mope_chunk)
+    t = row_length(length, ScoringSettings().min_bucket, ScoringSettings().bucket_step)  # as plan_batches pads it
+    return [("mope", (batch, t), step.lower(key, params, *row_args(batch, t, batch_sharding(mesh))))]
+
+
+register_planned_attack("mope", _planned_mope, options={"n": ("mope_n", 10), "chunk": ("mope_chunk", 2)},
+                        describe=lambda o: f"MoPe (n={o.get('mope_n', 10)}, chunk={o.get('mope_chunk', 2)})",
+                        group_bytes=largest_group_bytes)
 
 
 @register("mope", needs=("model",), n=10, sigma=0.005, chunk=2,

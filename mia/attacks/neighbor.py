@@ -108,7 +108,7 @@ def _neighbor(ctx, *, n: int, k: int, p: float) -> np.ndarray:
     flat, owner = [], []
     for i, texts in enumerate(nbs):
         for t in texts:
-            ids = np.asarray(ctx.model.tokenizer(t)["input_ids"], np.int32)[: ctx.model.max_length]
+            ids = np.asarray(ctx.model.tokenizer(t)["input_ids"], np.int32)[: ctx.model.max_tokens]
             if len(ids) >= 2:
                 flat.append(ids)
                 owner.append(i)

@@ -56,10 +56,12 @@ def reference_tokens(ctx, ref) -> list:
         ctx.notes.append("ref: texts re-tokenized with the reference model's tokenizer"
                          + (f"; {decoded} example(s) given as token ids (or truncated) were decoded with the target "
                             "tokenizer first" if decoded else ""))
-    cut = sum(len(t) > ref.max_length for t in toks)
+    limit = ref.max_tokens  # a text of C + 1 tokens fits a C-token context: its last token is only predicted
+    cut = sum(len(t) > limit for t in toks)
     if cut:
-        ctx.notes.append(f"ref: {cut} example(s) truncated to the reference context ({ref.max_length} tokens)")
-    return [t[: ref.max_length] for t in toks]
+        ctx.notes.append(f"ref: {cut} example(s) truncated to the reference context ({limit} tokens: "
+                         f"{ref.max_length} positions + the last token, only predicted)")
+    return [t[:limit] for t in toks]
 
 
 def reference_ll(ctx) -> np.ndarray:

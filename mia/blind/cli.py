@@ -49,6 +49,7 @@ def add_blind_parser(subparsers) -> None:
     p.add_argument("--cv-folds", type=V.arg_int(2), default=3,
                    help="folds of the cross-validation on the training partition that chooses each feature's "
                         "classifier (default 3)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_blind)
 
 
@@ -81,7 +82,7 @@ def cmd_blind(args) -> int:
     rows, scores, labels = run_blind(args.split, _csv(args.features), _csv(args.classifiers), args.seed,
                                      encoder_dir=args.encoder, tokenizer=args.tokenizer, n_resamples=args.bootstrap,
                                      n_train=args.n_train, n_eval=args.n_eval, cv_folds=args.cv_folds, warn=warn,
-                                     return_scores=True)
+                                     return_scores=True, progress=not args.no_progress)
     verdict = shift_verdict(rows, alpha=args.alpha)
     runs = [r for r in rows if r["kind"] == "run"]
     chosen = [r for r in rows if r["kind"] == "chosen"]

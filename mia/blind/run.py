@@ -11,6 +11,7 @@ distribution shift: attack AUCs on it do not measure membership.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .. import metrics
 from ..data.splits import Split, read_split
@@ -139,7 +141,7 @@ def run_blind(split: Union[Split, str, Path, Sequence[dict]], features: Sequence
               classifiers: Sequence[str] = CLASSIFIER_NAMES, seed: int = 0, *, encoder: Any = None,
               encoder_dir: Optional[str] = None, tokenizer: Any = None, n_resamples: int = 1000,
               n_train: Optional[int] = None, n_eval: Optional[int] = None, cv_folds: int = 3,
-              warn: Optional[Callable[[str], Any]] = None, return_scores: bool = False):
+              warn: Optional[Callable[[str], Any]] = None, return_scores: bool = False, progress: bool = False):
     """Train each classifier on each feature of partition "train"; score partition "eval".
 
     Returns rows ``{"method", "feature", "classifier", "kind": "run", "auc", "auc_se", "tpr_at_1pct_fpr",
@@ -148,7 +150,8 @@ def run_blind(split: Union[Split, str, Path, Sequence[dict]], features: Sequence
     cross-validation on the training partition, with ``cv_auc`` of every candidate; its eval AUC is what we report)
     and one ``"kind": "best_eval"`` row (the paper's Table 1 rule: the highest eval AUC of the classifiers, selected
     on evaluation data, so optimistic). With ``return_scores`` also returns {method: P(member) on eval} and the eval
-    labels.
+    labels. ``progress``: a bar over the work (per feature: fit, transform, each classifier, the cross-validated
+    choice), on stderr.
     """
     if not isinstance(split, Split):
         split = read_split(split) if isinstance(split, (str, Path)) else Split({}, [dict(e) for e in split])
@@ -180,14 +183,21 @@ def run_blind(split: Union[Split, str, Path, Sequence[dict]], features: Sequence
         raise BlindError(f"choosing a classifier by {cv_folds}-fold cross-validation needs at least {cv_folds} "
                          f"training examples of each class")
     rows, chosen, best, scores = [], [], [], {}
+    bar = tqdm(total=len(features) * (len(classifiers) + 3), desc="blind baselines", unit="step", leave=False,
+               disable=not progress)
+    step = _stepper(bar)
     for fname in features:
         t0 = time.perf_counter()
-        feat = make_feature(fname, kind, seed=seed, tokenizer=tok, encoder=encoder, encoder_dir=encoder_dir).fit(train)
-        x_tr, x_ev = feat.transform(train), feat.transform(ev)
+        with step(f"{fname}: fit"):
+            feat = make_feature(fname, kind, seed=seed, tokenizer=tok, encoder=encoder,
+                                encoder_dir=encoder_dir).fit(train)
+        with step(f"{fname}: features of {len(train) + len(ev)} texts"):
+            x_tr, x_ev = feat.transform(train), feat.transform(ev)
         log.info("blind: %s features %s in %.1fs", fname, x_tr.shape, time.perf_counter() - t0)
         frows = []
         for cname in classifiers:
-            s = fit_predict(cname, x_tr, y_tr, x_ev, seed=seed)
+            with step(f"{fname} + {cname}"):
+                s = fit_predict(cname, x_tr, y_tr, x_ev, seed=seed)
             method = f"{display_name(fname, kind)} + {CLF_DISPLAY[cname]}"
             try:
                 r = metrics.summary_row(method, s, y_ev, n_resamples=n_resamples, seed=seed, ids=ids)
@@ -198,7 +208,8 @@ def run_blind(split: Union[Split, str, Path, Sequence[dict]], features: Sequence
             frows.append(r)
             scores[method] = s
         rows += frows
-        pick, cv = choose_classifier(x_tr, y_tr, classifiers, folds=cv_folds, seed=seed)
+        with step(f"{fname}: {cv_folds}-fold choice"):
+            pick, cv = choose_classifier(x_tr, y_tr, classifiers, folds=cv_folds, seed=seed)
         chosen.append(dict(frows[classifiers.index(pick)], method=display_name(fname, kind), kind="chosen",
                            selected_on=f"train ({cv_folds}-fold CV)" if cv else "train (only classifier)",
                            cv_auc={CLF_DISPLAY[c]: a for c, a in cv.items()},
@@ -206,8 +217,19 @@ def run_blind(split: Union[Split, str, Path, Sequence[dict]], features: Sequence
         top = max(frows, key=lambda r: r["auc"])
         best.append(dict(top, method=display_name(fname, kind), kind="best_eval",
                          selected_on="eval (the paper's rule: optimistic)"))
+    bar.close()
     rows += chosen + best
     return (rows, scores, y_ev) if return_scores else rows
+
+
+def _stepper(bar):
+    """``with step(name):`` shows ``name`` on ``bar`` while it runs, then counts it done."""
+    @contextlib.contextmanager
+    def step(name: str):
+        bar.set_postfix_str(name, refresh=True)
+        yield
+        bar.update(1)
+    return step
 
 
 def shift_verdict(rows: Sequence[dict], alpha: float = 0.05) -> dict:

@@ -70,6 +70,20 @@ def _print_notes(header) -> None:
         print(f"note: {note}", file=sys.stderr)
 
 
+def checkpoint_step(parser, help: str) -> None:
+    """``--steps S``: the one checkpoint a split is drawn at, spelled as the experiments spell it (``--step`` is
+    refused naming ``--steps``)."""
+    parser.add_argument("--steps", type=V.arg_int_list(0), required=True, metavar="S", help=help + " (one step)")
+    V.add_renamed_flag(parser, "--step", "--steps")
+
+
+def one_step(args) -> int:
+    """The single step of ``--steps`` (a split is drawn at one checkpoint)."""
+    if len(args.steps) != 1:
+        raise SplitError(f"--steps {','.join(map(str, args.steps))}: a split is drawn at one checkpoint; give one step")
+    return int(args.steps[0])
+
+
 def _run_pythia(args) -> int:
 
     parts = parse_partitions(args.partition)
@@ -80,9 +94,9 @@ def _run_pythia(args) -> int:
         if path is not None and Path(path).is_dir():
             raise SplitError(f"{flag} {path}: is a directory, expected a {wanted[flag]}")
     ds = IndexedDataset(data, idx_path=args.idx)
-    header, ex = pythia.draw_checkpoint_split(ds, args.step, n_m, n_n, args.seed, gap=args.gap, end_step=args.end_step,
-                                       batch_size=args.batch_size, partitions=parts or None,
-                                       vocab_size=_vocab_bound(args))
+    header, ex = pythia.draw_checkpoint_split(ds, one_step(args), n_m, n_n, args.seed, gap=args.gap,
+                                              end_step=args.end_step, batch_size=args.batch_size,
+                                              partitions=parts or None, vocab_size=_vocab_bound(args))
     write_split(args.out, header, ex)
     p = header["params"]
     print(_summary(args.out, header) + f"; member steps {p['member_steps']}, non-member steps {p['nonmember_steps']}")
@@ -95,10 +109,10 @@ def _run_olmo(args) -> int:
     n_m, n_n = _counts(args, parts)
     order = olmo.OlmoOrder(args.global_indices, args.data_paths, seq_len=args.seq_len, batch_size=args.batch_size,
                       token_dtype=args.token_dtype, indices_format=args.global_indices_format)
-    header, ex = olmo.draw_checkpoint_split(order, args.step, n_m, n_n, args.seed, nonmember_start=args.nonmember_start,
-                                       end_step=args.end_step, partitions=parts or None, documents=args.documents,
-                                       eos=args.eos, doc_len=args.doc_len, pool=args.pool,
-                                       vocab_size=_vocab_bound(args))
+    header, ex = olmo.draw_checkpoint_split(order, one_step(args), n_m, n_n, args.seed,
+                                            nonmember_start=args.nonmember_start, end_step=args.end_step,
+                                            partitions=parts or None, documents=args.documents, eos=args.eos,
+                                            doc_len=args.doc_len, pool=args.pool, vocab_size=_vocab_bound(args))
     _print_notes(header)
     header["source"]["global_indices_format"] = args.global_indices_format
     write_split(args.out, header, ex)
@@ -209,7 +223,7 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
                    help="a .bin (or prefix); several (repeated or a shell glob, in order) are shards read as one "
                         "byte concatenation with the single --idx")
     p.add_argument("--idx", default=None, help="the .idx (default: next to a single --data)")
-    p.add_argument("--step", type=int, required=True, help="checkpoint revision stepS")
+    checkpoint_step(p, "checkpoint revision stepS")
     p.add_argument("--end-step", type=int, default=98_500, help="epoch end: non-members come from [S+G, end) (98500)")
     p.add_argument("--gap", type=int, default=0, help="steps left out on each side of S (members [0, S-G))")
     p.add_argument("--batch-size", type=int, default=1024)
@@ -222,7 +236,7 @@ def add_split_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--global-indices-format", choices=["raw", "npy"], default="raw")
     p.add_argument("--data-paths", required=True, help="text file: the ordered token files, one per line")
     p.add_argument("--token-dtype", default="uint16")
-    p.add_argument("--step", type=int, required=True, help="checkpoint step S: members from steps [0, S)")
+    checkpoint_step(p, "checkpoint step S: members from steps [0, S)")
     p.add_argument("--nonmember-start", type=int, default=None, help="S2: non-members from [S2, E) (default S)")
     p.add_argument("--end-step", type=int, default=None, help="E (default: last complete batch of the order)")
     p.add_argument("--batch-size", type=int, default=2160)

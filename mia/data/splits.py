@@ -481,7 +481,7 @@ def derived_problems(params: dict, expected: dict, problems: list, why: str) -> 
 
 DROPPED_ROWS = "dropped_rows"
 """Header ``params`` field: drawn positions left out of the file after the draw, ``[{"label", "index"[,
-"segment"]}]`` (an evaluated row with the same tokens as a learned-from row, ``experiments.common
+"segment"]}]`` (an evaluated row with the same tokens as a learned-from row, ``mia.data.draw
 .drop_learned_duplicates``). A re-draw from the seed counts them as drawn: they are neither missing nor extra."""
 
 _LABEL = Kind("0 or 1", lambda v: is_int(v) and v in (0, 1))

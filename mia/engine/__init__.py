@@ -5,11 +5,12 @@
   generate.py       batched sampling (SaMIA)
   batching.py       length buckets, rows per batch, padded rows placed on the mesh
   loop.py           the jitted step on the model's layout and the asynchronous host loop
+  failsafe.py       jitted steps that fall back to blocked attention when cuDNN's or splash's kernel fails here
   cache.py          the content-addressed on-disk score cache
-  sharding.py       the named device mesh and parameter partition rules
   distributed.py    several processes under jax.distributed
   plan.py           ``mia plan``: ahead-of-time compilation and per-device memory
   compile_cache.py  JAX's persistent compilation cache
 
-Importing ``mia.engine`` imports none of these; import the module you need.
+The device mesh and partition rules live in ``mia.sharding`` (below ``mia.models`` and the engine). Importing
+``mia.engine`` imports none of these; import the module you need.
 """

@@ -132,6 +132,13 @@ def bucket_length(n: int, min_bucket: int = 16, step: int = 0) -> int:
     return -(-n // g) * g
 
 
+def row_length(n: int, min_bucket: int = 16, step: int = 0) -> int:
+    """The padded length of a row holding an n-token text in a next-token pass: the model reads its first n - 1
+    tokens (``mia.engine.stats.next_token_inputs``), so the row is ``bucket_length(n - 1) + 1`` tokens and the model
+    sees a bucketed length (2048 for Pythia's 2049-token rows, and for 2048-token texts)."""
+    return bucket_length(max(1, int(n) - 1), min_bucket, step) + 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """One call of a jitted step: ``rows`` x ``length`` padded tokens holding the examples ``members`` (row order)."""
@@ -142,25 +149,35 @@ class Batch:
 
 
 def bucket_rows(n_examples: int, cap_per_device: int, n_data: int) -> int:
-    """Rows of every batch of one length bucket: ``n_data`` x min(cap, the power of two holding the bucket)."""
-    per_device = min(pow2_floor(cap_per_device), pow2_ceil(-(-n_examples // n_data)))
-    return per_device * n_data
+    """Rows of every batch of one length bucket of ``n_examples``: ``n_data`` x the rows per device.
+
+    Per device at most pow2_floor(``cap_per_device``) (the token budget); the bucket is split into the fewest
+    batches that cap allows, k = ceil(n / (cap x n_data)), and every batch gets ceil(n / (k x n_data)) rows rounded
+    up to a multiple of max(1, p / 8), p the power of two <= that count. So the padding rows of a bucket are under
+    1/8 of its rows plus one granule per batch (a power-of-two count cost up to 2x on a set just past a power of two,
+    e.g. 33 rows padded to 64), and a dataset still compiles one program per bucket."""
+    cap = pow2_floor(cap_per_device)
+    per_device = -(-int(n_examples) // n_data)
+    batches = -(-per_device // cap)
+    need = -(-per_device // batches)
+    granule = max(1, pow2_floor(need) // 8)
+    return min(cap, -(-need // granule) * granule) * n_data
 
 
 def plan_batches(lengths: Sequence[int], settings: ScoringSettings, n_data: int = 1) -> list[Batch]:
-    """Group example indices into batches: sorted by length, length buckets (``bucket_length`` with
-    ``settings.min_bucket`` and ``settings.bucket_step``), and ONE row count per bucket (a multiple of the ``data``
-    size), so a dataset compiles at most one program per length bucket.
+    """Group example indices into batches of a next-token pass: sorted by length, rows of ``row_length`` (the
+    ``bucket_length`` of the n - 1 tokens the model reads, with ``settings.min_bucket`` and ``settings.bucket_step``,
+    plus the last token), and ONE row count per bucket (a multiple of the ``data`` size), so a dataset compiles at
+    most one program per length bucket.
 
-    Rows per bucket: min(token_budget // length, max_batch) per device (rounded down to a power of two), or fewer
-    when the whole bucket fits (the power of two holding it), times the ``data`` size.
+    Rows per bucket: ``bucket_rows`` with at most min(token_budget // positions read, max_batch) per device.
     """
     buckets: dict[int, list[int]] = {}
     for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        buckets.setdefault(bucket_length(lengths[i], settings.min_bucket, settings.bucket_step), []).append(i)
+        buckets.setdefault(row_length(lengths[i], settings.min_bucket, settings.bucket_step), []).append(i)
     batches = []
     for blen, members in sorted(buckets.items()):
-        cap = max(1, min(settings.max_batch, settings.token_budget // blen))
+        cap = max(1, min(settings.max_batch, settings.token_budget // (blen - 1)))
         rows = bucket_rows(len(members), cap, n_data)
         batches.extend(Batch(blen, rows, tuple(members[k:k + rows])) for k in range(0, len(members), rows))
     return batches
@@ -177,9 +194,9 @@ class PackedBatch:
     slots: tuple
 
 
-def _first_fit_rows(lengths: Sequence[int], settings: ScoringSettings) -> list:
+def first_fit_rows(lengths: Sequence[int], settings: ScoringSettings) -> list:
     """[(row length, [example indices in row order])]: longest first, each text into the open row with the most
-    room left if it fits there, else into a new row of ``bucket_length`` of max(its length, ``pack_length``). Long
+    room left if it fits there, else into a new row of ``row_length`` of max(its length, ``pack_length``). Long
     texts get rows of about their own length whose tails shorter texts fill; short texts share rows of
     ``pack_length`` (attention then runs over ``pack_length`` keys, masked per text, instead of over each text's
     own length: a little more attention work for much less padding)."""
@@ -192,7 +209,7 @@ def _first_fit_rows(lengths: Sequence[int], settings: ScoringSettings) -> list:
             rows[r][1].append(i)
             left = -left - n
         else:
-            length = bucket_length(max(n, settings.pack_length), settings.min_bucket, settings.bucket_step)
+            length = row_length(max(n, settings.pack_length), settings.min_bucket, settings.bucket_step)
             rows.append((length, [i]))
             r, left = len(rows) - 1, length - n
         if left >= 2:  # a text needs at least 2 tokens
@@ -205,11 +222,11 @@ def pack_rows(lengths: Sequence[int], settings: ScoringSettings, n_data: int = 1
     mixed-length set pads only the tail of each row. Rows of one length form batches of one row count (``bucket_rows``
     as in ``plan_batches``), so a dataset compiles at most one program per row length. Deterministic."""
     by_length: dict = {}
-    for length, members in _first_fit_rows(lengths, settings):
+    for length, members in first_fit_rows(lengths, settings):
         by_length.setdefault(length, []).append(members)
     batches = []
     for length, rows in sorted(by_length.items()):
-        cap = max(1, min(settings.max_batch, settings.token_budget // length))
+        cap = max(1, min(settings.max_batch, settings.token_budget // (length - 1)))
         per = bucket_rows(len(rows), cap, n_data)
         for k in range(0, len(rows), per):
             members, slots = [], []

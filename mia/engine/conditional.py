@@ -44,9 +44,10 @@ from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows,
                        put_padded)
 from .cache import BackgroundWriter, cache_label, cache_namespace, cacheable, example_key, usable_cache_dir
 from .distributed import any_process
+from .failsafe import fail_safe
 from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_device, show_progress
 from ..sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
-from .stats import chunk_size, logprob_from_hidden
+from .stats import chunk_size, logprob_from_hidden, next_token_inputs
 
 CONDLL_VERSION = "3"  # bump when the meaning or numerics of cached conditional LLs change (2: precision policy;
 # 3: one attention rounding rule)
@@ -80,6 +81,14 @@ class PrefixCache:
         return PrefixCache(
             self.kv.slice_rows(start, size), jax.lax.dynamic_slice_in_dim(self.last_h, start, size, axis=0)
         )
+
+
+def prefix_room(context: int, longest_target: int, wanted: int) -> int:
+    """Tokens a prefix may take before targets of at most ``longest_target`` tokens in a ``context``-token model:
+    R = min(wanted, max(context - longest_target, context // 2)). No position beyond the context is ever fed: when the
+    whole prefix does not fit beside the longest target it is shortened, never below half the context (or
+    ``wanted``), and the targets are cut to the rest (``mia.attacks.fit`` applies the rule; ``mia plan`` plans it)."""
+    return int(min(wanted, max(context - longest_target, context // 2)))
 
 
 def prefix_cache(model, params, prefix_tokens, valid=None, layer_transform=None) -> PrefixCache:
@@ -120,17 +129,17 @@ def conditional_loglik(model, params, cache: PrefixCache, targets, valid, *, inc
 
 def token_logprobs(model, params, tokens, valid, *, chunk: Optional[int] = None, layer_transform=None,
                    head_params=None) -> jax.Array:
-    """Pure: [B, T-1] float32 log p(t_{i+1} | t_<=i) of a plain pass (no prefix cache). ``layer_transform``: see
+    """Pure: [B, T-1] float32 log p(t_{i+1} | t_<=i) of a plain pass (no prefix cache); the model reads T-1
+    positions, each text's last token only predicted (``stats.next_token_inputs``). ``layer_transform``: see
     ``Model.hidden`` (MoPe perturbs each layer inside the layer scan). ``head_params(params, h) -> params``, if
-    given, gives the parameters the LM head uses once the final hidden states ``h`` [B, T, D] exist (MoPe draws
+    given, gives the parameters the LM head uses once the final hidden states ``h`` [B, T-1, D] exist (MoPe draws
     its perturbed head there, so that the copy is not alive during the layer scan)."""
     b, t = tokens.shape
-    h, _ = model.hidden(params, tokens, valid, layer_transform=layer_transform)
+    inputs, fed, targets, _ = next_token_inputs(tokens, valid)
+    h, _ = model.hidden(params, inputs, fed, layer_transform=layer_transform)
     if head_params is not None:
         params = head_params(params, h)
-    return logprob_from_hidden(
-        model.unembed, params, h[:, :-1], tokens[:, 1:], chunk or chunk_size(b, t - 1, model.vocab_size)
-    )
+    return logprob_from_hidden(model.unembed, params, h, targets, chunk or chunk_size(b, t - 1, model.vocab_size))
 
 
 def prefix_shardings(model, mesh, params=None):
@@ -152,19 +161,20 @@ def build_prefix_step(model, mesh, shardings, cache_shardings: PrefixCache):
     replicated, LEFT padded) -> PrefixCache [``cache_shardings``]; every device computes the whole (small) group.
 
     Like ``loop.build_token_stats_step``, it can be ``.lower()``ed on ``jax.ShapeDtypeStruct``s for abstract devices
-    (``mia plan``): the engine (``_jit_prefix``) and the planner build the step here, so they cannot differ."""
+    (``mia plan``): the engine (``jitted_prefix``) and the planner build the step here, so they cannot differ."""
     layers = model.module.LAYERS
     gather = layer_gather(shardings, layers)
     fn = lambda params, tokens, valid: prefix_cache(  # noqa: E731
         model, gather_outside_layers(params, shardings, layers), tokens, valid, gather)
-    return jax.jit(_TRACE_WRAP(traced_over(mesh, fn)), in_shardings=(shardings, replicated(mesh), replicated(mesh)),
-                   out_shardings=cache_shardings)
+    return fail_safe(lambda: jax.jit(_TRACE_WRAP(traced_over(mesh, fn)),
+                                     in_shardings=(shardings, replicated(mesh), replicated(mesh)),
+                                     out_shardings=cache_shardings))
 
 
 def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, include_first: bool):
     """jit of one conditional-LL call: (params, prefix group [G, S] [``cache_shardings``], p_idx int32 scalar,
     targets [B, T], valid [B, T]) -> [B] LL(target | prefix p_idx), target rows over ``data`` (B must divide by it),
-    the result replicated. Shared by the engine (``_jit_cond``) and ``mia plan``, as ``build_prefix_step``."""
+    the result replicated. Shared by the engine (``jitted_conditional``) and ``mia plan``, as ``build_prefix_step``."""
     rows = batch_sharding(mesh)
     layers = model.module.LAYERS
     gather = layer_gather(shardings, layers)
@@ -176,27 +186,30 @@ def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, includ
         return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid,
                                   include_first=include_first, chunk=chunk, layer_transform=gather)
 
-    return jax.jit(_TRACE_WRAP(fn), in_shardings=(shardings, cache_shardings, replicated(mesh), rows, rows),
-                   out_shardings=replicated(mesh))
+    return fail_safe(lambda: jax.jit(_TRACE_WRAP(lambda *a: fn(*a)),
+                                     in_shardings=(shardings, cache_shardings, replicated(mesh), rows, rows),
+                                     out_shardings=replicated(mesh)))
 
 
 @functools.lru_cache(maxsize=32)
-def _jit_prefix(model):
+def jitted_prefix(model):
     """The prefix pass on the engine's layout (``build_prefix_step``)."""
     mesh, shardings = engine_layout(model)
     return build_prefix_step(model, mesh, shardings, prefix_shardings(model, mesh))
 
 
 @functools.lru_cache(maxsize=32)
-def _jit_cond(model, include_first: bool):
+def jitted_conditional(model, include_first: bool):
     """The conditional-LL call on the engine's layout (``build_cond_step``)."""
     mesh, shardings = engine_layout(model)
     return build_cond_step(model, mesh, shardings, prefix_shardings(model, mesh), include_first)
 
 
 @functools.lru_cache(maxsize=32)
-def _jit_plain(model):
-    return jax.jit(_TRACE_WRAP(lambda params, tokens, valid: token_logprobs(model, params, tokens, valid)))
+def jitted_token_logprobs(model):
+    """``token_logprobs`` jitted for ``model`` (a plain pass, no prefix cache; default placement)."""
+    return fail_safe(lambda: jax.jit(_TRACE_WRAP(lambda params, tokens, valid: token_logprobs(model, params, tokens,
+                                                                                             valid))))
 
 
 # ------------------------------------------------------------------------------------------------ on-disk cache
@@ -336,7 +349,7 @@ def loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence[np.nd
         if total:
             mesh, _ = engine_layout(model)
             params = placed_params(model, params)
-            prefix_fn, cond_fn = _jit_prefix(model), _jit_cond(model, bool(include_first))
+            prefix_fn, cond_fn = jitted_prefix(model), jitted_conditional(model, bool(include_first))
             rows_sharding, rep, n_data = batch_sharding(mesh), replicated(mesh), data_size(mesh)
             need_t = sorted(set().union(*todo.values()))
             t_buckets = _buckets({tk: len(t_of[tk]) for tk in need_t}, settings.min_bucket)
@@ -393,7 +406,7 @@ def plain_loglik_matrix(model, prefixes: Sequence[np.ndarray], targets: Sequence
     pairs = [(i, j) for i in range(len(prefixes)) for j in range(len(targets))] if pairs is None else list(pairs)
     seqs = [np.concatenate([prefixes[i], targets[j]]) for i, j in pairs]
     out = np.full((len(prefixes), len(targets)), np.nan, np.float32)
-    fn = _jit_plain(model)
+    fn = jitted_token_logprobs(model)
     for batch in plan_batches([len(s) for s in seqs], settings):
         tok, val = padded_rows([seqs[m] for m in batch.members], batch.length, np.arange(batch.rows))
         lp = np.asarray(jax.device_get(fn(params, tok, val)))

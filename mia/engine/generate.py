@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..models.attention import traced_over
 from ..models.common import KVCache
 from .batching import bucket_length, bucket_rows, pow2_ceil, put_padded
+from .failsafe import fail_safe
 from .loop import engine_layout, placed_params
 from ..sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, mesh_axes, put_array,
                        put_rows, replicated)
@@ -272,8 +273,9 @@ def build_decode_step(model, mesh, shardings, cfg: Sampling):
     def step(params, tokens, valid, ids, seed, budget, temperature, eos, pad_id):
         return decode(model, params, tokens, valid, ids, seed, budget, temperature, eos, pad_id, cfg, place)
 
-    return jax.jit(traced_over(mesh, step), in_shardings=(shardings, rows, rows, rows, rep, rows, rep, rep, rep),
-                   out_shardings=(rep, rep))
+    return fail_safe(lambda: jax.jit(traced_over(mesh, step),
+                                     in_shardings=(shardings, rows, rows, rows, rep, rows, rep, rep, rep),
+                                     out_shardings=(rep, rep)))
 
 
 @functools.lru_cache(maxsize=32)

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ..models.attention import traced_over
 from .batching import (Batch, PackedBatch, ScoringSettings, put_packed, put_padded, row_cost, token_stats_plan)
+from .failsafe import fail_safe
 from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
 from .distributed import any_process
 from ..sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, make_mesh,
@@ -55,6 +56,7 @@ def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None):
 
     ``model`` needs only ``hidden``/``unembed``/``vocab_size``, and the step can be ``.lower()``ed on
     ``jax.ShapeDtypeStruct`` arguments for abstract devices (compile-only planning). B must divide by ``data``.
+    An auto-picked attention kernel that fails here falls back to blocked attention (``mia.engine.failsafe``).
     """
     rows = batch_sharding(mesh)
     layers = model.module.LAYERS
@@ -66,7 +68,8 @@ def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None):
         params = gather_outside_layers(params, shardings, layers)
         return token_stats(model, params, tokens, valid, chunk=c, layer_transform=gather)
 
-    return jax.jit(traced_over(mesh, step), in_shardings=(shardings, rows, rows), out_shardings=replicated(mesh))
+    return fail_safe(lambda: jax.jit(traced_over(mesh, step), in_shardings=(shardings, rows, rows),
+                                     out_shardings=replicated(mesh)))
 
 
 @functools.lru_cache(maxsize=32)
@@ -129,9 +132,13 @@ def compute_token_stats(
     every process calls this with
     the same arguments and gets every result.
     """
+    limit = getattr(model, "max_tokens", None)
     for i, t in enumerate(token_lists):
         if len(t) < 2:
             raise ValueError(f"example {i} has {len(t)} token(s); at least 2 are needed to score")
+        if limit is not None and len(t) > limit:  # never a position the model was not trained at
+            raise ValueError(f"example {i} has {len(t)} tokens; the model's context of {limit - 1} positions scores "
+                             f"at most {limit} (the last only predicted)")
     cache_dir = settings.cache_dir if settings.cache_dir and cacheable(model, params) else None  # no cache, no hash
     mesh, _ = engine_layout(model)
     params = placed_params(model, params)

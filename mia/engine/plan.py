@@ -25,11 +25,12 @@ is compiled for the local devices. XLA:CPU's memory analysis is NOT representati
 upcasts bf16 arithmetic to float32 and fuses differently); use it for float32, or as an estimate only.
 
 Each attack's steps are built by the same functions the engine jits them with (``build_token_stats_step``,
-``build_mope_step``, ``conditional.build_prefix_step`` / ``build_cond_step``), so a plan lowers the very programs
-``mia score`` runs (tests compare the StableHLO text). ReCaLL / EM-MIA plan two steps, the prefix pass and the
-conditional-LL call, at the padded shapes ``loglik_matrix`` uses (``conditional_shapes``); CAMIA plans the token-stats
-pass over its repeated text (``camia_length``); SaMIA plans ``generate``'s decode loop (``build_decode_step``) at
-``samia_shapes``.
+``conditional.build_prefix_step`` / ``build_cond_step``, ``build_decode_step``, MoPe's ``build_mope_step``), so a plan
+lowers the very programs ``mia score`` runs (tests compare the StableHLO text). What ``--attack NAME`` lowers is
+registered (``register_planned_attack``): the engine registers its own steps here, an attack with a step of its own
+registers it from its module (MoPe's perturbed step, CAMIA's token-stats pass over its repeated text), so the engine
+never imports an attack. ReCaLL / EM-MIA plan two steps, the prefix pass and the conditional-LL call, at the padded
+shapes ``loglik_matrix`` uses (``conditional_shapes``); SaMIA plans ``generate``'s decode loop at ``samia_shapes``.
 
 The last line printed is one JSON object ``{"params_bytes", "peak_bytes", "device_bytes", "fits", ...}``.
 """
@@ -40,21 +41,18 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..attacks.camia import REPEATS
-from ..attacks.fit import prefix_room
-from ..attacks.mope import build_mope_step
 from ..models import attention as A
 from ..models.common import ConfigError
 from ..models.hub import Model, _dtypes, abstract_params, config_from_hf, family, read_config_json
 from ..validate import check_hf_config
-from .batching import ScoringSettings, bucket_length, pow2_floor
-from .conditional import build_cond_step, build_prefix_step, prefix_shardings
+from .batching import ScoringSettings, bucket_length, pow2_floor, row_length
+from .conditional import build_cond_step, build_prefix_step, prefix_room, prefix_shardings
 from .generate import Sampling, build_decode_step
 from .loop import build_token_stats_step
 from ..sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
@@ -291,9 +289,9 @@ def memory_figures(compiled) -> tuple[int, int, int, int, str]:
     return bound, arg, tmp, out, "arguments+outputs+temporaries-aliased"
 
 
-def mope_group_bytes(model, shapes, shardings) -> int:
-    """Per-device bytes of the largest group MoPe perturbs at once: the non-layer leaves (embeddings, head, final
-    norm) together, or one layer's slice of the stacked leaves."""
+def largest_group_bytes(model, shapes, shardings) -> int:
+    """Per-device bytes of the largest parameter group a step transforms at once (MoPe perturbs one at a time): the
+    non-layer leaves (embeddings, head, final norm) together, or one layer's slice of the stacked leaves."""
     layers = model.module.LAYERS
     top = {k: v for k, v in shapes.items() if k != layers}
     top_bytes = sharded_bytes(top, {k: v for k, v in shardings.items() if k != layers})
@@ -317,8 +315,66 @@ def abstract_model(hf: dict, dtype: str, source: str = "config"):
     return Model(module, None, None, cfg, fam.model_type, None, "plan"), shapes
 
 
-ATTACKS = ("stats", "mope", "camia", "recall", "em_mia", "samia")
-CONDITIONAL = ("recall", "em_mia")
+@dataclasses.dataclass(frozen=True)
+class PlannedAttack:
+    """How ``mia plan --attack NAME`` lowers the steps an attack runs.
+
+    ``lower(model, mesh, shardings, params, batch, length, **options)`` -> [(step name, shape, jax ``Lowered``)],
+    with ``params`` abstract (``jax.ShapeDtypeStruct`` carrying ``shardings``) and rows over ``data``;
+    ``options``: option as typed after ``NAME:`` -> (keyword of ``lower``, default); every option is an integer >= 1;
+    ``describe(options)`` -> the step's name as ``mia plan`` prints it; ``per_step``: report every step's figures;
+    ``group_bytes(model, shapes, shardings)`` -> the largest parameter group held twice (MoPe), or None."""
+
+    name: str
+    lower: Callable
+    options: dict = dataclasses.field(default_factory=dict)
+    describe: Callable = None
+    per_step: bool = False
+    group_bytes: Optional[Callable] = None
+
+    def help(self) -> str:
+        opts = ",".join(f"{k}={'INT' if d is None else d}" for k, (_, d) in self.options.items())
+        return f"{self.name}[:{opts}]" if opts else self.name
+
+
+PLANNED: dict[str, PlannedAttack] = {}
+
+
+def register_planned_attack(name: str, lower: Callable, *, options: Optional[dict] = None,
+                            describe: Optional[Callable] = None, per_step: bool = False,
+                            group_bytes: Optional[Callable] = None) -> PlannedAttack:
+    """Register how ``mia plan`` lowers the steps of attack ``name`` (see ``PlannedAttack``). The engine registers
+    the steps it owns (stats, recall, em_mia, samia); an attack with a step of its own registers it from its module
+    (``mia.attacks.mope``, ``mia.attacks.camia``), so the engine never imports an attack."""
+    spec = PlannedAttack(name, lower, dict(options or {}), describe or (lambda opts: name), per_step, group_bytes)
+    PLANNED[name] = spec
+    return spec
+
+
+def planned_attack(name: str) -> PlannedAttack:
+    """The registered ``PlannedAttack`` (``PlanError`` naming the known ones otherwise). Attack-owned plans are
+    registered when ``mia.attacks`` is imported (``mia plan`` does)."""
+    if name not in PLANNED:
+        raise PlanError(f"--attack {name!r}: expected {attack_help()}")
+    return PLANNED[name]
+
+
+def attack_help() -> str:
+    """The registered planned attacks with their options: stats first, then by name."""
+    names = sorted(PLANNED, key=lambda n: (n != "stats", n))
+    return ", ".join(PLANNED[n].help() for n in names)
+
+
+def row_args(b: int, t: int, sharding) -> tuple:
+    """Abstract (tokens int32 [b, t], mask bool [b, t]) with ``sharding``."""
+    return (jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=sharding),
+            jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=sharding))
+
+
+def token_stats_steps(name: str, model, mesh, shardings, params, batch: int, t: int) -> list:
+    """[(name, (batch, t), the token-stats step lowered at batch x t rows over ``data``)]."""
+    step = build_token_stats_step(model, mesh, shardings)
+    return [(name, (batch, t), step.lower(params, *row_args(batch, t, batch_sharding(mesh))))]
 
 
 def samia_shapes(context: int, length: int, settings: ScoringSettings = ScoringSettings()) -> dict:
@@ -360,83 +416,91 @@ def conditional_shapes(attack: str, context: int, length: int, prefix_len: Optio
             "target_tokens": int(tlen)}
 
 
-def camia_length(context: int, length: int, settings: ScoringSettings = ScoringSettings()) -> int:
-    """Padded row length of CAMIA's repeated-text pass: ``REPEATS`` copies of an ``length``-token text (about
-    REPEATS x length tokens), scored in windows of the model context when longer, padded to the engine's bucket."""
-    return bucket_length(min(REPEATS * length, context), settings.min_bucket, settings.bucket_step)
+def _stats_steps(model, mesh, shardings, params, batch, length):
+    settings = ScoringSettings()
+    t = row_length(length, settings.min_bucket, settings.bucket_step)  # as plan_batches pads an ``length`` text
+    return token_stats_steps("stats", model, mesh, shardings, params, batch, t)
+
+
+def _samia_steps(model, mesh, shardings, params, batch, length, *, samia_n: int = 10, top_k: int = 50):
+    sh = samia_shapes(model.max_length, length)
+    cfg = Sampling(max_new=sh["new"], n=samia_n, top_k=top_k)
+    rows, rep = batch_sharding(mesh), replicated(mesh)
+    scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
+    per_row = lambda dtype, n: jax.ShapeDtypeStruct((n,), dtype, sharding=rows)  # noqa: E731
+    step = build_decode_step(model, mesh, shardings, cfg).lower(
+        params, *row_args(batch, sh["prompt"], rows), per_row(jnp.uint32, batch), scalar(jnp.uint32),
+        per_row(jnp.int32, batch * samia_n), scalar(jnp.float32), scalar(jnp.int32, (1,)), scalar(jnp.int32))
+    return [("samia", (batch * samia_n, sh["prompt"] + sh["new"]), step)]
+
+
+def _conditional_steps(attack: str):
+    def lower(model, mesh, shardings, params, batch, length, *, prefix_len=None, group=None):
+        sh = conditional_shapes(attack, model.max_length, length, prefix_len, group)
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        cache_sh = prefix_shardings(model, mesh, params=shapes)
+        g, s, t = sh["group"], sh["prefix"], sh["target"]
+        rep = replicated(mesh)
+        prefix = build_prefix_step(model, mesh, shardings, cache_sh).lower(params, *row_args(g, s, rep))
+        cache = jax.tree_util.tree_map(lambda x, sd: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sd),
+                                       prefix.out_info, cache_sh)
+        p_idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+        cond = build_cond_step(model, mesh, shardings, cache_sh, attack == "recall").lower(
+            params, cache, p_idx, *row_args(batch, t, batch_sharding(mesh)))
+        return [("prefix", (g, s), prefix), ("conditional", (batch, t), cond)]
+    return lower
+
+
+register_planned_attack("stats", _stats_steps, describe=lambda o: "token stats")
+register_planned_attack("recall", _conditional_steps("recall"), options={"prefix_len": ("prefix_len", None)},
+                        describe=lambda o: "ReCaLL conditional LL", per_step=True)
+register_planned_attack("em_mia", _conditional_steps("em_mia"), options={"group": ("group", None)},
+                        describe=lambda o: "EM-MIA conditional LL", per_step=True)
+register_planned_attack("samia", _samia_steps, options={"n": ("samia_n", 10), "top_k": ("top_k", 50)},
+                        describe=lambda o: f"SaMIA generation (n={o.get('samia_n', 10)}, top_k={o.get('top_k', 50)})",
+                        per_step=True)
 
 
 def lowered_steps(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: int = 2048,
                   mesh_axes: Optional[dict] = None, devices=None, fsdp: Optional[bool] = None, attack: str = "stats",
-                  mope_n: int = 10, mope_chunk: int = 2, prefix_len: Optional[int] = None,
-                  group: Optional[int] = None, source: str = "config", samia_n: int = 10, top_k: int = 50):
+                  source: str = "config", **options):
     """(model, shapes, shardings, mesh, [(step name, shape, jax ``Lowered``)]): the jitted steps ``mia score`` runs
-    for ``attack``, built by the engine's own builders and lowered on abstract parameters. Arguments as
-    ``plan_scoring``."""
+    for ``attack``, built by the engine's own builders (or the attack's, ``register_planned_attack``) and lowered on
+    abstract parameters. Arguments as ``plan_scoring``."""
+    spec = planned_attack(attack)
+    known = {kw for kw, _ in spec.options.values()}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise PlanError(f"--attack {attack}: no option {', '.join(unknown)} (it takes {spec.help()})")
     devices = list(jax.devices() if devices is None else devices)
     mesh = make_mesh(mesh_axes, devices)
     fsdp = (mesh_axes is not None) if fsdp is None else fsdp
     n_data = dict(mesh.shape)["data"]
     if batch % n_data:
         raise PlanError(f"--batch {batch} must be a multiple of the mesh's data axis ({n_data})")
-    if attack not in ATTACKS:
-        raise PlanError(f"--attack {attack!r}: expected one of {', '.join(ATTACKS)}")
     model, shapes = abstract_model(hf, dtype, source)
-    if length > model.max_length:
+    if length > model.max_length + 1:
         raise PlanError(f"--length {length} is beyond the model's context: {source} has max_position_embeddings "
-                        f"{model.max_length}")
+                        f"{model.max_length} (a text may hold one token more, predicted only)")
     shardings = param_shardings(shapes, mesh, fsdp=fsdp)
     params = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    rows, rep = batch_sharding(mesh), replicated(mesh)
-
-    def row_args(b, t, sharding):
-        return (jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=sharding),
-                jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=sharding))
-
-    if attack in ("stats", "camia"):
-        t = length if attack == "stats" else camia_length(model.max_length, length)
-        steps = [(attack, (batch, t), build_token_stats_step(model, mesh, shardings).lower(params,
-                                                                                          *row_args(batch, t, rows)))]
-    elif attack == "mope":
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
-        step = build_mope_step(model, mesh, shardings, mope_n, 0.005, mope_chunk)
-        steps = [("mope", (batch, length), step.lower(key, params, *row_args(batch, length, rows)))]
-    elif attack == "samia":
-        sh = samia_shapes(model.max_length, length)
-        cfg = Sampling(max_new=sh["new"], n=samia_n, top_k=top_k)
-        scalar = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
-        per_row = lambda dtype, n: jax.ShapeDtypeStruct((n,), dtype, sharding=rows)  # noqa: E731
-        step = build_decode_step(model, mesh, shardings, cfg).lower(
-            params, *row_args(batch, sh["prompt"], rows), per_row(jnp.uint32, batch), scalar(jnp.uint32),
-            per_row(jnp.int32, batch * samia_n), scalar(jnp.float32), scalar(jnp.int32, (1,)), scalar(jnp.int32))
-        steps = [("samia", (batch * samia_n, sh["prompt"] + sh["new"]), step)]
-    else:
-        sh = conditional_shapes(attack, model.max_length, length, prefix_len, group)
-        cache_sh = prefix_shardings(model, mesh, params=shapes)
-        g, s, t = sh["group"], sh["prefix"], sh["target"]
-        prefix = build_prefix_step(model, mesh, shardings, cache_sh).lower(params, *row_args(g, s, rep))
-        cache = jax.tree_util.tree_map(lambda x, sd: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sd),
-                                       prefix.out_info, cache_sh)
-        p_idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-        cond = build_cond_step(model, mesh, shardings, cache_sh, attack == "recall").lower(
-            params, cache, p_idx, *row_args(batch, t, rows))
-        steps = [("prefix", (g, s), prefix), ("conditional", (batch, t), cond)]
+    given = {kw: options[kw] for kw in known if options.get(kw) is not None}
+    steps = spec.lower(model, mesh, shardings, params, batch, length, **given)
     return model, shapes, shardings, mesh, steps
 
 
 def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: int = 2048,
                  mesh_axes: Optional[dict] = None, devices=None, fsdp: Optional[bool] = None,
-                 device_bytes: Optional[int] = None, attack: str = "stats", mope_n: int = 10,
-                 mope_chunk: int = 2, prefix_len: Optional[int] = None, group: Optional[int] = None,
-                 source: str = "config", platform: Optional[str] = None, samia_n: int = 10,
-                 top_k: int = 50) -> PlanResult:
+                 device_bytes: Optional[int] = None, attack: str = "stats", source: str = "config",
+                 platform: Optional[str] = None, **options) -> PlanResult:
     """Compile a scoring step ahead of time and read its memory.
 
-    ``attack``: "stats" (the token-statistics pass every attack shares), "mope" (MoPe's step with ``mope_n``
-    perturbed models, ``mope_chunk`` of them vmapped at a time), "camia" (the token-stats pass over the repeated
-    text, ``camia_length``), "recall" / "em_mia" (the prefix pass and the conditional-LL call, shapes from
-    ``conditional_shapes``; ``batch`` target rows; the figures are those of the step with the larger peak, every
-    step's in ``steps``, as for camia).
+    ``attack``: a registered planned attack (``PLANNED``; ``mia.attacks`` registers its own on import): "stats"
+    (the token-statistics pass every attack shares), "mope" (MoPe's step with ``mope_n`` perturbed models,
+    ``mope_chunk`` of them vmapped at a time), "camia" (the token-stats pass over the repeated text), "recall" /
+    "em_mia" (the prefix pass and the conditional-LL call, shapes from ``conditional_shapes``; ``batch`` target rows),
+    "samia" (``generate``'s decode loop, ``samia_n`` samples, ``top_k``). ``options``: the attack's keywords. With
+    several steps the figures are those of the step with the larger peak, every step's in ``steps``.
 
     ``devices``: the devices to compile for (default: the local ones; a TPU topology's abstract devices work).
     ``mesh_axes``: {"data": n, "model": m} (default: all devices on data). ``fsdp`` defaults to True when a mesh is
@@ -447,42 +511,36 @@ def plan_scoring(hf: dict, *, dtype: str = "bfloat16", batch: int = 8, length: i
     platform). Planning "gpu" on a host without a GPU lowers the blocked kernel where a GPU would run cuDNN's flash
     attention (``mia.models.attention.planning_for``; ``PlanResult.attention`` says so).
     """
+    spec = planned_attack(attack)
     devices = list(jax.devices() if devices is None else devices)
     platform = platform or devices[0].platform
     with A.planning_for(platform, devices[0].platform) as chosen:
         model, shapes, shardings, mesh, steps = lowered_steps(
             hf, dtype=dtype, batch=batch, length=length, mesh_axes=mesh_axes, devices=devices, fsdp=fsdp,
-            attack=attack, mope_n=mope_n, mope_chunk=mope_chunk, prefix_len=prefix_len, group=group, source=source,
-            samia_n=samia_n, top_k=top_k)
+            attack=attack, source=source, **options)
     figures = {name: (shape, memory_figures(lowered.compile())) for name, shape, lowered in steps}
     worst = max(figures, key=lambda n: figures[n][1][0])
     peak, arg, tmp, out, peak_source = figures[worst][1]
     detail = None
-    if attack in ("camia", "samia") + CONDITIONAL:
+    if spec.per_step:
         detail = {n: {"shape": list(sh), "peak_bytes": f[0], "argument_bytes": f[1], "temp_bytes": f[2],
                       "output_bytes": f[3]} for n, (sh, f) in figures.items()}
     return PlanResult(params_bytes=sharded_bytes(shapes, shardings), peak_bytes=peak,
                       device_bytes=device_memory(devices[0], device_bytes), argument_bytes=arg, temp_bytes=tmp,
                       output_bytes=out, devices=len(devices), device_kind=str(devices[0].device_kind),
                       mesh={k: int(v) for k, v in dict(mesh.shape).items()}, peak_source=peak_source,
-                      group_bytes=mope_group_bytes(model, shapes, shardings) if attack == "mope" else None,
+                      group_bytes=spec.group_bytes(model, shapes, shardings) if spec.group_bytes else None,
                       steps=detail, platform=platform, attention=tuple(sorted(set(chosen))))
 
 
 # ----------------------------------------------------------------------------------------------- command line
-_OPTIONS = {"stats": {}, "camia": {}, "mope": {"n": ("mope_n", 10), "chunk": ("mope_chunk", 2)},
-            "recall": {"prefix_len": ("prefix_len", None)}, "em_mia": {"group": ("group", None)},
-            "samia": {"n": ("samia_n", 10), "top_k": ("top_k", 50)}}
-ATTACK_HELP = "stats, camia, mope[:n=10,chunk=2], recall[:prefix_len=INT], em_mia[:group=INT], samia[:n=10,top_k=50]"
-
-
 def parse_plan_attack(text: str) -> tuple[str, dict]:
     """'stats' | 'camia' | 'mope:n=10,chunk=2' | 'recall:prefix_len=512' | 'em_mia:group=8' -> (name, plan_scoring
     keyword arguments); every option an integer >= 1."""
     name, _, rest = text.partition(":")
-    if name not in _OPTIONS:
-        raise PlanError(f"--attack {text!r}: expected {ATTACK_HELP}")
-    known = _OPTIONS[name]
+    if name not in PLANNED:
+        raise PlanError(f"--attack {text[:80]!r}: expected {attack_help()}")
+    known = PLANNED[name].options
     opts = {kw: default for kw, default in known.values()}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")

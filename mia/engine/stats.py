@@ -97,19 +97,36 @@ def logprob_from_hidden(unembed: Callable, params, h_bnd: jax.Array, next_bn: ja
     return head_chunks(unembed, params, h_bnd, next_bn, chunk, logprob_from_logits)
 
 
+def next_token_inputs(tokens_bt: jax.Array, valid_bt: jax.Array) -> tuple:
+    """(inputs [B, T-1], their validity [B, T-1], targets [B, T-1], mask [B, T-1] bool) of a next-token pass over
+    rows of T tokens: the model reads a token only when the next one is a target of the same text, so a text of n
+    tokens feeds n - 1 positions (0 .. n-2) and its last token is only predicted. A text of C + 1 tokens thus fits a
+    C-token context (Pythia's 2049-token rows, a testbed's seq_len + 1): C predictions, no position >= C, whatever
+    the row's padded length. Tokens not read are padding for the model (position 0 in packed rows, the text's last
+    position otherwise: never past it), and no kept output depends on them (the model is causal).
+
+    ``valid``: bool, or int32 segment ids of packed rows (0 padding; ``mia.models.common.is_packed``)."""
+    if jnp.issubdtype(valid_bt.dtype, jnp.integer):  # packed rows: a target in the same text as its context
+        mask = (valid_bt[:, 1:] == valid_bt[:, :-1]) & (valid_bt[:, 1:] > 0)
+        fed = jnp.where(mask, valid_bt[:, :-1], 0)
+    else:
+        mask = valid_bt[:, 1:] & valid_bt[:, :-1]
+        fed = mask
+    return tokens_bt[:, :-1], fed, tokens_bt[:, 1:], mask
+
+
 def token_stats(model, params, tokens_bt: jax.Array, valid_bt: jax.Array, *, chunk: Optional[int] = None,
                 layer_transform: Optional[Callable] = None) -> dict:
     """Pure: (params, tokens [B, T], valid [B, T]) -> {stat: [B, T-1] float32, "mask": [B, T-1] bool}. ``valid``:
-    bool, or int32 segment ids of packed rows (``mia.models.common.is_packed``).
+    bool, or int32 segment ids of packed rows (``mia.models.common.is_packed``). The model reads T-1 positions
+    (``next_token_inputs``: each text's last token is only predicted).
     ``layer_transform``: see ``Model.hidden`` (the engine gathers FSDP shards one layer at a time with it)."""
     b, t = tokens_bt.shape
     chunk = chunk or chunk_size(b, t - 1, model.vocab_size)
-    h, _ = model.hidden(params, tokens_bt, valid_bt, layer_transform=layer_transform)
-    out = stats_from_hidden(model.unembed, params, h[:, :-1], tokens_bt[:, 1:], chunk)
-    if jnp.issubdtype(valid_bt.dtype, jnp.integer):  # packed rows: a target in the same text as its context
-        out["mask"] = (valid_bt[:, 1:] == valid_bt[:, :-1]) & (valid_bt[:, 1:] > 0)
-    else:
-        out["mask"] = valid_bt[:, 1:] & valid_bt[:, :-1]
+    inputs, fed, targets, mask = next_token_inputs(tokens_bt, valid_bt)
+    h, _ = model.hidden(params, inputs, fed, layer_transform=layer_transform)
+    out = stats_from_hidden(model.unembed, params, h, targets, chunk)
+    out["mask"] = mask
     return out
 
 

@@ -45,12 +45,19 @@ Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.def
   exact while the keys are short (S <= EXACT_MAX_KEYS and the scores fit EXACT_MAX_SCORE_BYTES), else blocked.
   A forced splash that cannot run these shapes (a cache, a length not a multiple of 128) runs blocked.
   jit caches are per process: set the variable before anything is traced.
+
+Failures (:mod:`mia.engine.failsafe`): xla and splash may fail to lower, compile or run on a backend. The engine's
+steps then mark the kernel failed for the process (:func:`failed_kernels`; auto picks FALLBACK = blocked instead
+from then on), print one ``warning:`` line and rerun with blocked; a kernel MIA_ATTENTION asked for raises
+:class:`KernelError` naming the variable instead. :func:`forced_kernel` pins a kernel for code traced inside it
+(``mia doctor`` checks every kernel that way).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import os
+import sys
 from functools import partial, wraps
 from typing import Callable, Optional, Union
 
@@ -312,7 +319,9 @@ def _jax_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sc
 def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
                   window: Window = None) -> Array:
     """``jax.nn.dot_product_attention`` with our masking: cuDNN on a CUDA GPU where it can run, jax's XLA version
-    on other backends. If cuDNN refuses the shapes when traced (missing, old GPU, head dim), the blocked kernel runs.
+    on other backends. If cuDNN fails when traced (missing, old GPU, shapes it refuses), the failure is the engine
+    step's to handle (:mod:`mia.engine.failsafe`: blocked attention and one warning under auto, an error when
+    ``MIA_ATTENTION`` asked for xla); outside an engine step the blocked kernel runs (:func:`failed_outside_step`).
 
     Valid query rows equal :func:`exact_attention`; padding rows are finite (zeros on the plain-layout branch).
     """
@@ -320,7 +329,10 @@ def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sca
     if jax.default_backend() == "gpu" and _cudnn_can_run(q_bthe.shape[-1], q_bthe.dtype):
         try:
             return _jax_attention(*args, scale=scale, window=window, implementation="cudnn").astype(v_bske.dtype)
-        except (NotImplementedError, RuntimeError, ValueError):
+        except Exception as e:  # cuDNN missing, too old, or refusing the shapes
+            if _USED.get():
+                raise  # inside an engine step: its fail-safe wrapper falls back for the whole step
+            failed_outside_step("xla", e)  # a model call jitted elsewhere: this call runs blocked
             return blocked_attention(*args, scale=scale, window=window)
     return _jax_attention(*args, scale=scale, window=window, implementation=None).astype(v_bske.dtype)
 
@@ -398,7 +410,7 @@ def _splash_kernel(heads: int, length: int, window, interpret: bool):
                               q_seq_shards=1, interpret=interpret)
 
 
-def _splash_local(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpret):
+def splash_per_device(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpret):
     """Splash on one device's rows and heads: q [b, T, h, E], k, v [b, T, k, E] (q's dtype), seg [b, T] int32.
     q is scaled in float32 and rounded to its dtype (splash takes no scale), after the transpose to the kernel's
     [b, h, T, E] so that XLA does both in one pass."""
@@ -417,7 +429,7 @@ def _splash_local(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpret):
 
 def _splash_sharded(q, k, v, seg, *, scale, window, interpret):
     mesh = _MESH.get()
-    local = partial(_splash_local, scale=scale, window=window, interpret=interpret)
+    local = partial(splash_per_device, scale=scale, window=window, interpret=interpret)
     if mesh is None or mesh.size == 1:
         return local(q, k, v, seg)
     from jax.sharding import PartitionSpec as P
@@ -480,6 +492,113 @@ def requested_kernel() -> str:
     return value
 
 
+# ------------------------------------------------------------------------------------------------ kernels that fail
+# xla (cuDNN) and splash (Mosaic) are not plain JAX: a backend may fail to lower, compile or run them (cuDNN missing
+# or too old, a Pallas/Mosaic error, out of VMEM). The engine's steps (mia.engine.failsafe) then mark the kernel
+# failed for this process, print one warning line and rebuild the step: from then on auto picks FALLBACK instead.
+FALLIBLE = ("xla", "splash")
+FALLBACK = "blocked"
+_FAILED: dict = {}  # kernel -> reason it failed in this process
+_WARNED: set = set()
+_USED: contextvars.ContextVar = contextvars.ContextVar("mia_attention_used", default=())  # lists recording kernels
+_FORCED: contextvars.ContextVar = contextvars.ContextVar("mia_attention_forced", default=None)
+
+
+class KernelError(ValueError):
+    """The attention kernel that ``MIA_ATTENTION`` asks for cannot run on this backend (one line for the user)."""
+
+
+def failed_kernels() -> dict:
+    """{kernel: reason} of the kernels found not to work in this process (auto no longer picks them)."""
+    return dict(_FAILED)
+
+
+def mark_failed(kernel: str, reason: str) -> bool:
+    """Record that ``kernel`` fails here; True when it was not recorded before."""
+    new = kernel not in _FAILED
+    _FAILED.setdefault(kernel, reason)
+    return new
+
+
+def unmark_failed(kernel: str) -> None:
+    _FAILED.pop(kernel, None)
+
+
+def reset_failed_kernels() -> None:
+    """Forget every failure and warning (tests; a new process starts empty)."""
+    _FAILED.clear()
+    _WARNED.clear()
+
+
+def failure_reason(error: BaseException, limit: int = 200) -> str:
+    """One line naming an exception: its type and its first line (its last line too when the first only announces a
+    traceback, as a host callback's error does)."""
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1 and text.endswith("Traceback (most recent call last):"):
+        text = f"{text[:-len('Traceback (most recent call last):')].rstrip()} {lines[-1]}"
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def warn_fallback(kernel: str, reason: str) -> None:
+    """``warning: attention kernel K failed on this backend (reason); using blocked`` on stderr, once per kernel."""
+    if kernel not in _WARNED:
+        _WARNED.add(kernel)
+        print(f"warning: attention kernel {kernel} failed on this backend ({reason}); using {FALLBACK}",
+              file=sys.stderr)
+
+
+def explicit_request_error(kernel: str, reason: str) -> KernelError:
+    """The error for a kernel ``MIA_ATTENTION`` asked for that failed: it names the variable and the way out."""
+    return KernelError(f"attention kernel {kernel} failed on this backend ({reason}); it was asked for by "
+                       f"{ENV_VAR}={kernel}: unset {ENV_VAR} (auto falls back to {FALLBACK}) or set "
+                       f"{ENV_VAR}={FALLBACK}")
+
+
+def failed_outside_step(kernel: str, error: BaseException) -> None:
+    """A kernel failed when traced outside an engine step (a model call the user jitted): raise the error naming
+    ``MIA_ATTENTION`` when it asked for the kernel, else record the failure and warn; the caller runs FALLBACK."""
+    reason = failure_reason(error)
+    if _FORCED.get() == kernel:
+        raise error  # pinned by forced_kernel (mia doctor): its caller reports the failure
+    if requested_kernel() == kernel:
+        raise explicit_request_error(kernel, reason) from error
+    mark_failed(kernel, reason)
+    warn_fallback(kernel, reason)
+
+
+@contextlib.contextmanager
+def recording_kernels():
+    """Yields a list that receives the name of every kernel compiled by attention traced inside (nothing when no
+    tracing happens: a jitted call that hits its cache); recordings nest. The engine's fail-safe steps use it to know
+    which kernels a fresh program contains."""
+    used: list = []
+    token = _USED.set(_USED.get() + (used,))
+    try:
+        yield used
+    finally:
+        _USED.reset(token)
+
+
+@contextlib.contextmanager
+def forced_kernel(kernel: Optional[str]):
+    """Attention traced inside uses ``kernel`` (one of KERNEL_NAMES; None: the usual choice), whatever
+    ``MIA_ATTENTION`` and the failures recorded here say: ``mia doctor`` checks each kernel this way. A failure of a
+    forced kernel is not fallen back from."""
+    if kernel is not None and kernel not in KERNEL_NAMES:
+        raise ValueError(f"unknown attention kernel {kernel!r}; expected one of {', '.join(KERNEL_NAMES)}")
+    token = _FORCED.set(kernel)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def is_forced() -> bool:
+    return _FORCED.get() is not None
+
+
 def splash_partitionable() -> bool:
     """Whether a splash call traced now can be compiled: inside :func:`over_mesh` (the engine's steps run it under
     ``shard_map``), or on one local device when not planning. XLA cannot partition a Pallas call by itself, so a
@@ -489,16 +608,28 @@ def splash_partitionable() -> bool:
 
 def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, *, backend: Optional[str] = None,
                   requested: Optional[str] = None, window_static: bool = True) -> str:
-    """The kernel name for static shapes (see the module docstring); ``requested`` defaults to MIA_ATTENTION.
+    """The kernel name for static shapes (see the module docstring); ``requested`` defaults to the kernel
+    :func:`forced_kernel` sets, else MIA_ATTENTION.
 
     A traced per-layer window (``window_static`` False) does not change the choice: on a GPU the xla kernel then
     passes it in the mask; on a TPU splash runs the layers whose window is global and blocked the local ones.
+    Under auto, a kernel that failed on this backend in this process (:func:`failed_kernels`) is replaced by
+    FALLBACK, except when planning for another backend (``backend`` given).
+    """
+    requested = requested or _FORCED.get() or requested_kernel()
+    if requested != "auto":
+        return requested
+    kernel = auto_kernel(batch, heads, t, s, head_dim, dtype, backend=backend)
+    return FALLBACK if backend is None and kernel in _FAILED else kernel
+
+
+def auto_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, *,
+                backend: Optional[str] = None) -> str:
+    """What auto picks for static shapes on ``backend`` (default: the local one), failures aside.
+
     Auto picks splash only inside :func:`over_mesh` (the engine's steps, which run it under ``shard_map``) or with
     one device: a model call jitted elsewhere on several TPU chips gets blocked, which XLA partitions itself.
     """
-    requested = requested or requested_kernel()
-    if requested != "auto":
-        return requested
     backend = backend or jax.default_backend()
     if backend == "gpu" and t == s and _cudnn_can_run(head_dim, dtype):
         return "xla"
@@ -568,4 +699,6 @@ def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt:
     chosen = _CHOSEN.get()
     if chosen is not None:
         chosen.append((kernel, compiled))
+    for used in _USED.get():
+        used.append(compiled)
     return KERNELS[compiled](q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, scale=scale, window=window)

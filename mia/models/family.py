@@ -1,15 +1,16 @@
 """Model families: ``model_type`` -> the config class, Flax module and parameter mapping that implement it.
 
-Each family module registers itself at import (``register_family``); ``import mia.models`` imports them all, so
-adding a family is one module (and one entry in ``tests/tiny_configs.py``). A family's config class reads
-``config.json`` with ``from_hf(hf)``; every field it does not read must be one mia knows to be harmless
-(``HARMLESS_FIELDS``, plus the family's own ``harmless``), or loading stops naming it (``unread_fields``): a field
-that changes the model's arithmetic is never ignored silently.
+Each family module registers itself at import (``register_family``, with its tiny config for ``mia doctor``);
+``import mia.models`` imports them all, so adding a family is one module (and one entry in ``tests/tiny_configs.py``).
+A family's config class reads ``config.json`` with ``from_hf(hf)``; every field it does not read must be one mia
+knows to be harmless (``HARMLESS_FIELDS``, plus the family's own ``harmless``), or loading stops naming it
+(``unread_fields``): a field that changes the model's arithmetic is never ignored silently.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+import json
+from typing import Any, Callable, Iterable, Optional
 
 from .common import ConfigError
 
@@ -40,17 +41,30 @@ class Family:
     param_mappings: Callable  # (config) -> [ParamMapping]
     ignored_keys: tuple = ()  # regexes of checkpoint tensors that are buffers, not parameters
     harmless: frozenset = frozenset()  # config.json fields of this family that never change a forward pass
+    tiny: Optional[dict] = None  # config.json fields of a tiny model of the family (``tiny_config``)
 
 
 FAMILIES: dict[str, Family] = {}
 
 
 def register_family(model_type: str, config_cls, module_cls, param_mappings, *, ignored_keys: Iterable[str] = (),
-                    harmless: Iterable[str] = ()) -> Family:
-    """Make ``model_type`` loadable (called once, at the end of the family's module)."""
-    fam = Family(model_type, config_cls, module_cls, param_mappings, tuple(ignored_keys), frozenset(harmless))
+                    harmless: Iterable[str] = (), tiny: Optional[dict] = None) -> Family:
+    """Make ``model_type`` loadable (called once, at the end of the family's module). ``tiny``: the config.json
+    fields of a tiny model of the family, with the family's distinctive options on (``tiny_config``)."""
+    fam = Family(model_type, config_cls, module_cls, param_mappings, tuple(ignored_keys), frozenset(harmless),
+                 None if tiny is None else dict(tiny))
     FAMILIES[model_type] = fam
     return fam
+
+
+def tiny_config(model_type: str) -> dict:
+    """config.json (a dict) of the family's tiny model: 2 layers, width 64, 4 heads of 16 (so a mesh axis of 2 or 4
+    divides them), a 128-token vocabulary and 512 positions, and the family's distinctive options on. ``mia doctor``
+    checks every family with it; ``ConfigError`` when the family registered none."""
+    fam = family(model_type)
+    if not fam.tiny:
+        raise ConfigError(f"model family {model_type!r} registered no tiny config (register_family(..., tiny=...))")
+    return {"model_type": model_type, **json.loads(json.dumps(fam.tiny))}
 
 
 def family(model_type: str) -> Family:

@@ -214,5 +214,9 @@ IGNORED_HF_KEYS = (r"\.attn\.bias$", r"\.attn\.masked_bias$")
 HARMLESS_HF_FIELDS = ("summary_activation", "summary_first_dropout", "summary_proj_to_labels", "summary_type",
                       "summary_use_proj", "reorder_and_upcast_attn")
 
+# the doctor's tiny model (``family.tiny_config``): learned positions, tied head, per-layer attention scale
+TINY = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512,
+            scale_attn_by_inverse_layer_idx=True)
+
 register_family(MODEL_TYPE, GPT2Config, GPT2LMHeadModel, param_mappings, ignored_keys=IGNORED_HF_KEYS,
-                harmless=HARMLESS_HF_FIELDS)
+                harmless=HARMLESS_HF_FIELDS, tiny=TINY)

@@ -212,5 +212,9 @@ IGNORED_HF_KEYS = (r"\.attention\.bias$", r"\.attention\.masked_bias$")
 # attention_layers: attention_types expanded per layer (transformers recomputes it from attention_types)
 HARMLESS_HF_FIELDS = ("attention_layers",)
 
+# the doctor's tiny model (``family.tiny_config``): a global and a local layer, the window shorter than its rows
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, window_size=64,
+            attention_types=[[["global", "local"], 1]], max_position_embeddings=512)
+
 register_family(MODEL_TYPE, GPTNeoConfig, GPTNeoForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
-                harmless=HARMLESS_HF_FIELDS)
+                harmless=HARMLESS_HF_FIELDS, tiny=TINY)

@@ -180,4 +180,9 @@ def param_mappings(cfg: GPTNeoXConfig) -> list[ParamMapping]:
 # HF buffers and tensors that carry no learned state we need.
 IGNORED_HF_KEYS = (r"\.attention\.bias$", r"\.attention\.masked_bias$", r"rotary_emb\.inv_freq$")
 
-register_family(MODEL_TYPE, GPTNeoXConfig, GPTNeoXForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS)
+# the doctor's tiny model (``family.tiny_config``): Pythia's options (partial rotary, parallel residual, untied head)
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            rotary_pct=0.25, max_position_embeddings=512, tie_word_embeddings=False)
+
+register_family(MODEL_TYPE, GPTNeoXConfig, GPTNeoXForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
+                tiny=TINY)

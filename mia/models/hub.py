@@ -109,7 +109,14 @@ class Model:
 
     @property
     def max_length(self) -> int:
+        """C: the context the model was trained at (positions 0 .. C-1)."""
         return int(getattr(self.config, "max_position_embeddings", 2048) or 2048)
+
+    @property
+    def max_tokens(self) -> int:
+        """C + 1: the most tokens a scored text may hold. The model reads all but the last, which is only predicted
+        (``mia.engine.stats.next_token_inputs``): Pythia's 2049-token rows make 2048 predictions in a 2048 context."""
+        return self.max_length + 1
 
     @property
     def vocab_size(self) -> int:
@@ -117,11 +124,11 @@ class Model:
 
 
 # ----------------------------------------------------------------------------------------------- safetensors I/O
-_ST_DTYPES = {
+SAFETENSORS_DTYPES = {  # safetensors dtype name -> numpy dtype
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+SAFETENSORS_NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -132,7 +139,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         return {}
     empty = Path(path).stat().st_size == data_start  # only zero-size tensors: nothing to map
     data = np.zeros(0, np.uint8) if empty else np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
-    return {name: data[lo:hi].view(_ST_DTYPES[dtype]).reshape(shape)
+    return {name: data[lo:hi].view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
             for name, (dtype, shape, (lo, hi)) in header.items()}
 
 
@@ -173,7 +180,7 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Opti
         arr = np.ascontiguousarray(tensors[name]).reshape(np.shape(tensors[name]))  # keeps a 0-d tensor 0-d
         blob = arr.tobytes()
         header[name] = {
-            "dtype": _ST_NAMES[arr.dtype],
+            "dtype": SAFETENSORS_NAMES[arr.dtype],
             "shape": list(arr.shape),
             "data_offsets": [offset, offset + len(blob)],
         }
@@ -379,11 +386,39 @@ def nonfinite_tensor(tensors: dict[str, np.ndarray]) -> Optional[tuple[str, int,
 
 def finite_leaves(leaves: list) -> jax.Array:
     """Pure: bool [len(leaves)], whether each leaf is finite throughout (non-floating and empty leaves count as
-    finite). ``max |x| < inf`` is False for an inf and for a NaN (``max`` propagates NaN): one fused reduction per
-    leaf with no temporary, where ``isfinite(x).all()`` over every leaf in one program made XLA hold a bool per
-    parameter (about 1 GB of host memory for a 1B model on a CPU)."""
-    return jnp.stack([jnp.max(jnp.abs(x)) < jnp.inf if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+    finite). Per leaf one fused reduction with no temporary: ``sum(x * 0) == 0``, since x * 0 is 0 for every finite x
+    and NaN for a NaN or an inf, and a sum propagates NaN by IEEE arithmetic on every backend. A max-based rule
+    (``max |x| < inf``) is not portable: XLA:CPU's max reduction drops NaN (all-NaN gives -inf, one NaN among ones
+    gives 1). ``isfinite(x).all()`` is exact too, but XLA:CPU then holds a bool per parameter (about 1 GB of host
+    memory for a 1B model); it is the fallback where the rule fails its check (``finite_rule_holds``), chosen by
+    ``_finite_flags`` before tracing."""
+    return jnp.stack([jnp.sum(x * 0, dtype=jnp.float32) == 0 if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
                       else jnp.bool_(True) for x in leaves])
+
+
+def finite_leaves_isfinite(leaves: list) -> jax.Array:
+    """``finite_leaves`` by ``isfinite(x).all()``: exact on any backend, but not memory-frugal on XLA:CPU."""
+    return jnp.stack([jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+                      else jnp.bool_(True) for x in leaves])
+
+
+@functools.lru_cache(maxsize=None)
+def finite_rule_holds() -> bool:
+    """Whether ``sum(x * 0) == 0`` tells finite from non-finite on jax's default backend, checked once per process
+    on arrays large enough to be vectorised: all NaN, one NaN, +inf, -inf, a huge finite value, in float32 and
+    bfloat16. A backend that simplified x * 0 to 0 (fast-math) fails, and ``finite_leaves`` falls back."""
+    cases = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        base = np.ones((64, 256), np.float32)
+        for value, finite in ((np.nan, False), (np.inf, False), (-np.inf, False), (3e38, True), (None, True)):
+            x = base.copy()
+            if value is not None:
+                x[17, 101] = value
+            cases.append((jnp.asarray(x, dtype), finite))
+        cases.append((jnp.full((64, 256), jnp.nan, dtype), False))
+    rule = jax.jit(lambda ls: jnp.stack([jnp.sum(x * 0, dtype=jnp.float32) == 0 for x in ls]))
+    got = np.asarray(rule([x for x, _ in cases]))
+    return got.tolist() == [finite for _, finite in cases]
 
 
 def _finite_flags(params, mesh=None) -> np.ndarray:
@@ -391,7 +426,8 @@ def _finite_flags(params, mesh=None) -> np.ndarray:
     reduction per leaf, on the devices holding it, fetched together, replicated over ``mesh`` when given so that
     every process can read it); non-floating leaves count as finite."""
     leaves = jax.tree_util.tree_leaves(params)
-    flags = jax.jit(finite_leaves, out_shardings=None if mesh is None else replicated(mesh))(leaves)
+    rule = finite_leaves if finite_rule_holds() else finite_leaves_isfinite
+    flags = jax.jit(rule, out_shardings=None if mesh is None else replicated(mesh))(leaves)
     return np.asarray(jax.device_get(flags))
 
 

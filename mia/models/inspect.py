@@ -27,7 +27,7 @@ import numpy as np
 
 from ..validate import safetensors_header
 from . import hf_cache
-from .hub import (_ST_DTYPES, CheckpointError, _weight_files, abstract_params, host_params_from_hf, load_config,
+from .hub import (SAFETENSORS_DTYPES, CheckpointError, _weight_files, abstract_params, host_params_from_hf, load_config,
                   StackedView)
 from .layouts import native_layout
 from .torch_bin import read_torch_bin
@@ -101,7 +101,8 @@ def _shape_only(path: Path) -> dict:
         return {k: np.broadcast_to(np.zeros((), v.dtype), v.shape)
                 for k, v in read_torch_bin(path, error=CheckpointError).items()}
     header, _ = safetensors_header(path, error=CheckpointError)
-    return {k: np.broadcast_to(np.zeros((), _ST_DTYPES[dtype]), shape) for k, (dtype, shape, _) in header.items()}
+    return {k: np.broadcast_to(np.zeros((), SAFETENSORS_DTYPES[dtype]), shape)
+            for k, (dtype, shape, _) in header.items()}
 
 
 def _leaves(tree):

@@ -177,5 +177,9 @@ IGNORED_HF_KEYS = (r"rotary_emb\.inv_freq$",)
 # pretraining_tp: a training-time split of the matmuls (the same products)
 HARMLESS_HF_FIELDS = ("pretraining_tp",)
 
+# the doctor's tiny model (``family.tiny_config``): clip_qkv, grouped-query attention
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, clip_qkv=0.25, max_position_embeddings=512)
+
 register_family(MODEL_TYPE, OlmoConfig, OlmoForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
-                harmless=HARMLESS_HF_FIELDS)
+                harmless=HARMLESS_HF_FIELDS, tiny=TINY)

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "new needs --reserved-tokens; see mia.testbed.canaries)")
     p.add_argument("--dp-sampling", choices=DP_SAMPLINGS, default=None,
                    help="DP-SGD batches (with --dp-noise): poisson (default; each record joins each step with "
-                        "probability batch/records) or fixed (the recorded batches, no amplification)")
+                        "probability 1/train_steps) or fixed (the recorded batches, no amplification)")
     p.add_argument("--memorize-epochs", type=arg_int(0), default=0,
                    help="memorization dial: after the last checkpoint, train E more epochs on a fixed member subset "
                         "only, saved as checkpoints/step{N}-mem{E}-{hash}/ (non-members stay unseen)")

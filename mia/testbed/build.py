@@ -228,7 +228,8 @@ class Testbed:
 
         ``rows``: row indices of the order, all < step * batch_size (rows the checkpoint has already seen, so they
         stay members; every other row stays unseen). Saved as ``checkpoints/step{c}-mem{E}-{hash}/`` with
-        ``memorize.json`` (rows, epochs, seed, lr, per-epoch loss) and reused when asked again.
+        ``memorize.json`` (rows, epochs, seed, lr, per-epoch loss, the weights' sha256) and reused when asked again
+        (``mia.checkpoints.memorized_checkpoint`` builds or reuses it and checks it before it is scored).
         """
 
         if self.private:
@@ -256,7 +257,8 @@ class Testbed:
         tmp = temporary_sibling(out)
         save(dataclasses.replace(base, params=params), tmp)
         _write_json(tmp / "memorize.json", {"base_step": step, "epochs": int(epochs), "seed": int(seed), "lr": lr,
-                                            "n_rows": int(idx.size), "rows": idx.tolist(), "log": log})
+                                            "n_rows": int(idx.size), "rows": idx.tolist(), "log": log,
+                                            "weights_sha256": sha256_of_file(tmp / "model.safetensors")})
         place_dir(tmp, out)
         return out
 

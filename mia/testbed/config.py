@@ -149,8 +149,10 @@ class TestbedConfig:
     # differentially private training (mia.testbed.dp): DP-SGD when dp_noise is set, ordinary training when None
     dp_noise: Optional[float] = None  # noise multiplier: Gaussian noise of std dp_noise * dp_clip on the clipped sum
     dp_clip: float = 1.0  # per-example gradient L2 norm bound
-    dp_sampling: str = "poisson"  # "poisson": each record joins each step with probability batch_size / records;
-    # "fixed": the recorded batches of the ordinary run (no amplification by sampling)
+    dp_sampling: str = "poisson"  # "poisson": each record joins each step independently with probability
+    # q = 1 / train_steps (dp.sample_rate: each record is expected once over the run; the natural rows give batches
+    # of batch_size on average, the canary copies add their share); "fixed": the recorded batches of the ordinary
+    # run (no amplification by sampling)
 
     def __post_init__(self):
         for name in FIELD_LIMITS:
