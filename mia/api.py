@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from .attacks.context import AttackContext, assert_disjoint
 from .attacks.registry import AttackError, AttackInputs, check_attack_inputs, check_params, get, parse_attacks
 from .data import sources
-from .data.examples import LEARNED_PARTITIONS, DataError, Example, check_label_conflicts, tokenize_examples
+from .data.examples import (LEARNED_PARTITIONS, DataError, Example, check_document_conflicts, check_label_conflicts,
+                            tokenize_examples)
 from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
@@ -93,6 +94,7 @@ def check_data(examples: list[Example], scored: Sequence[str] = ("eval",), skip_
         return not skip_invalid and e.text is not None and e.text != ""
 
     check_label_conflicts([e for e in examples if e.partition in scored and sure(e)])
+    check_document_conflicts([e for e in examples if e.partition in scored and sure(e)])
 
 
 def check_request(attacks, *, ref_model=None, mlm=None, freq_corpus=None, on_error: str = "raise") -> tuple:
@@ -201,6 +203,7 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     else:
         tokenize_examples(examples, model.tokenizer, max_length, skip_invalid, model.vocab_size, notes=notes)
         check_label_conflicts([e for e in examples if e.partition in scored], notes)
+        check_document_conflicts([e for e in examples if e.partition in scored])
     rows = [e for e in examples if e.partition in scored]
     evaluated = [e for e in rows if e.invalid is None]
     if not evaluated:

@@ -181,6 +181,8 @@ def test_cli_seq_tokens_equals_prechunked_lines(tiny_neox_dir, tmp_path, capsys)
     from mia.models.hub import load_tokenizer
 
     tok = load_tokenizer(tiny_neox_dir)
+    # the documents share TEXTS, so a member and a non-member document hold equal 6-token pieces: allowed (the input
+    # of document-level inference is the document), as it is when the whole documents are cut with --seq-tokens
     docs = [{"id": f"doc{d}", "text": "".join(TEXTS[(d + j) % 6] for j in range(2 + d % 3)), "label": d % 2,
              "partition": "train" if d < 8 else "eval"} for d in range(12)]
     pre = []
@@ -230,3 +232,22 @@ def test_documents_find_the_memorization_dial(smoke_testbed, tmp_path, capsys):
     print(f"dial: sequence-level loss AUC {seq_auc:.4f} ({len(seqs)} sequences), document-level {doc_auc:.4f} "
           f"({len(rows) // 4} documents of 4)")
     assert doc_auc >= max(0.9, seq_auc - 0.05), (doc_auc, seq_auc)
+
+
+def test_a_piece_shared_by_two_documents_is_allowed_a_document_labelled_both_is_not():
+    """In document-level inference the input is the document: a member and a non-member document may share a piece
+    (a licence header), as they do when whole documents are cut with --seq-tokens; two documents made of the same
+    pieces with different labels are refused naming both, and so are two equal lines outside any document."""
+    from mia.data.examples import DataError, Example, check_document_conflicts, check_label_conflicts
+
+    def ex(i, doc, tokens, label):
+        return Example(id=f"l{i}", tokens=np.array(tokens), label=label, doc_id=doc, source=f"d.jsonl:{i}")
+
+    shared = [ex(1, "a", [1, 2, 3], 1), ex(2, "a", [4, 5], 1), ex(3, "b", [1, 2, 3], 0), ex(4, "b", [6, 7], 0)]
+    check_label_conflicts(shared)
+    check_document_conflicts(shared)
+    same = shared[:2] + [ex(3, "b", [1, 2, 3], 0), ex(4, "b", [4, 5], 0)]
+    with pytest.raises(DataError, match="document 'b', label 0\\): the same pieces as document 'a'"):
+        check_document_conflicts(same)
+    with pytest.raises(DataError, match="the same token ids"):
+        check_label_conflicts([ex(1, None, [1, 2, 3], 1), ex(2, None, [1, 2, 3], 0)])

@@ -64,10 +64,12 @@ def run_main(main, argv, capsys) -> tuple:
 
 
 def check_outcome(code, lines, names, accepted_line=None) -> str:
-    """The property: accepted (the sentinel, status 0, or ``accepted_line`` the one error), or exit status 2 with
-    exactly one ``error:`` line naming one of ``names``. Returns "accepted" or "refused"."""
+    """The property: accepted (the sentinel, status 0, or ``accepted_line`` the one error: a string or a tuple of
+    them), or exit status 2 with exactly one ``error:`` line naming one of ``names``. Returns "accepted" or
+    "refused"."""
     assert not any("Traceback" in line for line in lines), lines
-    if code in ("accepted", 0) or (accepted_line and code == 2 and len(lines) == 1 and accepted_line in lines[0]):
+    accepted = (accepted_line,) if isinstance(accepted_line, str) else tuple(accepted_line or ())
+    if code in ("accepted", 0) or (code == 2 and len(lines) == 1 and any(a in lines[0] for a in accepted)):
         return "accepted"
     assert code == 2, (code, lines)
     assert len(lines) == 1 and lines[0].startswith("error:"), lines
@@ -288,8 +290,13 @@ def _dist_case(tmp, capsys, monkeypatch, flags: dict, env: dict, counts: dict):
         monkeypatch.setenv(k, v)
     argv = score_argv(tmp, "--no-cache", *[x for kv in flags.items() for x in kv])
     code, lines = run_main(main, argv, capsys)
-    verdict = check_outcome(code, lines, tuple(flags) + tuple(env), ACCEPTED)
+    # a valid process group hashes the inputs before it starts: the harness's model has no weights, so that line means
+    # every distributed setting passed (as the data file's label conflict does for one process)
+    verdict = check_outcome(code, lines, tuple(flags) + tuple(env), (ACCEPTED, NO_WEIGHTS))
     counts[verdict] = counts.get(verdict, 0) + 1
+
+
+NO_WEIGHTS = "no model.safetensors, pytorch_model.bin or their .index.json found"
 
 
 def dist_cases():

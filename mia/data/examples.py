@@ -281,7 +281,8 @@ def check_label_conflicts(examples: list[Example], notes: Optional[list] = None)
     """Refuse one input labelled both a member (1) and a non-member (0): two labelled ``examples`` with the same
     text, or the same token ids as given or tokenized (not truncated), and different labels are one ``DataError``
     naming both lines and ids. Two that only become the same when truncated to ``max_length`` are allowed (they get
-    equal scores, a tie); ``notes`` receives one line counting them. Examples set aside as invalid are skipped."""
+    equal scores, a tie); ``notes`` receives one line counting them. Examples set aside as invalid are skipped.
+    Pieces of two different documents (``doc_id``) are judged as documents (``check_document_conflicts``)."""
     first: dict = {}
     cut_pairs: list = []
     for e in examples:
@@ -294,6 +295,8 @@ def check_label_conflicts(examples: list[Example], notes: Optional[list] = None)
             other = first.setdefault(key, e)
             if other.label == e.label:
                 continue
+            if e.doc_id is not None and other.doc_id is not None and e.doc_id != other.doc_id:
+                continue  # pieces of two documents: the input is the document (check_document_conflicts)
             if key[0] == "truncated tokens":
                 cut_pairs.append((other, e))
                 continue
@@ -305,6 +308,25 @@ def check_label_conflicts(examples: list[Example], notes: Optional[list] = None)
         a, b = cut_pairs[0]
         notes.append(f"{len(cut_pairs)} evaluated example(s) labelled unlike an earlier one are identical to it once "
                      f"truncated (first: {b.source} and {a.source}); each such pair gets equal scores")
+
+
+def check_document_conflicts(examples: list[Example]) -> None:
+    """Refuse one document labelled both a member and a non-member: two documents (the labelled ``examples`` with a
+    ``doc_id``, grouped by it in order) made of the same pieces (texts, or token ids) with different labels are one
+    ``DataError`` naming both. A piece shared by a member and a non-member document (a licence header, a common
+    line) is allowed: in document-level inference the input is the document, and each document keeps its label."""
+    docs: dict = {}
+    for e in examples:
+        if e.doc_id is not None and e.label is not None and e.invalid is None:
+            piece = e.text if e.tokens is None else np.asarray(e.tokens, np.int64).tobytes()
+            docs.setdefault(e.doc_id, [e, []])[1].append(piece)
+    first: dict = {}
+    for doc_id, (e, pieces) in docs.items():
+        other = first.setdefault(tuple(pieces), e)
+        if other.label != e.label:
+            raise DataError(f"{e.source} (document {doc_id[:80]!r}, label {e.label}): the same pieces as document "
+                            f"{other.doc_id[:80]!r} ({other.source}, label {other.label}): one document cannot be "
+                            "both a member and a non-member")
 
 
 def tokenize_examples(examples: list[Example], tokenizer, max_length: Optional[int], skip_invalid: bool = False,
