@@ -58,6 +58,7 @@ import numpy as np
 from ..atomic import write_text
 from ..exposure import exposure_sampled, exposure_skewnorm
 from .config import TestbedConfig, TestbedError, canary_kinds
+from .tokenizer import reserved_ids
 
 CANARY_FILE = "data/canaries.json"
 CANARY_FORMAT = "mia-canaries/1"
@@ -289,8 +290,6 @@ def canary_source(tokenizer, kinds: Sequence[str], *, texts: Sequence[str] = (),
     """The :class:`CanarySource` of ``kinds``: corpus words from ``texts`` (words), token and pair counts from the
     packed ``rows`` [n, row_len] (unigram, bigram; EOD and the reserved ids left out), the ``sampler`` model
     (sampled)."""
-    from .tokenizer import reserved_ids
-
     reserved = reserved_ids(tokenizer)
     vocab = reserved.start if len(reserved) else len(tokenizer)
     src = CanarySource(tokenizer, int(vocab), reserved)
@@ -485,7 +484,6 @@ def make_canaries(cfg: TestbedConfig, tokenizer, texts: Sequence[str] = (), rows
     if cfg.canary_kind in LEGACY_KINDS:  # drawn exactly as before the other kinds existed
         words = corpus_words(texts) if cfg.canary_kind == "words" else ()
         rng = np.random.default_rng([int(cfg.seed), 0xCA7C])
-        from .tokenizer import reserved_ids
 
         reserved = reserved_ids(tokenizer)
         corpus_vocab = reserved.start if len(reserved) else vocab

@@ -52,6 +52,14 @@ from ..atomic import write_text
 from .canaries import (CANARY_FILE, Canaries, canary_source, check_distinct, draw_pool, kind_params, read_canaries,
                        write_canaries)
 from .config import CANARY_KINDS, TestbedError
+from ..audit import group_privacy
+from ..data.corpus import load_corpus
+from ..file_hash import sha256_of_file
+from ..models import from_config, save
+from ..models import load
+from ..models.hub import write_safetensors
+from .dp import make_noisy_update, noise_key
+from .tokenizer import reserved_ids
 
 FT_FORMAT = "mia-finetune/1"
 MANIFEST = "finetune.json"
@@ -162,7 +170,6 @@ def make_pool(cfg: FinetuneConfig, base, sampler=None) -> Canaries:
     tok = base.tokenizer()
     texts = ()
     if "words" in kinds:
-        from ..data.corpus import load_corpus
 
         bc = base.config
         texts = load_corpus(bc.corpus, bc.text_column, bc.max_corpus_bytes).texts
@@ -289,7 +296,6 @@ def finetune_epsilon(cfg: FinetuneConfig, *, delta: float = DEFAULT_DELTA, accou
     import dp_accounting
     from dp_accounting import pld, rdp
 
-    from ..audit import group_privacy
 
     if accountant not in ACCOUNTANTS:
         raise TestbedError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
@@ -411,7 +417,6 @@ def train_finetune(model, cfg: FinetuneConfig, records: Records, first_reserved:
     import optax
     from tqdm.auto import tqdm
 
-    from .dp import make_noisy_update, noise_key
 
     tree = start_tree(model.params, cfg, first_reserved)
     mask = trainable_mask(tree, cfg)
@@ -474,13 +479,11 @@ class Finetune:
         return self.root / "model"
 
     def load_model(self):
-        from ..models import load
 
         return load(self.model_dir)
 
     def canaries(self) -> Canaries:
         path = self.root / CANARY_FILE
-        from ..file_hash import sha256_of_file
 
         if sha256_of_file(path) != self.manifest["canaries"]["sha256"]:
             raise TestbedError(f"{path}: changed since the fine-tune was built (sha256 differs from {MANIFEST})")
@@ -514,10 +517,6 @@ def build_finetune(base, out_dir, cfg: FinetuneConfig, *, progress: bool = True,
     complete fine-tune of the same config and base there. ``canaries_from``: another fine-tune of the same base
     whose pool (same groups, seed and canary length) this one shares, so that runs differ only by how they
     train (its canary file is checked against the pool ``cfg`` draws' plan)."""
-    from ..file_hash import sha256_of_file
-    from ..models import from_config, save
-    from ..models.hub import write_safetensors
-    from .tokenizer import reserved_ids
 
     root = Path(out_dir)
     mf = root / MANIFEST
