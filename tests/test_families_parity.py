@@ -63,8 +63,15 @@ def test_save_roundtrip_loads_in_transformers(case, tmp_path):
     assert again.config == model.config
 
 
-def test_prefix_cache_matches_full_sequence(case):
-    name, _, _, model = case
+# the second Llama (llama_tied) and GPT-NeoX, whose prefix caches test_conditional checks against transformers,
+# in make test-all only, for default-run time; every other family in the default run
+ALSO_CHECKED_ELSEWHERE = {"llama_tied", "gpt_neox"}
+FAMILIES_ONCE = [pytest.param(n, marks=pytest.mark.slow) if n in ALSO_CHECKED_ELSEWHERE else n for n in sorted(CASES)]
+
+
+@pytest.mark.parametrize("name", FAMILIES_ONCE)
+def test_prefix_cache_matches_full_sequence(name, tmp_path_factory):
+    name, _, _, model = _build(name, tmp_path_factory)
     prefix, _ = padded_batch(V, [6, 6], seed=4)
     target, tmask = padded_batch(V, [7, 4], seed=5)
     full = np.concatenate([prefix, target], axis=1)
@@ -154,7 +161,8 @@ def test_every_registered_family_has_tiny_configs():
         assert shardable(family)["model_type"] == family
 
 
-def test_packed_rows_score_as_separate_rows(case, monkeypatch):
+@pytest.mark.parametrize("name", FAMILIES_ONCE)  # gpt_neox's packed rows: also test_cli_score's --pack check
+def test_packed_rows_score_as_separate_rows(name, tmp_path_factory, monkeypatch):
     """Token stats with several texts per row (segment ids, positions restarting per text) equal one text per row,
     per family and for every attention kernel: a text never sees its row neighbours."""
     import dataclasses
@@ -164,7 +172,7 @@ def test_packed_rows_score_as_separate_rows(case, monkeypatch):
     from mia.engine.stats import STAT_NAMES
     from mia.models import attention as A
 
-    name, _, _, model = case
+    name, _, _, model = _build(name, tmp_path_factory)
     rng = np.random.default_rng(6)
     texts = [rng.integers(0, V, n).astype(np.int32) for n in (13, 7, 2, 10, 5, 3, 9)]
     plain = ScoringSettings(progress=False, pack=False)
@@ -208,7 +216,7 @@ def test_nonfinite_weights_are_refused_naming_the_tensor(case, tmp_path):
             mm.load(d)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt_neo"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("gpt_neo", marks=pytest.mark.slow)])
 def test_a_text_of_context_plus_one_tokens_is_scored_inside_the_context(name, tmp_path_factory):
     """A model with a learned position table of C entries scores a text of C + 1 tokens (Pythia's 2049-token rows,
     a testbed's seq_len + 1): C predictions, each equal to transformers' on the first C tokens, whether the text
