@@ -80,8 +80,8 @@ def finish_split(header: dict, examples: list, sizes: SplitSizes, seed: int) -> 
 
 def drop_learned_duplicates(header: dict, examples: list, scored: Sequence[str] = ("eval",)) -> tuple:
     """(header, examples, dropped ids): every scored row (partition in ``scored``) that is the same as a learned-from
-    row (``mia.api.LEARNED_PARTITIONS``) by mia's disjointness rule (``mia.attacks.context.disjointness_keys``: id,
-    token ids or text; ``mia.score`` refuses such a pair) left out, the learned-from copy kept. Real orders hold exact
+    row (``mia.data.examples.LEARNED_PARTITIONS``) by mia's disjointness rule (``disjointness_keys``: id, token ids
+    or text; ``mia.score`` refuses such a pair) left out, the learned-from copy kept. Real orders hold exact
     duplicate rows, so a draw may pair two. The header's counts and partitions are the kept rows'; the dropped
     positions go to ``params.dropped_rows`` (``mia.data.splits.DROPPED_ROWS``), so ``mia split check`` still
     re-draws the file from its seed. Nothing dropped: the inputs unchanged."""
