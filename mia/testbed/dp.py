@@ -33,7 +33,7 @@ it. With ``dp_noise = 0`` the run is clipped but not noised: epsilon is infinite
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -150,9 +150,12 @@ def noise_for_epsilon(cfg: TestbedConfig, epsilon: float, *, delta: Optional[flo
     if not epsilon > 0:
         raise TestbedError(f"target epsilon must be positive, got {epsilon!r}")
 
-    def eps_at(sigma: float) -> float:
-        return accountant_epsilon(cfg.replace(dp_noise=sigma), delta=delta)
+    return smallest_noise(lambda sigma: accountant_epsilon(cfg.replace(dp_noise=sigma), delta=delta), epsilon, tol)
 
+
+def smallest_noise(eps_at: Callable[[float], float], epsilon: float, tol: float = 1e-3) -> float:
+    """The smallest noise multiplier sigma (to ``tol``, relative) with ``eps_at(sigma) <= epsilon``, by doubling and
+    then bisection (an accountant's epsilon falls as the noise grows)."""
     lo, hi = 0.0, 1.0
     while eps_at(hi) > epsilon:
         lo, hi = hi, 2 * hi

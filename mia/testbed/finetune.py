@@ -58,7 +58,7 @@ from ..file_hash import sha256_of_file
 from ..models import from_config, save
 from ..models import load
 from ..models.hub import write_safetensors
-from .dp import make_noisy_update, noise_key
+from .dp import make_noisy_update, noise_key, smallest_noise
 from .tokenizer import reserved_ids
 
 FT_FORMAT = "mia-finetune/1"
@@ -316,18 +316,7 @@ def noise_for_epsilon(cfg: FinetuneConfig, epsilon: float, *, delta: float = DEF
     if not epsilon > 0:
         raise TestbedError(f"target epsilon must be positive, got {epsilon!r}")
 
-    def eps_at(sigma):
-        return finetune_epsilon(cfg.replace(dp_noise=sigma), delta=delta)[0]
-
-    lo, hi = 0.0, 1.0
-    while eps_at(hi) > epsilon:
-        lo, hi = hi, 2 * hi
-        if hi > 1e6:
-            raise TestbedError(f"no noise multiplier up to 1e6 reaches epsilon {epsilon}")
-    while hi - lo > tol * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if eps_at(mid) <= epsilon else (mid, hi)
-    return hi
+    return smallest_noise(lambda sigma: finetune_epsilon(cfg.replace(dp_noise=sigma), delta=delta)[0], epsilon, tol)
 
 
 def privacy_record(cfg: FinetuneConfig, delta: float = DEFAULT_DELTA) -> dict:
