@@ -188,10 +188,15 @@ def plot_roc(curves: Mapping[str, tuple], labels=None, path=None, title: str = "
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 5))
     draw_roc(ax, curves, labels, title=title, min_rate=min_rate)
+    return finished(plt, fig, path, dpi=150)
+
+
+def finished(plt, fig, path=None, *, dpi: int = 120):
+    """``fig`` laid out and, when ``path`` is given, saved there (directories made) and closed; returns ``fig``."""
     fig.tight_layout()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_figure(fig, path, dpi=150)
+        save_figure(fig, path, dpi=dpi)
         plt.close(fig)
     return fig
 
@@ -241,9 +246,4 @@ def plot_histograms(scores: Mapping[str, Iterable[float]], labels, path=None, bi
         ax.legend(fontsize=7)
     for ax in axes.ravel()[len(names):]:
         ax.axis("off")
-    fig.tight_layout()
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_figure(fig, path, dpi=120)
-        plt.close(fig)
-    return fig
+    return finished(plt, fig, path, dpi=120)
