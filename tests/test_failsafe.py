@@ -122,6 +122,22 @@ def test_explicitly_requested_kernel_that_fails_is_an_error_naming_the_variable(
     assert A.failed_kernels() == {} and warning_lines(capsys.readouterr().err) == []
 
 
+def test_with_several_processes_no_process_falls_back_alone(monkeypatch, capsys):
+    """One process rebuilding its step with blocked attention would run another program than the other processes:
+    under jax.distributed the failure is a one-line error naming the process and MIA_ATTENTION=blocked."""
+    monkeypatch.setattr(A, "auto_kernel", lambda *a, **k: "splash")
+    monkeypatch.setitem(A.KERNELS, "splash", _compile_failure)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with pytest.raises(A.KernelError) as e:
+        attention_step()(*attention_inputs())
+    msg = str(e.value)
+    assert "\n" not in msg and isinstance(e.value, ValueError)
+    assert "splash" in msg and "process 1 of 2" in msg and "MIA_ATTENTION=blocked" in msg
+    assert "mia_kernel_nobody_registered" in msg
+    assert A.failed_kernels() == {} and warning_lines(capsys.readouterr().err) == []  # nothing marked, no fallback
+
+
 def test_a_failure_that_blocked_shares_is_not_blamed_on_the_kernel(monkeypatch, capsys):
     """When blocked attention fails as well, the original error comes out: no warning, no kernel marked."""
     monkeypatch.setattr(A, "auto_kernel", lambda *a, **k: "splash")

@@ -15,7 +15,11 @@ such a failure never ends a run with a traceback and never changes a number quie
     scores are blocked attention's, bit for bit. If the repeat fails too, the failure was not the kernel's: the
     mark is undone and the original error raised;
   * when ``MIA_ATTENTION`` asked for the kernel, nothing falls back: ``attention.KernelError`` (a one-line user
-    error) names the variable, the kernel and the reason.
+    error) names the variable, the kernel and the reason;
+  * with several processes (``jax.distributed``), nothing falls back either: one process alone rebuilding its step
+    would run another program than the others (whose collectives then wait for it, or pair with the wrong ones).
+    ``attention.KernelError`` names the kernel, the process and the way out (``MIA_ATTENTION=blocked`` on every
+    process).
 
 Batches already computed with the kernel before it failed keep their results (it ran them).
 """
@@ -60,6 +64,9 @@ class FailSafeStep:
         asked = attention.requested_kernel()
         if asked in kernels:
             raise attention.explicit_request_error(asked, reason) from error
+        if jax.process_count() > 1:
+            raise attention.multiprocess_failure_error(kernels, reason, jax.process_index(),
+                                                       jax.process_count()) from error
         newly = [k for k in kernels if attention.mark_failed(k, reason)]
         before, self._fn = self._fn, self._build()
         try:

@@ -556,6 +556,15 @@ def explicit_request_error(kernel: str, reason: str) -> KernelError:
                        f"{ENV_VAR}={FALLBACK}")
 
 
+def multiprocess_failure_error(kernels, reason: str, process: int, processes: int) -> KernelError:
+    """The error for an auto-picked kernel that failed in one of several processes: no process falls back alone (the
+    others would run another program), so it names the way out that every process takes together."""
+    names = ", ".join(kernels)
+    return KernelError(f"attention kernel {names} failed on this backend in process {process} of {processes} "
+                       f"({reason}); with several processes mia does not fall back in one process alone: rerun every "
+                       f"process with {ENV_VAR}={FALLBACK}")
+
+
 def failed_outside_step(kernel: str, error: BaseException) -> None:
     """A kernel failed when traced outside an engine step (a model call the user jitted): raise the error naming
     ``MIA_ATTENTION`` when it asked for the kernel, else record the failure and warn; the caller runs FALLBACK."""
