@@ -47,7 +47,8 @@ def _forms(tmp_path, rows) -> dict:
     datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "saved"))
     return {"jsonl": _jsonl(tmp_path / "d.jsonl", rows), "records": rows, "dataframe": df, "dataset": ds,
             "datasetdict": datasets.DatasetDict({"test": ds}), "csv": tmp_path / "d.csv",
-            "parquet": tmp_path / "d.parquet", "saved": tmp_path / "saved"}
+            "parquet": tmp_path / "d.parquet", "saved": tmp_path / "saved", "arrow": ds.data.table,
+            "iterable": ds.to_iterable_dataset()}
 
 
 def _fields(examples) -> list:
@@ -72,6 +73,8 @@ def test_rows_are_named_in_each_form(tmp_path):
     assert read_data(forms["dataset"])[2].source == "data[2]"
     assert read_data(forms["datasetdict"])[2].source == "data['test'][2]"
     assert read_data(forms["saved"])[0].source == f"{tmp_path / 'saved' / 'test'}:row 1"
+    assert read_data(forms["arrow"])[3].source == "data[3]"
+    assert read_data(forms["iterable"])[1].source == "data[1]"
 
 
 def test_ids_are_optional_for_the_whole_source(tmp_path):
@@ -223,8 +226,12 @@ def test_unreadable_tables_and_missing_packages(tmp_path, monkeypatch):
         read_data([{"text": "a"}], column_map={"text": "body"})
     with pytest.raises(DataError, match=r"d.jsonl: no example has the field 'body'"):
         read_data(_jsonl(tmp_path / "d.jsonl", [{"text": "a b"}]), column_map={"label": "body"})
-    with pytest.raises(DataError, match=r"data: expected a path, a list of dicts, a pandas DataFrame or a datasets"):
+    with pytest.raises(DataError, match=r"data: expected a path, a list of dicts, a pandas DataFrame, a datasets "
+                                        r"Dataset or a pyarrow Table; got dict"):
         read_data({"text": ["a b"]})
+    import pyarrow as pa
+    with pytest.raises(DataError, match=r"data\[1\]: needs a 'text' or a 'tokens'"):
+        read_data(pa.table({"text": ["a b", None]}))
 
 
 def test_cli_bad_csv_is_one_error_line(tiny_neox_dir, tmp_path, capsys):

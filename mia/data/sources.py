@@ -11,7 +11,10 @@ The forms, told apart by the type of ``data`` (in memory) or by the path (docs/s
   ``DatasetDict`` directory with several splits is refused naming them: give ``DIR/SPLIT``);
 - a list of dicts (or ``mia.data.examples.Example``s);
 - a pandas ``DataFrame`` (a named index, such as one set by ``set_index("id")``, counts as a column);
-- a Hugging Face ``datasets.Dataset``, or a ``DatasetDict`` of one split (with several: pass ``dd["test"]``).
+- a Hugging Face ``datasets.Dataset``, or a ``DatasetDict`` of one split (with several: pass ``dd["test"]``);
+- a pyarrow ``Table`` (what ``pyarrow.parquet.read_table`` and ``Dataset.data.table`` give);
+- any other iterable of dicts, read once: a streamed ``datasets.IterableDataset`` (every row is read into memory,
+  since the engine plans its batches over the whole set), a generator.
 
 Columns (keys) are the fields of a JSONL line: ``id`` (optional), ``text`` or ``tokens``, ``label`` (optional),
 ``partition`` (optional), ``doc_id`` (optional); other columns are ignored; ``column_map`` (field -> column, such as
@@ -73,9 +76,11 @@ def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = No
         what = f"{what}[{splits[0]!r}]"
     if _is_instance(data, "datasets", "Dataset"):
         return _read_dataset(data, what, what, how, subscript=True)
+    if _is_instance(data, "pyarrow", "Table"):
+        return _read_arrow_table(data, what, how)
     if isinstance(data, (dict, bytes)) or not hasattr(data, "__iter__"):
-        raise DataError(f"{what}: expected a path, a list of dicts, a pandas DataFrame or a datasets Dataset; got "
-                        f"{type(data).__name__}")
+        raise DataError(f"{what}: expected a path, a list of dicts, a pandas DataFrame, a datasets Dataset or a "
+                        f"pyarrow Table; got {type(data).__name__}")
     return examples_from_records(list(data), what, how.partitions, column_map=how.column_map, id_prefix=how.id_prefix,
                                  require_columns=how.require_columns)
 
@@ -191,6 +196,13 @@ def _read_dataframe(df, what: str, how: _How) -> list[Example]:
     column_map = _check_columns(columns, what, how)
     records = df.to_dict("records")
     return examples_from_rows(_table_rows(records, (f"{what}.iloc[{i}]" for i in range(len(records))), column_map),
+                              what, how.partitions, id_prefix=how.id_prefix)
+
+
+def _read_arrow_table(table, what: str, how: _How) -> list[Example]:
+    column_map = _check_columns(list(table.column_names), what, how)
+    records = table.to_pylist()
+    return examples_from_rows(_table_rows(records, (f"{what}[{i}]" for i in range(len(records))), column_map),
                               what, how.partitions, id_prefix=how.id_prefix)
 
 
