@@ -76,9 +76,10 @@ def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = No
     """Checked ``Example``s (copies: the caller's objects are never modified) from data in any common form: a JSONL,
     CSV or Parquet file, a directory saved by ``datasets``, a list of dicts ``{id?, text|tokens, label?,
     partition?, doc_id?}`` or ``Example``s, a pandas DataFrame, a ``datasets.Dataset``, a pyarrow Table, any iterable
-    of dicts (``mia.data.sources``, docs/score.md#inputs). ``partitions``: the partition names allowed (None: any), so a misspelt one is an error,
-    not a line left out; ``column_map``: field -> column (``{"text": "body"}``; ``require_columns``: every mapped
-    column present); ``id_prefix``: before the positions that are the ids of data that give none."""
+    of dicts (``mia.data.sources``, docs/score.md#inputs). ``partitions``: the partition names allowed (None: any),
+    so a misspelt one is an error, not a line left out; ``column_map``: field -> column (``{"text": "body"}``;
+    ``require_columns``: every mapped column present); ``id_prefix``: before the positions that are the ids of data
+    that give none."""
     return sources.read_data(data, what, partitions, column_map=column_map, id_prefix=id_prefix,
                              require_columns=require_columns)
 
