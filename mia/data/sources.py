@@ -77,7 +77,7 @@ def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = No
     if _is_instance(data, "datasets", "Dataset"):
         return _read_dataset(data, what, what, how, subscript=True)
     if _is_instance(data, "pyarrow", "Table"):
-        return _read_arrow_table(data, what, how)
+        return _read_table(list(data.column_names), data.to_pylist(), what, lambda i: f"{what}[{i}]", how)
     if isinstance(data, (dict, bytes)) or not hasattr(data, "__iter__"):
         raise DataError(f"{what}: expected a path, a list of dicts, a pandas DataFrame, a datasets Dataset or a "
                         f"pyarrow Table; got {type(data).__name__}")
@@ -192,18 +192,15 @@ def _read_dataframe(df, what: str, how: _How) -> list[Example]:
     names = [n for n in df.index.names if n is not None]
     if names and not set(names) & set(df.columns):
         df = df.reset_index()  # a named index (set_index("id")) is a column of the data
-    columns = list(df.columns)
-    column_map = _check_columns(columns, what, how)
-    records = df.to_dict("records")
-    return examples_from_rows(_table_rows(records, (f"{what}.iloc[{i}]" for i in range(len(records))), column_map),
-                              what, how.partitions, id_prefix=how.id_prefix)
+    return _read_table(list(df.columns), df.to_dict("records"), what, lambda i: f"{what}.iloc[{i}]", how)
 
 
-def _read_arrow_table(table, what: str, how: _How) -> list[Example]:
-    column_map = _check_columns(list(table.column_names), what, how)
-    records = table.to_pylist()
-    return examples_from_rows(_table_rows(records, (f"{what}[{i}]" for i in range(len(records))), column_map),
-                              what, how.partitions, id_prefix=how.id_prefix)
+def _read_table(columns: list, records: list, source: str, where, how: _How) -> list[Example]:
+    """The examples of a table given as its column names and its rows (dicts); ``where(i)`` names row ``i`` (from
+    0) in errors; ``source`` names the table."""
+    column_map = _check_columns(columns, source, how)
+    rows = _table_rows(records, (where(i) for i in range(len(records))), column_map)
+    return examples_from_rows(rows, source, how.partitions, id_prefix=how.id_prefix)
 
 
 def _one_split(dd, source: str, hint: str):
@@ -217,11 +214,8 @@ def _one_split(dd, source: str, hint: str):
 
 
 def _read_dataset(ds, source: str, what: str, how: _How, subscript: bool) -> list[Example]:
-    column_map = _check_columns(list(ds.column_names), source, how)
-    records = ds.to_list()
-    wheres = (f"{what}[{i}]" if subscript else f"{source}:row {i + 1}" for i in range(len(records)))
-    return examples_from_rows(_table_rows(records, wheres, column_map), source, how.partitions,
-                              id_prefix=how.id_prefix)
+    where = (lambda i: f"{what}[{i}]") if subscript else (lambda i: f"{source}:row {i + 1}")
+    return _read_table(list(ds.column_names), ds.to_list(), source, where, how)
 
 
 def _read_dataset_dir(p: Path, how: _How) -> list[Example]:
@@ -252,10 +246,7 @@ def _read_parquet(p: Path, how: _How) -> list[Example]:
     except Exception as e:  # noqa: BLE001 (pyarrow's errors: not Parquet, damaged, unreadable)
         raise DataError(f"{p}: not a readable Parquet file ({str(e).strip().splitlines()[0] if str(e) else e!r})"
                         ) from None
-    column_map = _check_columns(list(table.column_names), str(p), how)
-    records = table.to_pylist()
-    return examples_from_rows(_table_rows(records, (f"{p}:row {i + 1}" for i in range(len(records))), column_map),
-                              str(p), how.partitions, id_prefix=how.id_prefix)
+    return _read_table(list(table.column_names), table.to_pylist(), str(p), lambda i: f"{p}:row {i + 1}", how)
 
 
 CSV_FIELD_LIMIT = 2 ** 31 - 1  # characters in one cell (the csv module's default is 128 KiB: a long text)
