@@ -73,8 +73,14 @@ def poisson_batch(cfg: TestbedConfig, step: int, n: Optional[int] = None) -> np.
     probability ``sample_rate``); record i < train_steps * batch_size is natural row i, the rest are canary copies
     in (canary id, copy) order."""
     n = n_records(cfg) if n is None else int(n)
-    rng = np.random.default_rng([int(cfg.seed), _BATCH_STREAM, int(step)])
-    return np.flatnonzero(rng.random(n) < sample_rate(cfg))
+    return poisson_indices(cfg.seed, _BATCH_STREAM, step, n, sample_rate(cfg))
+
+
+def poisson_indices(seed: int, stream: int, step: int, n: int, rate: float) -> np.ndarray:
+    """Poisson sampling: the sorted indices among ``n`` records that are sampled at ``step``, each independently with
+    probability ``rate``, from numpy's ``default_rng([seed, stream, step])`` (one stream per trainer)."""
+    rng = np.random.default_rng([int(seed), int(stream), int(step)])
+    return np.flatnonzero(rng.random(int(n)) < rate)
 
 
 def noise_key(seed: int, step: int) -> jax.Array:
@@ -104,14 +110,28 @@ def dp_event(cfg: TestbedConfig, steps: Optional[int] = None, group: int = 1):
         return dp_accounting.GaussianDpEvent(cfg.dp_noise / math.sqrt(group))
     if group != 1:
         raise TestbedError("a Poisson-sampled group has no single event here; use canary_epsilon")
-    return dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(sample_rate(cfg), dp_accounting.GaussianDpEvent(cfg.dp_noise)), steps)
+    return subsampled_gaussian_event(cfg.dp_noise, sample_rate(cfg), steps)
 
 
-def _epsilon_of(event, delta: float, accountant: str) -> float:
-    import dp_accounting  # local: only private testbeds need the accountant
+def subsampled_gaussian_event(noise: float, rate: float, steps: int):
+    """The ``dp_accounting`` event of DP-SGD for one record: ``steps`` compositions of the Gaussian mechanism of noise
+    multiplier ``noise``, Poisson-subsampled at ``rate`` (every step reads every record when ``rate`` is 1)."""
+    import dp_accounting  # local: only private runs need the accountant
+
+    event = dp_accounting.GaussianDpEvent(noise)
+    if rate < 1:
+        event = dp_accounting.PoissonSampledDpEvent(rate, event)
+    return dp_accounting.SelfComposedDpEvent(event, int(steps))
+
+
+def event_epsilon(event, delta: float, accountant: str) -> float:
+    """Epsilon of a ``dp_accounting`` event at ``delta`` by ``accountant`` ("pld" or "rdp"); inf for a non-private
+    event, 0 for no event."""
+    import dp_accounting  # local: only private runs need the accountant
     from dp_accounting import pld, rdp
 
+    if accountant not in ACCOUNTANTS:
+        raise TestbedError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
     if isinstance(event, dp_accounting.NonPrivateDpEvent):
         return math.inf
     if isinstance(event, dp_accounting.NoOpDpEvent):
@@ -129,7 +149,7 @@ def accountant_epsilon(cfg: TestbedConfig, *, delta: Optional[float] = None, ste
     if accountant not in ACCOUNTANTS:
         raise TestbedError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
     delta = default_delta(cfg) if delta is None else float(delta)
-    return _epsilon_of(dp_event(cfg, steps), delta, accountant)
+    return event_epsilon(dp_event(cfg, steps), delta, accountant)
 
 
 def canary_epsilon(cfg: TestbedConfig, reps: int, *, delta: Optional[float] = None) -> tuple:
@@ -138,7 +158,7 @@ def canary_epsilon(cfg: TestbedConfig, reps: int, *, delta: Optional[float] = No
     (reps eps, reps e^((reps-1) eps) delta); its delta grows with reps."""
     delta = default_delta(cfg) if delta is None else float(delta)
     if cfg.dp_sampling == "fixed" or reps == 1:
-        return _epsilon_of(dp_event(cfg, group=int(reps)), delta, "pld"), delta
+        return event_epsilon(dp_event(cfg, group=int(reps)), delta, "pld"), delta
     return group_privacy(accountant_epsilon(cfg, delta=delta), delta, int(reps))
 
 

@@ -58,7 +58,8 @@ from ..file_hash import sha256_of_file
 from ..models import from_config, save
 from ..models import load
 from ..models.hub import write_safetensors
-from .dp import make_noisy_update, noise_key, smallest_noise
+from .dp import (ACCOUNTANTS, event_epsilon, make_noisy_update, noise_key, poisson_indices, smallest_noise,
+                 subsampled_gaussian_event)
 from .tokenizer import reserved_ids
 
 FT_FORMAT = "mia-finetune/1"
@@ -66,7 +67,6 @@ MANIFEST = "finetune.json"
 DEFAULT_DELTA = 1e-5
 LORA_TARGETS = ("attention_query_key_value", "attention_dense")
 OPTIMIZERS = ("sgd", "adam")
-ACCOUNTANTS = ("pld", "rdp")
 _INCLUDE_STREAM, _BATCH_STREAM, _LORA_STREAM = 0xF1, 0xF7A, 0x10A
 
 
@@ -224,8 +224,7 @@ def make_records(base, cfg: FinetuneConfig, canaries: Canaries) -> Records:
 def poisson_batch(cfg: FinetuneConfig, step: int, n: int) -> np.ndarray:
     """Sorted record indices sampled at ``step``: each of ``n`` records independently with probability
     ``sample_rate`` (numpy default_rng([seed, 0xF7A, step]))."""
-    rng = np.random.default_rng([int(cfg.seed), _BATCH_STREAM, int(step)])
-    return np.flatnonzero(rng.random(int(n)) < cfg.sample_rate)
+    return poisson_indices(cfg.seed, _BATCH_STREAM, step, n, cfg.sample_rate)
 
 
 # ----------------------------------------------------------------------------------------------- what is trained
@@ -293,20 +292,11 @@ def finetune_epsilon(cfg: FinetuneConfig, *, delta: float = DEFAULT_DELTA, accou
     """(epsilon, delta) of one record (``group`` = 1) or of a canary of ``group`` records after the whole run: the
     ``steps``-fold composition of the Poisson-subsampled Gaussian (sample_rate, dp_noise), by ``dp_accounting``;
     groups by group privacy, (k eps, k e^((k-1) eps) delta). inf for an ordinary run or dp_noise 0."""
-    import dp_accounting
-    from dp_accounting import pld, rdp
-
-
     if accountant not in ACCOUNTANTS:
         raise TestbedError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
     if not cfg.private or cfg.dp_noise == 0:
         return math.inf, float(delta)
-    event = dp_accounting.GaussianDpEvent(cfg.dp_noise)
-    if cfg.sample_rate < 1:
-        event = dp_accounting.PoissonSampledDpEvent(cfg.sample_rate, event)
-    acc = pld.PLDAccountant() if accountant == "pld" else rdp.RdpAccountant()
-    acc.compose(dp_accounting.SelfComposedDpEvent(event, cfg.steps))
-    eps = float(acc.get_epsilon(delta))
+    eps = event_epsilon(subsampled_gaussian_event(cfg.dp_noise, cfg.sample_rate, cfg.steps), delta, accountant)
     return group_privacy(eps, delta, group) if group > 1 else (eps, float(delta))
 
 
