@@ -144,6 +144,40 @@ def test_clipped_gradient_sum_matches_one_example_at_a_time(tiny):
     assert int(n_clipped) == sum(n > 0.05 for n in norms) and float(loss_sum) == pytest.approx(sum(losses), rel=1e-5)
 
 
+def test_dp_finetune_adds_the_noise_the_accountant_counts(tiny):
+    """Two DP-SGD steps (SGD, sample rate 1, full fine-tune) against the non-private twin on the same six records.
+    Without noise the two runs could differ by at most what clipping allows: lr * sum over steps of (the clipped sum's
+    norm, at most clip * rows, plus the twin's gradient sum's norm) / divisor. With noise multiplier sigma they differ
+    by the noise, whose norm is lr * sigma * clip * sqrt(2 d) / divisor for d trainable coordinates (two independent
+    draws; a chi distribution, within 2% at this d), far above that bound. A fine-tune that adds no noise, or noise of
+    another scale, fails."""
+    import jax
+
+    rng = np.random.default_rng(2)
+    n, seq = 6, 9
+    records = ft.Records(rng.integers(1, V, (n, seq)).astype(np.int32), np.zeros((0, seq), np.int32),
+                         np.zeros((0, seq - 1), np.float32), np.zeros(0, np.int64))
+    lr, clip, sigma = 0.1, 0.05, 200.0
+    cfg = ft.FinetuneConfig(n_private=n, canary_groups=(), steps=2, sample_rate=1.0, lr=lr, dp_clip=clip,
+                            dp_noise=sigma)
+    divisor = cfg.sample_rate * cfg.expected_records
+    assert divisor == n
+    private, log_dp, _ = ft.train_finetune(tiny, cfg, records, V, progress=False)
+    twin, log_np, _ = ft.train_finetune(tiny, cfg.replace(dp_noise=None), records, V, progress=False)
+    mask = ft.trainable_mask(ft.start_tree(tiny.params, cfg, V), cfg)
+    a = ft.split(private, mask)[0]
+    b = ft.split(twin, mask)[0]
+    diff = [np.asarray(x, np.float64) - np.asarray(y, np.float64)
+            for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]
+    d = sum(x.size for x in diff)
+    gap = math.sqrt(sum(float((x ** 2).sum()) for x in diff))
+    clipping_alone = lr * sum(clip * r["rows"] / divisor + t["grad_norm"] for r, t in zip(log_dp, log_np))
+    noise = lr * sigma * clip * math.sqrt(2 * d) / divisor
+    assert [r["rows"] for r in log_dp] == [n, n] and d > 10_000 and clipping_alone < 0.05 * noise
+    assert gap > clipping_alone, f"the DP fine-tune is within {gap:.3g} of its non-private twin: no noise"
+    assert gap == pytest.approx(noise, rel=0.02 + clipping_alone / noise)
+
+
 # ----------------------------------------------------------------------------------------------- slow
 @pytest.mark.slow
 def test_noise_for_epsilon_is_the_smallest_noise_within_the_target():

@@ -17,6 +17,15 @@ def ref_auc(s, y) -> float:
     return float(((pos > neg) + 0.5 * (pos == neg)).mean())
 
 
+def ref_roc_points(s, y) -> set:
+    """Every ROC point (FPR, TPR) of "member when score >= t", t over the scores and +inf, rounded to 12 decimals."""
+    points = {(0.0, 0.0)}
+    for t in np.unique(s):
+        called = s >= t
+        points.add((round(float(called[y == 0].mean()), 12), round(float(called[y == 1].mean()), 12)))
+    return points
+
+
 def _run(n=60, attacks=("loss", "zlib"), labels=True, seed=0, **kw) -> ScoreRun:
     rng = np.random.default_rng(seed)
     y = np.arange(n) % 2
@@ -93,6 +102,13 @@ def test_plot_roc_draws_every_attack_on_log_axes():
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log" and ax.get_xlim()[0] == pytest.approx(0.5 / 30)
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     ok = np.isfinite(run.scores["zlib"])
+    # every drawn vertex is a (FPR, TPR) point of the curve, counted by hand at each threshold; axes swapped, the
+    # points above the diagonal would fall below it and out of the set
+    for line, name in zip(ax.get_lines(), ("loss", "zlib")):
+        keep = np.isfinite(run.scores[name])
+        want = ref_roc_points(run.scores[name][keep], run.labels[keep])
+        got = set(zip(np.round(line.get_xdata(), 12), np.round(line.get_ydata(), 12)))
+        assert got <= want and any(y > x for x, y in got), name
     assert legend == [f"loss (AUC {ref_auc(run.scores['loss'], run.labels):.3f})",
                       f"zlib (AUC {ref_auc(run.scores['zlib'][ok], run.labels[ok]):.3f})", "chance"]
     fig, own = plt.subplots()

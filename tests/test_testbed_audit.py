@@ -273,13 +273,17 @@ def test_new_token_contrast_is_zero_without_training(kinds_world):
     model = from_config(mcfg, params=zero_reserved_rows(params, reserved_ids(tok).start))
     s = new_token_contrast(model, c)
     assert (s[c.kind_of == "new"] == 0).all() and np.isnan(s[c.kind_of == "tokens"]).all()
-    # a canary whose reserved id's output row moved towards its context scores above 0, the others stay at 0
-    h_dir = np.ones(mcfg.hidden_size, np.float32)
+    # a canary whose reserved id's output row moved towards its context scores above 0, the others stay at 0. The
+    # context is the final hidden state h that predicts the id (its last token), read through an identity head;
+    # adding 2 h / |h|^2 to the id's output row raises its logit there by exactly 2, so its NLL falls and every
+    # spare's rises: the contrast is positive by construction.
     i = int(np.flatnonzero(c.kind_of == "new")[0])
-    moved = dict(model.params)
-    moved["embed_out"] = {"kernel": model.params["embed_out"]["kernel"].at[:, int(c.tokens[i, -1])].add(h_dir)}
+    kernel = model.params["embed_out"]["kernel"]
+    probe = {**model.params, "embed_out": {"kernel": jnp.eye(mcfg.hidden_size, kernel.shape[1], dtype=kernel.dtype)}}
+    h = np.asarray(model.logits(probe, jnp.asarray(c.tokens[i:i + 1, :-1])))[0, -1, :mcfg.hidden_size]
+    moved = {**model.params, "embed_out": {"kernel": kernel.at[:, int(c.tokens[i, -1])].add(2 * h / (h @ h))}}
     s2 = new_token_contrast(from_config(mcfg, params=moved), c)
-    assert s2[i] != 0 and np.count_nonzero(s2[c.kind_of == "new"]) == 1
+    assert s2[i] > 0.1 and np.count_nonzero(s2[c.kind_of == "new"]) == 1
 
 
 def test_sequence_nll_is_the_training_loss(canary_testbed):
