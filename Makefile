@@ -15,8 +15,9 @@ lint: setup       ## ruff (ruff.toml: pyflakes, pycodestyle, lines <= 120)
 test: lint        ## lint, then the default (fast) test suite, as CI runs it: two workers, one test file each at a time
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-test-all: setup   ## everything, including @pytest.mark.slow
+test-all: setup   ## everything, including @pytest.mark.slow, then the mutation check (tests/mutations.py)
 	$(PY) -m pytest -q -m "slow or not slow"
+	$(PY) -m tests.mutations
 
 bench:            ## performance against named baselines (prints tables)
 	$(PY) -m experiments.bench_scoring
