@@ -27,7 +27,7 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtr, ndtri
 
-from .metrics import MetricError, _check, _check_privacy_args, _threshold_counts, clopper_pearson_upper, roc_hull
+from .metrics import MetricError, checked_scores, check_privacy_args, threshold_counts, clopper_pearson_upper, roc_hull
 
 
 # ----------------------------------------------------------------------------------------------- the curve
@@ -103,12 +103,12 @@ def gdp_mu_estimate(scores, labels, *, alpha: float = 0.05, threshold: str = "bo
     one-sided Clopper-Pearson upper bounds at alpha / (2K) (``threshold="bonferroni"``: all K distinct scores, as
     ``mia.metrics.epsilon_bound``; ``"hull"``: the K corners of the ROC curve's convex hull, as jax-privacy).
     0 when no test beats chance. ``scores`` [n] (higher = member), ``labels`` [n] (1 = member)."""
-    s, y = _check(scores, labels, ids)
-    _, alpha = _check_privacy_args(0.0, alpha)
+    s, y = checked_scores(scores, labels, ids)
+    _, alpha = check_privacy_args(0.0, alpha)
     if threshold not in ("bonferroni", "hull"):
         raise MetricError(f"threshold must be 'bonferroni' or 'hull', got {threshold!r}")
     n1, n0 = int(y.sum()), int(len(y) - y.sum())
-    t, fp, fn = _threshold_counts(s, y)
+    t, fp, fn = threshold_counts(s, y)
     if threshold == "hull":
         t, fp, fn = roc_hull(t, fp, fn, n1)
     a = alpha / (2 * len(t))

@@ -35,7 +35,7 @@ N_RESAMPLES = 1000  # the bootstrap resamples every SE and CI uses unless told o
 _EPS = 1e-12  # FPR slack so that e.g. 10/1000 counts as <= 0.01
 
 
-def _check(scores, labels, ids: Optional[Sequence] = None) -> tuple[np.ndarray, np.ndarray]:
+def checked_scores(scores, labels, ids: Optional[Sequence] = None) -> tuple[np.ndarray, np.ndarray]:
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(labels)
     if s.shape != y.shape or s.ndim != 1:
@@ -57,13 +57,13 @@ def _check(scores, labels, ids: Optional[Sequence] = None) -> tuple[np.ndarray, 
 
 def roc(scores, labels, ids=None) -> tuple[np.ndarray, np.ndarray]:
     """(fpr, tpr) arrays of the ROC curve."""
-    s, y = _check(scores, labels, ids)
+    s, y = checked_scores(scores, labels, ids)
     fpr, tpr, _ = roc_curve(y, s)
     return fpr, tpr
 
 
 def auc(scores, labels, ids=None) -> float:
-    s, y = _check(scores, labels, ids)
+    s, y = checked_scores(scores, labels, ids)
     return float(roc_auc_score(y, s))
 
 
@@ -131,7 +131,7 @@ def bootstrap(scores, labels, *, n_resamples: int = N_RESAMPLES, seed: int = 0, 
     """
     if isinstance(n_resamples, bool) or not isinstance(n_resamples, (int, np.integer)) or n_resamples < 0:
         raise ValueError(f"n_resamples must be an integer >= 0, got {n_resamples!r}")
-    s, y = _check(scores, labels, ids)
+    s, y = checked_scores(scores, labels, ids)
     rng = np.random.default_rng(seed)
     boot = {"auc": []} | {_metric_key(f): [] for f in fprs}
     for r in _chunks(n_resamples, len(s)):
@@ -175,8 +175,8 @@ def paired_bootstrap_test(scores_a, scores_b, labels, *, metric: str = "auc", n_
     """
     if alternative not in ("two-sided", "greater", "less"):
         raise MetricError(f"alternative must be 'two-sided', 'greater' or 'less', got {alternative!r}")
-    sa, y = _check(scores_a, labels, ids)
-    sb, _ = _check(scores_b, labels, ids)
+    sa, y = checked_scores(scores_a, labels, ids)
+    sb, _ = checked_scores(scores_b, labels, ids)
     if metric == "auc":
         stat = _auc_rows
         delta = auc(sa, y) - auc(sb, y)
@@ -212,7 +212,7 @@ def auc_vs_chance(scores, labels, ids=None) -> dict:
     ``scipy.stats.mannwhitneyu(members, nonmembers, alternative="greater", method="asymptotic")``.
     Returns ``{"auc", "z", "p_value"}``.
     """
-    s, y = _check(scores, labels, ids)
+    s, y = checked_scores(scores, labels, ids)
     n1, n0 = int(y.sum()), int(len(y) - y.sum())
     n = n1 + n0
     ranks = rankdata(s)
@@ -367,7 +367,7 @@ class EpsilonBound:
     n_nonmembers: int
 
 
-def _threshold_counts(s: np.ndarray, y: np.ndarray) -> tuple:
+def threshold_counts(s: np.ndarray, y: np.ndarray) -> tuple:
     """(thresholds [K] descending distinct scores, FP [K], FN [K]) of the tests "member iff score >= t"."""
     t = np.unique(s)[::-1]
     pos, neg = np.sort(s[y == 1]), np.sort(s[y == 0])
@@ -379,7 +379,7 @@ def _threshold_counts(s: np.ndarray, y: np.ndarray) -> tuple:
 def roc_hull(t: np.ndarray, fp: np.ndarray, fn: np.ndarray, n1: int) -> tuple:
     """The tests at the vertices of the ROC curve's upper convex hull: (thresholds [H], FP [H], FN [H]).
 
-    ``t``, ``fp``, ``fn`` as ``_threshold_counts`` gives them (descending thresholds). The empty test
+    ``t``, ``fp``, ``fn`` as ``threshold_counts`` gives them (descending thresholds). The empty test
     (threshold +inf: nobody called a member) is added in front; points on a hull edge but not at a corner are
     dropped. This is the set of thresholds jax-privacy's ``CanaryScoreAuditor`` searches (docs/auditing.md)."""
     t = np.concatenate([[np.inf], t])
@@ -414,7 +414,7 @@ def _bound_result(eps, t, fp, fn, fpr_hi, fnr_hi, n0, n1, *, delta, alpha, a, me
                         n_nonmembers=n0)
 
 
-def _check_privacy_args(delta: float, alpha: float) -> tuple:
+def check_privacy_args(delta: float, alpha: float) -> tuple:
     d, a = float(delta), float(alpha)
     if not (0 <= d < 1) or not math.isfinite(d):
         raise MetricError(f"delta must be in [0, 1), got {delta!r}")
@@ -442,11 +442,11 @@ def epsilon_bound(scores, labels, *, delta: float, alpha: float = 0.05,
     The bound is 0 when no test rules anything out. It assumes the examples are independent trials (see the comment
     above); for canaries of one training run prefer ``mia.audit.one_run_audit``.
     """
-    s, y = _check(scores, labels, ids)
-    delta, alpha = _check_privacy_args(delta, alpha)
+    s, y = checked_scores(scores, labels, ids)
+    delta, alpha = check_privacy_args(delta, alpha)
     n1, n0 = int(y.sum()), int(len(y) - y.sum())
     if isinstance(threshold, str) and threshold in ("bonferroni", "hull"):
-        t, fp, fn = _threshold_counts(s, y)
+        t, fp, fn = threshold_counts(s, y)
         if threshold == "hull":
             t, fp, fn = roc_hull(t, fp, fn, n1)
         a = alpha / (2 * len(t))
@@ -476,7 +476,7 @@ def _split_bound(s: np.ndarray, y: np.ndarray, delta: float, alpha: float, seed:
         raise MetricError("threshold='split' needs at least 2 members and 2 non-members")
     choose = np.concatenate([pos[: len(pos) // 2], neg[: len(neg) // 2]])
     test = np.concatenate([pos[len(pos) // 2:], neg[len(neg) // 2:]])
-    t, fp, fn = _threshold_counts(s[choose], y[choose])
+    t, fp, fn = threshold_counts(s[choose], y[choose])
     n1c, n0c = int(y[choose].sum()), int(len(choose) - y[choose].sum())
     eps_c, _, _ = _bound_at(fp, fn, n0c, n1c, delta, alpha / 2)
     best = float(t[int(np.argmax(eps_c))])

@@ -265,7 +265,7 @@ def llama32():
 
 def _as(model, dtype):
     """The same weights in another dtype mode."""
-    act, par = mm.hub._dtypes(dtype)
+    act, par = mm.hub.resolve_dtypes(dtype)
     params = jax.tree_util.tree_map(lambda x: x.astype(par), model.params)
     return mm.from_config(model.config, params=params, dtype=dtype)
 

@@ -124,29 +124,98 @@ def test_relative_imports_resolve_to_modules():
     assert got == [["mia.engine.loop"], ["mia.attacks.registry"], ["mia.validate"]]
 
 
-# Layers, from the bottom: models (and the placement they use, mia.sharding) -> engine -> attacks -> api / cli. An
-# arrow may only point down: the engine never imports an attack (an attack's planned step registers itself with
-# ``mia.engine.plan``), and no model module imports the engine.
-LAYER_RULES = (("mia.engine", "mia.attacks"), ("mia.models", "mia.engine"), ("mia.models", "mia.attacks"),
-               ("mia.sharding", "mia.engine"), ("mia.sharding", "mia.models"))
+# The floors of mia, from the bottom: every package and top-level module has one, and an import may only point to
+# its own floor or one below (a circle within a floor is caught by the circle test). docs/architecture.md shows the
+# same list with one line of what each floor is for.
+FLOORS = (
+    ("mia.version", "mia.atomic", "mia.validate", "mia.offline", "mia.flops", "mia.sharding"),  # foundations
+    ("mia.cache_limit", "mia.file_hash"),  # the on-disk caches' bookkeeping
+    ("mia.metrics", "mia.gdp", "mia.audit", "mia.exposure", "mia.report", "mia.results",
+     "mia.documents"),  # statistics of scores: ROC, bounds, tables, plots (no model)
+    ("mia.models",),  # model families, loading, attention kernels
+    ("mia.data", "mia.engine"),  # examples and splits; the scoring engine
+    ("mia.attacks", "mia.blind", "mia.commands"),  # attacks; blind baselines; what every entry point shares
+    ("mia.testbed", "mia.checkup"),  # the embedded testbed; mia doctor
+    ("mia.api", "mia.checkpoints"),  # the Python API; checkpoint finding
+    ("mia.cli", "mia", "mia.__main__"),  # the command line and the package's own namespace
+)
 
 
-def upward_imports(graph: dict) -> list:
-    """(importer, imported) pairs of ``graph`` that break ``LAYER_RULES``."""
-    within = lambda name, pkg: name == pkg or name.startswith(pkg + ".")  # noqa: E731
-    return sorted((a, b) for a, targets in graph.items() for b in targets
-                  for low, high in LAYER_RULES if within(a, low) and within(b, high))
+def floor_of(module: str, floors=FLOORS) -> int:
+    """The floor of a module: that of the longest listed unit it is or lies in; KeyError when none."""
+    best = None
+    for level, units in enumerate(floors):
+        for unit in units:
+            if module == unit or (unit != "mia" and module.startswith(unit + ".")):
+                if best is None or len(unit) > len(best[1]):
+                    best = (level, unit)
+    if best is None:
+        raise KeyError(module)
+    return best[0]
 
 
-def test_every_import_points_down_the_layers():
+def upward_imports(graph: dict, floors=FLOORS) -> list:
+    """(importer, imported) pairs of ``graph`` whose target lies on a higher floor than the importer."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets if floor_of(b, floors) > floor_of(a, floors))
+
+
+def test_every_module_has_a_floor():
+    graph, _ = import_graph()
+    unplaced = []
+    for name in graph:
+        try:
+            floor_of(name)
+        except KeyError:
+            unplaced.append(name)
+    assert unplaced == [], f"add these to FLOORS in tests/test_imports.py and docs/architecture.md: {unplaced}"
+
+
+def test_every_import_points_down_the_floors():
     graph, _ = import_graph()
     assert upward_imports(graph) == []
 
 
-def test_the_layer_check_sees_an_upward_import():
-    graph = {"mia.engine.plan": {"mia.attacks.mope"}, "mia.models.hub": {"mia.engine.loop", "mia.sharding"},
-             "mia.attacks.mope": {"mia.engine.plan"}}
-    assert upward_imports(graph) == [("mia.engine.plan", "mia.attacks.mope"), ("mia.models.hub", "mia.engine.loop")]
+def test_the_floor_check_sees_an_upward_import():
+    graph = {"mia.engine.plan": {"mia.attacks.mope", "mia.models.hub"}, "mia.models.hub": {"mia.engine.loop",
+                                                                                           "mia.sharding"},
+             "mia.metrics": {"mia.report"}, "mia.sharding": {"mia.models.common"}, "mia.cli": {"mia.api"}}
+    assert upward_imports(graph) == [("mia.engine.plan", "mia.attacks.mope"), ("mia.models.hub", "mia.engine.loop"),
+                                     ("mia.sharding", "mia.models.common")]
+    assert floor_of("mia") == floor_of("mia.cli") > floor_of("mia.api") and floor_of("mia.models.hub") == 3
+    with pytest.raises(KeyError):
+        floor_of("mia.nowhere")
+
+
+def private_names_imported_across_modules(sources: dict) -> list:
+    """``module:line name`` of every ``from X import _name`` in ``sources`` ({module: source text}) where X is
+    another module of mia: a private name is its module's own. (Private *modules* such as ``attacks._texts`` may
+    be imported by their own package; a dunder is not private.)"""
+    modules = {**all_modules(), **{m: None for m in sources}}
+    found = []
+    for name, text in sorted(sources.items()):
+        tree = ast.parse(text)
+        is_package = modules.get(name) is not None and modules[name].name == "__init__.py"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            for alias, target in zip(node.names, resolve(node, name, is_package, modules)):
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and target != name and not target.endswith("." + alias.name):
+                    found.append(f"{name}:{node.lineno} {alias.name}")
+    return found
+
+
+def test_no_private_name_is_imported_across_modules():
+    sources = {name: path.read_text(encoding="utf-8") for name, path in all_modules().items()}
+    assert private_names_imported_across_modules(sources) == []
+
+
+def test_the_private_import_check_sees_one():
+    planted = {"mia.engine.plan": "from ..models.hub import Model, _dtypes\n",
+               "mia.attacks.lowercase": "from . import _texts\nfrom ._texts import texts_stats\n"
+                                        "from ..metrics import __doc__\n",
+               "mia.gdp": "from .metrics import _check as check\n"}
+    assert private_names_imported_across_modules(planted) == ["mia.engine.plan:1 _dtypes", "mia.gdp:1 _check"]
 
 
 def private_imports_of_mia(paths) -> list:

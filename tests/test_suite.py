@@ -57,8 +57,8 @@ def test_rebuilding_a_built_suite_reuses_it(smoke_suite, monkeypatch):
 
     logs = [tb.root / "train_log.jsonl" for tb in smoke_suite.members]
     before = [p.stat().st_mtime_ns for p in logs]
-    real, written = suite._write_json, []
-    monkeypatch.setattr(suite, "_write_json", lambda path, obj: (written.append(path), real(path, obj)))
+    real, written = suite.write_json, []
+    monkeypatch.setattr(suite, "write_json", lambda path, obj, **kw: (written.append(path), real(path, obj, **kw)))
     again = build_suite("smoke", smoke_suite.root, progress=False)
     assert [p.stat().st_mtime_ns for p in logs] == before  # nothing retrained
     # nor rewritten: the suite never showed "incomplete" to another process opening it meanwhile

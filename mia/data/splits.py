@@ -112,7 +112,7 @@ def hash_matches(line: str, obj: dict, field: str) -> bool:
     return row_digest(json.dumps({k: v for k, v in obj.items() if k != field})) == want
 
 
-def _read(path, compact_tokens: bool, on_line=None) -> "Split":
+def read_split_raw(path, compact_tokens: bool, on_line=None) -> "Split":
     """``on_line(lineno, obj, line)`` sees every line as parsed, before anything is changed."""
     path = Path(path)
     header: Optional[dict] = None
@@ -154,7 +154,7 @@ def read_split(path, compact_tokens: bool = False) -> Split:
     memory than Python lists for 2049-token rows). The ``row_sha256`` / ``header_sha256`` fields are dropped
     (``check_split`` checks them; ``write_split`` writes new ones). Every example's ``partition`` is a string
     (``Split.partition`` selects by it): another value is one ``SplitError`` naming the line."""
-    split = _read(path, compact_tokens)
+    split = read_split_raw(path, compact_tokens)
     split.header.pop(HEADER_HASH, None)
     for e in split.examples:
         if not isinstance(e["partition"], str):
@@ -315,7 +315,7 @@ def partition_counts(examples: list) -> dict:
 
 # ----------------------------------------------------------------------------------------- disjointness
 
-def _content_key(e: dict):
+def content_key(e: dict):
     """("tokens", digest) or ("text", digest): equal for equal token sequences / texts."""
     import hashlib
 

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from . import olmo, pythia
-from .splits import (FORMAT, HEADER_HASH, NONNEG_INT, ROW_HASH, SOURCE_FILES, SplitError, _content_key, _read,
+from .splits import (FORMAT, HEADER_HASH, NONNEG_INT, ROW_HASH, SOURCE_FILES, SplitError, content_key, read_split_raw,
                      checked_fields, hash_matches, one_line, partition_counts, short_repr, source_file_records,
                      verify_file_record)
 
@@ -116,7 +116,7 @@ def _content_problems(ex: list, problems: list) -> None:
                 pos_seen[key] = e.get("_line")
     by_content: dict = {}
     for e in ex:
-        k = _content_key(e)
+        k = content_key(e)
         if k is not None and e.get("label") in (0, 1):
             by_content.setdefault(k, {}).setdefault(e["label"], []).append(e.get("_line"))
     for k, d in by_content.items():
@@ -126,7 +126,7 @@ def _content_problems(ex: list, problems: list) -> None:
     # the same content in two partitions (an attack learning from one would see a scored example)
     by_part: dict = {}
     for e in ex:
-        k = _content_key(e)
+        k = content_key(e)
         if k is not None:
             first = by_part.setdefault(k, e)
             if first.get("partition", "eval") != e.get("partition", "eval"):
@@ -171,7 +171,7 @@ def verify_split(path, verify_sources: bool = True, verify_hashes: bool = True,
                             "edited after the split was written)")
 
     try:
-        split = _read(path, compact_tokens=True, on_line=check_hash)
+        split = read_split_raw(path, compact_tokens=True, on_line=check_hash)
     except SplitError as e:
         return SplitCheck([str(e)], [])
     h, ex = split.header, split.examples

@@ -49,7 +49,7 @@ import numpy as np
 
 from ..models import attention as A
 from ..models.common import ConfigError
-from ..models.hub import Model, _dtypes, abstract_params, config_from_hf, family, read_config_json
+from ..models.hub import Model, resolve_dtypes, abstract_params, config_from_hf, family, read_config_json
 from ..validate import check_hf_config
 from .batching import ScoringSettings, bucket_length, pow2_floor, row_length
 from .conditional import build_cond_step, build_prefix_step, prefix_room, prefix_shardings
@@ -310,7 +310,7 @@ def abstract_model(hf: dict, dtype: str, source: str = "config"):
         raise PlanError(f"{source}: required field {e} is missing") from None
     except ConfigError as e:
         raise PlanError(f"{source}: {e}" if source not in str(e) else str(e)) from None
-    act, param = _dtypes(dtype)  # the loader's policy (float16: fp16 parameters, float32 compute)
+    act, param = resolve_dtypes(dtype)  # the loader's policy (float16: fp16 parameters, float32 compute)
     module, shapes = abstract_params(fam, cfg, act, param)
     return Model(module, None, None, cfg, fam.model_type, None, "plan"), shapes
 

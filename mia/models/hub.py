@@ -195,7 +195,7 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: Opti
             f.write(blob)
 
 
-def _weight_files(root: Path) -> list[Path]:
+def weight_files(root: Path) -> list[Path]:
     """The weight files of a checkpoint: safetensors when there are any, else PyTorch ``.bin`` (single or sharded)."""
     for single, index in ((root / "model.safetensors", root / "model.safetensors.index.json"),
                           (root / "pytorch_model.bin", root / "pytorch_model.bin.index.json")):
@@ -252,7 +252,7 @@ def fingerprint(root: Path) -> str:
     it (``mia.engine.cache.cache_namespace`` adds them)."""
     root = Path(root)
     h = hashlib.sha256(f"mia-checkpoint|{FINGERPRINT_VERSION}".encode())
-    for f in _weight_files(root):
+    for f in weight_files(root):
         h.update(f"|weights:{f.name}:{file_hash.file_sha256(f)}".encode())
     for name in FINGERPRINT_FILES:
         if (root / name).is_file():
@@ -510,7 +510,7 @@ def _dtype(x, what: str = "dtype"):
     return x
 
 
-def _dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
+def resolve_dtypes(dtype, param_dtype=None) -> tuple[Any, Any]:
     """A dtype mode -> (activation dtype, parameter dtype); docs/models.md#precision.
 
     auto      float32 on a CPU, bfloat16 on a GPU/TPU (``default_dtype``)
@@ -630,11 +630,11 @@ def load(path, dtype=AUTO, param_dtype=None, tokenizer: bool = True, mesh=None,
     computed from them in float32 whatever ``dtype`` is; in ``"bfloat16"`` the weights, hidden states and matmul
     operands feeding them are bf16 (docs/models.md#precision).
     """
-    dtype, param_dtype = _dtypes(dtype, param_dtype)  # a bad dtype is refused before anything is read
+    dtype, param_dtype = resolve_dtypes(dtype, param_dtype)  # a bad dtype is refused before anything is read
     root = hf_cache.model_dir(path, error=CheckpointError)
     fam, cfg, raw = load_config(root)
     layout = native_layout(raw)
-    files = _weight_files(root)
+    files = weight_files(root)
     tensors: dict = {}
     origin: dict[str, Path] = {}
     for f in files:
@@ -669,7 +669,7 @@ def from_config(cfg, params=None, tokenizer=None, key=None, dtype=AUTO, param_dt
     """Build a Model from a config object (random init when ``params`` is None)."""
     fam = family_of_config(cfg)
     model_type = fam.model_type
-    dtype, param_dtype = _dtypes(dtype, param_dtype)
+    dtype, param_dtype = resolve_dtypes(dtype, param_dtype)
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
     if params is None:
         key = jax.random.PRNGKey(0) if key is None else key

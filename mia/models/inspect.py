@@ -1,7 +1,7 @@
 """Open a checkpoint directory without reading its weights: ``check_checkpoint(path)`` and ``weights_digest``.
 
 ``check_checkpoint`` reads config.json through the family's config checks (``hub.load_config``), the safetensors
-header of every weight file (the shard index too: ``hub._weight_files``; a ``pytorch_model.bin`` through
+header of every weight file (the shard index too: ``hub.weight_files``; a ``pytorch_model.bin`` through
 ``torch_bin``, whose pickle names shapes without running anything), and checks, with the loader's own strict
 name/shape mapping (``hub.host_params_from_hf`` on zero-byte stand-ins of the right shapes), that every tensor the
 family needs is present with the right shape and a floating dtype, and that no unknown tensor is there. No weight
@@ -27,7 +27,7 @@ import numpy as np
 
 from ..validate import safetensors_header
 from . import hf_cache
-from .hub import (SAFETENSORS_DTYPES, CheckpointError, _weight_files, abstract_params, host_params_from_hf, load_config,
+from .hub import (SAFETENSORS_DTYPES, CheckpointError, weight_files, abstract_params, host_params_from_hf, load_config,
                   StackedView)
 from .layouts import native_layout
 from .torch_bin import read_torch_bin
@@ -123,7 +123,7 @@ def check_checkpoint(path, digest: bool = True) -> CheckpointRecord:
     root = hf_cache.model_dir(path, error=CheckpointError)
     fam, cfg, raw = load_config(root)
     layout = native_layout(raw)
-    files = _weight_files(root)
+    files = weight_files(root)
     tensors: dict = {}
     for f in files:
         tensors.update(_shape_only(f))

@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic import temporary_sibling, write_text
+from ..atomic import temporary_sibling, write_json
 from ..data.corpus import load_corpus
 from ..data.indexed import IndexedDataset
 from ..data.splits import file_record, short_repr
@@ -54,10 +54,6 @@ DEFAULT_ROOT = "testbeds"
 def _sha_file(path) -> str:
 
     return sha256_of_file(path)
-
-
-def _write_json(path: Path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=1, sort_keys=False))
 
 
 def model_config(cfg: TestbedConfig, vocab_size: int):
@@ -256,9 +252,9 @@ class Testbed:
                                    progress=progress, lr=lr)
         tmp = temporary_sibling(out)
         save(dataclasses.replace(base, params=params), tmp)
-        _write_json(tmp / "memorize.json", {"base_step": step, "epochs": int(epochs), "seed": int(seed), "lr": lr,
-                                            "n_rows": int(idx.size), "rows": idx.tolist(), "log": log,
-                                            "weights_sha256": sha256_of_file(tmp / "model.safetensors")})
+        write_json(tmp / "memorize.json", {"base_step": step, "epochs": int(epochs), "seed": int(seed), "lr": lr,
+                                           "n_rows": int(idx.size), "rows": idx.tolist(), "log": log,
+                                           "weights_sha256": sha256_of_file(tmp / "model.safetensors")}, indent=1)
         place_dir(tmp, out)
         return out
 
@@ -431,7 +427,7 @@ def share_data(src_root, cfg: TestbedConfig, root) -> None:
     m = {"format": FORMAT, "preset": cfg.preset, "config": cfg.to_dict(), "config_hash": cfg.config_hash,
          "complete": False, **{k: src[k] for k in records},
          "shared_data": {"from": os.path.relpath(src_root, root), "files": list(files)}}
-    _write_json(mf, m)
+    write_json(mf, m, indent=1)
 
 
 def build_twin(src, out_dir, *, progress: bool = True, save_every: int = 50, stop_after: Optional[int] = None,
@@ -508,7 +504,7 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
          "complete": False, **{k: v for k, v in m.items()
                                if k in ("corpus", "tokenizer", "data", "canaries", "timings", "shared_data")}}
     m.setdefault("timings", {})
-    _write_json(mf_path, m)
+    write_json(mf_path, m, indent=1)
     say = (lambda msg: tqdm.write(msg)) if progress else (lambda msg: None)
 
     # 1. corpus (cheap to re-read; it must not have changed since earlier stages used it)
@@ -545,7 +541,7 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
         m["timings"]["tokenizer_s"] = round(time.perf_counter() - t0, 2)
         m.pop("data", None)  # a new tokenizer invalidates the order
         m.pop("canaries", None)  # and the canaries (drawn in its vocabulary)
-        _write_json(mf_path, m)
+        write_json(mf_path, m, indent=1)
 
     # 3. packing into the training order
 
@@ -580,7 +576,7 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
         for rec in (m["data"]["bin"], m["data"]["idx"]):
             rec["path"] = os.path.relpath(rec["path"], root)
         m["timings"]["packing_s"] = round(time.perf_counter() - t0, 2)
-        _write_json(mf_path, m)
+        write_json(mf_path, m, indent=1)
     n_rows, need = m["data"]["n_rows"], cfg.train_steps * cfg.batch_size
     if n_rows < need:
         raise TestbedError(f"corpus too small: {len(corpus)} documents made {n_rows} rows of {cfg.row_len} tokens, "
@@ -592,7 +588,7 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     # 3b. canaries (drawn in the tokenizer's vocabulary; inclusion and steps follow from the config)
     if cfg.canaries:
         _build_canaries(root, cfg, tok, corpus.texts, m, say, progress)
-        _write_json(mf_path, m)
+        write_json(mf_path, m, indent=1)
     if cfg.private:
 
         m["privacy"] = privacy_record(cfg)
@@ -605,7 +601,7 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     _, _, reached = tb._train(progress=progress, save_every=save_every, stop_after=stop_after)
     m["timings"]["train_s"] = round(m["timings"].get("train_s", 0.0) + time.perf_counter() - t0, 2)
     if reached < cfg.train_steps:
-        _write_json(mf_path, m)
+        write_json(mf_path, m, indent=1)
         return tb  # interrupted on purpose (stop_after); a later call resumes
 
     m["checkpoints"] = {str(s): {"path": f"checkpoints/step{s}",
@@ -619,7 +615,7 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     plot_losses(root / "train_log.jsonl", root / "loss.png", cfg.checkpoint_steps,
                 title=f"testbed {cfg.preset} ({cfg.config_hash})")
     m["complete"] = True
-    _write_json(mf_path, m)
+    write_json(mf_path, m, indent=1)
     tb = Testbed(root, cfg, m)
     return _with_memorized(tb, memorize_epochs, memorize_rows, progress)
 

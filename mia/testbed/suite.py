@@ -21,7 +21,8 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from .build import DEFAULT_ROOT, MANIFEST, Testbed, _write_json, build_from_config, open_testbed, share_data
+from ..atomic import write_json
+from .build import DEFAULT_ROOT, MANIFEST, Testbed, build_from_config, open_testbed, share_data
 from .config import DATA_FIELDS, PRESETS, SUITE_FIELDS, TestbedConfig, TestbedError, read_manifest
 
 SUITE_FORMAT = "mia-suite/1"
@@ -169,7 +170,7 @@ def build_suite(name: str, out_dir=None, *, progress: bool = True, save_every: i
     if not (old and old.get("complete")):
         # an unfinished build is marked as such; a complete suite stays complete while it is checked and reused, so
         # that another process opening it meanwhile (open_suite) is not refused
-        _write_json(mf, m)
+        write_json(mf, m, indent=1)
 
     members = []
     for i, (cfg, e) in enumerate(zip(configs, entries)):
@@ -186,7 +187,7 @@ def build_suite(name: str, out_dir=None, *, progress: bool = True, save_every: i
         e["timings"] = {k: v for k, v in tb.manifest["timings"].items() if k.endswith("_s")}
     m["complete"] = True
     if m != old:  # a reused suite is left as it is (nothing rewritten)
-        _write_json(mf, m)
+        write_json(mf, m, indent=1)
     return Suite(name, root, members, m)
 
 
