@@ -20,7 +20,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .attacks.context import AttackContext, assert_disjoint
-from .attacks.registry import AttackError, AttackInputs, check_attack_inputs, check_params, get, parse_attacks
+from .attacks.registry import (AttackError, AttackInputs, check_attack_inputs, check_params, get, parse_attacks,
+                               stats_read_by)
 from .data import sources
 from .data.examples import (LEARNED_PARTITIONS, DataError, Example, check_document_conflicts, check_label_conflicts,
                             tokenize_examples)
@@ -238,6 +239,8 @@ def run_attacks(ctx: AttackContext, chosen, skipped: dict, on_error: str = "rais
     """({label: [N] float64 scores}, {label: seconds}) of each attack on ``ctx``; with ``on_error="skip"`` an
     attack that raises ``AttackError`` is recorded in ``skipped`` instead."""
     scores, seconds = {}, {}
+    if ctx.stat_names is None and ctx._stats is None:  # the one scoring pass computes what these attacks read
+        ctx.stat_names = stats_read_by([name for _, name, _ in chosen]) or None
     bar = tqdm(chosen, desc="attacks", unit="attack", leave=False,
                disable=not progress or len(chosen) < 2 or jax.process_index() != 0)
     for label, name, params in bar:

@@ -95,10 +95,10 @@ def test_a_part_evicted_while_it_is_read_is_recomputed_silently(tmp_path, capsys
     reader = StatsCache(str(tmp_path), NS)
     real = reader._read_rows
 
-    def evicted_meanwhile(data_file, index_obj, todo):  # the index was read, then both files were evicted
+    def evicted_meanwhile(data_file, index_obj, *rest):  # the index was read, then both files were evicted
         index.unlink()
         data_file.unlink()
-        return real(data_file, index_obj, todo)
+        return real(data_file, index_obj, *rest)
     reader._read_rows = evicted_meanwhile
     assert reader.lookup(["a"]) == {}
     assert capsys.readouterr().err == ""

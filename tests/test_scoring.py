@@ -144,8 +144,8 @@ def test_disk_cache_is_reused_and_resumes(tiny_model, tmp_path, monkeypatch):
 
     real = sc.jitted_token_stats
 
-    def counting(model, chunk=None):
-        fn = real(model, chunk)
+    def counting(model, *args):
+        fn = real(model, *args)
         return lambda *a: calls.append(_real_rows(a[2])) or fn(*a)
 
     monkeypatch.setattr(sc, "jitted_token_stats", counting)
@@ -206,8 +206,8 @@ def test_interrupt_keeps_every_fetched_batch_on_disk(tiny_model, tmp_path, monke
     class Interrupt(Exception):
         pass
 
-    def interrupting(model, chunk=None):
-        fn = real(model, chunk)
+    def interrupting(model, *args):
+        fn = real(model, *args)
 
         def call(*a):
             calls.append(_real_rows(a[2]))

@@ -26,7 +26,8 @@ def target_ids(ctx, texts: Sequence[str], what: str) -> list:
 def stats_or_none(ctx, seqs: Sequence[np.ndarray], desc: str) -> list:
     """Token stats ({stat: [T_i - 1]}) of each sequence through the shared engine; None for sequences of < 2 tokens."""
     usable = [i for i, s in enumerate(seqs) if len(s) >= 2]
-    got = compute_token_stats(ctx.model, [seqs[i] for i in usable], ctx.settings, desc=desc) if usable else []
+    got = compute_token_stats(ctx.model, [seqs[i] for i in usable], ctx.settings, desc=desc,
+                              stats=("logprob",)) if usable else []
     out: list[Optional[dict]] = [None] * len(seqs)
     for i, s in zip(usable, got):
         out[i] = s

@@ -103,7 +103,7 @@ def _planned_camia(model, mesh, shardings, params, batch, length):
     predicted) when longer, padded to the engine's bucket."""
     settings = ScoringSettings()
     t = row_length(min(REPEATS * length, model.max_tokens), settings.min_bucket, settings.bucket_step)
-    return token_stats_steps("camia", model, mesh, shardings, params, batch, t)
+    return token_stats_steps("camia", model, mesh, shardings, params, batch, t, stats=("logprob",))
 
 
 register_planned_attack("camia", _planned_camia, describe=lambda o: "CAMIA repeated-text token stats", per_step=True)
@@ -170,7 +170,7 @@ def repeated_logprobs(model, rep_id_lists, settings, max_length: int) -> list:
     """Log-prob series of each repeated text (mimir's sliding window when longer than ``max_length``)."""
     plans = [cs.window_plan(len(r), max_length) for r in rep_id_lists]
     windows = [np.asarray(r[b:e], np.int32) for r, plan in zip(rep_id_lists, plans) for b, e, _ in plan]
-    stats = compute_token_stats(model, windows, settings, desc="camia: repeated texts")
+    stats = compute_token_stats(model, windows, settings, desc="camia: repeated texts", stats=("logprob",))
     out, j = [], 0
     for plan in plans:
         parts = []
@@ -315,7 +315,7 @@ def group_pca_lr_scores(
     return score
 
 
-@register("camia", needs=("stats", "model", "text", "calib"), cost="heavy",
+@register("camia", needs=("stats", "model", "text", "calib"), stats=("logprob",), cost="heavy",
           cost_note="~0.2 s per example on 2 CPU cores (75 context-aware signals incl. repeated-text passes)",
           method="edgington", min_calib=MIN_CALIB_FLOOR,
           diversity="low", orient="label_free",
@@ -343,7 +343,7 @@ def _camia(ctx, *, method: str, min_calib: int, diversity: str, orient: str = "l
 
 @register(
     "camia_lr",
-    needs=("stats", "model", "text", "train"),
+    needs=("stats", "model", "text", "train"), stats=("logprob",),
     cost="heavy",
     cost_note="CAMIA signals of the train partition too, ~0.2 s per example on 2 CPU cores",
     components=2,

@@ -81,7 +81,8 @@ def member_shots(ctx, n: int) -> list:
     return shots
 
 
-@register("conrecall", needs=("model", "stats", "prefix", "member_prefix"), check_inputs=_check_member_shots, n=12,
+@register("conrecall", needs=("model", "stats", "prefix", "member_prefix"), stats=("logprob",),
+          check_inputs=_check_member_shots, n=12,
           gamma=1.0,
           limits={"n": Range(1), "gamma": Range(0)})
 def _conrecall(ctx, *, n: int = 12, gamma: float = 1.0) -> np.ndarray:

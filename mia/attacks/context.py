@@ -8,9 +8,9 @@ import numpy as np
 
 from ..engine.batching import ScoringSettings
 from ..engine.loop import compute_token_stats
-from ..engine.stats import pad_stats
+from ..engine.stats import STAT_NAMES, canonical_stats, pad_stats
 from ..data.examples import disjointness_keys, example_field as _field
-from .registry import AttackError
+from .registry import HOST_FIELDS, AttackError
 
 
 @dataclasses.dataclass
@@ -19,6 +19,10 @@ class AttackContext:
 
     ``partitions`` holds data that attacks *learn from* ("prefix", "calib", "train"); they are checked disjoint from
     ``examples`` (by id and by token content) before any attack runs.
+
+    ``stat_names``: the model's token statistics the run computes (``mia.attacks.registry.stats_read_by`` of the
+    run's attacks; None: all of ``STAT_NAMES``). An attack that reads one it did not declare gets a ``KeyError``
+    saying so.
     """
 
     model: Any
@@ -27,6 +31,7 @@ class AttackContext:
     partitions: dict = dataclasses.field(default_factory=dict)  # name -> list[Example]
     options: dict = dataclasses.field(default_factory=dict)  # ref_model, mlm, seed, ...
     notes: list = dataclasses.field(default_factory=list)  # said to the user with the results
+    stat_names: Optional[tuple] = None
     _stats: Optional[list] = None
     _padded: Optional[dict] = None
 
@@ -35,19 +40,37 @@ class AttackContext:
         return int(self.options.get("seed", 0))
 
     def stats(self) -> list:
-        """Per-example token stats (list of {stat: [T_i-1]}), computed once per run (and cached on disk)."""
+        """Per-example token stats (list of {stat: [T_i-1]} for each of ``stat_names``), computed once per run (and
+        cached on disk)."""
         if self._stats is None:
-            self._stats = compute_token_stats(self.model, [e.tokens for e in self.examples], self.settings)
+            self._stats = compute_token_stats(self.model, [e.tokens for e in self.examples], self.settings,
+                                              stats=canonical_stats(self.stat_names))
         return self._stats
 
-    def padded(self) -> dict:
-        """Token stats stacked as [N, L] float32 arrays plus ``mask`` [N, L] bool."""
+    def padded(self, fields=()) -> dict:
+        """Token stats stacked as [N, L] float32 arrays plus ``mask`` [N, L] bool, and the host fields among
+        ``fields`` (``HOST_FIELDS``, made on first request)."""
         if self._padded is None:
-            self._padded = pad_stats(self.stats())
+            got = self.stats()
+            self._padded = _Fields(pad_stats(got, [s for s in STAT_NAMES if got and s in got[0]] if got else ()))
+        for f in fields:
+            if f in HOST_FIELDS and f not in self._padded:
+                self._padded[f] = target_is_eos([e.tokens for e in self.examples], self.eos_ids(required=False),
+                                                self._padded["mask"].shape[1])
         return self._padded
 
-    def stats_for(self, examples: list, desc: str = "scoring") -> list:
-        return compute_token_stats(self.model, [e.tokens for e in examples], self.settings, desc=desc)
+    def eos_ids(self, required: bool = True) -> tuple:
+        """The model's end-of-document token id(s) from its config (every id when it is a list); with ``required``,
+        an ``AttackError`` when it has none, else ()."""
+        eos = getattr(getattr(self.model, "config", None), "eos_token_id", None)
+        ids = tuple(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None)
+        if not ids and required:
+            raise AttackError("skip_eos=true: the model config has no eos_token_id")
+        return ids
+
+    def stats_for(self, examples: list, desc: str = "scoring", stats: tuple = ("logprob",)) -> list:
+        """Token stats ``stats`` of other examples than the evaluated ones (prefixes, calibration texts)."""
+        return compute_token_stats(self.model, [e.tokens for e in examples], self.settings, desc=desc, stats=stats)
 
     def texts(self, examples: Optional[list] = None) -> list:
         """Texts of examples; token-only examples are decoded once with the model's tokenizer (noted in the output)."""
@@ -80,6 +103,29 @@ class AttackContext:
 
     def labels(self) -> np.ndarray:
         return np.array([-1 if e.label is None else e.label for e in self.examples])
+
+
+def eos_ids_if_skipping(ctx: AttackContext, *, skip_eos: bool = False, **_) -> None:
+    """A ``register_stats`` check: ``skip_eos=true`` needs the model's end-of-document id (``AttackError`` else)."""
+    if skip_eos:
+        ctx.eos_ids()
+
+
+class _Fields(dict):
+    """The padded arrays; a missing one names what the attack should have declared."""
+
+    def __missing__(self, key):
+        raise KeyError(f"token field {key!r} was not computed in this run: the attack that reads it must name it in "
+                       f"its registration's stats=")
+
+
+def target_is_eos(tokens_list: list, ids: tuple, width: int) -> np.ndarray:
+    """[N, width] bool: position j predicts token j + 1 and that token is one of ``ids`` (padded False)."""
+    out = np.zeros((len(tokens_list), width), bool)
+    for i, t in enumerate(tokens_list):
+        tgt = np.asarray(t)[1 : width + 1]
+        out[i, : len(tgt)] = np.isin(tgt, ids)
+    return out
 
 
 def assert_disjoint(evaluated: list, learned: list, what: str) -> None:

@@ -85,7 +85,7 @@ def reference_counts(ctx) -> np.ndarray:
     return m["dcpdd_counts"]
 
 
-@register("dcpdd", needs=("stats", "freq"), a=0.01, limits={"a": Range(0, lo_open=True)})
+@register("dcpdd", needs=("stats", "freq"), stats=("logprob",), a=0.01, limits={"a": Range(0, lo_open=True)})
 def _dcpdd(ctx, *, a: float) -> np.ndarray:
     """Mean over first occurrences of min(p(t) * -log f(t), a), f = corpus token frequency (higher = member).
     Zhang et al. 2024."""

@@ -42,7 +42,7 @@ def lowercase_ll(ctx) -> np.ndarray:
     return ll
 
 
-@register("lowercase", needs=("stats", "model", "text"))
+@register("lowercase", needs=("stats", "model", "text"), stats=("logprob",))
 def _lowercase(ctx) -> np.ndarray:
     """-LL(x) / LL(lowercased x) (higher = member; SoK benchmark sign). Carlini et al. 2021."""
     return np.asarray(lowercase_ratio(unconditional_ll(ctx), lowercase_ll(ctx)), np.float64)

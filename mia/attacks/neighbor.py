@@ -90,7 +90,7 @@ def neighbour_texts(ctx, *, n: int, k: int, p: float) -> list:
 
 @register(
     "neighbor",
-    needs=("stats", "text", "mlm"),
+    needs=("stats", "text", "mlm"), stats=("logprob",),
     cost="heavy",
     cost_note="10 masked-LM neighbours of every example at the default n=10, 10 extra scoring passes",
     n=10,
@@ -112,7 +112,8 @@ def _neighbor(ctx, *, n: int, k: int, p: float) -> np.ndarray:
             if len(ids) >= 2:
                 flat.append(ids)
                 owner.append(i)
-    stats = compute_token_stats(ctx.model, flat, ctx.settings, desc="neighbor: scoring neighbours") if flat else []
+    stats = compute_token_stats(ctx.model, flat, ctx.settings, desc="neighbor: scoring neighbours",
+                                stats=("logprob",)) if flat else []
     total, count = np.zeros(len(nbs)), np.zeros(len(nbs))
     for i, s in zip(owner, stats):
         total[i] += float(np.mean(s["logprob"], dtype=np.float64))

@@ -102,7 +102,7 @@ def augmented_sequences(ctx, *, n: int, alpha: float, augment: str) -> list:
 
 @register(
     "pac",
-    needs=("stats", "model", "text"),
+    needs=("stats", "model", "text"), stats=("logprob",),
     cost="heavy",
     cost_note="10 augmented copies of every example at the default n=10, 10 extra scoring passes",
     n=10,

@@ -42,8 +42,7 @@ from ..engine.conditional import loglik_matrix
 from ..data.examples import Example
 from .context import assert_disjoint
 from .fit import add_note, context_length, cut_note, cut_targets, prefix_room, truncated_ll
-from .loss import mean_loglik
-from .registry import AttackError, register
+from .registry import AttackError, get, register
 from ..validate import Range
 
 
@@ -53,9 +52,8 @@ def memo(ctx) -> dict:
 
 
 def unconditional_ll(ctx) -> np.ndarray:
-    """[N] float64 LL(x): mean token log-likelihood from the shared stats pass."""
-    p = ctx.padded()
-    return np.asarray(mean_loglik(p["logprob"], p["mask"]), np.float64)
+    """[N] float64 LL(x): mean token log-likelihood from the shared stats pass (the ``loss`` attack)."""
+    return get("loss").fn(ctx)
 
 
 VARIANTS = ("official", "checkmia")
@@ -137,8 +135,8 @@ def recall_scores(ll_cond: np.ndarray, ll: np.ndarray) -> np.ndarray:
     return np.asarray(ll_cond, np.float64) / np.asarray(ll, np.float64)
 
 
-@register("recall", needs=("model", "stats", "prefix"), n=12, include_first=True, variant="official", tokens=100,
-          limits={"n": Range(1), "variant": VARIANTS, "tokens": Range(2)})
+@register("recall", needs=("model", "stats", "prefix"), stats=("logprob",), n=12, include_first=True,
+          variant="official", tokens=100, limits={"n": Range(1), "variant": VARIANTS, "tokens": Range(2)})
 def _recall(
     ctx, *, n: int = 12, include_first: bool = True, variant: str = "official", tokens: int = 100
 ) -> np.ndarray:

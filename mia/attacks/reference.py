@@ -74,14 +74,15 @@ def reference_ll(ctx) -> np.ndarray:
         ll = np.full(len(toks), np.nan)
         if len(ok) < len(toks):
             ctx.notes.append(f"ref: {len(toks) - len(ok)} example(s) have < 2 reference tokens; their ref score is NaN")
-        stats = compute_token_stats(ref, [toks[i] for i in ok], ctx.settings, desc="reference model")
+        stats = compute_token_stats(ref, [toks[i] for i in ok], ctx.settings, desc="reference model",
+                                    stats=("logprob",))
         for i, s in zip(ok, stats):
             ll[i] = float(np.mean(s["logprob"], dtype=np.float64))
         m["ref_ll"] = ll
     return m["ref_ll"]
 
 
-@register("ref", needs=("stats", "ref"))
+@register("ref", needs=("stats", "ref"), stats=("logprob",))
 def _ref(ctx) -> np.ndarray:
     """LL_target(x) - LL_ref(x) with --ref-model DIR (higher = member). Carlini et al. 2021."""
     return unconditional_ll(ctx) - reference_ll(ctx)

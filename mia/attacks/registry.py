@@ -1,15 +1,18 @@
 """Attack registry: name -> the attack and every fact about it that the rest of mia needs.
 
-A stats attack is one pure function of the shared token statistics, registered with ``register_stats``::
+A token-statistics attack is one pure function of the shared per-token arrays, registered with ``register_stats``
+(``mia/attacks/loss.py`` is the template to copy)::
 
     @register_stats("mink", stats=("logprob",), k=0.2, limits={"k": Range(0, 1, lo_open=True)})
     def min_k(logprob_bl, mask_bl, *, k):          # [B, L] arrays -> [B] scores, HIGHER = MORE LIKELY MEMBER
         ...
 
 The decorator returns the jitted function itself (hyperparameters static), so ``min_k`` is what the design card
-promises: a pure, jit-compiled function of arrays. Any other attack is a host function of an ``AttackContext``::
+promises: a pure, jit-compiled function of arrays. ``stats`` names what it reads, in argument order (then the
+mask): the model's statistics (``STAT_NAMES``: the scoring pass computes only those the run's attacks read) and the
+host fields (``HOST_FIELDS``). Any other attack is a host function of an ``AttackContext``::
 
-    @register("recall", needs=("model", "stats", "prefix"), cost="model", n=12)
+    @register("recall", needs=("model", "stats", "prefix"), stats=("logprob",), cost="model", n=12)
     def _recall(ctx: AttackContext, *, n: int) -> np.ndarray:    # one score per evaluated example
         ...
 
@@ -21,6 +24,8 @@ Either way the registration carries what the runner, the CLI, the experiments an
   ``check_inputs``  ``fn(params, inputs: AttackInputs)`` raising ``AttackError``: the attack's own input rule beyond
                     ``needs`` (e.g. Con-ReCaLL's member shots), checked before any model is loaded
   ``limits``        param -> ``mia.validate.Range`` or a tuple of choices, checked when the attack is parsed
+  ``stats``         the token statistics it reads from the shared pass (``ctx.padded()`` / ``ctx.stats()``); a host
+                    attack that needs "stats" and names none reads all of ``STAT_NAMES``
 and is used as ``mia score --attacks mink:k=0.1`` or ``mia.score(model, data, attacks="mink:k=0.1")``.
 
 ``needs`` vocabulary:
@@ -46,6 +51,7 @@ import jax
 import numpy as np
 
 from ..engine.batching import pad_pow2
+from ..engine.stats import STAT_NAMES
 
 NEEDS = ("stats", "model", "text", "prefix", "member_prefix", "calib", "train", "ref", "mlm", "freq")
 COSTS = ("stats", "model", "heavy", "quadratic")  # in increasing order
@@ -57,6 +63,11 @@ NEED_DESCRIPTIONS = {  # what a missing need is called in messages: "needs <desc
     "train": "labelled training examples (--train-data or a 'train' partition)",
     "freq": "a token-frequency corpus (--freq-corpus or a 'calib' partition)"}
 _PARTITION_FLAGS = {"prefix": "--prefix-data", "calib": "--calib-data", "train": "--train-data"}
+# per-token fields an attack may read besides the model's statistics, made on the host (``AttackContext.padded``):
+#   eos_target  [N, L] bool: the position's target token is the model's end-of-document token (config.eos_token_id;
+#               every id when it is a list; all False when the config has none)
+HOST_FIELDS = ("eos_target",)
+TOKEN_FIELDS = STAT_NAMES + HOST_FIELDS
 
 
 class AttackError(ValueError):
@@ -86,11 +97,17 @@ class AttackSpec:
     cost_note: str = ""
     check_inputs: Optional[Callable] = None  # (params, AttackInputs) -> None, raising AttackError
     pure: Optional[Callable] = None  # register_stats: the jitted pure function of stats arrays
-    stats: tuple = ()  # register_stats: the stats it reads, in argument order (then the mask)
+    stats: tuple = ()  # the token fields it reads (register_stats: in argument order, then the mask)
+
+    @property
+    def model_stats(self) -> tuple:
+        """The model's token statistics it reads: what the shared scoring pass must compute for it."""
+        return tuple(s for s in STAT_NAMES if s in self.stats)
 
     def describe(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.defaults.items()) or "no parameters"
-        return f"{self.name} ({params}; needs {', '.join(self.needs)}; cost {self.cost})"
+        reads = f"; reads {', '.join(self.stats)}" if self.stats else ""
+        return f"{self.name} ({params}; needs {', '.join(self.needs)}{reads}; cost {self.cost})"
 
 
 REGISTRY: dict[str, AttackSpec] = {}
@@ -101,11 +118,13 @@ def _default_cost(needs) -> str:
 
 
 def register(name: str, *, needs: tuple = ("stats",), cost: Optional[str] = None, cost_note: str = "",
-             check_inputs: Optional[Callable] = None, limits: Optional[dict] = None, **defaults) -> Callable:
+             check_inputs: Optional[Callable] = None, limits: Optional[dict] = None, stats: Optional[tuple] = None,
+             **defaults) -> Callable:
     """Decorator registering ``fn(ctx, **params) -> np.ndarray [N]`` under ``name`` (see the module docstring)."""
     bad = [n for n in needs if n not in NEEDS]
     if bad:
         raise ValueError(f"unknown needs {bad}; valid: {NEEDS}")
+    stats = _checked_fields(name, (STAT_NAMES if "stats" in needs else ()) if stats is None else stats)
     cost = cost or _default_cost(needs)
     if cost not in COSTS:
         raise ValueError(f"unknown cost {cost!r}; valid: {COSTS}")
@@ -115,32 +134,61 @@ def register(name: str, *, needs: tuple = ("stats",), cost: Optional[str] = None
 
     def wrap(fn):
         REGISTRY[name] = AttackSpec(name, fn, tuple(needs), dict(defaults), (fn.__doc__ or "").strip(),
-                                    dict(limits or {}), cost, cost_note, check_inputs)
+                                    dict(limits or {}), cost, cost_note, check_inputs, stats=stats)
         return fn
 
     return wrap
 
 
-def register_stats(name: str, *, stats: tuple = ("logprob",), limits: Optional[dict] = None, **defaults) -> Callable:
-    """Decorator registering a pure function ``f(*[B, L] stats arrays, mask_bl, **params) -> [B]`` of the shared
-    token statistics (``stats`` names them, in argument order: ``mia.engine.stats.STAT_NAMES``). Returns
-    ``jax.jit(f)`` with the hyperparameters static; the registered host function pads the run's stats to
-    power-of-two shapes (so other batch sizes reuse the compiled function) and calls it."""
+def _checked_fields(name: str, fields) -> tuple:
+    fields = tuple(fields)
+    bad = [f for f in fields if f not in TOKEN_FIELDS]
+    if bad or len(set(fields)) != len(fields):
+        raise ValueError(f"attack {name}: stats must be distinct names among {', '.join(TOKEN_FIELDS)}; got {fields}")
+    return fields
+
+
+def register_stats(name: str, *, stats: tuple = ("logprob",), check: Optional[Callable] = None,
+                   note: Optional[Callable] = None, limits: Optional[dict] = None, **defaults) -> Callable:
+    """Decorator registering a pure function ``f(*[B, L] arrays, mask_bl, **params) -> [B]`` of the shared token
+    statistics (``stats`` names them, in argument order: ``STAT_NAMES`` and ``HOST_FIELDS``). Returns ``jax.jit(f)``
+    with the hyperparameters static; the registered host function pads the run's arrays to power-of-two shapes (so
+    other batch sizes reuse the compiled function) and calls it.
+
+    ``check(ctx, **params)``: an optional host check raising ``AttackError`` before anything is computed (e.g. a
+    model fact the parameters need). ``note(aux, **params) -> str | None``: when ``f`` returns ``(scores, aux)``
+    (``aux`` [B], e.g. how many tokens an example's score used), a line said to the user with the results."""
+    stats = _checked_fields(name, stats)
+
     def wrap(fn):
         jitted = jax.jit(fn, static_argnames=tuple(defaults))
 
         def host(ctx, **params) -> np.ndarray:
             params = check_params(name, params)
-            p = ctx.padded()
+            if check is not None:
+                check(ctx, **params)
+            p = ctx.padded(stats)
             padded, n = pad_pow2({s: p[s] for s in (*stats, "mask")})
-            return np.asarray(jitted(*(padded[s] for s in stats), padded["mask"], **params), np.float64)[:n]
+            out = jitted(*(padded[s] for s in stats), padded["mask"], **params)
+            scores, aux = out if isinstance(out, tuple) else (out, None)
+            said = note(np.asarray(aux)[:n], **params) if note is not None and aux is not None else None
+            if said and said not in ctx.notes:
+                ctx.notes.append(said)
+            return np.asarray(scores, np.float64)[:n]
 
         host.__doc__ = fn.__doc__
-        register(name, needs=("stats",), cost="stats", limits=limits, **defaults)(host)
-        REGISTRY[name] = dataclasses.replace(REGISTRY[name], pure=jitted, stats=tuple(stats))
+        register(name, needs=("stats",), cost="stats", limits=limits, stats=stats, **defaults)(host)
+        REGISTRY[name] = dataclasses.replace(REGISTRY[name], pure=jitted)
         return jitted
 
     return wrap
+
+
+def stats_read_by(names) -> tuple:
+    """The model's token statistics that the attacks ``names`` read, in ``STAT_NAMES`` order (empty when none
+    reads any): what a run's one scoring pass computes."""
+    wanted = {s for n in names for s in get(n).model_stats}
+    return tuple(s for s in STAT_NAMES if s in wanted)
 
 
 def available() -> list[str]:

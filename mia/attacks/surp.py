@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .mink import check_k, k_count_table
+from .mink import k_count_table
 from ..validate import Range
-from ..engine.batching import pad_pow2
-from .registry import AttackError, register
+from .registry import register_stats
 
 EMPTY_SCORE = 0.0
 
@@ -41,33 +39,23 @@ def bottom_k_selection(values_bl: jax.Array, mask_bl: jax.Array, *, k: float) ->
     return (rank_bl < kn_b[:, None]) & mask_bl
 
 
-def _surp(logprob_bl: jax.Array, entropy_bl: jax.Array, mask_bl: jax.Array, *, k: float, max_entropy: float):
-    """[B, L] log-probs, entropies, mask -> ([B] SURP score, [B] number of surprising tokens)."""
+def _note_empty(count_b, *, k: float, max_entropy: float):
+    """The user's line when some examples had no surprising token (they score ``EMPTY_SCORE``)."""
+    empty = int((count_b == 0).sum())
+    if empty:
+        return (f"surp: {empty} example(s) had no surprising token (k={k}, max_entropy={max_entropy}); they score "
+                f"{EMPTY_SCORE}")
+    return None
+
+
+@register_stats("surp", stats=("logprob", "entropy"), note=_note_empty, k=0.4, max_entropy=2.0,
+                limits={"k": Range(0, 1, lo_open=True), "max_entropy": Range(0, lo_open=True)})
+def surp(logprob_bl: jax.Array, entropy_bl: jax.Array, mask_bl: jax.Array, *, k: float = 0.4,
+         max_entropy: float = 2.0) -> tuple:
+    """SURP (Zhang & Wu 2024): mean log-prob of the bottom-k tokens whose entropy is below max_entropy (higher =
+    member). [B, L] log-probs, entropies, mask -> ([B] score, [B] number of surprising tokens)."""
     lp = logprob_bl.astype(jnp.float32)
     chosen = bottom_k_selection(lp, mask_bl, k=k) & (entropy_bl.astype(jnp.float32) < max_entropy)
     n_b = jnp.sum(chosen, axis=1)
     mean_b = jnp.sum(jnp.where(chosen, lp, 0.0), axis=1) / jnp.maximum(n_b, 1).astype(jnp.float32)
     return jnp.where(n_b > 0, mean_b, EMPTY_SCORE), n_b
-
-
-surp_scores = jax.jit(_surp, static_argnames=("k", "max_entropy"))
-
-
-@register("surp", needs=("stats",), k=0.4, max_entropy=2.0,
-          limits={"k": Range(0, 1, lo_open=True), "max_entropy": Range(0, lo_open=True)})
-def _surp_attack(ctx, *, k: float, max_entropy: float) -> np.ndarray:
-    """Mean log-prob of the bottom-k tokens with entropy < max_entropy (higher = member). Zhang & Wu 2024."""
-    k = check_k("surp", k)
-    if not max_entropy > 0:
-        raise AttackError(f"attack surp: max_entropy must be > 0 (nats), got {max_entropy}")
-    p = ctx.padded()
-    padded, n = pad_pow2({s: p[s] for s in ("logprob", "entropy", "mask")})
-    score, count = surp_scores(
-        padded["logprob"], padded["entropy"], padded["mask"], k=k, max_entropy=float(max_entropy)
-    )
-    empty = int((np.asarray(count)[:n] == 0).sum())
-    if empty:
-        note = (f"surp: {empty} example(s) had no surprising token (k={k}, max_entropy={max_entropy}); they "
-                f"score {EMPTY_SCORE}")
-        ctx.notes.append(note)
-    return np.asarray(score, np.float64)[:n]

@@ -20,9 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .loss import loglik_mask, mean_loglik
-from ..engine.batching import pad_pow2
-from .registry import register
+from .registry import get, register
 
 
 def zlib_length(text: str) -> int:
@@ -36,17 +34,13 @@ def zlib_ratio(loglik_b: jax.Array, zlen_b: jax.Array) -> jax.Array:
     return loglik_b.astype(jnp.float32) / zlen_b.astype(jnp.float32)
 
 
-@register("zlib", needs=("stats", "text"), skip_eos=False)
+@register("zlib", needs=("stats", "text"), stats=("logprob", "eos_target"), skip_eos=False)
 def _zlib_attack(ctx, *, skip_eos: bool = False) -> np.ndarray:
     """LL / zlib-compressed byte length of the text (higher = member). Carlini et al. 2021. ``skip_eos``: LL without
-    end-of-document targets (``mia.attacks.loss``)."""
-    p = ctx.padded()
-    mask = loglik_mask(ctx, skip_eos)
-    padded, n = pad_pow2({"logprob": p["logprob"], "mask": mask})
-    z = np.ones(padded["mask"].shape[0], np.float32)
-    z[:n] = [zlib_length(t) for t in ctx.texts()]
-    out = np.asarray(zlib_ratio(mean_loglik(padded["logprob"], padded["mask"]), z))[:n]
-    return np.where(mask.any(axis=1), out, np.nan)
+    end-of-document targets (``mia.attacks.loss``; NaN when none is left)."""
+    ll = get("loss").fn(ctx, skip_eos=skip_eos).astype(np.float32)  # float32, as computed
+    z = np.array([zlib_length(t) for t in ctx.texts()], np.float32)
+    return np.asarray(zlib_ratio(ll, z), np.float64)
 
 
 @register("zlib_entropy", needs=("text",))

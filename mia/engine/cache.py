@@ -26,8 +26,8 @@ from ..models.attention import requested_kernel
 from ..validate import InputError, output_dir
 from .stats import STAT_NAMES
 
-STATS_VERSION = "3"  # bump when the meaning or the numerics of cached statistics change (2: precision policy;
-# 3: one attention rounding rule)
+STATS_VERSION = "4"  # bump when the meaning or the numerics of cached statistics change (2: precision policy;
+# 3: one attention rounding rule; 4: a part holds the statistics it was asked for, named in its index)
 
 
 class BackgroundWriter:
@@ -108,10 +108,14 @@ class StatsCache:
 
     One part per finished batch, written (by ``writer``, a BackgroundWriter, when given) as soon as it is fetched,
     so an interrupted run loses at most the batches still on the device:
-      ``part-<name>.f32``   float32 little-endian [positions, len(STAT_NAMES)]: example j's rows are the
-                            contiguous block offsets[j]:offsets[j+1] (its T_j - 1 positions x the stats in order)
-      ``part-<name>.json``  the index {"stats", "keys", "offsets", "crc32", "rows"}: crc32[j] covers key j's bytes
-                            and then its block's bytes. Written after the data; a part without an index is ignored.
+      ``part-<name>.f32``   float32 little-endian [positions, len(stats)]: example j's rows are the
+                            contiguous block offsets[j]:offsets[j+1] (its T_j - 1 positions x the part's stats)
+      ``part-<name>.json``  the index {"stats", "keys", "offsets", "crc32", "rows"}: ``stats`` names the part's
+                            columns (a subset of ``STAT_NAMES``, in that order: what the pass was asked for);
+                            crc32[j] covers key j's bytes and then its block's bytes. Written after the data; a part
+                            without an index is ignored.
+    A lookup for some statistics is served by any part that holds all of them (a subset of its columns); an example
+    that no part covers is not served, and the engine computes it again with the statistics asked for.
     Both files are written atomically (``mia.atomic``); processes writing the same part write the same bytes.
 
     Reading (``lookup``) is bounded by what the run asks for: each index is read, then one contiguous read per
@@ -131,9 +135,10 @@ class StatsCache:
         self.bytes_read = 0
         self.label = label  # <namespace>/namespace.json, written when missing at a write (``mia cache info``)
 
-    def lookup(self, keys: Sequence[str]) -> dict[str, dict]:
-        """{key: {stat: float32 [n]}} for those of ``keys`` found intact on disk (the others are absent)."""
-        wanted, found = set(keys), {}
+    def lookup(self, keys: Sequence[str], stats: Sequence[str] = STAT_NAMES) -> dict[str, dict]:
+        """{key: {stat: float32 [n]} for each of ``stats``} for those of ``keys`` found intact on disk in a part that
+        holds every one of ``stats`` (the others are absent)."""
+        wanted, found, stats = set(keys), {}, tuple(stats)
         if self.dir is None or not self.dir.is_dir():
             return found
         for index_file in sorted(self.dir.glob("part-*.json")):
@@ -148,16 +153,20 @@ class StatsCache:
             except (OSError, ValueError, TypeError, KeyError) as e:
                 _warn_damaged(index_file, f"unreadable index: {e}")
                 continue
+            if not set(stats) <= set(index["stats"]):
+                continue
             todo = [(j, k) for j, k in enumerate(index["keys"]) if k in wanted and k not in found]
             if todo:
-                rows = self._read_rows(index_file.with_suffix(".f32"), index, todo)
+                rows = self._read_rows(index_file.with_suffix(".f32"), index, todo, stats)
                 if rows:
                     cache_limit.touch(index_file, index_file.with_suffix(".f32"))  # recency for LRU eviction
                 found.update(rows)
         return found
 
-    def _read_rows(self, data_file: Path, index: dict, todo: list) -> dict[str, dict]:
-        width = 4 * len(STAT_NAMES)
+    def _read_rows(self, data_file: Path, index: dict, todo: list, stats: Sequence[str]) -> dict[str, dict]:
+        columns = len(index["stats"])
+        width = 4 * columns
+        where = [index["stats"].index(s) for s in stats]
         out: dict[str, dict] = {}
         try:
             with open(data_file, "rb") as f:
@@ -173,8 +182,8 @@ class StatsCache:
                         or zlib.crc32(block, zlib.crc32(k.encode())) != index["crc32"][j]
                     ):
                         raise ValueError(f"example {k}: checksum mismatch")
-                    rows = np.frombuffer(block, "<f4").reshape(hi - lo, len(STAT_NAMES))
-                    out[k] = {s: np.array(rows[:, c], np.float32) for c, s in enumerate(STAT_NAMES)}  # own copies
+                    rows = np.frombuffer(block, "<f4").reshape(hi - lo, columns)
+                    out[k] = {s: np.array(rows[:, c], np.float32) for c, s in zip(where, stats)}  # own copies
         except FileNotFoundError as e:
             if data_file.with_suffix(".json").exists():  # an index without its data: damaged
                 _warn_damaged(data_file, str(e))
@@ -185,7 +194,8 @@ class StatsCache:
         return out
 
     def put_many(self, items: dict[str, dict]) -> None:
-        """Store {key: {stat: [n]}} as one part (in the background when a writer was given)."""
+        """Store {key: {stat: [n]}} as one part (in the background when a writer was given). Every item has the
+        same statistics (a subset of ``STAT_NAMES``); the part holds those."""
         if self.dir is None or not items:
             return
         if self.label is not None:  # again when eviction emptied the namespace and removed it
@@ -196,10 +206,13 @@ class StatsCache:
 
     def _write(self, items: dict[str, dict]) -> None:
         keys = list(items)
-        blocks = [np.stack([np.asarray(items[k][s], "<f4") for s in STAT_NAMES], axis=1).tobytes() for k in keys]
-        offsets = np.cumsum([0] + [len(items[k]["logprob"]) for k in keys]).tolist()
-        name = hashlib.sha256("".join(keys).encode()).hexdigest()[:16]
-        index = {"stats": list(STAT_NAMES), "keys": keys, "offsets": offsets, "rows": offsets[-1],
+        stats = [s for s in STAT_NAMES if s in items[keys[0]]]
+        if any(sorted(items[k]) != sorted(stats) for k in keys):
+            raise ValueError(f"the items of one cache part must hold the same statistics ({stats})")
+        blocks = [np.stack([np.asarray(items[k][s], "<f4") for s in stats], axis=1).tobytes() for k in keys]
+        offsets = np.cumsum([0] + [len(items[k][stats[0]]) for k in keys]).tolist()
+        name = hashlib.sha256(("".join(keys) + "|" + ",".join(stats)).encode()).hexdigest()[:16]
+        index = {"stats": stats, "keys": keys, "offsets": offsets, "rows": offsets[-1],
                  "crc32": [zlib.crc32(b, zlib.crc32(k.encode())) for k, b in zip(keys, blocks)]}
 
         def write():
@@ -213,8 +226,9 @@ class StatsCache:
 def _checked_index(index) -> dict:
     """The part index, or ValueError when its fields do not fit together."""
     keys, offsets, crc = index["keys"], index["offsets"], index["crc32"]
-    if index["stats"] != list(STAT_NAMES):
-        raise ValueError(f"stats {index['stats']} are not {list(STAT_NAMES)}")
+    names = index["stats"]
+    if not (isinstance(names, list) and names and names == [s for s in STAT_NAMES if s in names]):
+        raise ValueError(f"stats {names} are not a non-empty subset of {list(STAT_NAMES)} in that order")
     if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
         raise ValueError("keys are not a list of strings")
     if not (isinstance(offsets, list) and len(offsets) == len(keys) + 1 and all(type(o) is int for o in offsets)

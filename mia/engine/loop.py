@@ -22,7 +22,7 @@ from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_n
 from .distributed import any_process
 from ..sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, make_mesh,
                        param_shardings, put_params, replicated, start_fetch)
-from .stats import STAT_NAMES, chunk_size, token_stats
+from .stats import STAT_NAMES, canonical_stats, chunk_size, program_stats, token_stats
 
 @functools.lru_cache(maxsize=1)
 def default_mesh():
@@ -49,10 +49,10 @@ def rows_per_device(batch_rows: int, mesh) -> int:
     return max(1, batch_rows // data_size(mesh))
 
 
-def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None):
+def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None, stats: tuple = STAT_NAMES):
     """jit of ``token_stats`` with explicit shardings: (params [``shardings``], tokens [B, T] and valid [B, T] rows
-    over ``data``) -> {stat: [B, T-1]} replicated on every device. FSDP shards are all-gathered one layer at a
-    time inside the layer scan (``sharding.layer_gather``), the other leaves once per call.
+    over ``data``) -> {stat: [B, T-1]} (each of ``stats``) replicated on every device. FSDP shards are all-gathered
+    one layer at a time inside the layer scan (``sharding.layer_gather``), the other leaves once per call.
 
     ``model`` needs only ``hidden``/``unembed``/``vocab_size``, and the step can be ``.lower()``ed on
     ``jax.ShapeDtypeStruct`` arguments for abstract devices (compile-only planning). B must divide by ``data``.
@@ -66,17 +66,17 @@ def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None):
         b, t = tokens.shape
         c = chunk or chunk_size(rows_per_device(b, mesh), t - 1, model.vocab_size)
         params = gather_outside_layers(params, shardings, layers)
-        return token_stats(model, params, tokens, valid, chunk=c, layer_transform=gather)
+        return token_stats(model, params, tokens, valid, chunk=c, layer_transform=gather, stats=stats)
 
     return fail_safe(lambda: jax.jit(traced_over(mesh, step), in_shardings=(shardings, rows, rows),
                                      out_shardings=replicated(mesh)))
 
 
 @functools.lru_cache(maxsize=32)
-def jitted_token_stats(model, chunk: Optional[int] = None):
-    """The engine's token-stats step for one Model, on its layout (``engine_layout``)."""
+def jitted_token_stats(model, chunk: Optional[int] = None, stats: tuple = STAT_NAMES):
+    """The engine's token-stats step for one Model and one set of statistics, on its layout (``engine_layout``)."""
     mesh, shardings = engine_layout(model)
-    return build_token_stats_step(model, mesh, shardings, chunk)
+    return build_token_stats_step(model, mesh, shardings, chunk, program_stats(stats))
 
 
 def pipelined(batches, dispatch: Callable, consume: Callable, depth: int = 1) -> None:
@@ -121,8 +121,13 @@ def compute_token_stats(
     params=None,
     desc: str = "scoring",
     cache_tag: str = "",
+    stats=None,
 ) -> list[dict]:
-    """Token stats for each token sequence (each at least 2 tokens): a list of {stat: np.ndarray [T_i - 1]}.
+    """Token stats for each token sequence (each at least 2 tokens): a list of {stat: np.ndarray [T_i - 1]}, one
+    entry per statistic of ``stats`` (None: all of ``STAT_NAMES``). The pass computes the log-prob alone when that
+    is all that is asked for, else every statistic (``mia.engine.stats.program_stats``), and caches what it computed.
+    A cached entry serves any request it covers; an example whose cached entries lack a requested statistic is
+    computed again, whole (and stored with every statistic).
 
     Batches are length-bucketed (one row count per bucket), their rows sharded over the mesh's ``data`` axis,
     parameters placed once with the model's shardings; the next batch is dispatched before the previous one is
@@ -146,11 +151,13 @@ def compute_token_stats(
     with BackgroundWriter() as writer:
         cache = StatsCache(cache_dir, cache_namespace(model, cache_tag) if cache_dir else "", writer,
                            label=cache_label(model, cache_tag) if cache_dir else None)
-        cached = cache.lookup(keys)
+        stats = canonical_stats(stats)
+        program = program_stats(stats)
+        cached = cache.lookup(keys, stats)
         results: list[Optional[dict]] = [cached.get(k) for k in keys]
         del cached
         todo = np.flatnonzero(any_process(np.array([r is None for r in results], bool)))
-        fn = jitted_token_stats(model)
+        fn = jitted_token_stats(model, None, program)
         rows_sharding = batch_sharding(mesh)
         lengths = [len(token_lists[i]) for i in todo]
         plan = token_stats_plan(settings, lengths, row_cost(model), data_size(mesh))
@@ -170,8 +177,8 @@ def compute_token_stats(
                 for (r, off), m in zip(slots, batch.members):
                     i = todo[m]
                     n = len(token_lists[i]) - 1
-                    results[i] = {s: np.asarray(out[s][r, off:off + n], np.float32) for s in STAT_NAMES}
-                    fresh[keys[i]] = results[i]
+                    fresh[keys[i]] = {s: np.asarray(out[s][r, off:off + n], np.float32) for s in program}
+                    results[i] = {s: fresh[keys[i]][s] for s in stats}
                 cache.put_many(fresh)
                 bar.update(sum(len(token_lists[todo[m]]) for m in batch.members))
 

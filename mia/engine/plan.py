@@ -55,6 +55,7 @@ from .batching import ScoringSettings, bucket_length, pow2_floor, row_length
 from .conditional import build_cond_step, build_prefix_step, prefix_room, prefix_shardings
 from .generate import Sampling, build_decode_step
 from .loop import build_token_stats_step
+from .stats import STAT_NAMES, program_stats
 from ..sharding import batch_sharding, make_mesh, param_shardings, replicated, sharded_bytes
 
 GiB = 1 << 30
@@ -371,9 +372,10 @@ def row_args(b: int, t: int, sharding) -> tuple:
             jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=sharding))
 
 
-def token_stats_steps(name: str, model, mesh, shardings, params, batch: int, t: int) -> list:
-    """[(name, (batch, t), the token-stats step lowered at batch x t rows over ``data``)]."""
-    step = build_token_stats_step(model, mesh, shardings)
+def token_stats_steps(name: str, model, mesh, shardings, params, batch: int, t: int, stats=STAT_NAMES) -> list:
+    """[(name, (batch, t), the token-stats step for ``stats`` (``mia.engine.stats.program_stats``: the program a
+    run asking for them compiles) lowered at batch x t rows over ``data``)]."""
+    step = build_token_stats_step(model, mesh, shardings, None, program_stats(stats))
     return [(name, (batch, t), step.lower(params, *row_args(batch, t, batch_sharding(mesh))))]
 
 

@@ -11,6 +11,11 @@ Per target token, all float32:
   std_logp  sigma_t = sqrt(sum_v p_v (log p_v - mu_t)^2)
   entropy   H_t = -mu_t
 
+Statistics on demand: a pass computes only the statistics it is asked for (``stats=``; each attack declares what it
+reads). ``logprob`` is always the logit minus the logsumexp (``logprob_from_logits``, as the conditional engine
+computes it); the moments come from one fused pass of three sums (``stats_from_logits``) only when an attack reads
+one (``program_stats``). A statistic has the same bits whatever else was asked for (tested).
+
 Vocabulary x sequence memory is bounded: ``head_chunks`` applies the LM head to ``chunk`` positions at a time
 (``lax.map``), never to the whole [B, T, V] block. Scoring (``token_stats``) and conditional likelihoods
 (``mia.engine.conditional``) share it.
@@ -37,12 +42,7 @@ def stats_from_logits(logits_bcv: jax.Array, next_bc: jax.Array) -> dict:
     The three sums are one variadic reduction over blocks of 128 entries (so exp is evaluated once per entry,
     not once per sum) followed by ordinary sums over the blocks (so float32 accuracy stays that of a tree sum).
     """
-    z = logits_bcv.astype(jnp.float32)
-    zs = z - jnp.max(z, axis=-1, keepdims=True)
-    *lead, v = zs.shape
-    pad = -v % _LANES
-    # padded entries: e = exp(-1e4) = 0 exactly, so they add nothing to S, A or Q
-    blocks = jnp.pad(zs, [(0, 0)] * len(lead) + [(0, pad)], constant_values=-1e4).reshape(*lead, -1, _LANES)
+    zs, blocks = _blocked(logits_bcv)
     e = jnp.exp(blocks)
     ez = e * blocks
     s, a, q = jax.lax.reduce((e, ez, ez * blocks), (0.0, 0.0, 0.0),
@@ -54,6 +54,48 @@ def stats_from_logits(logits_bcv: jax.Array, next_bc: jax.Array) -> dict:
     mu = mean_z - log_s
     var = jnp.maximum(q / s - jnp.square(mean_z), 0.0)
     return {"logprob": tok, "mean_logp": mu, "std_logp": jnp.sqrt(var), "entropy": -mu}
+
+
+def _blocked(logits_bcv: jax.Array) -> tuple:
+    """(z - max z [..., V], the same in blocks of 128 [..., V / 128, 128] padded with -1e4) in float32."""
+    z = logits_bcv.astype(jnp.float32)
+    zs = z - jnp.max(z, axis=-1, keepdims=True)
+    *lead, v = zs.shape
+    pad = -v % _LANES
+    # padded entries: e = exp(-1e4) = 0 exactly, so they add nothing to any sum
+    return zs, jnp.pad(zs, [(0, 0)] * len(lead) + [(0, pad)], constant_values=-1e4).reshape(*lead, -1, _LANES)
+
+
+def stat_reducer(names: Sequence[str]) -> Callable:
+    """The chunk reduction of a pass asked for ``names`` (``program_stats``): {stat: [B, C]} of ``logprob`` alone
+    (``logprob_from_logits``: logit minus logsumexp), or of every statistic (the same ``logprob`` beside the fused
+    pass's moments, ``stats_from_logits``)."""
+    if program_stats(names) == ("logprob",):
+        return lambda logits, nxt: {"logprob": logprob_from_logits(logits, nxt)}
+
+    def every_stat(logits_bcv, next_bc):
+        return {**stats_from_logits(logits_bcv, next_bc), "logprob": logprob_from_logits(logits_bcv, next_bc)}
+
+    return every_stat
+
+
+def program_stats(names: Optional[Sequence[str]]) -> tuple:
+    """What a pass asked for the statistics ``names`` (None: all) computes: ``("logprob",)`` when that is all, else
+    every statistic. Two programs only, because XLA compiles a reduction differently in other company (and drops
+    outputs nobody returns), and the last bit of a sum depends on it: so a statistic has the same bits whatever else
+    was asked for (tested). The moments cost little beside each other (one fused pass); the log-prob alone costs
+    one logsumexp."""
+    wanted = canonical_stats(names)
+    return ("logprob",) if wanted == ("logprob",) else STAT_NAMES
+
+
+def canonical_stats(names: Optional[Sequence[str]]) -> tuple:
+    """``names`` (None: all) in ``STAT_NAMES`` order, without repeats; ``ValueError`` for an unknown name or none."""
+    names = STAT_NAMES if names is None else tuple(names)
+    unknown = [n for n in names if n not in STAT_NAMES]
+    if unknown or not names:
+        raise ValueError(f"token statistics must be a non-empty subset of {', '.join(STAT_NAMES)}; got {names}")
+    return tuple(n for n in STAT_NAMES if n in names)
 
 
 def logprob_from_logits(logits_bcv: jax.Array, next_bc: jax.Array) -> jax.Array:
@@ -87,9 +129,11 @@ def head_chunks(unembed: Callable, params, h_bnd: jax.Array, next_bn: jax.Array,
     return jax.tree_util.tree_map(lambda v: v.swapaxes(0, 1).reshape(b, n + n_pad)[:, :n], out)
 
 
-def stats_from_hidden(unembed: Callable, params, h_btd: jax.Array, next_bt: jax.Array, chunk: int) -> dict:
-    """``stats_from_logits`` of every position: h [B, N, D], next tokens [B, N] -> {stat: [B, N]}."""
-    return head_chunks(unembed, params, h_btd, next_bt, chunk, stats_from_logits)
+def stats_from_hidden(unembed: Callable, params, h_btd: jax.Array, next_bt: jax.Array, chunk: int,
+                      stats: Sequence[str] = STAT_NAMES) -> dict:
+    """The statistics ``stats`` of every position (``stat_reducer``): h [B, N, D], next tokens [B, N] ->
+    {stat: [B, N]}."""
+    return head_chunks(unembed, params, h_btd, next_bt, chunk, stat_reducer(stats))
 
 
 def logprob_from_hidden(unembed: Callable, params, h_bnd: jax.Array, next_bn: jax.Array, chunk: int) -> jax.Array:
@@ -116,16 +160,16 @@ def next_token_inputs(tokens_bt: jax.Array, valid_bt: jax.Array) -> tuple:
 
 
 def token_stats(model, params, tokens_bt: jax.Array, valid_bt: jax.Array, *, chunk: Optional[int] = None,
-                layer_transform: Optional[Callable] = None) -> dict:
-    """Pure: (params, tokens [B, T], valid [B, T]) -> {stat: [B, T-1] float32, "mask": [B, T-1] bool}. ``valid``:
-    bool, or int32 segment ids of packed rows (``mia.models.common.is_packed``). The model reads T-1 positions
-    (``next_token_inputs``: each text's last token is only predicted).
+                layer_transform: Optional[Callable] = None, stats: Sequence[str] = STAT_NAMES) -> dict:
+    """Pure: (params, tokens [B, T], valid [B, T]) -> {stat: [B, T-1] float32 for each of ``stats``, "mask":
+    [B, T-1] bool}. ``valid``: bool, or int32 segment ids of packed rows (``mia.models.common.is_packed``). The model
+    reads T-1 positions (``next_token_inputs``: each text's last token is only predicted).
     ``layer_transform``: see ``Model.hidden`` (the engine gathers FSDP shards one layer at a time with it)."""
     b, t = tokens_bt.shape
     chunk = chunk or chunk_size(b, t - 1, model.vocab_size)
     inputs, fed, targets, mask = next_token_inputs(tokens_bt, valid_bt)
     h, _ = model.hidden(params, inputs, fed, layer_transform=layer_transform)
-    out = stats_from_hidden(model.unembed, params, h, targets, chunk)
+    out = stats_from_hidden(model.unembed, params, h, targets, chunk, stats)
     out["mask"] = mask
     return out
 
@@ -133,11 +177,11 @@ def token_stats(model, params, tokens_bt: jax.Array, valid_bt: jax.Array, *, chu
 def pad_stats(stats: Sequence[dict], names: Sequence[str] = STAT_NAMES) -> dict:
     """Stack variable-length per-example stats into [N, L] arrays (zero padded) plus a bool ``mask``."""
     n = len(stats)
-    width = max((len(s["logprob"]) for s in stats), default=1)
+    width = max((len(next(iter(s.values()))) for s in stats if s), default=1)
     out = {k: np.zeros((n, width), np.float32) for k in names}
     mask = np.zeros((n, width), bool)
     for i, s in enumerate(stats):
-        m = len(s["logprob"])
+        m = len(next(iter(s.values())))
         for k in names:
             out[k][i, :m] = s[k]
         mask[i, :m] = True
