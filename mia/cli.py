@@ -392,7 +392,9 @@ def _add_doctor_parser(sub) -> None:
                                    "devices with one device, check the cache directories, time a Pythia-160m-shaped "
                                    "model and measure what bfloat16 costs in each attack's score. Prints one table; "
                                    "exits 1 naming the first failing check (docs/doctor.md).")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the report to FILE as JSON")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the report to FILE as JSON (its directory is created; checked writable before "
+                        "any check runs)")
     p.add_argument("--checks", default=None, metavar="LIST",
                    help="only these checks, comma-separated (default: platform,attention,mesh,cache,speed,precision)")
     p.add_argument("--families", default=None, metavar="LIST",
@@ -402,17 +404,16 @@ def _add_doctor_parser(sub) -> None:
 
 def cmd_doctor(args) -> int:
     """``mia doctor``: ``mia.checkup.doctor``'s table on stdout (progress on stderr), 1 when a check failed."""
-    from .checkup import CHECKS, doctor, print_progress, write_report  # not at the top: jax (fast --help)
+    from .checkup import CHECKS, check_report_path, doctor, name_list, print_progress, write_report  # (jax)
+    from .models.family import FAMILIES  # (the same)
 
     if args.json:
-        V.output_file(args.json, "--json")  # before a minute of checks
-    checks = CHECKS if args.checks is None else [c.strip() for c in args.checks.split(",") if c.strip()]
-    families = None if args.families is None else [f.strip() for f in args.families.split(",") if f.strip()]
-    if families is not None:
-        from .models.family import family  # (the same)
-
-        for f in families:
-            family(f)  # an unknown family: one error line listing the supported ones
+        check_report_path(args.json, "--json")  # before a minute of checks
+    # an empty list, or a name that is not one: one error line naming the flag (an empty one ran nothing and said
+    # "all checks passed")
+    checks = CHECKS if args.checks is None else name_list(args.checks, "--checks", CHECKS, "doctor check(s)")
+    families = (None if args.families is None
+                else name_list(args.families, "--families", sorted(FAMILIES), "model family(-ies)"))
     report = doctor(checks=checks, families=families, progress=print_progress)
     print(report.table())
     if args.json:
