@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from ..offline import force_offline
-from ..validate import utf8_lines
+from ..validate import check_json_file, utf8_lines
 from .splits import SplitError, assign_partitions, file_record, partition_counts
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv", ".txt": "text"}
@@ -95,6 +95,8 @@ def load_rows(path, contains: Optional[str] = None) -> tuple:
         if strings is not None:  # MIMIR's cache_*/{train,test}/*.jsonl: one JSON string per line
             rows.extend({"text": x} for x in strings)
             continue
+        if b == "json":  # a bad line is named here (file:LINE), not in datasets' words ("An error occurred ...")
+            check_json_file(f, TextDataError)
         rows.extend(_load_with_datasets(f, b))
     return rows, files
 
