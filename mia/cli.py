@@ -19,6 +19,7 @@ from .documents import check_document_records, check_train_documents, score_docu
 from .file_hash import check_cache_dir, default_cache_dir
 from .metrics import metric_rows
 from .report import metrics_table
+from .results import why_no_metrics
 
 
 def _add_score_parser(sub) -> None:
@@ -161,6 +162,8 @@ def cmd_score(args) -> int:
                     print(f"note: {note}", file=sys.stderr)
                 if run.labelled:
                     print(run.metrics(n_resamples=args.bootstrap, seed=args.seed, delta=args.delta))
+                elif run.scores:  # the scores are written; the table would be wrong, so say why there is none
+                    print(f"note: no metrics table: {run.why_no_metrics()}", file=sys.stderr)
                 print(f"wrote {len(run.examples)} scored example(s) to {args.out}", file=sys.stderr)
         distributed.barrier("mia score: done")
         distributed.finish()
@@ -209,8 +212,11 @@ def report_documents(args, run) -> None:
     print(f"document level: {docs.n_train} train document(s), {len(docs.ids)} evaluation document(s); "
           f"features {args.doc_features}" + (f" ({args.doc_bins} bins)" if args.doc_features != "agg" else "")
           + f", classifier {args.doc_classifier}")
-    if (docs.labels >= 0).all() and len(set(docs.labels.tolist())) == 2:
+    if why_no_metrics(docs.labels) is None:
         print(metrics_table(metric_rows(docs.scores, docs.labels, docs.ids, args.bootstrap, args.seed)))
+    else:
+        print(f"note: no metrics table: {why_no_metrics(docs.labels).replace('example', 'document')}",
+              file=sys.stderr)
     print(f"wrote {len(docs.ids)} scored document(s) to {args.out}", file=sys.stderr)
 
 
