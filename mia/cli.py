@@ -19,7 +19,7 @@ from .documents import check_document_records, check_train_documents, score_docu
 from .file_hash import check_cache_dir, default_cache_dir
 from .metrics import metric_rows
 from .report import metrics_table
-from .results import why_no_metrics
+from .results import no_metrics_reason
 
 
 def _add_score_parser(sub) -> None:
@@ -212,11 +212,11 @@ def report_documents(args, run) -> None:
     print(f"document level: {docs.n_train} train document(s), {len(docs.ids)} evaluation document(s); "
           f"features {args.doc_features}" + (f" ({args.doc_bins} bins)" if args.doc_features != "agg" else "")
           + f", classifier {args.doc_classifier}")
-    if why_no_metrics(docs.labels) is None:
+    why = no_metrics_reason(docs.labels)
+    if why is None:
         print(metrics_table(metric_rows(docs.scores, docs.labels, docs.ids, args.bootstrap, args.seed)))
     else:
-        print(f"note: no metrics table: {why_no_metrics(docs.labels).replace('example', 'document')}",
-              file=sys.stderr)
+        print(f"note: no metrics table: {why.replace('example', 'document')}", file=sys.stderr)
     print(f"wrote {len(docs.ids)} scored document(s) to {args.out}", file=sys.stderr)
 
 

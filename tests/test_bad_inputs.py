@@ -877,7 +877,7 @@ def test_one_class_labels_say_why_there_is_no_table(tiny_neox_dir, tmp_path, cap
     run = ScoreRun(mia.api.read_data([{"text": "a", "label": 0}, {"text": "b", "label": 0}]), {"loss": np.zeros(2)})
     with pytest.raises(ValueError, match=r"no metrics: the labels are all 0 \(non-members\); AUC and TPR need both"):
         run.metrics()
-    assert "no metrics: the labels are all 0 (non-members)" in repr(run)
+    assert "no metrics (the labels are all 0 (non-members))" in repr(run)
 
 
 def test_table_size():
