@@ -24,13 +24,14 @@ from .results import no_metrics_reason
 
 def _add_score_parser(sub) -> None:
     p = sub.add_parser("score", help="score examples with one or more attacks",
-                       description="Score examples ({id?, text|tokens, label?}: a JSONL, CSV or Parquet file, or a "
-                                   "datasets save_to_disk directory) with membership inference attacks. Every score: "
-                                   "higher = more likely member.")
+                       description="Score examples ({id?, text|tokens, label?}: a JSONL, JSON, CSV, TSV or Parquet "
+                                   "file, or a datasets save_to_disk directory) with membership inference attacks. "
+                                   "Every score: higher = more likely member.")
     p.add_argument("--model", required=True, help="local Hugging Face-layout model directory, or ORG/NAME[@REVISION] "
                                                   "from the Hugging Face cache (offline; docs/models.md)")
     p.add_argument("--data", required=True,
-                   help="the examples: JSONL (or a split file), .csv or .parquet, or a directory saved by datasets' "
+                   help="the examples: .jsonl (or a split file; also .ndjson or no suffix), .json (an array of rows), "
+                        ".csv, .tsv or .parquet (any other suffix is refused), or a directory saved by datasets' "
                         "save_to_disk (a DatasetDict: DIR/SPLIT); docs/score.md#inputs")
     p.add_argument("--columns", type=_column_map, default=None, metavar="FIELD=COLUMN,...",
                    help="the data's column for each field it names differently, e.g. text=body,label=is_member "
