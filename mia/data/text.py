@@ -27,6 +27,7 @@ import numpy as np
 
 from ..offline import force_offline
 from ..validate import check_json_file, utf8_lines
+from .examples import DataError, Example, check_label_conflicts
 from .splits import SplitError, assign_partitions, file_record, partition_counts
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv", ".txt": "text"}
@@ -294,8 +295,6 @@ def check_text_label_conflicts(examples: list, files: Sequence) -> None:
     filter): ``mia score``'s rule (``mia.data.examples.check_label_conflicts``: the same text labelled 1 and 0 is
     one input that cannot be both a member and a non-member), applied when the split is made, whichever rows the
     seed draws. One ``TextDataError`` naming both ids and the input."""
-    from .examples import DataError, Example, check_label_conflicts
-
     where = str(files[0]) if len(files) == 1 else "the input files"
     try:
         check_label_conflicts([Example(id=str(e["id"]), text=e["text"], label=e["label"], source=where)
