@@ -37,7 +37,8 @@ from mia.metrics import auc as roc_auc
 
 from mia.checkpoints import memorized_checkpoint, open_members, pick_members
 from mia.data.draw import draw_testbed_split, SplitSizes
-from .common import flags_named, experiment_parser, ExperimentError, fmt, run_main, select_attacks, write_tables
+from .common import (flags_named, experiment_parser, ExperimentError, fmt, MEMORIZE_EPOCHS_MAX, MEMORIZE_TYPE, run_main,
+                     select_attacks, write_tables)
 
 # attacks whose scores depend on the seed (random noise, sampling, augmentation): their float32 scores under another
 # seed are the yardstick for the bf16 change
@@ -170,7 +171,8 @@ def main(argv=None) -> int:
                    help="checkpoint step (default: the last)")
     p.add_argument("--attacks", default=None, help="comma list (default: every attack that needs no extra input)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="modes to compare, the first is the reference")
-    p.add_argument("--memorize-epochs", type=int, default=0)
+    p.add_argument("--memorize-epochs", type=MEMORIZE_TYPE, default=0,
+                   help=f"memorization dial: E more epochs on the members (at most {MEMORIZE_EPOCHS_MAX:,})")
     args = p.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
 

@@ -41,7 +41,8 @@ from mia.checkpoints import check_testbed_checkpoints, memorized_checkpoint
 from mia.data.draw import draw_testbed_split, SplitSizes
 from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, add_model_flags, check_paths, experiment_parser,
                                 ExperimentError, fmt, one_step, plot_roc, run_blind_baselines, run_main, say_fn,
-                                score_split, select_attacks as _select, sha_file, Timings, versions, write_json)
+                                score_split, select_attacks as _select, sha_file, Timings, TRAIN_STEPS_MAX,
+                                TRAIN_STEPS_TYPE, versions, write_json)
 
 # Examples per class in each partition, per preset (non-members only in calib / prefix).
 SIZES = {
@@ -309,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-blind", action="store_true", help="skip the blind baselines")
     p.add_argument("--corpus", default=None,
                    help="corpus for a new testbed: directory or .jsonl/.parquet (default: stdlib)")
-    p.add_argument("--train-steps", type=V.arg_int(1), default=None, help="testbed override: steps to train")
+    p.add_argument("--train-steps", type=TRAIN_STEPS_TYPE, default=None,
+                   help=f"testbed override: steps to train (at most {TRAIN_STEPS_MAX:,})")
     p.add_argument("--batch-size", type=V.arg_int(1), default=None, help="testbed override: rows per step")
     return p
 

@@ -57,6 +57,7 @@ from mia.file_hash import check_cache_dir, sha256_of_file
 from mia.metrics import N_RESAMPLES
 from mia.report import json_safe, write_json
 from mia.testbed import build_testbed
+from mia.testbed.config import MEMORIZE_EPOCHS_MAX, TRAIN_STEPS_MAX
 from mia.testbed.suite import SUITES
 
 
@@ -72,7 +73,8 @@ DEFAULT_BOOTSTRAP = N_RESAMPLES  # mia.metrics' documented default: 1,000 resamp
 SEED_TYPE = V.arg_int(0, V.INT32_MAX)
 BOOTSTRAP_TYPE = V.arg_int(0)
 STEPS_TYPE = V.arg_int_list(1)
-MEMORIZE_TYPE = V.arg_int(0)
+MEMORIZE_TYPE = V.arg_int(0, MEMORIZE_EPOCHS_MAX)  # docs/testbed.md#bounds
+TRAIN_STEPS_TYPE = V.arg_int(1, TRAIN_STEPS_MAX)
 ROWS_TYPE = V.arg_int(1)
 SEQ_LEN_TYPE = V.arg_int(2)
 RENAMED_FLAGS = {"--sizes": "--member", "--step": "--steps"}  # old spelling -> the flag it became
@@ -143,7 +145,8 @@ def add_model_flags(parser, *, testbed: str = "testbed directories sharing one d
         _add_renamed(parser, "--steps")
     if "memorize" in which:
         parser.add_argument("--memorize-epochs", type=MEMORIZE_TYPE, default=0,
-                            help="memorization dial: train each evaluated checkpoint E more epochs on its members only")
+                            help="memorization dial: train each evaluated checkpoint E more epochs on its members only "
+                                 f"(at most {MEMORIZE_EPOCHS_MAX:,})")
 
 
 def add_olmo_flags(parser, *, olmo: str = "OLMo checkpoint directory (or a directory of stepN[-tokens...]/ ones)"

@@ -75,8 +75,9 @@ def resolve_attacks(attacks) -> list[tuple[str, str, dict]]:
 def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = None, *,
               column_map: Optional[dict] = None, id_prefix: str = "", require_columns: bool = True) -> list[Example]:
     """Checked ``Example``s (copies: the caller's objects are never modified) from data in any common form: a JSONL,
-    CSV or Parquet file, a directory saved by ``datasets``, a list of dicts ``{id?, text|tokens, label?,
-    partition?, doc_id?}`` or ``Example``s, a pandas DataFrame, a ``datasets.Dataset``, a pyarrow Table, any iterable
+    JSON (an array of rows), CSV, TSV or Parquet file (any other suffix is refused), a directory saved by
+    ``datasets``, a list of dicts ``{id?, text|tokens, label?, partition?, doc_id?}`` or ``Example``s, a pandas
+    DataFrame, a ``datasets.Dataset``, a pyarrow Table, any iterable
     of dicts (``mia.data.sources``, docs/score.md#inputs). ``partitions``: the partition names allowed (None: any),
     so a misspelt one is an error, not a line left out; ``column_map``: field -> column (``{"text": "body"}``;
     ``require_columns``: every mapped column present); ``id_prefix``: before the positions that are the ids of data
@@ -146,9 +147,9 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     """Score the examples of ``data`` with ``attacks``; higher = more likely member.
 
     ``model``      a ``Model`` (``mia.load``) or a checkpoint directory
-    ``data``       the examples, in any form of ``read_data``: a JSONL (or split), CSV or Parquet file, a directory
-                   saved by ``datasets``, a list of dicts or ``Example``s, a pandas DataFrame, a ``datasets.Dataset``,
-                   a pyarrow Table;
+    ``data``       the examples, in any form of ``read_data``: a JSONL (or split), JSON, CSV, TSV or Parquet file,
+                   a directory saved by ``datasets``, a list of dicts or ``Example``s, a pandas DataFrame, a
+                   ``datasets.Dataset``, a pyarrow Table;
                    examples of the ``scored`` partitions (default ``eval``; a row without ``partition`` is ``eval``)
                    are scored, the others (``prefix``, ``member_prefix``, ``calib``, ``train``) are what attacks
                    learn from

@@ -2,8 +2,10 @@
 
 ``doctor()`` runs the checks below and returns a ``DoctorReport`` (the rows as data; ``table()`` is what the command
 prints, ``to_json()`` what ``--json`` writes). A check that raises becomes a failing row naming the error: the
-doctor itself never ends in a traceback. Nothing is downloaded and nothing is written outside a probe file in each
-cache directory (deleted at once). On the 2-core development CPU it takes under a minute (docs/doctor.md).
+doctor itself never ends in a traceback. Nothing is downloaded; the cache check creates the cache directories when
+missing and writes a probe file in each (deleted at once), ``--json`` writes its file, and JAX fills its own
+compilation cache only when ``JAX_COMPILATION_CACHE_DIR`` (or the process's jax config) sets one (docs/doctor.md
+says exactly what is written). On the 2-core development CPU it takes under a minute.
 
   platform    backend, device kind and count, jax / jaxlib / flax / mia versions, the precision (``auto`` dtype)
               and the attention kernel auto picks here (information rows)
@@ -24,7 +26,9 @@ cache directory (deleted at once). On the 2-core development CPU it takes under 
               largest bfloat16-vs-float32 difference in its score on the check rows of every family, against
               ``PRECISION_TOLERANCE`` (0.1 nats per row; zlib's divided by the row's compressed length)
 
-Every check can fail, and the report's ``first_failure`` names the first failing row; ``mia doctor`` then exits 1.
+A failing row makes ``first_failure`` name the first one, and ``mia doctor`` then exits 1. Every check can fail,
+except the ``exact`` attention rows on a float32 backend (a CPU), which compare float32 exact attention with itself
+and fail only if it raises.
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ from .models import hub
 from .models.family import FAMILIES, tiny_config
 from .models.family import family as family_of
 from .sharding import batch_sharding, describe, make_mesh, param_shardings, put_params
+from .validate import InputError, output_file
 from .version import __version__
 
 CHECKS = ("platform", "attention", "mesh", "cache", "speed", "precision")
@@ -491,13 +496,47 @@ CHECK_FUNCTIONS: dict = {"platform": platform_rows, "attention": attention_rows,
                          "cache": cache_rows, "speed": speed_rows, "precision": precision_rows}
 
 
+# ------------------------------------------------------------------------------------- the arguments of a run
+def name_list(names, what: str, known: Sequence[str], noun: str) -> list:
+    """``names`` (a comma-separated string, as ``--checks`` / ``--families`` give them, or a sequence) checked
+    before anything runs: at least one, each of ``known`` (``noun`` names them in the error: "doctor check(s)").
+    One ``InputError`` line naming ``what`` otherwise (an empty list would run nothing and report every check
+    passed)."""
+    if isinstance(names, str):
+        names = names.split(",")
+    names = [str(n).strip() for n in names if str(n).strip()]
+    if not names:
+        raise InputError(f"{what}: empty; give some of {', '.join(known)}")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise InputError(f"{what}: unknown {noun} {', '.join(unknown)}; expected some of {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+def check_report_path(path, what: str = "--json") -> Path:
+    """The JSON report's destination, checked before a minute of checks: not a directory, no file in its way, and
+    writable (its directory is created, as ``mia score --out``'s is, and a probe file is written in it and removed
+    at once: a read-only file system or a directory the user may not write is found even as root). One
+    ``InputError`` line naming ``what`` otherwise."""
+    p = output_file(path, what)
+    try:
+        p.absolute().parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.absolute().parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"{what} {p}: cannot be written ({e.strerror or e})") from None
+    return p
+
+
 def doctor(*, checks: Sequence[str] = CHECKS, families: Optional[Sequence[str]] = None,
            progress: Optional[Callable[[str], None]] = None) -> DoctorReport:
     """Run the checks (``CHECKS``, in that order; a subset by name) on ``families`` (default: every registered
-    family) and return the report. ``progress(check)`` is called before each check starts."""
-    unknown = [c for c in checks if c not in CHECK_FUNCTIONS]
-    if unknown:
-        raise ValueError(f"unknown doctor check(s) {', '.join(unknown)}; expected some of {', '.join(CHECKS)}")
+    family) and return the report. ``progress(check)`` is called before each check starts. An empty ``checks`` or
+    ``families``, or a name that is not one, is a ``ValueError`` (``name_list``) before anything runs."""
+    checks = name_list(checks, "checks", CHECKS, "doctor check(s)")
+    if families is not None:
+        families = name_list(families, "families", sorted(FAMILIES), "model family(-ies)")
     t0 = time.perf_counter()
     families = sorted(FAMILIES) if families is None else list(families)
     rows: list = []
@@ -518,7 +557,8 @@ def doctor(*, checks: Sequence[str] = CHECKS, families: Optional[Sequence[str]] 
 
 
 def write_report(report: DoctorReport, path) -> None:
-    """``report.to_json()`` to ``path`` (written atomically)."""
+    """``report.to_json()`` to ``path`` (written atomically; its directory created if missing)."""
+    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
     write_json(path, report.to_json(), indent=1)
 
 

@@ -19,17 +19,19 @@ from .documents import check_document_records, check_train_documents, score_docu
 from .file_hash import check_cache_dir, default_cache_dir
 from .metrics import metric_rows
 from .report import metrics_table
+from .results import no_metrics_reason
 
 
 def _add_score_parser(sub) -> None:
     p = sub.add_parser("score", help="score examples with one or more attacks",
-                       description="Score examples ({id?, text|tokens, label?}: a JSONL, CSV or Parquet file, or a "
-                                   "datasets save_to_disk directory) with membership inference attacks. Every score: "
-                                   "higher = more likely member.")
+                       description="Score examples ({id?, text|tokens, label?}: a JSONL, JSON, CSV, TSV or Parquet "
+                                   "file, or a datasets save_to_disk directory) with membership inference attacks. "
+                                   "Every score: higher = more likely member.")
     p.add_argument("--model", required=True, help="local Hugging Face-layout model directory, or ORG/NAME[@REVISION] "
                                                   "from the Hugging Face cache (offline; docs/models.md)")
     p.add_argument("--data", required=True,
-                   help="the examples: JSONL (or a split file), .csv or .parquet, or a directory saved by datasets' "
+                   help="the examples: .jsonl (or a split file; also .ndjson or no suffix), .json (an array of rows), "
+                        ".csv, .tsv or .parquet (any other suffix is refused), or a directory saved by datasets' "
                         "save_to_disk (a DatasetDict: DIR/SPLIT); docs/score.md#inputs")
     p.add_argument("--columns", type=_column_map, default=None, metavar="FIELD=COLUMN,...",
                    help="the data's column for each field it names differently, e.g. text=body,label=is_member "
@@ -161,6 +163,8 @@ def cmd_score(args) -> int:
                     print(f"note: {note}", file=sys.stderr)
                 if run.labelled:
                     print(run.metrics(n_resamples=args.bootstrap, seed=args.seed, delta=args.delta))
+                elif run.scores:  # the scores are written; the table would be wrong, so say why there is none
+                    print(f"note: no metrics table: {run.why_no_metrics()}", file=sys.stderr)
                 print(f"wrote {len(run.examples)} scored example(s) to {args.out}", file=sys.stderr)
         distributed.barrier("mia score: done")
         distributed.finish()
@@ -209,8 +213,11 @@ def report_documents(args, run) -> None:
     print(f"document level: {docs.n_train} train document(s), {len(docs.ids)} evaluation document(s); "
           f"features {args.doc_features}" + (f" ({args.doc_bins} bins)" if args.doc_features != "agg" else "")
           + f", classifier {args.doc_classifier}")
-    if (docs.labels >= 0).all() and len(set(docs.labels.tolist())) == 2:
+    why = no_metrics_reason(docs.labels)
+    if why is None:
         print(metrics_table(metric_rows(docs.scores, docs.labels, docs.ids, args.bootstrap, args.seed)))
+    else:
+        print(f"note: no metrics table: {why.replace('example', 'document')}", file=sys.stderr)
     print(f"wrote {len(docs.ids)} scored document(s) to {args.out}", file=sys.stderr)
 
 
@@ -392,7 +399,9 @@ def _add_doctor_parser(sub) -> None:
                                    "devices with one device, check the cache directories, time a Pythia-160m-shaped "
                                    "model and measure what bfloat16 costs in each attack's score. Prints one table; "
                                    "exits 1 naming the first failing check (docs/doctor.md).")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the report to FILE as JSON")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the report to FILE as JSON (its directory is created; checked writable before "
+                        "any check runs)")
     p.add_argument("--checks", default=None, metavar="LIST",
                    help="only these checks, comma-separated (default: platform,attention,mesh,cache,speed,precision)")
     p.add_argument("--families", default=None, metavar="LIST",
@@ -402,17 +411,16 @@ def _add_doctor_parser(sub) -> None:
 
 def cmd_doctor(args) -> int:
     """``mia doctor``: ``mia.checkup.doctor``'s table on stdout (progress on stderr), 1 when a check failed."""
-    from .checkup import CHECKS, doctor, print_progress, write_report  # not at the top: jax (fast --help)
+    from .checkup import CHECKS, check_report_path, doctor, name_list, print_progress, write_report  # (jax)
+    from .models.family import FAMILIES  # (the same)
 
     if args.json:
-        V.output_file(args.json, "--json")  # before a minute of checks
-    checks = CHECKS if args.checks is None else [c.strip() for c in args.checks.split(",") if c.strip()]
-    families = None if args.families is None else [f.strip() for f in args.families.split(",") if f.strip()]
-    if families is not None:
-        from .models.family import family  # (the same)
-
-        for f in families:
-            family(f)  # an unknown family: one error line listing the supported ones
+        check_report_path(args.json, "--json")  # before a minute of checks
+    # an empty list, or a name that is not one: one error line naming the flag (an empty one ran nothing and said
+    # "all checks passed")
+    checks = CHECKS if args.checks is None else name_list(args.checks, "--checks", CHECKS, "doctor check(s)")
+    families = (None if args.families is None
+                else name_list(args.families, "--families", sorted(FAMILIES), "model family(-ies)"))
     report = doctor(checks=checks, families=families, progress=print_progress)
     print(report.table())
     if args.json:

@@ -75,8 +75,12 @@ class ScoreRun:
     @property
     def labelled(self) -> bool:
         """True when every evaluated example has a label and both classes occur (metrics can be computed)."""
-        y = self.labels
-        return bool((y >= 0).all() and len(set(y.tolist())) == 2)
+        return why_no_metrics(self.labels) is None
+
+    def why_no_metrics(self) -> Optional[str]:
+        """None when metrics can be computed (``labelled``), else one line saying why not, such as "the labels are
+        all 1 (members); AUC and TPR need both classes (members and non-members)" (``no_metrics_reason``)."""
+        return no_metrics_reason(self.labels)
 
     def metrics(self, n_resamples: int = 1000, seed: int = 0, *, delta: Optional[float] = None,
                 alpha: float = 0.05, **extra) -> MetricsTable:
@@ -85,7 +89,7 @@ class ScoreRun:
         confidence 1 - alpha) (``mia.metrics.epsilon_lower_bound``; docs/auditing.md). ``extra`` fields go into
         every row."""
         if not self.labelled:
-            raise ValueError("metrics need every evaluated example labelled (0/1) and both classes present")
+            raise ValueError(f"no metrics: {self.why_no_metrics()}")
         return MetricsTable(metric_rows(self.scores, self.labels, self.ids, n_resamples, seed, delta=delta,
                                         alpha=alpha, **extra))
 
@@ -133,7 +137,8 @@ class ScoreRun:
         if self.labelled and self.scores:
             after.append(f"AUC SE: {OVERVIEW_RESAMPLES} bootstrap resamples; run.metrics() for the full table")
         elif self.scores:
-            after.append("no metrics: they need every example labelled 0/1 and both classes")
+            after.append(f"no metrics ({why_no_metrics(self.labels)}): they need every example labelled 0/1 and "
+                         "both classes")
         room = OVERVIEW_LINES - 1 - 2 - len(after) - 1  # the summary line, the table's head, the "more" line
         shown, used = [], 0
         for r in rows:
@@ -170,7 +175,8 @@ class ScoreRun:
         the legend; ``log``: log-log axes, so that the low-FPR region shows (from half of 1 / the number of
         non-members). Returns the axes. Needs labels (``labelled``)."""
         if not self.labelled:
-            raise ValueError("plot_roc needs every evaluated example labelled (0/1) and both classes present")
+            raise ValueError("plot_roc needs every evaluated example labelled (0/1) and both classes present: "
+                             f"{why_no_metrics(self.labels)}")
         if ax is None:
             import matplotlib.pyplot as plt  # the user's backend (a notebook's inline one), not forced
 
@@ -199,7 +205,8 @@ class ScoreRun:
         "two-sided", "greater" (attack better) or "less". Several rows are several tests: see
         ``mia.metrics.bonferroni_significant``."""
         if not self.labelled:
-            raise ValueError("compare needs every evaluated example labelled (0/1) and both classes present")
+            raise ValueError("compare needs every evaluated example labelled (0/1) and both classes present: "
+                             f"{why_no_metrics(self.labels)}")
         if isinstance(other, ScoreRun):
             _check_same_examples(self, other)
             common = [k for k in self.scores if k in other.scores]
@@ -248,6 +255,36 @@ class ScoreRun:
 
 
 # ----------------------------------------------------------------------------------------------- overview helpers
+def why_no_metrics(labels) -> Optional[str]:
+    """None when ``labels`` ([N]: 1 member, 0 non-member, -1 unlabelled) allow AUC and TPR (every example labelled,
+    both classes present); else what is missing, in a few words: "the labels are all 1 (members)", "no example is
+    labelled", "3 of 40 examples are unlabelled"."""
+    y = np.asarray(labels).reshape(-1)
+    n_unlabelled = int((y < 0).sum())
+    if y.size == 0:
+        return "no examples"
+    if n_unlabelled == y.size:
+        return "no example is labelled"
+    if n_unlabelled:
+        return f"{n_unlabelled} of {y.size} examples are unlabelled"
+    if (y == 1).all():
+        return "the labels are all 1 (members)"
+    if (y == 0).all():
+        return "the labels are all 0 (non-members)"
+    return None
+
+
+def no_metrics_reason(labels) -> Optional[str]:
+    """``why_no_metrics`` with what the metrics need, one line for ``mia score``'s note and ``ScoreRun.metrics``'
+    error: "the labels are all 1 (members); AUC and TPR need both classes (members and non-members)"."""
+    why = why_no_metrics(labels)
+    if why is None:
+        return None
+    if why.startswith("the labels are all"):
+        return f"{why}; AUC and TPR need both classes (members and non-members)"
+    return f"{why}; AUC and TPR need every example labelled (0/1) and both classes (members and non-members)"
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 

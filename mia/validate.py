@@ -231,6 +231,48 @@ def utf8_lines(path, error: type = InputError):
                 yield lineno, line
 
 
+def check_json_file(path, error: type = InputError) -> None:
+    """A ``.jsonl`` / ``.json`` file that a JSON reader (``datasets``' json loader) will be given, checked first so
+    that a bad row is one ``error`` naming ``path:LINE`` (the loader's own message names neither line nor cause):
+    JSON Lines (every non-blank line one JSON value) or, for ``.json``, one JSON document (an array or object over
+    any number of lines). Compressed files are left to the loader."""
+    p = Path(path)
+    if p.name.lower().endswith((".gz", ".bz2", ".xz", ".zst", ".zip")):
+        return
+    if p.suffix.lower() == ".json":
+        raw = p.read_bytes()
+        try:
+            text = raw.decode("utf-8-sig")
+            json.loads(text)
+            return  # one JSON document
+        except UnicodeDecodeError as e:
+            raise error(f"{_shown(p)}:{raw[:e.start].count(bytes([10])) + 1}: not valid UTF-8") from None
+        except (ValueError, RecursionError) as e:
+            first = next((line for line in text.splitlines() if line.strip()), "")
+            if not _is_json(first):  # not JSON Lines either: the document's own error, at its line
+                raise error(f"{_shown(p)}:{getattr(e, 'lineno', 1)}: invalid JSON ({_json_problem(e)})") from None
+    for lineno, line in utf8_lines(p, error):
+        try:
+            json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise error(f"{_shown(p)}:{lineno}: invalid JSON ({_json_problem(e)})") from None
+
+
+def _json_problem(e: BaseException) -> str:
+    """What a ``json`` error says, with its column: "Expecting value, column 12"."""
+    if not isinstance(e, json.JSONDecodeError):
+        return "nested too deeply" if isinstance(e, RecursionError) else str(e).split("\n")[0]
+    return f"{e.msg}{'' if e.msg.endswith(' at') else ','} column {e.colno}"
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def _shown(p) -> str:
     """A path for a message: at most 300 characters (a name too long for the system is thousands)."""
     s = str(p)

@@ -86,10 +86,38 @@ def _model_copy(tmp: Path, model: Path, *, config=None, weights: Optional[bytes]
 
 def model_case(id, names, config=None, weights=None):
     def make(tmp, model):
+        if id == "weight-int32-layernorm":
+            _integer_weight(tmp, model, "gpt_neox.layers.0.input_layernorm.weight", "safetensors")
+            return
         _model_copy(tmp, model, config=config, weights=weights)
 
     return Case(id, ["score", "--model", "{tmp}/m", "--data", "{tmp}/d.jsonl", "--out", "{tmp}/o.jsonl",
                      "--no-progress", "--no-cache"], names, {"d.jsonl": GOOD, "m": make})
+
+
+def _integer_weight(tmp: Path, model: Path, name: str, form: str) -> Path:
+    """{tmp}/m: the tiny model with tensor ``name`` stored as int32 (its values rounded), as model.safetensors or
+    (``form`` "bin") as a torch.save'd pytorch_model.bin."""
+    from mia.models.hub import read_safetensors, write_safetensors
+
+    tensors = {k: np.array(v) for k, v in read_safetensors(model / "model.safetensors").items()}
+    tensors[name] = np.rint(tensors[name]).astype(np.int32)
+    m = _model_copy(tmp, model)
+    if form == "bin":
+        import torch
+
+        (m / "model.safetensors").unlink()
+        torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, m / "pytorch_model.bin")
+    else:
+        write_safetensors(tensors, m / "model.safetensors")
+    return m
+
+
+def _saved_dataset_dict(path: Path) -> None:
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"text": "a b", "label": 1}, {"text": "c d", "label": 0}])
+    datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(path))
 
 
 def _set(**kv):
@@ -149,6 +177,34 @@ SCORE_CASES = [
     score_case("partition-misspelt", _jsonl({"id": 1, "text": "a b", "partition": "evaluation"}),
                ("d.jsonl:1", "'partition'", "evaluation")),
     score_case("partition-number", _jsonl({"id": 1, "text": "a b", "partition": 3}), ("d.jsonl:1", "'partition'")),
+    # the form of --data (mia.data.sources): a suffix that is none of the forms is refused listing them, never read
+    # as JSONL ("invalid JSON (Expecting value)")
+    Case("data-suffix-txt", ["score", "--model", "{model}", "--data", "{tmp}/d.txt", "--out", "{tmp}/o.jsonl"],
+         ("--data", "d.txt: unsupported file type '.txt'; data can be .jsonl", ".json (an array of row objects",
+          ".csv, .tsv, .parquet, or a directory saved by datasets' save_to_disk"), {"d.txt": GOOD}),
+    Case("data-suffix-compressed", ["score", "--model", "{model}", "--data", "{tmp}/d.jsonl.gz", "--out",
+                                    "{tmp}/o.jsonl"], ("--data", "'.jsonl.gz' (decompress it first)"),
+         {"d.jsonl.gz": b"\x1f\x8b\x08\x00"}),
+    Case("data-json-array-bad-line", ["score", "--model", "{model}", "--data", "{tmp}/d.json", "--out",
+                                      "{tmp}/o.jsonl", "--no-cache"], ("d.json:3: invalid JSON (Expecting value",),
+         {"d.json": '[\n {"id": 1, "text": "a b"},\n {"id": 2, "text": }\n]\n'}),
+    Case("data-json-array-not-objects", ["score", "--model", "{model}", "--data", "{tmp}/d.json", "--out",
+                                         "{tmp}/o.jsonl", "--no-cache"], ("d.json:row 2: expected a JSON object",),
+         {"d.json": '[{"id": 1, "text": "a b"}, [2, "c d"]]'}),
+    Case("data-json-one-object", ["score", "--model", "{model}", "--data", "{tmp}/d.json", "--out", "{tmp}/o.jsonl",
+                                  "--no-cache"], ("d.json: one JSON object over several lines", "JSON array"),
+         {"d.json": '{\n "data": [{"text": "a b"}]\n}\n'}),
+    Case("data-tsv-bad-label", ["score", "--model", "{model}", "--data", "{tmp}/d.tsv", "--out", "{tmp}/o.jsonl",
+                                "--no-cache"], ("d.tsv:row 2: field 'label' must be 0 or 1",),
+         {"d.tsv": "text\tlabel\na, b\t1\nc d\t7\n"}),
+    Case("data-datasetdict-split-unknown", ["score", "--model", "{model}", "--data", "{tmp}/dd/tset", "--out",
+                                            "{tmp}/o.jsonl"],
+         ("--data", "dd/tset: no split 'tset' in the saved DatasetDict", "its splits: test, train"),
+         {"dd": lambda tmp, model: _saved_dataset_dict(tmp / "dd")}),
+    model_case("weight-int32-layernorm", ("model.safetensors", "'gpt_neox.layers.0.input_layernorm.weight'",
+                                          "is int32", "floating point")),
+    score_case("em-iters-beyond-bound", GOOD, ("em_mia", "iters", "[1, 10000]"),
+               ["--attacks", "em_mia:iters=1000000000000"]),
     # options
     score_case("max-length-negative", GOOD, ("--max-length",), ["--max-length", "-5"]),
     score_case("max-length-zero", GOOD, ("--max-length",), ["--max-length", "0"]),
@@ -390,6 +446,11 @@ TESTBED_CASES = [
     Case("testbed-train-steps-0", ["--out", "{tmp}/tb", "--train-steps", "0"], ("--train-steps",)),
     Case("testbed-save-every-0", ["--out", "{tmp}/tb", "--save-every", "0"], ("--save-every",)),
     Case("testbed-memorize-rows-0", ["--out", "{tmp}/tb", "--memorize-rows", "0"], ("--memorize-rows",)),
+    Case("testbed-memorize-epochs-huge", ["--out", "{tmp}/tb", "--memorize-epochs", "1000000000000"],
+         ("--memorize-epochs", "[0, 1000]", "1000000000000")),
+    Case("testbed-train-steps-huge", ["--out", "{tmp}/tb", "--train-steps", "1000001"],
+         ("--train-steps", "[1, 1000000]")),
+    Case("testbed-warmup-steps-huge", ["--out", "{tmp}/tb", "--warmup-steps", "10000000"], ("--warmup-steps",)),
     Case("testbed-preset-unknown", ["--preset", "huge"], ("--preset",)),
 ]
 
@@ -410,6 +471,10 @@ CHECKMIA_CASES = [
     Case("checkmia-seed-negative", ["--preset", "smoke", "--seed", "-1"], ("--seed",)),
     Case("checkmia-bootstrap-negative", ["--preset", "smoke", "--bootstrap", "-1"], ("--bootstrap",)),
     Case("checkmia-train-steps-0", ["--preset", "smoke", "--train-steps", "0"], ("--train-steps",)),
+    Case("checkmia-train-steps-huge", ["--preset", "smoke", "--train-steps", "1000000000000"],
+         ("--train-steps", "[1, 1000000]")),
+    Case("checkmia-memorize-epochs-huge", ["--preset", "smoke", "--memorize-epochs", "1000000000000"],
+         ("--memorize-epochs", "[0, 1000]")),
     Case("checkmia-corpus-missing", ["--preset", "smoke", "--out", "{tmp}/o", "--corpus", "{tmp}/none"], ("--corpus",)),
 ]
 
@@ -451,6 +516,7 @@ EXPERIMENT_CASES = [
     Case("em-step-beyond-suite", ["em_mia", "--preset", "smoke", "--steps", "101", *_O],
          ("--steps 101", "smoke suite trains steps (0, 100]")),
     Case("em-memorize-negative", ["em_mia", "--memorize-epochs", "-1", *_O], ("--memorize-epochs",)),
+    Case("em-memorize-huge", ["em_mia", "--memorize-epochs", "1000000000000", *_O], ("--memorize-epochs", "1000]")),
     Case("em-testbed-missing", ["em_mia", "--testbed", "{tmp}/none", *_O], ("--testbed", "not found")),
     Case("em-testbed-is-file", ["em_mia", "--testbed", "{tmp}/f", *_O], ("--testbed", "is a file")),
     Case("em-suite-dir-is-file", ["em_mia", "--suite-dir", "{tmp}/f", *_O], ("--suite-dir", "is a file")),
@@ -519,6 +585,8 @@ EXPERIMENT_CASES = [
     Case("cmb-batch-size-0", ["checkmiabench", "--batch-size", "0", *_O], ("--batch-size",)),
     Case("cmb-end-step-0", ["checkmiabench", "--end-step", "0", *_O], ("--end-step",)),
     Case("cmb-memorize-negative", ["checkmiabench", "--memorize-epochs", "-1", *_O], ("--memorize-epochs",)),
+    Case("cmb-memorize-huge", ["checkmiabench", "--memorize-epochs", "1001", *_O], ("--memorize-epochs", "1000]")),
+    Case("camia-memorize-huge", ["camia", "--memorize-epochs", "1001", *_O], ("--memorize-epochs", "1000]")),
     Case("cmb-attack-param", ["checkmiabench", "--attacks", "mink:k=2", *_O], ("--attacks", "mink", "k")),
     Case("cmb-attack-unknown", ["checkmiabench", "--attacks", "loss,nosuch", *_O], ("--attacks", "nosuch")),
     Case("cmb-testbed-missing", ["checkmiabench", "--testbed", "{tmp}/none", *_O], ("--testbed", "not found")),
@@ -679,6 +747,137 @@ def test_unwritable_cache_dir_says_so(tiny_neox_dir, tmp_path, monkeypatch, caps
     code, lines, _ = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out",
                                      tmp_path / "o.jsonl", "--cache-dir", tmp_path / "c"], capsys)
     assert_one_error(code, lines, "--cache-dir", "not writable")
+
+
+DOCTOR_CASES = [  # mia doctor: each refused before any check runs
+    Case("doctor-checks-empty", ["doctor", "--checks", ""], ("--checks: empty; give some of platform, attention",)),
+    Case("doctor-checks-commas", ["doctor", "--checks", " , "], ("--checks: empty",)),
+    Case("doctor-check-unknown", ["doctor", "--checks", "platform,speeed"],
+         ("--checks: unknown doctor check(s) speeed; expected some of platform",)),
+    Case("doctor-families-empty", ["doctor", "--families", ","], ("--families: empty; give some of gpt2",)),
+    Case("doctor-family-unknown", ["doctor", "--families", "gpt3"], ("--families: unknown model family(-ies) gpt3",)),
+    Case("doctor-json-directory", ["doctor", "--json", "{tmp}"], ("--json", "is a directory")),
+    Case("doctor-json-under-file", ["doctor", "--json", "{tmp}/f/r.json"], ("--json", "is a file"), {"f": "x"}),
+    Case("doctor-json-cannot-be-written", ["doctor", "--json", "/proc/mia-doctor/r.json"],
+         ("--json /proc/mia-doctor/r.json: cannot be written",)),
+]
+
+
+@pytest.mark.parametrize("case", DOCTOR_CASES, ids=_ids(DOCTOR_CASES))
+def test_doctor_cli_bad_input(case, tmp_path, capsys, monkeypatch):
+    """``mia doctor``: an empty or unknown --checks / --families (an empty one ran nothing and printed "all checks
+    passed") and a --json that cannot be written (found after a minute of checks, as a raw ``[Errno 2]`` on a
+    temporary file name): one line naming the flag, before any check runs."""
+    from mia import checkup
+    from mia.cli import main
+
+    def no_run(*a, **k):
+        raise AssertionError("a check ran before the arguments were checked")
+
+    monkeypatch.setattr(checkup, "_Run", no_run)
+    code, lines, out = run_main(main, _materialise(case, tmp_path, tmp_path), capsys)
+    assert_one_error(code, lines, *case.names)
+    assert "all checks passed" not in out
+
+
+def test_doctor_json_directory_is_made_and_python_api_refuses_empty(tmp_path, capsys):
+    """--json in a directory that does not exist yet: made (as ``mia score --out``'s is) and written;
+    ``mia.doctor(checks=())`` is refused, not an empty report that passed."""
+    import mia
+    from mia.cli import main
+
+    out = tmp_path / "new" / "sub" / "r.json"
+    code, lines, _ = run_main(main, ["doctor", "--checks", "platform", "--families", "gpt2", "--json", out], capsys)
+    assert code == 0, lines
+    assert json.loads(out.read_text())["ok"] is True
+    with pytest.raises(ValueError, match="checks: empty"):
+        mia.doctor(checks=())
+    with pytest.raises(ValueError, match="families: empty"):
+        mia.doctor(checks=("platform",), families=[])
+
+
+def test_split_text_refuses_a_text_under_both_labels(tmp_path, capsys):
+    """``mia split text`` used to write a split in which one text is a member and a non-member (only ``mia score``
+    refused it, later): refused when the split is made, by mia score's rule, naming both rows' ids."""
+    from mia.cli import main
+
+    (tmp_path / "g.csv").write_text("text,label\nhello there,1\nother text,0\nhello there,0\n")
+    code, lines, _ = run_main(main, ["split", "text", "--format", "generic", "--file", tmp_path / "g.csv", "--out",
+                                     tmp_path / "s.jsonl"], capsys)
+    assert_one_error(code, lines, "g.csv (id '2', label 0): the same text as", "g.csv (id '0', label 1)",
+                     "one input cannot be both a member and a non-member")
+    assert not (tmp_path / "s.jsonl").exists()
+
+
+@pytest.mark.parametrize("name, content, where", [
+    ("m.jsonl", '"a text"\n"another text"\n"broken\n', "m.jsonl:3: invalid JSON (Invalid control character at"),
+    ("m.jsonl", '{"text": "a"}\n{"text": "b",}\n', "m.jsonl:2: invalid JSON (Expecting property name"),
+    ("m.json", '[\n "a text",\n "b" "c"\n]\n', "m.json:3: invalid JSON (Expecting ',' delimiter"),
+])
+def test_mimir_bad_json_line_is_named(name, content, where, tmp_path, capsys):
+    """A MIMIR file with a bad JSON line: the error names the line (it named only the file, in the datasets
+    loader's words "An error occurred while generating the dataset")."""
+    from mia.cli import main
+
+    (tmp_path / name).write_text(content)
+    (tmp_path / "n.jsonl").write_text('"x y"\n')
+    code, lines, _ = run_main(main, ["split", "text", "--format", "mimir", "--member", tmp_path / name,
+                                     "--nonmember", tmp_path / "n.jsonl", "--out", tmp_path / "s.jsonl"], capsys)
+    assert_one_error(code, lines, where)
+
+
+def test_corpus_bad_json_line_is_named(tmp_path):
+    """The testbed's --corpus (a .jsonl read by datasets) likewise names the bad line."""
+    from mia.data.corpus import CorpusError, table_corpus
+
+    (tmp_path / "c.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(CorpusError, match=r"c\.jsonl:2: invalid JSON \(Expecting value, column 1\)"):
+        table_corpus(tmp_path / "c.jsonl")
+
+
+@pytest.mark.parametrize("form", ["safetensors", "bin"])
+def test_integer_weight_is_refused_naming_tensor_and_file(form, tiny_neox_dir, tmp_path):
+    """A float weight stored as an integer tensor (an int32 LayerNorm weight) was cast and scored without a word:
+    refused naming the tensor and the file, in both weight formats (one function reads both: host_params_from_hf),
+    and by ``mia.models.inspect.check_checkpoint`` alike."""
+    import mia
+    from mia.models.hub import CheckpointError
+    from mia.models.inspect import check_checkpoint
+
+    name = "gpt_neox.layers.0.input_layernorm.weight"
+    m = _integer_weight(tmp_path, tiny_neox_dir, name, form)
+    file = "model.safetensors" if form == "safetensors" else "pytorch_model.bin"
+    for load in (lambda: mia.load(m, tokenizer=False), lambda: check_checkpoint(m, digest=False)):
+        with pytest.raises(CheckpointError, match=rf"m/{file}: tensor '{name}' is int32; gpt_neox weights are "
+                                                  r"floating point") as e:
+            load()
+        assert "\n" not in str(e.value)
+
+
+def test_one_class_labels_say_why_there_is_no_table(tiny_neox_dir, tmp_path, capsys, monkeypatch):
+    """Labels all one class: ``mia score`` writes the scores and prints one note saying why there is no metrics
+    table (it printed nothing); ``run.metrics()`` raises saying the same, never a table of NaN."""
+    import mia.api
+    from mia.cli import main
+    from mia.results import ScoreRun
+
+    def fake_score(model, examples, *a, **k):  # the scoring itself is not what is tested: no model compiles
+        return ScoreRun(examples, {"loss": np.arange(len(examples), dtype=np.float64)})
+
+    monkeypatch.setattr(mia.api, "load", lambda *a, **k: None)
+    monkeypatch.setattr(mia.api, "score", fake_score)
+    (tmp_path / "d.jsonl").write_text(_jsonl({"text": "a b", "label": 1}, {"text": "c d", "label": 1}))
+    out = tmp_path / "o.jsonl"
+    code, lines, stdout = run_main(main, ["score", "--model", tiny_neox_dir, "--data", tmp_path / "d.jsonl", "--out",
+                                          out, "--no-cache", "--no-progress"], capsys)
+    assert code == 0, lines
+    assert "note: no metrics table: the labels are all 1 (members); AUC and TPR need both classes (members and " \
+           "non-members)" in lines
+    assert "auc" not in stdout.lower() and len(out.read_text().splitlines()) == 2
+    run = ScoreRun(mia.api.read_data([{"text": "a", "label": 0}, {"text": "b", "label": 0}]), {"loss": np.zeros(2)})
+    with pytest.raises(ValueError, match=r"no metrics: the labels are all 0 \(non-members\); AUC and TPR need both"):
+        run.metrics()
+    assert "no metrics (the labels are all 0 (non-members))" in repr(run)
 
 
 def test_table_size():

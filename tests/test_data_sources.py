@@ -65,6 +65,28 @@ def test_every_form_gives_the_same_examples(tmp_path):
                    for e in read_data(data)), name
 
 
+def test_json_tsv_and_jsonl_names_give_the_same_examples(tmp_path):
+    """.json (an array of row objects, or JSON Lines under that name), .tsv, .ndjson and a name without a suffix
+    read as the JSONL does; other suffixes are refused listing the forms (no longer read as JSONL)."""
+    base = _fields(read_data(_jsonl(tmp_path / "d.jsonl", ROWS)))
+    (tmp_path / "a.json").write_text(json.dumps(ROWS, indent=2))
+    pd.DataFrame(ROWS).to_csv(tmp_path / "d.tsv", sep="\t", index=False)
+    forms = {"array": tmp_path / "a.json", "lines": _jsonl(tmp_path / "l.json", ROWS), "tsv": tmp_path / "d.tsv",
+             "ndjson": _jsonl(tmp_path / "d.ndjson", ROWS), "no suffix": _jsonl(tmp_path / "data", ROWS)}
+    for name, path in forms.items():
+        assert _fields(read_data(path)) == base, name
+    assert [e.source for e in read_data(tmp_path / "a.json")][:2] == [f"{tmp_path / 'a.json'}:row {i}" for i in (1, 2)]
+    (tmp_path / "d.txt").write_text(json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(DataError, match=r"data .*d\.txt: unsupported file type '\.txt'; data can be \.jsonl \(or "
+                                        r"\.ndjson, or no suffix\), \.json .*\.csv, \.tsv, \.parquet, or a directory"):
+        read_data(tmp_path / "d.txt")
+    with pytest.raises(ValueError, match=r"--data .*d\.txt: unsupported file type"):
+        check_data_path(tmp_path / "d.txt", "--data")
+    (tmp_path / "bad.tsv").write_text('text\tlabel\n"a\tb\t1\n')
+    with pytest.raises(DataError, match=r"bad\.tsv:row 1: not valid TSV"):
+        read_data(tmp_path / "bad.tsv")
+
+
 def test_rows_are_named_in_each_form(tmp_path):
     forms = _forms(tmp_path, ROWS)
     assert [e.source for e in read_data(forms["csv"])][-1] == f"{tmp_path / 'd.csv'}:row 4"
@@ -205,6 +227,10 @@ def test_datasets_splits_are_chosen_by_name(tmp_path):
         read_data(tmp_path / "dd")
     assert read_data(tmp_path / "dd" / "train")[0].text == "a b"
     assert check_data_path(tmp_path / "dd", "--data") == tmp_path / "dd"
+    for read in (read_data, lambda p: check_data_path(p, "--data")):  # a split name that is none: the splits listed
+        with pytest.raises(ValueError, match=r"dd/tset: no split 'tset' in the saved DatasetDict .*dd; its splits: "
+                                             r"test, train$"):
+            read(tmp_path / "dd" / "tset")
     (tmp_path / "plain").mkdir()
     with pytest.raises(ValueError, match=r"--data .*plain: is a directory, and not a dataset saved by datasets"):
         check_data_path(tmp_path / "plain", "--data")

@@ -153,7 +153,12 @@ def test_cli_text_wikimia_with_partitions_and_filter(tmp_path, capsys):
     assert probs == [f"line {k + 1}: row differs from its row_sha256 (id, label, partition, text or tokens edited "
                      "after the split was written)", f"line {k + 1}: non-member has the same text as member on line 2"]
     with pytest.raises(ValueError, match="asked for 11 members but the files hold only 10"):
-        run_cli(["split", "text", "--format", "wikimia", "--file", str(p), "--n-members", "11", "--out", str(out)])
+        run_cli(["split", "text", "--format", "wikimia", "--file", str(p), "--ngram-filter", "13:0.8", "--n-members",
+                 "11", "--out", str(out)])
+    # without the filter the copy is one text under both labels: refused when the split is made, whatever is drawn
+    with pytest.raises(ValueError, match=r"w.jsonl \(id '19', label 0\): the same text as .*w.jsonl \(id '3', label "
+                                         r"1\): one input cannot be both a member and a non-member"):
+        run_cli(["split", "text", "--format", "wikimia", "--file", str(p), "--n-members", "2", "--out", str(out)])
 
 
 def test_cli_text_generic_and_mimir(tmp_path):

@@ -187,7 +187,7 @@ def test_cli_writes_the_report_and_exits_1_naming_the_failing_check(tmp_path, mo
     assert saved["ok"] is False and saved["first_failure"] == "cache dir"
     assert {r["check"] for r in saved["rows"]} >= {"platform", "versions", "auto precision", "auto attention"}
     assert main(["doctor", "--checks", "platform,nonsense"]) == 2
-    assert "error: unknown doctor check(s) nonsense" in capsys.readouterr().err
+    assert "error: --checks: unknown doctor check(s) nonsense" in capsys.readouterr().err
 
 
 BLOCKED_SCRIPT = """

@@ -141,9 +141,12 @@ def initial_score(ctx, init: str) -> np.ndarray:
     return np.asarray(spec.fn(ctx, **spec.defaults), np.float64)
 
 
+ITERS_MAX = 10_000  # em_mia:iters (the paper's 10 converge); a bound so a mistyped count cannot run forever
+
+
 @register("em_mia", needs=("model", "stats"), cost="quadratic", cost_note=_QUADRATIC, check_inputs=_check_init,
           init="loss", iters=10, prefix_score="auc",
-          limits={"init": INITS, "iters": Range(1), "prefix_score": PREFIX_SCORES})
+          limits={"init": INITS, "iters": Range(1, ITERS_MAX), "prefix_score": PREFIX_SCORES})
 def _em_mia(ctx, *, init: str, iters: int, prefix_score: str) -> np.ndarray:
     """EM-MIA: prefix scores (AUC of R[p,:] vs median pseudo-labels; or kendall, rankdist) and membership f = -r,
     iterated (higher = member)."""

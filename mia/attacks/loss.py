@@ -12,8 +12,8 @@ from .registry import register_stats
 
 @register_stats("loss", stats=("logprob", "eos_target"), check=eos_ids_if_skipping, skip_eos=False)
 def loss(logprob_bl: jax.Array, eos_target_bl: jax.Array, mask_bl: jax.Array, *, skip_eos: bool = False) -> jax.Array:
-    """[B] mean log-prob of the [B, L] token log-probs under the mask (higher = member); ``skip_eos``: without the
-    positions whose target is the end-of-document token (pandora's LOSS), NaN when none is left."""
+    """Mean token log-likelihood (higher = member): [B, L] log-probs under the mask -> [B]; ``skip_eos``: without the
+    positions whose target is the end-of-document token (pandora), NaN when none is left."""
     keep = mask_bl & ~eos_target_bl if skip_eos else mask_bl
     m = keep.astype(jnp.float32)
     ll = jnp.sum(logprob_bl * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)

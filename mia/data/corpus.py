@@ -25,6 +25,7 @@ from typing import Optional
 
 from ..atomic import write_text
 from ..offline import force_offline
+from ..validate import check_json_file
 
 DIR_SUFFIXES = (".txt", ".md", ".py")
 TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -196,6 +197,8 @@ def table_corpus(path, text_column: str = "text", max_bytes: Optional[int] = Non
         raise CorpusError(f"{path}: unsupported corpus file type {path.suffix!r} (use .jsonl, .json or .parquet)")
     if not os.access(path, os.R_OK):
         raise CorpusError(f"{path}: cannot read (permission denied)")
+    if builder == "json":
+        check_json_file(path, CorpusError)  # a bad line named (file:LINE), not in datasets' words
     force_offline()
     import datasets
 

@@ -253,7 +253,8 @@ def add_difficulty_parser(subparsers_of_split) -> None:
     p.add_argument("--size", type=V.arg_int(2), default=1000,
                    help="examples per split (half members, half non-members)")
     p.add_argument("--k", type=V.arg_int(1), default=50, help="clusters per pool")
-    p.add_argument("--niter", type=V.arg_int(0), default=50)
+    p.add_argument("--niter", type=V.arg_int(0, 10_000), default=50, help="k-means iterations (default 50; at most "
+                                                                         "10,000)")
     p.add_argument("--seed", type=V.arg_int(0, V.INT32_MAX), default=42)
     p.add_argument("--threshold", type=V.arg_float(0, 2), default=0.6,
                    help="cosine-distance filter inside clusters, in [0, 2]")

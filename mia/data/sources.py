@@ -2,13 +2,20 @@
 
 The forms, told apart by the type of ``data`` (in memory) or by the path (docs/score.md#inputs):
 
-- a JSONL file (``.jsonl``, ``.json``, or any name not below; split files too): ``mia.data.examples.read_examples``;
-- a CSV file (``.csv``): a header row of column names, one example a row; read with the standard library, every
-  cell as written: ``tokens`` a JSON list in its cell (``[5, 17, 9]``), ``label`` ``0``/``1`` (``1.0``/``0.0``
-  too); an empty cell (or ``nan`` as a label) is a missing value;
+- a JSONL file (``.jsonl``, ``.ndjson``, or a name without a suffix; split files too):
+  ``mia.data.examples.read_examples``;
+- a JSON file (``.json``): a JSON array of row objects (``[{"text": ...}, ...]``, rows named ``data.json:row 7``),
+  or JSON Lines under that name (what ``datasets``' json loader also accepts);
+- a CSV file (``.csv``) or a TSV file (``.tsv``, tab-separated): a header row of column names, one example a row;
+  read with the standard library, every cell as written: ``tokens`` a JSON list in its cell (``[5, 17, 9]``),
+  ``label`` ``0``/``1`` (``1.0``/``0.0`` too); an empty cell (or ``nan`` as a label) is a missing value;
 - a Parquet file (``.parquet``, needs pyarrow);
 - a directory written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` of one split; a
-  ``DatasetDict`` directory with several splits is refused naming them: give ``DIR/SPLIT``);
+  ``DatasetDict`` directory with several splits is refused naming them: give ``DIR/SPLIT``; a ``DIR/SPLIT`` that
+  names no split is refused listing the splits there);
+
+A file with any other suffix (``.txt``, ``.jsonl.gz``, ``.xlsx`` ...) is refused in one line listing these forms
+(``DATA_FORMS``): it is never guessed to be JSONL.
 - a list of dicts (or ``mia.data.examples.Example``s);
 - a pandas ``DataFrame`` (a named index, such as one set by ``set_index("id")``, counts as a column);
 - a Hugging Face ``datasets.Dataset``, or a ``DatasetDict`` of one split (with several: pass ``dd["test"]``);
@@ -41,9 +48,14 @@ from .. import validate as V
 from .examples import (FIELDS, DataError, Example, examples_from_records, examples_from_rows, python_value,
                        read_examples, renamed)
 
+JSONL_SUFFIXES = (".jsonl", ".ndjson", "")  # "": a name without a suffix (read as JSONL, as it always was)
+JSON_SUFFIXES = (".json",)
 CSV_SUFFIXES = (".csv",)
+TSV_SUFFIXES = (".tsv",)
 PARQUET_SUFFIXES = (".parquet",)
 DATASET_DIR_FILES = ("state.json", "dataset_dict.json")  # what datasets' save_to_disk writes (Dataset, DatasetDict)
+DATA_FORMS = (".jsonl (or .ndjson, or no suffix), .json (an array of row objects, or JSON Lines), .csv, .tsv, "
+              ".parquet, or a directory saved by datasets' save_to_disk")  # what a data path may be, for messages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,29 +97,58 @@ def read_data(data, what: str = "data", partitions: Optional[Sequence[str]] = No
                                  require_columns=how.require_columns)
 
 
-def data_format(path) -> str:
-    """"csv", "parquet", "dataset" (a ``save_to_disk`` directory) or "jsonl" (any other file) for ``path``."""
+def data_format(path, what: str = "data", error: type = DataError) -> str:
+    """"jsonl", "json", "csv", "tsv", "parquet" or "dataset" (a ``save_to_disk`` directory) for ``path``; any other
+    suffix is one ``error`` naming ``what`` and listing the accepted forms (``DATA_FORMS``)."""
     p = Path(path)
-    if p.is_dir():
+    if _is_dir(p):
         return "dataset"
     suffix = p.suffix.lower()
-    return "csv" if suffix in CSV_SUFFIXES else "parquet" if suffix in PARQUET_SUFFIXES else "jsonl"
+    for kind, suffixes in (("jsonl", JSONL_SUFFIXES), ("json", JSON_SUFFIXES), ("csv", CSV_SUFFIXES),
+                           ("tsv", TSV_SUFFIXES), ("parquet", PARQUET_SUFFIXES)):
+        if suffix in suffixes:
+            return kind
+    shown = "".join(p.suffixes[-2:]).lower() if suffix in (".gz", ".bz2", ".xz", ".zst", ".zip") else suffix
+    packed = " (decompress it first)" if shown != suffix else ""
+    raise error(f"{what} {V._shown(p)}: unsupported file type {shown!r}{packed}; data can be {DATA_FORMS}")
+
+
+def _is_dir(p: Path) -> bool:
+    try:
+        return p.is_dir()
+    except OSError:  # a name too long to look at: input_file says so
+        return False
 
 
 def check_data_path(path, what: str) -> Path:
-    """``path`` of a data flag (``--data``, ``--prefix-data``, ...) checked before any work: a readable file, or a
-    directory that ``datasets``' ``save_to_disk`` wrote. One ``InputError`` line otherwise."""
+    """``path`` of a data flag (``--data``, ``--prefix-data``, ...) checked before any work: a readable file of one
+    of the accepted forms (``data_format``), or a directory that ``datasets``' ``save_to_disk`` wrote (a missing
+    ``DIR/SPLIT`` of a saved ``DatasetDict`` lists its splits). One ``InputError`` line otherwise."""
     p = Path(path)
-    try:
-        is_dir = p.is_dir()
-    except OSError:  # a name too long to look at: input_file says so
-        is_dir = False
-    if not is_dir:
-        return V.input_file(p, what)
+    if not _is_dir(p):
+        _missing_split(p, what, V.InputError)
+        V.input_file(p, what)
+        data_format(p, what, V.InputError)
+        return p
     if not any((p / f).is_file() for f in DATASET_DIR_FILES):
         raise V.InputError(f"{what} {p}: is a directory, and not a dataset saved by datasets' save_to_disk (no "
                            f"{' or '.join(DATASET_DIR_FILES)})")
     return p
+
+
+def _missing_split(p: Path, what: str, error: type) -> None:
+    """``p`` = ``DIR/SPLIT`` missing where ``DIR`` is a ``DatasetDict`` saved by ``save_to_disk``: one ``error``
+    listing the splits there (the split name is misspelt), instead of "file not found"."""
+    try:
+        if p.exists() or not (p.parent / "dataset_dict.json").is_file():
+            return
+        splits = json.loads((p.parent / "dataset_dict.json").read_text(encoding="utf-8")).get("splits")
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: input_file or the reader says what is wrong
+    if not isinstance(splits, list) or not splits:
+        splits = [q.name for q in p.parent.iterdir() if (q / "state.json").is_file()]
+    raise error(f"{what} {V._shown(p)}: no split {p.name!r} in the saved DatasetDict {V._shown(p.parent)}; its "
+                f"splits: {', '.join(sorted(map(str, splits))) or 'none'}")
 
 
 def check_column_map(column_map, what: str = "column_map") -> dict:
@@ -148,17 +189,63 @@ def _is_instance(obj, module: str, name: str) -> bool:
 
 
 def _read_path(p: Path, what: str, how: _How) -> list[Example]:
-    kind = data_format(p)
-    if kind == "dataset":
+    if _is_dir(p):
         check_data_path(p, what)
         return _read_dataset_dir(p, how)
+    _missing_split(p, what, DataError)
     V.input_file(p, what, error=DataError)
-    if kind == "csv":
-        return _read_csv(p, how)
+    kind = data_format(p, what)
+    if kind in ("csv", "tsv"):
+        return _read_csv(p, how, kind)
     if kind == "parquet":
         return _read_parquet(p, how)
+    if kind == "json":
+        return _read_json(p, what, how)
     return read_examples(p, how.partitions, what, column_map=how.column_map, id_prefix=how.id_prefix,
                          require_columns=how.require_columns)[1]
+
+
+def _read_json(p: Path, what: str, how: _How) -> list[Example]:
+    """A ``.json`` file: a JSON array of row objects (rows named ``p:row N``, from 1), or JSON Lines (read as a
+    ``.jsonl`` file is). A syntax error names its line; an element that is not an object names its row."""
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise DataError(f"{p}:{line}: not valid UTF-8 (byte {raw[e.start:e.start + 1]!r})") from None
+    if not text.lstrip().startswith("["):
+        try:
+            return read_examples(p, how.partitions, what, column_map=how.column_map, id_prefix=how.id_prefix,
+                                 require_columns=how.require_columns)[1]
+        except DataError as e:
+            if "invalid JSON" in str(e) and isinstance(_json_document(text), dict):
+                raise DataError(f"{p}: one JSON object over several lines; a .json data file is a JSON array of row "
+                                "objects ([{\"text\": ...}, ...]) or JSON Lines (one object a line)") from None
+            raise
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}:{e.lineno}: invalid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{p}: invalid JSON (nested too deeply)") from None
+
+    def fields():
+        for n, r in enumerate(rows, 1):
+            if not isinstance(r, dict):
+                raise DataError(f"{p}:row {n}: expected a JSON object, got {type(r).__name__}")
+            yield f"{p}:row {n}", r
+
+    return examples_from_rows(fields(), str(p), how.partitions, column_map=how.column_map, id_prefix=how.id_prefix,
+                              require_columns=how.require_columns)
+
+
+def _json_document(text: str):
+    """``text`` parsed as one JSON document, or None when it is not one."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _check_columns(columns: list, source: str, how: _How) -> dict:
@@ -252,7 +339,8 @@ def _read_parquet(p: Path, how: _How) -> list[Example]:
 CSV_FIELD_LIMIT = 2 ** 31 - 1  # characters in one cell (the csv module's default is 128 KiB: a long text)
 
 
-def _read_csv(p: Path, how: _How) -> list[Example]:
+def _read_csv(p: Path, how: _How, kind: str = "csv") -> list[Example]:
+    """A CSV file (``kind`` "csv") or a tab-separated one ("tsv"): a header row, then one example a row."""
     raw = p.read_bytes()
     try:
         text = raw.decode("utf-8-sig")  # a byte-order mark (spreadsheets write one) is not part of the first column
@@ -262,11 +350,11 @@ def _read_csv(p: Path, how: _How) -> list[Example]:
     limit = csv.field_size_limit()
     csv.field_size_limit(CSV_FIELD_LIMIT)
     try:
-        rows = list(_csv_rows(p, text))
+        rows = list(_csv_rows(p, text, kind))
     finally:
         csv.field_size_limit(limit)
     if not rows:
-        raise DataError(f"{p}: no header row (a CSV file starts with its column names)")
+        raise DataError(f"{p}: no header row (a {kind.upper()} file starts with its column names)")
     header, body = rows[0], rows[1:]
     column_map = _check_columns(header, str(p), how)
     records = []
@@ -283,10 +371,10 @@ def _read_csv(p: Path, how: _How) -> list[Example]:
     return examples_from_rows(fields(), str(p), how.partitions, id_prefix=how.id_prefix)
 
 
-def _csv_rows(p: Path, text: str):
-    """The non-blank rows of a CSV text, as lists of cells; a malformed one is a ``DataError`` naming its row (the
-    header is row 0)."""
-    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+def _csv_rows(p: Path, text: str, kind: str = "csv"):
+    """The non-blank rows of a CSV (or, ``kind`` "tsv", tab-separated) text, as lists of cells; a malformed one is a
+    ``DataError`` naming its row (the header is row 0)."""
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True, delimiter="\t" if kind == "tsv" else ",")
     n = 0
     while True:
         try:
@@ -294,7 +382,7 @@ def _csv_rows(p: Path, text: str):
         except StopIteration:
             return
         except csv.Error as e:
-            raise DataError(f"{p}:row {n}: not valid CSV ({e})") from None
+            raise DataError(f"{p}:row {n}: not valid {kind.upper()} ({e})") from None
         if row:  # a blank line is no row
             n += 1
             yield row

@@ -26,7 +26,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from ..offline import force_offline
-from ..validate import utf8_lines
+from ..validate import check_json_file, utf8_lines
+from .examples import DataError, Example, check_label_conflicts
 from .splits import SplitError, assign_partitions, file_record, partition_counts
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv", ".txt": "text"}
@@ -95,6 +96,8 @@ def load_rows(path, contains: Optional[str] = None) -> tuple:
         if strings is not None:  # MIMIR's cache_*/{train,test}/*.jsonl: one JSON string per line
             rows.extend({"text": x} for x in strings)
             continue
+        if b == "json":  # a bad line is named here (file:LINE), not in datasets' words ("An error occurred ...")
+            check_json_file(f, TextDataError)
         rows.extend(_load_with_datasets(f, b))
     return rows, files
 
@@ -287,13 +290,27 @@ def ngram_filter(nonmembers: list, reference: Iterable, n: int = 13, threshold: 
 
 # ------------------------------------------------------------------------------------------------ splits
 
+def check_text_label_conflicts(examples: list, files: Sequence) -> None:
+    """Refuse a text under both labels, before a split is drawn from ``examples`` (the rows loaded, after the n-gram
+    filter): ``mia score``'s rule (``mia.data.examples.check_label_conflicts``: the same text labelled 1 and 0 is
+    one input that cannot be both a member and a non-member), applied when the split is made, whichever rows the
+    seed draws. One ``TextDataError`` naming both ids and the input."""
+    where = str(files[0]) if len(files) == 1 else "the input files"
+    try:
+        check_label_conflicts([Example(id=str(e["id"]), text=e["text"], label=e["label"], source=where)
+                               for e in examples])
+    except DataError as e:
+        raise TextDataError(f"{e}; remove one of the two from the input files") from None
+
+
 def build_text_split(examples: list, files: list, params: dict, n_members: Optional[int] = None,
                      n_nonmembers: Optional[int] = None, seed: int = 0, partitions=None,
                      ngram: Optional[tuple] = None, ngram_reference: Optional[list] = None) -> tuple:
     """Subsample / filter loaded examples into ``(header, examples)``.
 
     ``ngram=(n, threshold)`` runs ``ngram_filter`` on the non-members against ``ngram_reference`` (texts) or, by
-    default, all loaded members, before subsampling."""
+    default, all loaded members, before subsampling. A text that is then under both labels is refused
+    (``check_text_label_conflicts``), whatever rows the seed would draw."""
     mem = [e for e in examples if e["label"] == 1]
     non = [e for e in examples if e["label"] == 0]
     params = dict(params)
@@ -303,6 +320,7 @@ def build_text_split(examples: list, files: list, params: dict, n_members: Optio
         non, dropped = ngram_filter(non, ref, n=int(n), threshold=float(thr))
         params["ngram_filter"] = {"n": int(n), "threshold": float(thr), "dropped": dropped,
                                   "reference": "ngram_reference" if ngram_reference is not None else "members"}
+    check_text_label_conflicts(mem + non, files)
     rng = np.random.default_rng(seed)
     out = []
     for pool, want, what in ((mem, n_members, "members"), (non, n_nonmembers, "non-members")):

@@ -317,10 +317,16 @@ def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, par
     return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a).astype(np.float32), dtype=param_dtype), views)
 
 
-def host_params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, source: str = "checkpoint"):
-    """HF-named numpy tensors -> our params pytree of host views, strict on names and shapes. Nothing is copied or
-    converted: memory maps stay memory maps, transposes are views, and a stacked [L, ...] leaf (the decoder
+def host_params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, source: str = "checkpoint",
+                        origin: Optional[dict] = None):
+    """HF-named numpy tensors -> our params pytree of host views, strict on names, shapes and dtypes. Nothing is
+    copied or converted: memory maps stay memory maps, transposes are views, and a stacked [L, ...] leaf (the decoder
     layers) is a ``StackedView`` over its per-layer tensors.
+
+    Every parameter is floating point: a tensor it is read from that holds integers or booleans (a LayerNorm weight
+    saved as int32, say) would be cast and scored without a word, so it is a ``CheckpointError`` naming the tensor
+    and its file (``origin``: tensor name -> file; else ``source``). Both weight formats (safetensors, and
+    ``pytorch_model.bin`` read by ``torch_bin``) come through here.
 
     A mapping with ``layer`` fills slice ``layer`` of a stacked [L, ...] leaf; its tensor's shape is checked
     against the leaf's shape without the L axis.
@@ -339,6 +345,10 @@ def host_params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes
             else:
                 raise CheckpointError(f"{source}: tensor {m.hf_name!r} is missing")
         arr = tensors[name]
+        if np.dtype(arr.dtype) not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{(origin or {}).get(name, source)}: tensor {name!r} is {np.dtype(arr.dtype).name}; "
+                                  f"{fam.model_type} weights are floating point (float32, bfloat16, float16 or "
+                                  "float64), and integers would be cast to them unnoticed")
         if m.transpose:
             arr = arr.T
         leaf_shape = tuple(_get(shapes, m.path).shape)
@@ -646,7 +656,7 @@ def load(path, dtype=AUTO, param_dtype=None, tokenizer: bool = True, mesh=None,
     if layout:
         tensors = layout.hf_tensors(tensors, cfg, str(root), CheckpointError)
     module, shapes = abstract_params(fam, cfg, dtype, param_dtype)
-    views = host_params_from_hf(tensors, fam, cfg, shapes, source=str(root))
+    views = host_params_from_hf(tensors, fam, cfg, shapes, source=str(root), origin=origin)
     fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
     placed_on = make_mesh() if mesh is None else mesh
     params = put_params(views, param_shardings(shapes, placed_on, fsdp=fsdp), dtype=param_dtype,

@@ -125,12 +125,15 @@ def check_checkpoint(path, digest: bool = True) -> CheckpointRecord:
     layout = native_layout(raw)
     files = weight_files(root)
     tensors: dict = {}
+    origin: dict = {}
     for f in files:
-        tensors.update(_shape_only(f))
+        part = _shape_only(f)
+        tensors.update(part)
+        origin.update(dict.fromkeys(part, f))
     if layout:
         tensors = layout.hf_tensors(tensors, cfg, str(root), CheckpointError)
     _, shapes = abstract_params(fam, cfg)
-    params = host_params_from_hf(tensors, fam, cfg, shapes, source=str(root))
+    params = host_params_from_hf(tensors, fam, cfg, shapes, source=str(root), origin=origin)
     used = list(_leaves(params))
     bad = sorted({np.dtype(a.dtype).name for a in used} - set(FLOAT_NAMES))
     if bad:

@@ -10,7 +10,7 @@ import time
 from ..commands import add_compile_cache_flag, run_for_user
 from ..validate import OneLineParser, arg_float, arg_int, arg_int_list, input_file, output_dir
 from . import build_testbed
-from .config import CANARY_KINDS, DP_SAMPLINGS, FIELD_LIMITS, PRESETS, TestbedConfig, TestbedError
+from .config import CANARY_KINDS, DP_SAMPLINGS, FIELD_LIMITS, MEMORIZE_EPOCHS_MAX, PRESETS, TestbedConfig, TestbedError
 from .suite import SUITES, build_suite
 
 
@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
         typ, limit = FIELD_LIMITS[f.name]
         parse = (arg_int(limit.lo, limit.hi) if typ is int
                  else arg_float(limit.lo, limit.hi, lo_open=limit.lo_open, hi_open=limit.hi_open))
+        bound = f"; at most {limit.hi:,}" if typ is int and limit.hi is not None else ""
         p.add_argument("--" + f.name.replace("_", "-"), type=parse, default=None,
-                       help=f"override the preset's {f.name} (mia.testbed.TestbedConfig)")
+                       help=f"override the preset's {f.name} (mia.testbed.TestbedConfig{bound})")
     p.add_argument("--checkpoints", type=arg_int_list(0), default=None,
                    help="extra checkpoint steps, comma-separated (0 and the last are always saved)")
     p.add_argument("--canary-reps", type=arg_int_list(1), default=None,
@@ -48,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-sampling", choices=DP_SAMPLINGS, default=None,
                    help="DP-SGD batches (with --dp-noise): poisson (default; each record joins each step with "
                         "probability 1/train_steps) or fixed (the recorded batches, no amplification)")
-    p.add_argument("--memorize-epochs", type=arg_int(0), default=0,
+    p.add_argument("--memorize-epochs", type=arg_int(0, MEMORIZE_EPOCHS_MAX), default=0,
                    help="memorization dial: after the last checkpoint, train E more epochs on a fixed member subset "
-                        "only, saved as checkpoints/step{N}-mem{E}-{hash}/ (non-members stay unseen)")
+                        "only, saved as checkpoints/step{N}-mem{E}-{hash}/ (non-members stay unseen; E at most "
+                        f"{MEMORIZE_EPOCHS_MAX:,})")
     p.add_argument("--memorize-rows", type=arg_int(1), default=256, help="size of that member subset (default 256)")
     p.add_argument("--save-every", type=arg_int(1), default=50, help="steps between resume states (default 50)")
     p.add_argument("--no-progress", action="store_true")

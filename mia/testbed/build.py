@@ -35,12 +35,13 @@ from ..data.indexed import IndexedDataset
 from ..data.splits import file_record, short_repr
 from .. import file_hash
 from ..file_hash import sha256_of_file
+from ..validate import integer
 from ..models import from_config, load, save
 from ..models.gpt_neox import GPTNeoXConfig
 from ..models.hub import family
 from .canaries import CANARY_FILE, make_canaries, read_canaries, write_canaries
-from .config import (DATA_FIELDS, FORMAT, TESTBED_FIELDS, TestbedConfig, TestbedError, canary_kinds,
-                     config_of_manifest, preset as get_preset, read_manifest)
+from .config import (DATA_FIELDS, FORMAT, MEMORIZE_EPOCHS_MAX, TESTBED_FIELDS, TestbedConfig, TestbedError,
+                     canary_kinds, config_of_manifest, preset as get_preset, read_manifest)
 from .dp import accountant_epsilon, privacy_record
 from .init import init_params
 from .packing import dedup_rows, pack_rows, row_permutation, write_order
@@ -233,6 +234,7 @@ class Testbed:
                                "and would void its guarantee")
         step = self.train_steps if step is None else int(step)
         idx = np.asarray(sorted({int(r) for r in rows}), np.int64)
+        epochs = integer(epochs, "memorization epochs", hi=MEMORIZE_EPOCHS_MAX, error=TestbedError)
         if epochs <= 0:
             return self.checkpoint_dir(step)
         if idx.size == 0:

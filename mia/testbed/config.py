@@ -29,14 +29,21 @@ CANARY_KINDS = ("tokens", "words", "new", "unigram", "bigram", "sampled")
 DP_SAMPLINGS = ("poisson", "fixed")
 
 
+# Upper bounds of the counts that set how long a build trains (docs/testbed.md#bounds), checked when the options are
+# parsed, before anything is built: far above every preset (the default suite trains 400 steps; the memorization dial
+# is used with E = 4 or 8), and below what could never finish (a mistyped 10**12 used to train until killed).
+TRAIN_STEPS_MAX = 1_000_000
+MEMORIZE_EPOCHS_MAX = 1_000
+
 # Type and range of each numeric field (``mia.validate``): checked when a config is made, and by the CLI's options.
 FIELD_LIMITS = {
     "max_corpus_bytes": (int, Range(1)), "vocab_size": (int, Range(258, 65535)),
     "reserved_tokens": (int, Range(0, 65277)), "seq_len": (int, Range(2)),
     "hidden_size": (int, Range(1)), "num_layers": (int, Range(1)), "num_heads": (int, Range(1)),
     "intermediate_size": (int, Range(1)), "rotary_pct": (float, Range(0, 1, lo_open=True)),
-    "batch_size": (int, Range(1)), "train_steps": (int, Range(1)), "lr": (float, Range(0, lo_open=True)),
-    "min_lr_ratio": (float, Range(0, 1)), "warmup_steps": (int, Range(0)), "weight_decay": (float, Range(0)),
+    "batch_size": (int, Range(1)), "train_steps": (int, Range(1, TRAIN_STEPS_MAX)),
+    "lr": (float, Range(0, lo_open=True)), "min_lr_ratio": (float, Range(0, 1)),
+    "warmup_steps": (int, Range(0, TRAIN_STEPS_MAX)), "weight_decay": (float, Range(0)),
     "beta1": (float, Range(0, 1, hi_open=True)), "beta2": (float, Range(0, 1, hi_open=True)),
     "grad_clip": (float, Range(0, lo_open=True)), "seed": (int, Range(0, INT32_MAX)),
     "memorize_lr": (float, Range(0, lo_open=True)),
