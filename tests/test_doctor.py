@@ -3,8 +3,9 @@
 Each test breaks one thing the doctor checks, the way it breaks on a real machine, and looks for the failing row:
 a kernel that lets a query see the next token, bf16 weights that are not the float32 model's, a cache directory that
 is a file, a cache over its limit, a speed model whose numbers are not finite, devices that cannot be listed, and
-(with two CPU devices, in a subprocess: slow) a mesh that loses a row. The default run uses one small family and
-the cheap checks; the full doctor on 1 and 8 devices runs under ``-m slow``.
+(with two CPU devices, in a subprocess) a mesh that loses a row. Healthy rows of each kind pass on a real, nonzero
+difference, and fail once their tolerance is tightened. The default run uses one small family and the cheap checks;
+the full doctor on 1 and 8 devices runs under ``-m slow``.
 """
 from __future__ import annotations
 
@@ -72,6 +73,33 @@ def test_failing_and_wrong_kernels_and_scrambled_bf16_weights_fail_their_checks(
         assert row.ok is False and row.value > row.tolerance > 0, row
     assert report.to_json()["first_failure"] == "attention gpt_neox splash"
     assert A.failed_kernels() == {}  # a kernel the doctor forces is reported, not marked failed for later runs
+
+
+def test_healthy_attention_speed_and_precision_rows_pass_on_a_real_difference_and_fail_when_tightened(monkeypatch):
+    """Healthy rows of each kind pass, each comparing two different computations: every kernel (the exact one in
+    float32 included) against jax's own attention, bf16 scores against float32 ones, a speed model with finite
+    stats. A tolerance tightened to 1e-9 fails them: the tolerances, not the comparisons, let them pass."""
+    monkeypatch.setattr(checkup, "SPEED", dict(checkup.SPEED, hidden_size=64, num_attention_heads=4,
+                                               intermediate_size=128, vocab_size=256))  # a tiny speed model
+    run = checkup._Run(["gpt_neox"])
+    attention, speed, precision = (f(run) for f in (checkup.attention_rows, checkup.speed_rows,
+                                                   checkup.precision_rows))
+    assert [r.check for r in attention] == ["attention gpt_neox exact", "attention gpt_neox blocked"]
+    for row in attention:  # float32 summation order: a few 1e-6, never 0
+        assert row.ok is True and 1e-7 < row.value <= row.tolerance == checkup.TOLERANCE["float32"], row
+        assert "vs float32 with jax's attention" in row.result
+    (row,) = speed
+    assert row.ok is True and row.value > 0 and "NON-FINITE" not in row.result, row
+    assert {r.check for r in precision} >= {f"precision {a}" for a in ("loss", "mink", "minkpp", "zlib")}
+    for row in precision:
+        assert row.ok is True and row.value <= row.tolerance, row
+        if row.check != "precision surp":  # surp may be 0 on both sides
+            assert row.value > 1e-5, row
+    monkeypatch.setitem(checkup.TOLERANCE, "float32", 1e-9)
+    monkeypatch.setattr(checkup, "PRECISION_TOLERANCE", 1e-9)
+    assert [r.ok for r in checkup.attention_rows(run)] == [False, False]  # (the stats are memoized in ``run``)
+    tight = {r.check: r.ok for r in checkup.precision_rows(run)}
+    assert not any(ok for c, ok in tight.items() if c != "precision surp"), tight
 
 
 def test_cache_checks_fail_on_a_file_in_place_of_the_directory_and_over_the_limit(tmp_path, monkeypatch):
@@ -252,28 +280,34 @@ def losing_rows(shape, sharding, make_rows):  # every shard but the first loses 
         return out
     return put_rows(shape, sharding, rows)
 
-if sys.argv[2] == "broken":
-    B.put_rows = losing_rows
-sys.exit(main(["doctor", "--checks", "mesh", "--families", "gpt2", "--json", sys.argv[1]]))
+status = {}
+for mode in ("healthy", "broken"):
+    B.put_rows = losing_rows if mode == "broken" else put_rows
+    print(f"--- {mode}", flush=True)
+    status[mode] = main(["doctor", "--checks", "mesh", "--families", "gpt2", "--json", f"{sys.argv[1]}/{mode}.json"])
+print(json.dumps(status))
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["healthy", "broken"])
-def test_mesh_check_fails_when_a_device_loses_a_row(mode, tmp_path):
+def test_mesh_check_passes_on_two_devices_and_fails_when_a_device_loses_a_row(tmp_path):
+    """`mia doctor --checks mesh` on 2 CPU devices (one subprocess, ~10 s): the healthy mesh passes both layouts;
+    when every device but the first loses its last row, the replicated layout's row fails and the command exits 1
+    naming it (a mesh row that compared one device with one device would pass)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=str(ROOT),
                JAX_PLATFORMS="cpu")
-    out = tmp_path / "report.json"
-    p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(out), mode], env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True,
                        timeout=600)
-    report = json.loads(out.read_text())
-    checks = [r["check"] for r in report["rows"]]
-    assert checks == ["mesh gpt2 data=2,model=1", "mesh gpt2 data=1,model=2"], p.stderr
-    if mode == "healthy":
-        assert p.returncode == 0 and report["ok"], p.stdout + p.stderr
-    else:
-        assert p.returncode == 1 and report["first_failure"] == "mesh gpt2 data=2,model=1", p.stdout + p.stderr
-        assert "check 'mesh gpt2 data=2,model=1' failed" in p.stdout
+    assert p.returncode == 0, p.stdout + p.stderr
+    status = json.loads(p.stdout.strip().splitlines()[-1])
+    healthy, broken = (json.loads((tmp_path / f"{m}.json").read_text()) for m in ("healthy", "broken"))
+    for report in (healthy, broken):
+        checks = [r["check"] for r in report["rows"]]
+        assert checks == ["mesh gpt2 data=2,model=1", "mesh gpt2 data=1,model=2"], p.stdout + p.stderr
+    assert status["healthy"] == 0 and healthy["ok"], p.stdout + p.stderr
+    assert all(r["ok"] and r["value"] <= r["tolerance"] == checkup.MESH_TOLERANCE for r in healthy["rows"])
+    assert status["broken"] == 1 and broken["first_failure"] == "mesh gpt2 data=2,model=1", p.stdout + p.stderr
+    assert broken["rows"][0]["value"] > 100 * checkup.MESH_TOLERANCE
+    assert "check 'mesh gpt2 data=2,model=1' failed" in p.stdout.split("--- broken")[1]
 
 
 @pytest.mark.slow
