@@ -170,6 +170,25 @@ def test_the_watchdog_turns_a_lost_process_into_one_line_and_an_exit(mode, line)
     assert err == [line], r.stderr
 
 
+def test_the_watchdog_stops_on_another_process_failing_with_that_process_reason(monkeypatch):
+    """In this process (the exit recorded, not taken; the subprocess cases above take it): a peer's ``{"abort"}``,
+    which its ``guard`` sends when a command fails there (an attention kernel that failed in that process alone, say),
+    becomes this process's one line with the peer's reason and exit status 1."""
+    seen, gone = [], threading.Event()
+
+    def exit(self, pid, line, why, status):
+        seen.append((pid, line, status))
+        gone.set()
+        threading.Event().wait()  # the watchdog's thread ends here: a daemon, blocked for good
+
+    monkeypatch.setattr(D._Watchdog, "exit", exit)
+    mine, theirs = socket.socketpair()
+    D._Watchdog(D.ProcessGroup("127.0.0.1:1", 2, 0), {1: mine}, peer_timeout=30.0)
+    theirs.sendall(b'{"abort": 1, "why": "process 1 failed: attention kernel splash failed"}\n')
+    assert gone.wait(10), "the watchdog never heard process 1"
+    assert seen == [(1, "error: process 1 failed: attention kernel splash failed", 1)]
+
+
 # ------------------------------------------------------------------------------------------------ mia score
 def _env():
     return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
