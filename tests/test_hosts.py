@@ -183,10 +183,14 @@ def test_the_watchdog_stops_on_another_process_failing_with_that_process_reason(
 
     monkeypatch.setattr(D._Watchdog, "exit", exit)
     mine, theirs = socket.socketpair()
-    D._Watchdog(D.ProcessGroup("127.0.0.1:1", 2, 0), {1: mine}, peer_timeout=30.0)
-    theirs.sendall(b'{"abort": 1, "why": "process 1 failed: attention kernel splash failed"}\n')
-    assert gone.wait(10), "the watchdog never heard process 1"
-    assert seen == [(1, "error: process 1 failed: attention kernel splash failed", 1)]
+    watchdog = D._Watchdog(D.ProcessGroup("127.0.0.1:1", 2, 0), {1: mine}, peer_timeout=1e9)
+    try:
+        theirs.sendall(b'{"abort": 1, "why": "process 1 failed: attention kernel splash failed"}\n')
+        assert gone.wait(10), "the watchdog never heard process 1"
+        assert seen == [(1, "error: process 1 failed: attention kernel splash failed", 1)]
+    finally:  # whatever happened, a thread still watching must never end this process (os._exit) later
+        watchdog.done.add(1)
+        watchdog.stopping.set()
 
 
 # ------------------------------------------------------------------------------------------------ mia score
