@@ -11,8 +11,10 @@ says exactly what is written). On the 2-core development CPU it takes under a mi
               and the attention kernel auto picks here (information rows)
   attention   for every registered model family (its tiny config, ``mia.models.family.tiny_config``, random
               weights) and every attention kernel that can run here (what auto picks, plus blocked and exact):
-              token stats of CHECK_ROWS in the auto dtype against float32 with exact attention; the largest
-              difference of any statistic at a scored position, against ``TOLERANCE`` of the dtype
+              token stats of CHECK_ROWS in the auto dtype against float32 with jax's own attention
+              (``jax.nn.dot_product_attention``'s XLA version, the xla kernel in float32: code independent of mia's
+              exact and blocked kernels, so that on a float32 backend the exact row too compares two computations);
+              the largest difference of any statistic at a scored position, against ``TOLERANCE`` of the dtype
   mesh        (several devices) the same rows in float32 on all local devices: every device on ``data``
               (parameters replicated, as ``mia score`` places them by default), then ``data`` x ``model`` with the
               largest model axis the heads divide (FSDP, as ``--mesh`` places them), against one device
@@ -75,11 +77,15 @@ CHECKS = ("platform", "attention", "mesh", "cache", "speed", "precision")
 CHECK_POSITIONS = 384
 CHECK_LENGTHS = (385, 300, 129, 37, 385, 256, 2, 200)  # tokens of each check row (right padded to 385)
 CHECK_VOCAB = 128  # the tiny configs' vocabulary
-# largest |difference| of a token statistic (nats) against float32 with exact attention, by activation dtype:
-# float32 kernels differ by summation order (at most 4e-6 here); bfloat16 rounds weights and activations to 8 bits
-# of mantissa (measured on the CPU: at most 0.11 over every family and kernel, splash in interpret mode included;
-# an accelerator rounds elsewhere, hence the margin). A kernel that lets a query see the next token gives 1.7 to 3.8.
+# largest |difference| of a token statistic (nats) against float32 with jax's attention (REFERENCE_KERNEL), by
+# activation dtype: float32 kernels differ by summation order (at most 4e-6 here, never 0: the reference is other
+# code); bfloat16 rounds weights and activations to 8 bits of mantissa (measured on the CPU: at most 0.11 over every
+# family and kernel, splash in interpret mode included; an accelerator rounds elsewhere, hence the margin). A kernel
+# that lets a query see the next token gives 1.7 to 3.8.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}
+# the attention rows' reference: in float32 the xla kernel is jax.nn.dot_product_attention's XLA version on
+# every backend (cuDNN runs only 16-bit inputs), under the model's "highest" matmul precision
+REFERENCE_KERNEL = "xla"
 MESH_TOLERANCE = 1e-4  # float32: a layout changes summation order only
 # bf16 may move a check row's score by at most this much, for scores that are means of per-token log-probs (loss,
 # mink, surp; nats) or of standardised log-probs (minkpp); zlib's (LL / compressed bytes) by this over the row's
@@ -250,7 +256,13 @@ class _Run:
         return self._stats[key]
 
     def reference(self, family: str) -> dict:
+        """float32 token stats with exact attention (the precision rows' float32 side)."""
         return self.stats(family, "float32", "exact")
+
+    def attention_reference(self, family: str) -> dict:
+        """float32 token stats with jax's own attention (``REFERENCE_KERNEL``): what the attention rows compare every
+        kernel with, the exact kernel in float32 included."""
+        return self.stats(family, "float32", REFERENCE_KERNEL)
 
     def auto_kernel(self, length: int, dtype: str, heads: int = 4, head_dim: int = 16) -> str:
         """What auto picks for ``length`` positions in an engine step here, failures aside."""
@@ -287,7 +299,7 @@ def attention_rows(run: _Run) -> list:
         for kernel, auto in kernels_here(run):
             name = f"attention {family} {kernel}"
             try:
-                ref = run.reference(family)
+                ref = run.attention_reference(family)
                 d = largest_difference(ref, run.stats(family, run.dtype, kernel))
             except Exception as e:  # a kernel that cannot lower, compile or run here
                 row = failed(name, e)
@@ -296,8 +308,8 @@ def attention_rows(run: _Run) -> list:
                                                                       "here, with one warning line")
                 rows.append(row)
                 continue
-            where = f"max |Δ| of token stats vs float32 exact attention, {run.dtype}, {len(run.rows)} rows x " \
-                    f"{CHECK_POSITIONS} positions" + (" (auto's pick)" if auto else "")
+            where = f"max |Δ| of token stats vs float32 with jax's attention, {run.dtype}, {len(run.rows)} rows " \
+                    f"x {CHECK_POSITIONS} positions" + (" (auto's pick)" if auto else "")
             rows.append(Check(name, where, d, tol, bool(d <= tol)))
     return rows
 

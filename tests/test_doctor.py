@@ -3,8 +3,9 @@
 Each test breaks one thing the doctor checks, the way it breaks on a real machine, and looks for the failing row:
 a kernel that lets a query see the next token, bf16 weights that are not the float32 model's, a cache directory that
 is a file, a cache over its limit, a speed model whose numbers are not finite, devices that cannot be listed, and
-(with two CPU devices, in a subprocess: slow) a mesh that loses a row. The default run uses one small family and
-the cheap checks; the full doctor on 1 and 8 devices runs under ``-m slow``.
+(with two CPU devices, in a subprocess) a mesh that loses a row. Healthy rows of each kind pass on a real, nonzero
+difference, and fail once their tolerance is tightened. The default run uses one small family and the cheap checks;
+the full doctor on 1 and 8 devices runs under ``-m slow``.
 """
 from __future__ import annotations
 
@@ -72,6 +73,33 @@ def test_failing_and_wrong_kernels_and_scrambled_bf16_weights_fail_their_checks(
         assert row.ok is False and row.value > row.tolerance > 0, row
     assert report.to_json()["first_failure"] == "attention gpt_neox splash"
     assert A.failed_kernels() == {}  # a kernel the doctor forces is reported, not marked failed for later runs
+
+
+def test_healthy_attention_speed_and_precision_rows_pass_on_a_real_difference_and_fail_when_tightened(monkeypatch):
+    """Healthy rows of each kind pass, each comparing two different computations: every kernel (the exact one in
+    float32 included) against jax's own attention, bf16 scores against float32 ones, a speed model with finite
+    stats. A tolerance tightened to 1e-9 fails them: the tolerances, not the comparisons, let them pass."""
+    monkeypatch.setattr(checkup, "SPEED", dict(checkup.SPEED, hidden_size=64, num_attention_heads=4,
+                                               intermediate_size=128, vocab_size=256))  # a tiny speed model
+    run = checkup._Run(["gpt_neox"])
+    attention, speed, precision = (f(run) for f in (checkup.attention_rows, checkup.speed_rows,
+                                                   checkup.precision_rows))
+    assert [r.check for r in attention] == ["attention gpt_neox exact", "attention gpt_neox blocked"]
+    for row in attention:  # float32 summation order: a few 1e-6, never 0
+        assert row.ok is True and 1e-7 < row.value <= row.tolerance == checkup.TOLERANCE["float32"], row
+        assert "vs float32 with jax's attention" in row.result
+    (row,) = speed
+    assert row.ok is True and row.value > 0 and "NON-FINITE" not in row.result, row
+    assert {r.check for r in precision} >= {f"precision {a}" for a in ("loss", "mink", "minkpp", "zlib")}
+    for row in precision:
+        assert row.ok is True and row.value <= row.tolerance, row
+        if row.check != "precision surp":  # surp may be 0 on both sides
+            assert row.value > 1e-5, row
+    monkeypatch.setitem(checkup.TOLERANCE, "float32", 1e-9)
+    monkeypatch.setattr(checkup, "PRECISION_TOLERANCE", 1e-9)
+    assert [r.ok for r in checkup.attention_rows(run)] == [False, False]  # (the stats are memoized in ``run``)
+    tight = {r.check: r.ok for r in checkup.precision_rows(run)}
+    assert not any(ok for c, ok in tight.items() if c != "precision surp"), tight
 
 
 def test_cache_checks_fail_on_a_file_in_place_of_the_directory_and_over_the_limit(tmp_path, monkeypatch):
@@ -237,9 +265,9 @@ def test_mia_and_its_doctor_import_without_the_optional_packages(tmp_path):
 
 
 MESH_SCRIPT = """
-import json, sys
+import dataclasses, json
 import mia.engine.batching as B
-from mia.cli import main
+from mia import checkup
 
 put_rows = B.put_rows
 
@@ -252,28 +280,32 @@ def losing_rows(shape, sharding, make_rows):  # every shard but the first loses 
         return out
     return put_rows(shape, sharding, rows)
 
-if sys.argv[2] == "broken":
-    B.put_rows = losing_rows
-sys.exit(main(["doctor", "--checks", "mesh", "--families", "gpt2", "--json", sys.argv[1]]))
+run = checkup._Run(["gpt2"])
+healthy = checkup.mesh_rows(run)
+# recompute only the replicated layout's stats (key: family, dtype, kernel, mesh, fsdp): one device and FSDP (data=1:
+# no device would lose a row) are kept
+run._stats = {k: v for k, v in run._stats.items() if k[3] is None or k[4]}
+B.put_rows = losing_rows
+broken = checkup.mesh_rows(run)
+print(json.dumps([[dataclasses.asdict(r) for r in rows] for rows in (healthy, broken)]))
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["healthy", "broken"])
-def test_mesh_check_fails_when_a_device_loses_a_row(mode, tmp_path):
+def test_mesh_check_passes_on_two_devices_and_fails_when_a_device_loses_a_row():
+    """The mesh rows on 2 CPU devices (one subprocess): the healthy mesh passes both layouts, FSDP on a real
+    (nonzero) difference; when every device but the first loses its last row, the replicated layout's row fails
+    (a mesh row that compared one device with one device would pass). The command's exit status: the cache check's
+    test above; the whole doctor on 8 devices: under -m slow."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=str(ROOT),
                JAX_PLATFORMS="cpu")
-    out = tmp_path / "report.json"
-    p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(out), mode], env=env, capture_output=True, text=True,
-                       timeout=600)
-    report = json.loads(out.read_text())
-    checks = [r["check"] for r in report["rows"]]
-    assert checks == ["mesh gpt2 data=2,model=1", "mesh gpt2 data=1,model=2"], p.stderr
-    if mode == "healthy":
-        assert p.returncode == 0 and report["ok"], p.stdout + p.stderr
-    else:
-        assert p.returncode == 1 and report["first_failure"] == "mesh gpt2 data=2,model=1", p.stdout + p.stderr
-        assert "check 'mesh gpt2 data=2,model=1' failed" in p.stdout
+    p = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    healthy, broken = json.loads(p.stdout.strip().splitlines()[-1])
+    for rows in (healthy, broken):
+        assert [r["check"] for r in rows] == ["mesh gpt2 data=2,model=1", "mesh gpt2 data=1,model=2"], rows
+    assert all(r["ok"] is True and r["value"] <= r["tolerance"] == checkup.MESH_TOLERANCE for r in healthy), healthy
+    assert healthy[1]["value"] > 0 and "FSDP" in healthy[1]["result"]
+    assert broken[0]["ok"] is False and broken[0]["value"] > 100 * checkup.MESH_TOLERANCE, broken
 
 
 @pytest.mark.slow

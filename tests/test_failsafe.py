@@ -124,7 +124,9 @@ def test_explicitly_requested_kernel_that_fails_is_an_error_naming_the_variable(
 
 def test_with_several_processes_no_process_falls_back_alone(monkeypatch, capsys):
     """One process rebuilding its step with blocked attention would run another program than the other processes:
-    under jax.distributed the failure is a one-line error naming the process and MIA_ATTENTION=blocked."""
+    under jax.distributed the failure is a one-line error naming the process and MIA_ATTENTION=blocked. (Simulated
+    here; that the other processes stop too, with one line each: tests/test_hosts.py, in process for the watchdog
+    and, under -m slow, with two real processes.)"""
     monkeypatch.setattr(A, "auto_kernel", lambda *a, **k: "splash")
     monkeypatch.setitem(A.KERNELS, "splash", _compile_failure)
     monkeypatch.setattr(jax, "process_count", lambda: 2)

@@ -63,13 +63,12 @@ def test_save_roundtrip_loads_in_transformers(case, tmp_path):
     assert again.config == model.config
 
 
-# the second Llama (llama_tied) and GPT-NeoX, whose prefix caches test_conditional checks against transformers,
-# in make test-all only, for default-run time; every other family in the default run
-ALSO_CHECKED_ELSEWHERE = {"llama_tied", "gpt_neox"}
-FAMILIES_ONCE = [pytest.param(n, marks=pytest.mark.slow) if n in ALSO_CHECKED_ELSEWHERE else n for n in sorted(CASES)]
+# GPT-NeoX's prefix cache is checked against transformers by tests/test_conditional.py (a GPT-NeoX only): here in
+# make test-all only, for default-run time; every other family, the tied-embedding Llama included, in the default run
+PREFIX_CASES = [pytest.param(n, marks=pytest.mark.slow) if n == "gpt_neox" else n for n in sorted(CASES)]
 
 
-@pytest.mark.parametrize("name", FAMILIES_ONCE)
+@pytest.mark.parametrize("name", PREFIX_CASES)
 def test_prefix_cache_matches_full_sequence(name, tmp_path_factory):
     name, _, _, model = _build(name, tmp_path_factory)
     prefix, _ = padded_batch(V, [6, 6], seed=4)
@@ -161,8 +160,18 @@ def test_every_registered_family_has_tiny_configs():
         assert shardable(family)["model_type"] == family
 
 
-@pytest.mark.parametrize("name", FAMILIES_ONCE)  # gpt_neox's packed rows: also test_cli_score's --pack check
-def test_packed_rows_score_as_separate_rows(name, tmp_path_factory, monkeypatch):
+# every family with both kernels, except, for default-run time, the second Llama (llama_tied: make test-all only) and
+# GPT-NeoX, whose packed rows the default run checks with the exact kernel alone (and whole scores through
+# test_cli_score's --pack check); the kernels' own packed masks are checked on every other family
+BOTH = ("exact", "blocked")
+PACKED_CASES = [pytest.param(n, BOTH, id=n) for n in sorted(CASES) if n not in ("gpt_neox", "llama_tied")] + [
+    pytest.param("gpt_neox", ("exact",), id="gpt_neox-exact"),
+    pytest.param("gpt_neox", BOTH, id="gpt_neox", marks=pytest.mark.slow),
+    pytest.param("llama_tied", BOTH, id="llama_tied", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name, kernels", PACKED_CASES)
+def test_packed_rows_score_as_separate_rows(name, kernels, tmp_path_factory, monkeypatch):
     """Token stats with several texts per row (segment ids, positions restarting per text) equal one text per row,
     per family and for every attention kernel: a text never sees its row neighbours."""
     import dataclasses
@@ -183,7 +192,7 @@ def test_packed_rows_score_as_separate_rows(name, tmp_path_factory, monkeypatch)
     want = loop.compute_token_stats(model, texts, plain)
     monkeypatch.setattr(A, "BLOCK_Q", 4)  # several query and key blocks per row
     monkeypatch.setattr(A, "BLOCK_K", 4)
-    for kernel in ("exact", "blocked"):
+    for kernel in kernels:
         monkeypatch.setenv(A.ENV_VAR, kernel)  # read when traced: a fresh jitted step per kernel
         loop.jitted_token_stats.cache_clear()
         got = loop.compute_token_stats(model, texts, packed)

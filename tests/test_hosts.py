@@ -170,6 +170,29 @@ def test_the_watchdog_turns_a_lost_process_into_one_line_and_an_exit(mode, line)
     assert err == [line], r.stderr
 
 
+def test_the_watchdog_stops_on_another_process_failing_with_that_process_reason(monkeypatch):
+    """In this process (the exit recorded, not taken; the subprocess cases above take it): a peer's ``{"abort"}``,
+    which its ``guard`` sends when a command fails there (an attention kernel that failed in that process alone, say),
+    becomes this process's one line with the peer's reason and exit status 1."""
+    seen, gone = [], threading.Event()
+
+    def exit(self, pid, line, why, status):
+        seen.append((pid, line, status))
+        gone.set()
+        threading.Event().wait()  # the watchdog's thread ends here: a daemon, blocked for good
+
+    monkeypatch.setattr(D._Watchdog, "exit", exit)
+    mine, theirs = socket.socketpair()
+    watchdog = D._Watchdog(D.ProcessGroup("127.0.0.1:1", 2, 0), {1: mine}, peer_timeout=1e9)
+    try:
+        theirs.sendall(b'{"abort": 1, "why": "process 1 failed: attention kernel splash failed"}\n')
+        assert gone.wait(10), "the watchdog never heard process 1"
+        assert seen == [(1, "error: process 1 failed: attention kernel splash failed", 1)]
+    finally:  # whatever happened, a thread still watching must never end this process (os._exit) later
+        watchdog.done.add(1)
+        watchdog.stopping.set()
+
+
 # ------------------------------------------------------------------------------------------------ mia score
 def _env():
     return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
@@ -206,6 +229,58 @@ def _finish(procs, timeout):
             p.kill()
             outs.append(p.communicate())
     return outs
+
+
+KERNEL_FAILS = """
+import sys
+import jax
+from mia.models import attention as A
+
+if sys.argv[1] == "fail":  # in this process alone auto picks splash, and its program does not compile here
+    def unregistered(*args, scale, window=None):
+        out = A.blocked_attention(*args, scale=scale, window=window)
+        return jax.ffi.ffi_call("mia_kernel_nobody_registered", jax.ShapeDtypeStruct(out.shape, out.dtype),
+                                vmap_method="sequential")(out)
+    A.auto_kernel = lambda *a, **k: "splash"
+    A.KERNELS["splash"] = unregistered
+from mia.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow  # 2 processes that start jax and load a model: ~20 s on 2 busy cores (the default run keeps the
+# watchdog's own checks above and tests/test_failsafe.py's one-process check of the error)
+def test_a_kernel_failing_in_one_process_stops_every_process_with_one_line(tiny_neox_dir, tmp_path):
+    """Two real processes under jax.distributed: auto's kernel fails to compile in process 1 alone. Process 1 does
+    not fall back alone (the other would run another program): one ``error:`` line naming the kernel, the process and
+    MIA_ATTENTION=blocked, exit 2. Process 0, waiting for process 1 in the step's collective, hears it from the
+    watchdog: one ``error:`` line with process 1's reason, exit 1, within seconds. (Without the watchdog process 0
+    would learn of it only from gloo or jax's heartbeat: another line, or a minute.)"""
+    data = _data(tmp_path, 8, 40)
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        args = ["score", "--attacks", "loss", "--no-progress", "--model", str(tiny_neox_dir), "--data", str(data),
+                "--out", str(tmp_path / f"o{i}.jsonl"), "--cache-dir", str(tmp_path / f"c{i}"), "--coordinator",
+                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+        procs.append(subprocess.Popen([sys.executable, "-c", KERNEL_FAILS, "fail" if i else "ok", *args], env=_env(),
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    end = time.monotonic() + 240
+    while procs[1].poll() is None and time.monotonic() < end:
+        time.sleep(0.05)
+    failed = time.monotonic()
+    (_, err0), (_, err1) = _finish(procs, 60)
+    took = time.monotonic() - failed
+    lines = [[x for x in e.splitlines() if x.startswith("error:")] for e in (err0, err1)]
+    reason = ("attention kernel splash failed on this backend in process 1 of 2 (", "rerun every process with "
+              "MIA_ATTENTION=blocked")
+    assert procs[1].returncode == 2 and len(lines[1]) == 1, err1[-3000:]
+    assert lines[1][0].startswith(f"error: process 1: {reason[0]}") and reason[1] in lines[1][0], lines[1]
+    assert procs[0].returncode == 1 and len(lines[0]) == 1, err0[-3000:]
+    assert lines[0][0].startswith(f"error: process 1 failed: {reason[0]}") and reason[1] in lines[0][0], lines[0]
+    assert "Traceback" not in err0 + err1 and not list(tmp_path.glob("o*.jsonl"))
+    assert took < 15, took  # the watchdog's EXIT_GRACE is 3 s
+    print(json.dumps({"seconds_to_exit": round(took, 2)}))
 
 
 @pytest.mark.slow  # 3 processes that start jax and compile: ~40 s on 2 busy cores

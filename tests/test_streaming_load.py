@@ -172,35 +172,71 @@ def test_host_transient_of_a_load_is_about_one_block(tmp_path):
     assert_same_bits(params, reference(path, "float32"))
 
 
-def test_finite_check_holds_no_bool_per_parameter():
-    """The finite check compiles to reductions without a temporary the size of the parameters."""
+def picked_rule(monkeypatch):
+    """The finite rule ``hub._finite_flags`` calls on this backend (its name and the function), found by spying on
+    both candidates while it checks one leaf."""
+    called, rules = [], {n: getattr(hub, n) for n in ("finite_leaves", "finite_leaves_isfinite")}
+    with monkeypatch.context() as m:
+        for name, rule in rules.items():
+            m.setattr(hub, name, lambda leaves, name=name, rule=rule: called.append(name) or rule(leaves))
+        hub._finite_flags([jnp.ones(3)])
+    assert len(called) == 1, called
+    return called[0], rules[called[0]]
+
+
+def test_finite_check_holds_no_bool_per_parameter(monkeypatch):
+    """The rule the finite check uses here (``_finite_flags``' pick) compiles to reductions without a temporary the
+    size of the parameters: the frugal rule, which its own check (``finite_rule_holds``) confirms on this backend."""
+    name, rule = picked_rule(monkeypatch)
+    assert name == "finite_leaves" and hub.finite_rule_holds()
     leaves = [jax.ShapeDtypeStruct((4, 256, 1024), jnp.float32), jax.ShapeDtypeStruct((4, 1024), jnp.bfloat16),
               jax.ShapeDtypeStruct((0,), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.int32)]
-    memory = jax.jit(hub.finite_leaves).lower(leaves).compile().memory_analysis()
+    memory = jax.jit(rule).lower(leaves).compile().memory_analysis()
     assert memory.temp_size_in_bytes < 4096, memory.temp_size_in_bytes
     x = np.ones((2, 3), np.float32)
     for bad, ok in ((np.nan, False), (np.inf, False), (-np.inf, False), (3e38, True)):
         y = x.copy()
         y[1, 2] = bad
-        flags = np.asarray(hub.finite_leaves([jnp.asarray(y), jnp.asarray(x, jnp.bfloat16), jnp.zeros((0,))]))
-        assert flags.tolist() == [ok, True, True], bad
+        flags = hub._finite_flags([jnp.asarray(y), jnp.asarray(x, jnp.bfloat16), jnp.zeros((0,)), jnp.arange(3)])
+        assert flags.tolist() == [ok, True, True, True], bad
 
 
-@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16", "bfloat16 as float32"])
 @pytest.mark.parametrize("damage", ["all nan", "one nan", "one inf", "one -inf"])
 def test_finite_check_sees_nan_in_large_leaves(damage, dtype):
-    """Leaves large enough for XLA:CPU to vectorise the reduction (64,000 elements): its max drops NaN (an all-NaN
-    leaf's max |x| is -inf, one NaN among ones gives 1), so the check must not rest on max; every damage is seen,
-    alone or among healthy leaves, and ``finite_rule_holds`` confirms the rule on this backend."""
+    """Leaves large enough for XLA:CPU to vectorise the reduction (64,000 elements): its float32 max drops NaN (an
+    all-NaN leaf's max |x| is -inf, one NaN among ones gives 1), so the check must not rest on max; every damage is
+    seen by the check ``_finite_flags`` runs, alone or among healthy leaves, in float32 and bfloat16 leaves, and in
+    a bfloat16 leaf widened to float32 (a bf16 checkpoint loaded as float32 params: what a CPU run does, and the bf16
+    case a max-based rule misses here, where a bf16 max happens to keep the NaN)."""
     x = np.ones((1000, 64), np.float32)
     if damage == "all nan":
         x[:] = np.nan
     else:
         x[617, 33] = {"one nan": np.nan, "one inf": np.inf, "one -inf": -np.inf}[damage]
+    if dtype == "bfloat16 as float32":
+        leaf, dtype = jnp.asarray(jnp.asarray(x, jnp.bfloat16), jnp.float32), np.float32
+    else:
+        leaf = jnp.asarray(x, dtype)
     healthy = jnp.ones((1000, 64), dtype)
-    flags = np.asarray(jax.jit(hub.finite_leaves)([healthy, jnp.asarray(x, dtype), healthy]))
-    assert flags.tolist() == [True, False, True]
+    assert hub._finite_flags([healthy, leaf, healthy]).tolist() == [True, False, True]
     assert hub.finite_rule_holds()
+
+
+def test_a_nan_in_a_bfloat16_checkpoint_loaded_as_float32_is_refused(tmp_path):
+    """A bf16 checkpoint (as on the Hub) with one NaN in its largest tensor (32,768 values), loaded as float32 params
+    (the CPU's default): ``load`` refuses it naming the tensor. (bf16 params: the leaf-level cases above.)"""
+    from mia.models.hub import CheckpointError, read_safetensors, write_safetensors
+
+    hf = dict(PARITY["gpt_neox"]().to_dict(), hidden_size=64, intermediate_size=256, num_attention_heads=4)
+    path = write_checkpoint(hf, "bfloat16", tmp_path / "m")
+    tensors = {k: np.array(v) for k, v in read_safetensors(path / "model.safetensors").items()}
+    big = max(tensors, key=lambda k: (tensors[k].size, k))
+    assert tensors[big].dtype == ml_dtypes.bfloat16 and tensors[big].size >= 16384
+    tensors[big].flat[tensors[big].size // 2 + 5] = np.nan
+    write_safetensors(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"tensor '{big}' holds 1 non-finite"):
+        mm.load(path, dtype="float32", tokenizer=False)
 
 
 def test_mapped_pages_release_finds_the_maps(tiny_neox_dir):
