@@ -28,9 +28,9 @@ says exactly what is written). On the 2-core development CPU it takes under a mi
               largest bfloat16-vs-float32 difference in its score on the check rows of every family, against
               ``PRECISION_TOLERANCE`` (0.1 nats per row; zlib's divided by the row's compressed length)
 
-A failing row makes ``first_failure`` name the first one, and ``mia doctor`` then exits 1. Every check can fail,
-except the ``exact`` attention rows on a float32 backend (a CPU), which compare float32 exact attention with itself
-and fail only if it raises.
+A failing row makes ``first_failure`` name the first one, and ``mia doctor`` then exits 1. Every check can fail: the
+attention rows compare every kernel, ``exact`` included, with jax's own attention in float32 (code independent of
+mia's kernels), so they measure a real difference on a float32 backend too.
 """
 from __future__ import annotations
 

@@ -395,10 +395,10 @@ def cmd_cache_prune(args) -> int:
 def _add_doctor_parser(sub) -> None:
     p = sub.add_parser("doctor", help="check that mia works on this machine, and how fast: run it first",
                        description="Score a few rows with every model family's tiny model and every attention kernel "
-                                   "that can run here against float32 exact attention, compare a mesh of all local "
-                                   "devices with one device, check the cache directories, time a Pythia-160m-shaped "
-                                   "model and measure what bfloat16 costs in each attack's score. Prints one table; "
-                                   "exits 1 naming the first failing check (docs/doctor.md).")
+                                   "that can run here against float32 with jax's own attention, compare a mesh of "
+                                   "all local devices with one device, check the cache directories, time a "
+                                   "Pythia-160m-shaped model and measure what bfloat16 costs in each attack's score. "
+                                   "Prints one table; exits 1 naming the first failing check (docs/doctor.md).")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="also write the report to FILE as JSON (its directory is created; checked writable before "
                         "any check runs)")
