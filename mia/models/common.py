@@ -267,6 +267,23 @@ def norm_maps(hf_prefix: str, path: tuple[str, ...], scale: bool = True, bias: b
     return out
 
 
+def decoder_maps(lm, cfg, layer_maps: Callable[[str, tuple], list], norm: Sequence[str] = ("weight",)
+                 ) -> list[ParamMapping]:
+    """The mapping of a whole decoder checkpoint, from the names that ``lm`` (a ``DecoderLM`` class) declares:
+    ``{HF_PREFIX}.{EMBED}`` (and ``.{POSITION_EMBED}``), ``layer_maps(f"{HF_PREFIX}.{LAYERS}.{i}", (LAYERS,))``
+    for each layer i (stacked: slice i), the final norm's tensors ``norm`` (() when it has none) and an untied
+    ``{HEAD}``."""
+    pre = lm.HF_PREFIX
+    embeds = [lm.EMBED] + ([lm.POSITION_EMBED] if lm.POSITION_EMBED else [])
+    m = [ParamMapping(f"{pre}.{name}.weight", (name, "embedding")) for name in embeds]
+    for i in range(cfg.num_hidden_layers):
+        m += at_layer(i, layer_maps(f"{pre}.{lm.LAYERS}.{i}", (lm.LAYERS,)))
+    m += [ParamMapping(f"{pre}.{lm.NORM}.{tensor}", (lm.NORM, tensor)) for tensor in norm]
+    if not cfg.tie_word_embeddings:
+        m.append(ParamMapping(f"{lm.HEAD}.weight", (lm.HEAD, "kernel"), transpose=True))
+    return m
+
+
 def refuse_values(model_type: str, hf: dict, refuse: dict[str, Callable[[Any], bool]]) -> None:
     """Raise ConfigError on any field in ``refuse`` whose value changes the math in a way we do not implement."""
     for field, is_bad in refuse.items():
@@ -285,6 +302,9 @@ class DecoderLM(nn.Module):
                       ``config.tie_word_embeddings``)
       POSITION_EMBED  learned position ``nn.Embed`` [max_position_embeddings, D], or None
       ROTARY_DIM      config attribute with the rotary width, or None
+      FINAL_NORM      the final norm's class (``RMSNorm``, ``LayerNorm``), its epsilon the config attribute NORM_EPS
+                      (or override ``final_norm()``)
+      HF_PREFIX       the checkpoint's prefix of every tensor but the head's (``decoder_maps``)
 
     The layers are ONE module applied in ``jax.lax.scan`` over stacked params: every leaf under ``params[LAYERS]``
     has a leading [L] axis (layer i is slice i), so the compiled program does not grow with depth. Each layer is
@@ -304,6 +324,9 @@ class DecoderLM(nn.Module):
     HEAD = "lm_head"
     POSITION_EMBED = None
     ROTARY_DIM = "head_dim"
+    FINAL_NORM = None
+    NORM_EPS = ""
+    HF_PREFIX = "model"
 
     def setup(self):
         cfg = self.config
@@ -318,8 +341,8 @@ class DecoderLM(nn.Module):
                                               param_dtype=self.param_dtype))
 
     def final_norm(self) -> nn.Module:
-        """The norm after the last layer (built in ``setup``, named NORM)."""
-        raise NotImplementedError
+        """The norm after the last layer (built in ``setup``, named NORM): FINAL_NORM with epsilon NORM_EPS."""
+        return self.FINAL_NORM(getattr(self.config, self.NORM_EPS), dtype=self.dtype, param_dtype=self.param_dtype)
 
     def layer_template(self) -> nn.Module:
         """An unbound instance of the family's layer, applied functionally to one layer's params."""

@@ -18,8 +18,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, at_layer,
-                     attend, norm_maps)
+from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, attend,
+                     decoder_maps, norm_maps)
 from .family import HFConfig, hf_field, register_family
 
 
@@ -99,9 +99,8 @@ class GPT2LMHeadModel(DecoderLM):
 
     EMBED, LAYERS, NORM, POSITION_EMBED, ROTARY_DIM = "wte", "h", "ln_f", "wpe", None
     LAYER = GPT2Block
+    FINAL_NORM, NORM_EPS, HF_PREFIX = LayerNorm, "layer_norm_epsilon", "transformer"
 
-    def final_norm(self):
-        return LayerNorm(self.config.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype)
 
 
 def _conv1d_maps(hf_prefix: str, path: tuple) -> list[ParamMapping]:
@@ -113,22 +112,11 @@ def _conv1d_maps(hf_prefix: str, path: tuple) -> list[ParamMapping]:
 
 
 def param_mappings(cfg: GPT2Config) -> list[ParamMapping]:
-    m = [ParamMapping("transformer.wte.weight", ("wte", "embedding")),
-         ParamMapping("transformer.wpe.weight", ("wpe", "embedding"))]
-    for i in range(cfg.n_layer):
-        hf, p = f"transformer.h.{i}", ("h",)
-        layer: list[ParamMapping] = []
-        layer += norm_maps(f"{hf}.ln_1", p + ("ln_1",))
-        layer += _conv1d_maps(f"{hf}.attn.c_attn", p + ("attn_c_attn",))
-        layer += _conv1d_maps(f"{hf}.attn.c_proj", p + ("attn_c_proj",))
-        layer += norm_maps(f"{hf}.ln_2", p + ("ln_2",))
-        layer += _conv1d_maps(f"{hf}.mlp.c_fc", p + ("mlp_c_fc",))
-        layer += _conv1d_maps(f"{hf}.mlp.c_proj", p + ("mlp_c_proj",))
-        m += at_layer(i, layer)
-    m += norm_maps("transformer.ln_f", ("ln_f",))
-    if not cfg.tie_word_embeddings:
-        m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))
-    return m
+    def layer(hf: str, p: tuple):
+        conv = lambda name: _conv1d_maps(f"{hf}.{name}", p + (name.replace(".", "_"),))
+        return (norm_maps(f"{hf}.ln_1", p + ("ln_1",)) + conv("attn.c_attn") + conv("attn.c_proj")
+                + norm_maps(f"{hf}.ln_2", p + ("ln_2",)) + conv("mlp.c_fc") + conv("mlp.c_proj"))
+    return decoder_maps(GPT2LMHeadModel, cfg, layer, norm=("weight", "bias"))
 
 
 # The causal-mask buffers that old checkpoints (e.g. the original ``gpt2``) carry.

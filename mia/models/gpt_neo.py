@@ -16,8 +16,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, at_layer,
-                     attend, linear_maps, norm_maps)
+from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, attend,
+                     decoder_maps, linear_maps, norm_maps)
 from .family import HFConfig, hf_field, register_family
 
 DEFAULT_ATTENTION_TYPES = [[["global", "local"], 12]]  # GPTNeoConfig's default: 24 layers alternating
@@ -115,29 +115,20 @@ class GPTNeoForCausalLM(DecoderLM):
 
     EMBED, LAYERS, NORM, POSITION_EMBED, ROTARY_DIM = "wte", "h", "ln_f", "wpe", None
     LAYER = GPTNeoBlock
+    FINAL_NORM, NORM_EPS, HF_PREFIX = LayerNorm, "layer_norm_epsilon", "transformer"
 
-    def final_norm(self):
-        return LayerNorm(self.config.layer_norm_epsilon, dtype=self.dtype, param_dtype=self.param_dtype)
 
 
 def param_mappings(cfg: GPTNeoConfig) -> list[ParamMapping]:
-    m = [ParamMapping("transformer.wte.weight", ("wte", "embedding")),
-         ParamMapping("transformer.wpe.weight", ("wpe", "embedding"))]
-    for i in range(cfg.num_layers):
-        hf, p = f"transformer.h.{i}", ("h",)
-        layer: list[ParamMapping] = []
-        layer += norm_maps(f"{hf}.ln_1", p + ("ln_1",))
+    def layer(hf: str, p: tuple):
+        m = norm_maps(f"{hf}.ln_1", p + ("ln_1",))
         for n in "qkv":
-            layer += linear_maps(f"{hf}.attn.attention.{n}_proj", p + (f"attn_{n}_proj",), bias=False)
-        layer += linear_maps(f"{hf}.attn.attention.out_proj", p + ("attn_out_proj",), bias=True)
-        layer += norm_maps(f"{hf}.ln_2", p + ("ln_2",))
-        layer += linear_maps(f"{hf}.mlp.c_fc", p + ("mlp_c_fc",), bias=True)
-        layer += linear_maps(f"{hf}.mlp.c_proj", p + ("mlp_c_proj",), bias=True)
-        m += at_layer(i, layer)
-    m += norm_maps("transformer.ln_f", ("ln_f",))
-    if not cfg.tie_word_embeddings:
-        m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))
-    return m
+            m += linear_maps(f"{hf}.attn.attention.{n}_proj", p + (f"attn_{n}_proj",), bias=False)
+        m += linear_maps(f"{hf}.attn.attention.out_proj", p + ("attn_out_proj",), bias=True)
+        m += norm_maps(f"{hf}.ln_2", p + ("ln_2",))
+        return m + linear_maps(f"{hf}.mlp.c_fc", p + ("mlp_c_fc",), True) + linear_maps(f"{hf}.mlp.c_proj",
+                                                                                        p + ("mlp_c_proj",), True)
+    return decoder_maps(GPTNeoForCausalLM, cfg, layer, norm=("weight", "bias"))
 
 
 # The (local) causal-mask buffers that older checkpoints carry.

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, apply_rotary,
-                     at_layer, attend, linear_maps, norm_maps, rope_theta_from)
+                     attend, decoder_maps, linear_maps, norm_maps, rope_theta_from)
 from .family import HFConfig, hf_field, register_family
 
 
@@ -95,28 +95,21 @@ class GPTNeoXForCausalLM(DecoderLM):
 
     EMBED, LAYERS, NORM, HEAD = "embed_in", "layers", "final_layer_norm", "embed_out"
     LAYER = GPTNeoXLayer
+    FINAL_NORM, NORM_EPS, HF_PREFIX = LayerNorm, "layer_norm_eps", "gpt_neox"
     ROTARY_DIM = "rotary_dim"
 
-    def final_norm(self):
-        return LayerNorm(self.config.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
 
 
 def param_mappings(cfg: GPTNeoXConfig) -> list[ParamMapping]:
-    m = [ParamMapping("gpt_neox.embed_in.weight", ("embed_in", "embedding"))]
-    for i in range(cfg.num_hidden_layers):
-        hf, p = f"gpt_neox.layers.{i}", ("layers",)
-        layer: list[ParamMapping] = []
-        layer += norm_maps(f"{hf}.input_layernorm", p + ("input_layernorm",))
-        layer += norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",))
-        layer += linear_maps(f"{hf}.attention.query_key_value", p + ("attention_query_key_value",), cfg.attention_bias)
-        layer += linear_maps(f"{hf}.attention.dense", p + ("attention_dense",), cfg.attention_bias)
-        layer += linear_maps(f"{hf}.mlp.dense_h_to_4h", p + ("mlp_dense_h_to_4h",), True)
-        layer += linear_maps(f"{hf}.mlp.dense_4h_to_h", p + ("mlp_dense_4h_to_h",), True)
-        m += at_layer(i, layer)
-    m += norm_maps("gpt_neox.final_layer_norm", ("final_layer_norm",))
-    if not cfg.tie_word_embeddings:
-        m.append(ParamMapping("embed_out.weight", ("embed_out", "kernel"), transpose=True))
-    return m
+    def layer(hf: str, p: tuple):
+        bias = cfg.attention_bias
+        return (norm_maps(f"{hf}.input_layernorm", p + ("input_layernorm",))
+                + norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",))
+                + linear_maps(f"{hf}.attention.query_key_value", p + ("attention_query_key_value",), bias)
+                + linear_maps(f"{hf}.attention.dense", p + ("attention_dense",), bias)
+                + linear_maps(f"{hf}.mlp.dense_h_to_4h", p + ("mlp_dense_h_to_4h",), True)
+                + linear_maps(f"{hf}.mlp.dense_4h_to_h", p + ("mlp_dense_4h_to_h",), True))
+    return decoder_maps(GPTNeoXForCausalLM, cfg, layer, norm=("weight", "bias"))
 
 
 # HF buffers and tensors that carry no learned state we need.

@@ -12,8 +12,7 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .common import (ConfigError, ParamMapping, activation, apply_rotary, at_layer, linear_maps, norm_maps,
-                     rope_theta_from)
+from .common import ConfigError, ParamMapping, activation, apply_rotary, linear_maps, rope_theta_from
 from .family import HFConfig, hf_field
 
 # Config fields that would change the math and that these families do not implement (value -> refuse?).
@@ -112,20 +111,6 @@ def mlp_maps(hf: str, p: tuple, bias: bool) -> list[ParamMapping]:
     m = []
     for proj in ("gate_proj", "up_proj", "down_proj"):
         m += linear_maps(f"{hf}.mlp.{proj}", p + ("mlp", proj), bias)
-    return m
-
-
-def decoder_maps(cfg, layer_maps, final_norm: bool = True) -> list[ParamMapping]:
-    """The whole mapping of a Llama-shaped checkpoint: ``model.embed_tokens``, ``layer_maps(hf_prefix, path)``
-    for each ``model.layers.N`` (stacked under ``layers``), ``model.norm`` (an RMSNorm weight, when
-    ``final_norm``) and an untied ``lm_head``."""
-    m = [ParamMapping("model.embed_tokens.weight", ("embed_tokens", "embedding"))]
-    for i in range(cfg.num_hidden_layers):
-        m += at_layer(i, layer_maps(f"model.layers.{i}", ("layers",)))
-    if final_norm:
-        m += norm_maps("model.norm", ("norm",), bias=False)
-    if not cfg.tie_word_embeddings:
-        m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))
     return m
 
 

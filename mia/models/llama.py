@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 import flax.linen as nn
 
-from .common import DecoderLayer, DecoderLM, KVCache, RMSNorm, apply_rotary, attend, norm_maps
+from .common import DecoderLayer, DecoderLM, decoder_maps, KVCache, RMSNorm, apply_rotary, attend, norm_maps
 from .family import hf_field, register_family
-from .gqa import HARMLESS_HF_FIELDS, IGNORED_HF_KEYS, GQAConfig, SwiGLU, attention_maps, decoder_maps, mlp_maps
+from .gqa import HARMLESS_HF_FIELDS, IGNORED_HF_KEYS, GQAConfig, SwiGLU, attention_maps, mlp_maps
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(GQAConfig):
@@ -51,10 +51,7 @@ class LlamaLayer(DecoderLayer):
 class LlamaForCausalLM(DecoderLM):
     """Llama causal LM; ``setup``, ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
-    LAYER = LlamaLayer
-
-    def final_norm(self):
-        return RMSNorm(self.config.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+    LAYER, FINAL_NORM, NORM_EPS = LlamaLayer, RMSNorm, "rms_norm_eps"
 
 
 def param_mappings(cfg: LlamaConfig):
@@ -62,7 +59,7 @@ def param_mappings(cfg: LlamaConfig):
         return (norm_maps(f"{hf}.input_layernorm", p + ("input_layernorm",), bias=False)
                 + norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",), bias=False)
                 + attention_maps(hf, p, cfg.attention_bias) + mlp_maps(hf, p, cfg.mlp_bias))
-    return decoder_maps(cfg, layer)
+    return decoder_maps(LlamaForCausalLM, cfg, layer)
 
 
 # the doctor's tiny model (``family.tiny_config``): grouped-query attention (4 query heads on 2 kv heads)

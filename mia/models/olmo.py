@@ -15,9 +15,9 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .common import DecoderLayer, DecoderLM, KVCache, LayerNorm, attend
+from .common import DecoderLayer, DecoderLM, decoder_maps, KVCache, LayerNorm, attend
 from .family import hf_field, register_family
-from .gqa import (HARMLESS_HF_FIELDS, IGNORED_HF_KEYS, GQAConfig, SwiGLU, attention_maps, decoder_maps, mlp_maps,
+from .gqa import (HARMLESS_HF_FIELDS, IGNORED_HF_KEYS, GQAConfig, SwiGLU, attention_maps, mlp_maps,
                   rotary_f32)
 
 LN_EPS = 1e-5  # hard-coded in transformers' OlmoLayerNorm
@@ -76,7 +76,7 @@ class OlmoForCausalLM(DecoderLM):
 
 def param_mappings(cfg: OlmoConfig):
     layer = lambda hf, p: attention_maps(hf, p, cfg.attention_bias) + mlp_maps(hf, p, False)
-    return decoder_maps(cfg, layer, final_norm=False)  # the norms have no parameters
+    return decoder_maps(OlmoForCausalLM, cfg, layer, norm=())  # the norms have no parameters
 
 
 # the doctor's tiny model (``family.tiny_config``): clip_qkv, grouped-query attention

@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 import flax.linen as nn
 
-from .common import DecoderLayer, DecoderLM, KVCache, RMSNorm, attend, norm_maps
+from .common import DecoderLayer, DecoderLM, decoder_maps, KVCache, RMSNorm, attend, norm_maps
 from .family import hf_field, register_family
-from .gqa import (HARMLESS_HF_FIELDS, IGNORED_HF_KEYS, GQAConfig, SwiGLU, attention_maps, decoder_maps, mlp_maps,
+from .gqa import (HARMLESS_HF_FIELDS, IGNORED_HF_KEYS, GQAConfig, SwiGLU, attention_maps, mlp_maps,
                   rotary_f32)
 
 
@@ -54,10 +54,7 @@ class Olmo2Layer(DecoderLayer):
 class Olmo2ForCausalLM(DecoderLM):
     """OLMo-2 causal LM; ``setup``, ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
-    LAYER = Olmo2Layer
-
-    def final_norm(self):
-        return RMSNorm(self.config.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
+    LAYER, FINAL_NORM, NORM_EPS = Olmo2Layer, RMSNorm, "rms_norm_eps"
 
 
 def param_mappings(cfg: Olmo2Config):
@@ -68,7 +65,7 @@ def param_mappings(cfg: Olmo2Config):
         return (attention_maps(hf, p, cfg.attention_bias)
                 + [m for name, leaf in norms for m in norm_maps(name, p + (leaf,), bias=False)]
                 + mlp_maps(hf, p, False))
-    return decoder_maps(cfg, layer)
+    return decoder_maps(Olmo2ForCausalLM, cfg, layer)
 
 
 # the doctor's tiny model (``family.tiny_config``): q/k norms, grouped-query attention
