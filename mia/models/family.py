@@ -9,15 +9,12 @@ knows to be harmless (``HARMLESS_FIELDS``, plus the family's own ``harmless``), 
 A config class is declarative (``HFConfig``): a frozen dataclass whose fields say where they live in config.json
 (``hf_field``); the generic ``from_hf``/``to_hf`` read and write them, and the family writes only what is its own:
 the values it refuses (``REFUSED``), its derivations and checks (``derive``) and what it writes besides its fields
-(``hf_extra``)::
+(``hf_extra``). Fields of the families, for instance::
 
-    @dataclasses.dataclass(frozen=True)
-    class GPT2Config(HFConfig):
-        MODEL_TYPE, ARCHITECTURE = "gpt2", "GPT2LMHeadModel"
-        vocab_size: int = hf_field()                               # required: a missing one is a KeyError
-        n_embd: int = hf_field(768, aliases=("hidden_size",))     # read from n_embd, else hidden_size, else 768
-        rope_theta: float = hf_field(10000.0, key="rotary_emb_base")  # config.json spells it otherwise
-        attention_layers: tuple = hf_field(derived=True)           # neither read nor written: derive/hf_extra do it
+    vocab_size: int = hf_field()                                  # required: a missing one is a KeyError
+    n_embd: int = hf_field(768, aliases=("hidden_size",))         # GPT-2: n_embd, else hidden_size, else 768
+    rope_theta: float = hf_field(10000.0, key="rotary_emb_base")  # GPT-NeoX: config.json names it otherwise
+    attention_layers: tuple = hf_field(..., derived=True)         # GPT-Neo: derive and hf_extra handle it
 """
 from __future__ import annotations
 
