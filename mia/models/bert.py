@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .common import MASK_VALUE, ConfigError, LayerNorm, ParamMapping, activation, linear_maps, norm_maps
-from .family import HFConfig, hf_field
+from .family import TransformerConfig, hf_field
 from .hub import (CheckpointError, Family, abstract_params, check_finite, config_from_hf, fingerprint, nonfinite_tensor,
                   params_from_hf, read_config_json, read_safetensors, resolve_lazy)
 
@@ -48,14 +48,9 @@ class EncoderNotFoundError(CheckpointError):
 
 
 @dataclasses.dataclass(frozen=True)
-class BertConfig(HFConfig):
+class BertConfig(TransformerConfig):
     MODEL_TYPE, ARCHITECTURE = "bert", "BertModel"
 
-    vocab_size: int = hf_field()
-    hidden_size: int = hf_field()
-    num_hidden_layers: int = hf_field()
-    num_attention_heads: int = hf_field()
-    intermediate_size: int = hf_field()
     hidden_act: str = hf_field("gelu")
     max_position_embeddings: int = hf_field(512)
     type_vocab_size: int = hf_field(2)

@@ -146,6 +146,18 @@ class HFConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransformerConfig(HFConfig):
+    """The shape fields that config.json must hold under transformers' generic names (the base of the GQA families,
+    GPT-NeoX and BERT; GPT-2 and GPT-Neo use their own names): V, D, L, H and the MLP width F."""
+
+    vocab_size: int = hf_field()
+    hidden_size: int = hf_field()
+    num_hidden_layers: int = hf_field()
+    num_attention_heads: int = hf_field()
+    intermediate_size: int = hf_field()
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     model_type: str
     config_cls: Any  # frozen dataclass with from_hf(hf) / to_hf()

@@ -17,21 +17,16 @@ import jax.numpy as jnp
 
 from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, apply_rotary,
                      attend, decoder_maps, linear_maps, norm_maps, rope_theta_from)
-from .family import HFConfig, hf_field, register_family
+from .family import TransformerConfig, hf_field, register_family
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTNeoXConfig(HFConfig):
+class GPTNeoXConfig(TransformerConfig):
     """``rotary_pct``: the rotating fraction of each head (``rope_parameters.partial_rotary_factor`` when given);
     ``rope_theta``: written as ``rotary_emb_base`` (either spelling is read, ``rope_theta_from``)."""
 
     MODEL_TYPE, ARCHITECTURE = "gpt_neox", "GPTNeoXForCausalLM"
 
-    vocab_size: int = hf_field()
-    hidden_size: int = hf_field()
-    num_hidden_layers: int = hf_field()
-    num_attention_heads: int = hf_field()
-    intermediate_size: int = hf_field()
     rotary_pct: float = hf_field(0.25, aliases=("partial_rotary_factor",))
     rope_theta: float = hf_field(10000.0, key="rotary_emb_base")
     max_position_embeddings: int = hf_field(2048)

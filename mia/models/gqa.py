@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .common import ConfigError, ParamMapping, activation, apply_rotary, linear_maps, rope_theta_from
-from .family import HFConfig, hf_field
+from .family import TransformerConfig, hf_field
 
 # Config fields that would change the math and that these families do not implement (value -> refuse?).
 GQA_REFUSED = {
@@ -35,7 +35,7 @@ def gqa_heads(model_type: str, heads: int, kv_heads: Optional[int], head_dim: Op
 
 
 @dataclasses.dataclass(frozen=True)
-class GQAConfig(HFConfig):
+class GQAConfig(TransformerConfig):
     """The config fields of a Llama-shaped family (a base: each family subclasses it, adds its own fields and
     restates a default where its HF config differs). ``from_hf`` refuses ``GQA_REFUSED``, fills K and E
     (``gqa_heads``), reads the rotary base from either spelling (``rope_theta_from``) and checks the activation;
@@ -43,11 +43,6 @@ class GQAConfig(HFConfig):
 
     REFUSED = GQA_REFUSED
 
-    vocab_size: int = hf_field()
-    hidden_size: int = hf_field()
-    num_hidden_layers: int = hf_field()
-    num_attention_heads: int = hf_field()
-    intermediate_size: int = hf_field()
     num_key_value_heads: Optional[int] = hf_field(None)
     head_dim: Optional[int] = hf_field(None)
     rope_theta: float = hf_field(10000.0)
