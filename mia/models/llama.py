@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import flax.linen as nn
 
-from .common import DecoderLayer, DecoderLM, decoder_maps, KVCache, RMSNorm, apply_rotary, attend, norm_maps
+from .common import DecoderLayer, DecoderLM, KVCache, RMSNorm, apply_rotary, attend, decoder_maps, norm_maps
 from .family import hf_field, register_family
 from .gqa import HARMLESS_HF_FIELDS, IGNORED_HF_KEYS, GQAConfig, SwiGLU, attention_maps, mlp_maps
 

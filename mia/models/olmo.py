@@ -15,7 +15,7 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .common import DecoderLayer, DecoderLM, decoder_maps, KVCache, LayerNorm, attend
+from .common import DecoderLayer, DecoderLM, KVCache, LayerNorm, attend, decoder_maps
 from .family import hf_field, register_family
 from .gqa import (HARMLESS_HF_FIELDS, IGNORED_HF_KEYS, GQAConfig, SwiGLU, attention_maps, mlp_maps,
                   rotary_f32)
