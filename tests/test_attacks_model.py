@@ -347,7 +347,8 @@ def test_mlm_logits_and_neighbours_match_transformers(tiny_mlm_dir):
     import torch
     from transformers import BertForMaskedLM
 
-    from mia.attacks._mlm import load_mlm, mlm_logits, neighbours
+    from mia.attacks._mlm import neighbours
+    from mia.models.bert import load_mlm, mlm_logits
 
     mlm = load_mlm(tiny_mlm_dir)
     ids = np.asarray(mlm.tokenizer("the data model is not a token line")["input_ids"])[None]

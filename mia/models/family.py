@@ -5,14 +5,25 @@ Each family module registers itself at import (``register_family``, with its tin
 A family's config class reads ``config.json`` with ``from_hf(hf)``; every field it does not read must be one mia
 knows to be harmless (``HARMLESS_FIELDS``, plus the family's own ``harmless``), or loading stops naming it
 (``unread_fields``): a field that changes the model's arithmetic is never ignored silently.
+
+A config class is declarative (``HFConfig``): a frozen dataclass whose fields say where they live in config.json
+(``hf_field``); the generic ``from_hf``/``to_hf`` read and write them, and the family writes only what is its own:
+the values it refuses (``REFUSED``), its derivations and checks (``derive``) and what it writes besides its fields
+(``hf_extra``). Fields of the families, for instance::
+
+    vocab_size: int = hf_field()                                  # required: a missing one is a KeyError
+    n_embd: int = hf_field(768, aliases=("hidden_size",))         # GPT-2: n_embd, else hidden_size, else 768
+    rope_theta: float = hf_field(10000.0, key="rotary_emb_base")  # GPT-NeoX: config.json names it otherwise
+    attention_layers: tuple = hf_field(..., derived=True)         # GPT-Neo: derive and hf_extra handle it
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, Optional
 
-from .common import ConfigError
+from .common import ConfigError, refuse_values
 
 # config.json fields that never change a forward pass: metadata, training-only settings (dropout, initialisation),
 # generation defaults and classification heads mia does not use.
@@ -31,6 +42,119 @@ HARMLESS_FIELDS = frozenset({
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
     "begin_suppress_tokens", "chunk_size_feed_forward", "tie_encoder_decoder",
 })
+
+
+REQUIRED = dataclasses.MISSING  # hf_field's default when config.json must hold the field
+
+
+@dataclasses.dataclass(frozen=True)
+class HFKey:
+    """Where a config field lives in config.json: written under ``key``, read from ``key`` or else the first of
+    ``aliases`` present (transformers' ``attribute_map`` names: the config object answers to them as well), else
+    ``default``; ``derived`` fields are left to the family's ``derive``/``hf_extra``."""
+
+    key: str
+    aliases: tuple
+    default: Any  # REQUIRED: none
+    derived: bool
+
+
+def hf_field(default: Any = REQUIRED, *, key: Optional[str] = None, aliases: Iterable[str] = (),
+             derived: bool = False) -> Any:
+    """A config dataclass field declared with its config.json name (``key``, default: the field's own name), the
+    other names it may be read from (``aliases``) and its ``default`` when config.json has none of them (also the
+    dataclass default; ``REQUIRED``: a missing field is a KeyError naming ``key``). ``derived``: the generic
+    reader and writer skip it; the family's ``derive`` sets it and ``hf_extra`` writes it."""
+    meta = {"hf": HFKey(key or "", tuple(aliases), default, derived)}  # key "": the field's name (hf_key)
+    if default is REQUIRED:
+        return dataclasses.field(metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def hf_key(field: dataclasses.Field) -> HFKey:
+    """The field's ``HFKey``, its key filled in (a field declared without hf_field: read and written by its name)."""
+    spec = field.metadata.get("hf") or HFKey(field.name, (), field.default, False)
+    return spec if spec.key else dataclasses.replace(spec, key=field.name)
+
+
+def read_fields(config_cls, hf: dict) -> dict:
+    """{field name: value} of every field of ``config_cls`` that is not derived, read from config.json ``hf`` as
+    its ``HFKey`` says. Every name a field may have is looked at (so ``ReadTracker`` counts aliases read)."""
+    values = {}
+    for f in dataclasses.fields(config_cls):
+        spec = hf_key(f)
+        if spec.derived:
+            continue
+        present = [name for name in (spec.key, *spec.aliases) if name in hf]
+        if present:
+            values[f.name] = hf[present[0]]
+        elif spec.default is REQUIRED:
+            raise KeyError(spec.key)
+        else:
+            values[f.name] = spec.default
+    return values
+
+
+def write_fields(cfg) -> dict:
+    """{config.json key: value} of every field of ``cfg`` that is not derived."""
+    specs = ((f, hf_key(f)) for f in dataclasses.fields(cfg))
+    return {spec.key: getattr(cfg, f.name) for f, spec in specs if not spec.derived}
+
+
+@functools.lru_cache(maxsize=None)
+def _alias_targets(config_cls) -> dict:
+    return {alias: f.name for f in dataclasses.fields(config_cls) for alias in hf_key(f).aliases}
+
+
+class HFConfig:
+    """Base of a family config class (a frozen dataclass of ``hf_field``s).
+
+    ``from_hf(hf)``: refuses ``REFUSED`` values (``common.refuse_values``), reads every declared field
+    (``read_fields``), then ``derive(hf, values)`` (the family's derivations and checks) returns the constructor's
+    arguments. ``to_hf()``: ``model_type``, ``architectures``, the declared fields under their keys, then
+    ``hf_extra()``. An alias of a field is also an attribute (``GPT2Config.hidden_size`` is ``n_embd``).
+    """
+
+    MODEL_TYPE: ClassVar[str] = ""
+    ARCHITECTURE: ClassVar[str] = ""
+    REFUSED: ClassVar[dict] = {}  # config.json field -> predicate on its value: True refuses it
+
+    @classmethod
+    def from_hf(cls, hf: dict):
+        refuse_values(cls.MODEL_TYPE, hf, cls.REFUSED)
+        return cls(**cls.derive(hf, read_fields(cls, hf)))
+
+    @classmethod
+    def derive(cls, hf: dict, values: dict) -> dict:
+        """The constructor's arguments from the declared fields' ``values``: derived fields set, values checked
+        (``ConfigError``) or normalised; ``hf`` (config.json) for what no field declares."""
+        return values
+
+    def to_hf(self) -> dict:
+        return {"model_type": self.MODEL_TYPE, "architectures": [self.ARCHITECTURE], **write_fields(self),
+                **self.hf_extra()}
+
+    def hf_extra(self) -> dict:
+        """config.json entries besides the declared fields (derived ones, constants transformers needs)."""
+        return {}
+
+    def __getattr__(self, name: str):  # only for names that are not attributes: a field's alias
+        target = _alias_targets(type(self)).get(name)
+        if target is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self, target)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig(HFConfig):
+    """The shape fields that config.json must hold under transformers' generic names (the base of the GQA families,
+    GPT-NeoX and BERT; GPT-2 and GPT-Neo use their own names): V, D, L, H and the MLP width F."""
+
+    vocab_size: int = hf_field()
+    hidden_size: int = hf_field()
+    num_hidden_layers: int = hf_field()
+    num_attention_heads: int = hf_field()
+    intermediate_size: int = hf_field()
 
 
 @dataclasses.dataclass(frozen=True)

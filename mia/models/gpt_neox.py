@@ -10,48 +10,33 @@ Layout notes (the places a port usually goes wrong):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .common import (
-    DecoderLM,
-    ConfigError,
-    KVCache,
-    LayerNorm,
-    ParamMapping,
-    at_layer,
-    activation,
-    apply_rotary,
-    dot_product_attention,
-    join_cache,
-    linear_maps,
-    norm_maps,
-    rope_theta_from,
-)
-from .family import register_family
-
-MODEL_TYPE = "gpt_neox"
+from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, apply_rotary,
+                     attend, decoder_maps, linear_maps, norm_maps, rope_theta_from)
+from .family import TransformerConfig, hf_field, register_family
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTNeoXConfig:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    rotary_pct: float = 0.25
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    layer_norm_eps: float = 1e-5
-    hidden_act: str = "gelu"
-    use_parallel_residual: bool = True
-    attention_bias: bool = True
-    tie_word_embeddings: bool = False
-    bos_token_id: Optional[int] = 0
-    eos_token_id: Optional[int] = 0
+class GPTNeoXConfig(TransformerConfig):
+    """``rotary_pct``: the rotating fraction of each head (``rope_parameters.partial_rotary_factor`` when given);
+    ``rope_theta``: written as ``rotary_emb_base`` (either spelling is read, ``rope_theta_from``)."""
+
+    MODEL_TYPE, ARCHITECTURE = "gpt_neox", "GPTNeoXForCausalLM"
+
+    rotary_pct: float = hf_field(0.25, aliases=("partial_rotary_factor",))
+    rope_theta: float = hf_field(10000.0, key="rotary_emb_base")
+    max_position_embeddings: int = hf_field(2048)
+    layer_norm_eps: float = hf_field(1e-5)
+    hidden_act: str = hf_field("gelu")
+    use_parallel_residual: bool = hf_field(True)
+    attention_bias: bool = hf_field(True)
+    tie_word_embeddings: bool = hf_field(False)
+    bos_token_id: Optional[int] = hf_field(0)
+    eos_token_id: Optional[int] = hf_field(0)
 
     @property
     def head_dim(self) -> int:
@@ -62,74 +47,30 @@ class GPTNeoXConfig:
         return int(self.head_dim * self.rotary_pct)
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "GPTNeoXConfig":
+    def derive(cls, hf: dict, values: dict) -> dict:
         rope = hf.get("rope_parameters") or {}
-        rotary_pct = rope.get("partial_rotary_factor", hf.get("rotary_pct", hf.get("partial_rotary_factor", 0.25)))
-        if hf.get("hidden_size", 0) % hf.get("num_attention_heads", 1):
+        if values["hidden_size"] % values["num_attention_heads"]:
             raise ConfigError("gpt_neox: hidden_size must be divisible by num_attention_heads")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
-            rotary_pct=float(rotary_pct),
-            rope_theta=rope_theta_from(hf, legacy_key="rotary_emb_base"),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-5),
-            hidden_act=hf.get("hidden_act", "gelu"),
-            use_parallel_residual=hf.get("use_parallel_residual", True),
-            attention_bias=hf.get("attention_bias", True),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            bos_token_id=hf.get("bos_token_id", 0),
-            eos_token_id=hf.get("eos_token_id", 0),
-        )
+        return {**values, "rotary_pct": float(rope.get("partial_rotary_factor", values["rotary_pct"])),
+                "rope_theta": rope_theta_from(hf, legacy_key="rotary_emb_base")}
 
-    def to_hf(self) -> dict:
-        return {
-            "model_type": MODEL_TYPE,
-            "architectures": ["GPTNeoXForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "intermediate_size": self.intermediate_size,
-            "rotary_pct": self.rotary_pct,
-            "rotary_emb_base": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                "partial_rotary_factor": self.rotary_pct},
-            "max_position_embeddings": self.max_position_embeddings,
-            "layer_norm_eps": self.layer_norm_eps,
-            "hidden_act": self.hidden_act,
-            "use_parallel_residual": self.use_parallel_residual,
-            "attention_bias": self.attention_bias,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-        }
+    def hf_extra(self) -> dict:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                    "partial_rotary_factor": self.rotary_pct}}
 
 
-class GPTNeoXLayer(nn.Module):
-    config: GPTNeoXConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
+class GPTNeoXLayer(DecoderLayer):
     @nn.compact
     def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
-        cfg = self.config
+        cfg, dense, norm = self.config, self.dense, lambda name: self.layer_norm(self.config.layer_norm_eps, name)
         b, t, _ = x_btd.shape
         h, e = cfg.num_attention_heads, cfg.head_dim
-        dense = lambda n, name, bias=True: nn.Dense(
-            n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
-        )
-        norm = lambda name: LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
 
         attn_in = norm("input_layernorm")(x_btd)
         qkv = dense(3 * cfg.hidden_size, "attention_query_key_value", cfg.attention_bias)(attn_in)
         q, k, v = jnp.split(qkv.reshape(b, t, h, 3 * e), 3, axis=-1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_all, v_all, kpos, kvalid = join_cache(cache, k, v, pos_bt, valid_bt)
-        attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=e ** -0.5)
+        attn = attend(q, k, v, pos_bt, valid_bt, cache, scale=e ** -0.5)
         attn = dense(cfg.hidden_size, "attention_dense", cfg.attention_bias)(attn.reshape(b, t, h * e))
 
         act = activation(cfg.hidden_act)
@@ -144,37 +85,26 @@ class GPTNeoXLayer(nn.Module):
 
 
 class GPTNeoXForCausalLM(DecoderLM):
-    """GPT-NeoX (Pythia) causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
+    """GPT-NeoX (Pythia) causal LM; ``setup``, ``hidden``, ``unembed`` and ``__call__`` come from
+    ``common.DecoderLM``."""
 
     EMBED, LAYERS, NORM, HEAD = "embed_in", "layers", "final_layer_norm", "embed_out"
     LAYER = GPTNeoXLayer
+    FINAL_NORM, NORM_EPS, HF_PREFIX = LayerNorm, "layer_norm_eps", "gpt_neox"
     ROTARY_DIM = "rotary_dim"
 
-    def setup(self):
-        cfg = self.config
-        self.embed_in = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.layers = self.layer_stack()
-        self.final_layer_norm = LayerNorm(cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype)
-        if not cfg.tie_word_embeddings:
-            self.embed_out = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
 
 
 def param_mappings(cfg: GPTNeoXConfig) -> list[ParamMapping]:
-    m = [ParamMapping("gpt_neox.embed_in.weight", ("embed_in", "embedding"))]
-    for i in range(cfg.num_hidden_layers):
-        hf, p = f"gpt_neox.layers.{i}", ("layers",)
-        layer: list[ParamMapping] = []
-        layer += norm_maps(f"{hf}.input_layernorm", p + ("input_layernorm",))
-        layer += norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",))
-        layer += linear_maps(f"{hf}.attention.query_key_value", p + ("attention_query_key_value",), cfg.attention_bias)
-        layer += linear_maps(f"{hf}.attention.dense", p + ("attention_dense",), cfg.attention_bias)
-        layer += linear_maps(f"{hf}.mlp.dense_h_to_4h", p + ("mlp_dense_h_to_4h",), True)
-        layer += linear_maps(f"{hf}.mlp.dense_4h_to_h", p + ("mlp_dense_4h_to_h",), True)
-        m += at_layer(i, layer)
-    m += norm_maps("gpt_neox.final_layer_norm", ("final_layer_norm",))
-    if not cfg.tie_word_embeddings:
-        m.append(ParamMapping("embed_out.weight", ("embed_out", "kernel"), transpose=True))
-    return m
+    def layer(hf: str, p: tuple):
+        bias = cfg.attention_bias
+        return (norm_maps(f"{hf}.input_layernorm", p + ("input_layernorm",))
+                + norm_maps(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",))
+                + linear_maps(f"{hf}.attention.query_key_value", p + ("attention_query_key_value",), bias)
+                + linear_maps(f"{hf}.attention.dense", p + ("attention_dense",), bias)
+                + linear_maps(f"{hf}.mlp.dense_h_to_4h", p + ("mlp_dense_h_to_4h",), True)
+                + linear_maps(f"{hf}.mlp.dense_4h_to_h", p + ("mlp_dense_4h_to_h",), True))
+    return decoder_maps(GPTNeoXForCausalLM, cfg, layer, norm=("weight", "bias"))
 
 
 # HF buffers and tensors that carry no learned state we need.
@@ -184,5 +114,5 @@ IGNORED_HF_KEYS = (r"\.attention\.bias$", r"\.attention\.masked_bias$", r"rotary
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             rotary_pct=0.25, max_position_embeddings=512, tie_word_embeddings=False)
 
-register_family(MODEL_TYPE, GPTNeoXConfig, GPTNeoXForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
-                tiny=TINY)
+register_family(GPTNeoXConfig.MODEL_TYPE, GPTNeoXConfig, GPTNeoXForCausalLM, param_mappings,
+                ignored_keys=IGNORED_HF_KEYS, tiny=TINY)

@@ -15,120 +15,41 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .common import (
-    DecoderLM,
-    KVCache,
-    LayerNorm,
-    ParamMapping,
-    at_layer,
-    activation,
-    apply_rotary,
-    refuse_values,
-    dot_product_attention,
-    join_cache,
-    rope_theta_from,
-)
-from .family import register_family
-from .llama import LLAMA_REFUSED, SwiGLU, attention_maps, gqa_heads, mlp_maps
+from .common import DecoderLayer, DecoderLM, KVCache, LayerNorm, attend, decoder_maps
+from .family import hf_field, register_family
+from .gqa import (HARMLESS_HF_FIELDS, IGNORED_HF_KEYS, GQAConfig, SwiGLU, attention_maps, mlp_maps,
+                  rotary_f32)
 
-MODEL_TYPE = "olmo"
 LN_EPS = 1e-5  # hard-coded in transformers' OlmoLayerNorm
 
 
-def rotary_f32(x_bthe, cos, sin):
-    """OLMo/OLMo-2 rotary: computed in float32 (cos/sin stay float32), then cast back to x's dtype."""
-    return apply_rotary(x_bthe.astype(jnp.float32), cos, sin).astype(x_bthe.dtype)
-
-
 @dataclasses.dataclass(frozen=True)
-class OlmoConfig:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    hidden_act: str = "silu"
-    attention_bias: bool = False
-    clip_qkv: Optional[float] = None
-    tie_word_embeddings: bool = False
-    bos_token_id: Optional[int] = None
-    eos_token_id: Any = 50279
-    pad_token_id: Optional[int] = 1
+class OlmoConfig(GQAConfig):
+    MODEL_TYPE, ARCHITECTURE = "olmo", "OlmoForCausalLM"
 
-    def __post_init__(self):
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+    clip_qkv: Optional[float] = hf_field(None)
+    bos_token_id: Optional[int] = hf_field(None)
+    eos_token_id: Any = hf_field(50279)
+    pad_token_id: Optional[int] = hf_field(1)
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "OlmoConfig":
-        refuse_values(MODEL_TYPE, hf, LLAMA_REFUSED)
-        h, kv, e = gqa_heads(MODEL_TYPE, hf)
-        activation(hf.get("hidden_act", "silu"))
-        clip = hf.get("clip_qkv")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=h,
-            intermediate_size=hf["intermediate_size"],
-            num_key_value_heads=kv,
-            head_dim=e,
-            rope_theta=rope_theta_from(hf),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            hidden_act=hf.get("hidden_act", "silu"),
-            attention_bias=hf.get("attention_bias", False),
-            clip_qkv=None if clip is None else float(clip),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id", 50279),
-            pad_token_id=hf.get("pad_token_id", 1),
-        )
-
-    def to_hf(self) -> dict:
-        return {
-            "model_type": MODEL_TYPE,
-            "architectures": ["OlmoForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": self.hidden_act,
-            "attention_bias": self.attention_bias,
-            "clip_qkv": self.clip_qkv,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-        }
+    def derive(cls, hf: dict, values: dict) -> dict:
+        clip = values["clip_qkv"]
+        return {**super().derive(hf, values), "clip_qkv": None if clip is None else float(clip)}
 
 
-class OlmoLayer(nn.Module):
-    config: OlmoConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+def non_parametric_norm(dtype) -> LayerNorm:
+    """OLMo's LayerNorm: no weight, no bias, eps ``LN_EPS``; stateless, so one instance serves every place."""
+    return LayerNorm(LN_EPS, use_scale=False, use_bias=False, dtype=dtype)
 
+
+class OlmoLayer(DecoderLayer):
     @nn.compact
     def __call__(self, x_btd, cos, sin, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
-        cfg = self.config
+        cfg, norm = self.config, non_parametric_norm(self.dtype)
+        dense = lambda n, name: self.dense(n, name, cfg.attention_bias)
         b, t, _ = x_btd.shape
         h, kv, e = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        dense = lambda n, name: nn.Dense(
-            n, use_bias=cfg.attention_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
-        )
-        # stateless: one instance serves both
-        norm = LayerNorm(LN_EPS, use_scale=False, use_bias=False, dtype=self.dtype)
         clip = (lambda a: jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv)) if cfg.clip_qkv is not None else (lambda a: a)
 
         y = norm(x_btd)
@@ -136,8 +57,7 @@ class OlmoLayer(nn.Module):
         k = clip(dense(kv * e, "self_attn_k_proj")(y)).reshape(b, t, kv, e)
         v = clip(dense(kv * e, "self_attn_v_proj")(y)).reshape(b, t, kv, e)
         q, k = rotary_f32(q, cos, sin), rotary_f32(k, cos, sin)
-        k_all, v_all, kpos, kvalid = join_cache(cache, k, v, pos_bt, valid_bt)
-        attn = dot_product_attention(q, k_all, v_all, pos_bt, kpos, kvalid, scale=e ** -0.5)
+        attn = attend(q, k, v, pos_bt, valid_bt, cache, scale=e ** -0.5)
         x_btd = x_btd + dense(cfg.hidden_size, "self_attn_o_proj")(attn.reshape(b, t, h * e))
 
         mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, self.dtype, self.param_dtype,
@@ -146,40 +66,22 @@ class OlmoLayer(nn.Module):
 
 
 class OlmoForCausalLM(DecoderLM):
-    """OLMo causal LM; ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
+    """OLMo causal LM; ``setup``, ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
     LAYER = OlmoLayer
 
-    def setup(self):
-        cfg = self.config
-        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.layers = self.layer_stack()
-        self.norm = LayerNorm(LN_EPS, use_scale=False, use_bias=False, dtype=self.dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+    def final_norm(self):
+        return non_parametric_norm(self.dtype)
 
 
-def param_mappings(cfg: OlmoConfig) -> list[ParamMapping]:
-    m = [ParamMapping("model.embed_tokens.weight", ("embed_tokens", "embedding"))]
-    for i in range(cfg.num_hidden_layers):
-        hf, p = f"model.layers.{i}", ("layers",)
-        layer: list[ParamMapping] = []
-        layer += attention_maps(hf, p, cfg.attention_bias)
-        layer += mlp_maps(hf, p, False)
-        m += at_layer(i, layer)
-    if not cfg.tie_word_embeddings:
-        m.append(ParamMapping("lm_head.weight", ("lm_head", "kernel"), transpose=True))
-    return m
+def param_mappings(cfg: OlmoConfig):
+    layer = lambda hf, p: attention_maps(hf, p, cfg.attention_bias) + mlp_maps(hf, p, False)
+    return decoder_maps(OlmoForCausalLM, cfg, layer, norm=())  # the norms have no parameters
 
-
-IGNORED_HF_KEYS = (r"rotary_emb\.inv_freq$",)
-
-# pretraining_tp: a training-time split of the matmuls (the same products)
-HARMLESS_HF_FIELDS = ("pretraining_tp",)
 
 # the doctor's tiny model (``family.tiny_config``): clip_qkv, grouped-query attention
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, clip_qkv=0.25, max_position_embeddings=512)
 
-register_family(MODEL_TYPE, OlmoConfig, OlmoForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
+register_family(OlmoConfig.MODEL_TYPE, OlmoConfig, OlmoForCausalLM, param_mappings, ignored_keys=IGNORED_HF_KEYS,
                 harmless=HARMLESS_HF_FIELDS, tiny=TINY)
