@@ -533,7 +533,7 @@ def check_report_path(path, what: str = "--json") -> Path:
     p = output_file(path, what)
     try:
         p.absolute().parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.absolute().parent)
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=p.absolute().parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

@@ -91,6 +91,7 @@ def test_attacks_listing_names_the_new_parameters(capsys):
 
     assert main(["attacks"]) == 0
     listing = capsys.readouterr().out
-    assert "conrecall (n=12, gamma=1.0; needs model, stats, prefix, member_prefix; cost model)" in listing
+    want = "conrecall (n=12, gamma=1.0; needs model, stats, prefix, member_prefix; reads logprob; cost model)"
+    assert want in listing
     assert "orient='label_free'" in listing and "prefix_score='auc'" in listing and "skip_eos=False" in listing
     assert get("camia").defaults["min_calib"] <= 18  # accepts the official protocol's 30% of 60 non-members

@@ -15,7 +15,7 @@ import pytest
 
 from mia.audit import one_run_epsilon, one_run_fdp_epsilon
 from mia.gdp import gdp_epsilon, gdp_epsilon_estimate, mu_from_rates
-from mia.metrics import _threshold_counts, clopper_pearson_upper, epsilon_bound, roc_hull
+from mia.metrics import clopper_pearson_upper, epsilon_bound, roc_hull, threshold_counts
 
 auditing = pytest.importorskip("jax_privacy.auditing")
 Auditor, Explicit = auditing.CanaryScoreAuditor, auditing.Explicit
@@ -109,7 +109,7 @@ def _pooled(ins, outs):
 def _hull(ins, outs):
     """(thresholds, FP, FN) at the corners of the ROC's convex hull, the empty test first (mia's roc_hull)."""
     s, y = _pooled(ins, outs)
-    return roc_hull(*_threshold_counts(s, y), len(ins))
+    return roc_hull(*threshold_counts(s, y), len(ins))
 
 
 @pytest.mark.parametrize("name", SETS)
