@@ -763,8 +763,10 @@ def _spread(e: dict) -> str:
 
 def _ideal(e: dict) -> str:
     ideal = e.get("ideal") or []
-    return "".join(f"; a perfect attacker on this grid would average {i['mean']:.3f} (SD {i['sd']:.3f}) with m = "
-                   f"{i['m']:,} canaries inserted once" for i in ideal)
+    if not ideal:
+        return ""
+    return ("; a perfect attacker on this grid (k scaled with m) would average " + ", ".join(
+        f"{i['mean']:.3f} (SD {i['sd']:.3f}) with m = {i['m']:,}" for i in ideal) + " canaries inserted once")
 
 
 def targets_lines(t: dict) -> list:
@@ -1051,15 +1053,12 @@ def _ft_noise(p: FinetunePreset, mode: str, rank: int, epsilon: float, delta: fl
     return cache[key]
 
 
-def finetune_models(p: FinetunePreset, base, root: Path, *, epsilons, delta: float, seed: int, progress: bool,
-                    timings: Timings, say, rep: int = 0, modes: Optional[Sequence[str]] = None,
-                    noise_cache: Optional[dict] = None) -> list:
-    """The audit's fine-tunes of ``base``: full and LoRA (or only ``modes``), each non-private and at every target
-    epsilon (built, or reused from ``root``; repetition r > 0 in ``root/rep<r>/``). Every model has its own seed,
-    ``model_seed(seed, rep, "<mode> <level>")``: its own canary pool and inclusion, batches, LoRA init and noise, so
-    that no two models share an inclusion vector or a noise draw."""
-    models, cache = [], {} if noise_cache is None else noise_cache
-    where = root if rep == 0 else root / f"rep{rep}"
+def model_configs(p: FinetunePreset, *, epsilons, delta: float, seed: int, rep: int = 0,
+                  modes: Optional[Sequence[str]] = None, noise_cache: Optional[dict] = None) -> list:
+    """(mode, target epsilon or None, config) of every fine-tune of repetition ``rep``, without training: full and
+    LoRA (or ``modes``), non-private and at each target; the config's seed is ``model_seed(seed, rep, "<mode>
+    <level>")``, from which its canary inclusion, batches, LoRA init and noise keys all follow."""
+    out, cache = [], {} if noise_cache is None else noise_cache
     for mode, rank in (("full", 0), ("lora", p.lora_rank)):
         if modes is not None and mode not in modes:
             continue
@@ -1067,19 +1066,33 @@ def finetune_models(p: FinetunePreset, base, root: Path, *, epsilons, delta: flo
         for target in [None] + sorted(epsilons):
             noise = None if target is None else _ft_noise(p, mode, rank, target, delta, cache)
             level = NON_PRIVATE if target is None else f"{target:g}"
-            ms = model_seed(seed, rep, f"{mode} {level}")
-            c = cfg.replace(dp_noise=noise, seed=ms)
-            eps = ft.finetune_epsilon(c, delta=delta)[0]
-            base_name = model_name(None if noise is None else eps, mode)
-            name = base_name if rep == 0 else f"{base_name} rep{rep}"
-            with timings(f"finetune:{name}"):
-                say(f"fine-tuning {name} (seed {ms}) ...")
-                run = ft.build_finetune(base, where / base_name.replace(" ", "-"), c, progress=progress, delta=delta)
-            mu = math.sqrt(c.steps) / noise if noise and c.sample_rate == 1 else None
-            models.append(Model(name, run, eps, noise, delta, mode,
-                                group_epsilon=None if noise is None else
-                                (lambda r, c=c: ft.finetune_epsilon(c, delta=delta, group=r)),
-                                target=target, seed=ms, mu=mu, rep=rep))
+            out.append((mode, target, cfg.replace(dp_noise=noise, seed=model_seed(seed, rep, f"{mode} {level}"))))
+    return out
+
+
+def finetune_models(p: FinetunePreset, base, root: Path, *, epsilons, delta: float, seed: int, progress: bool,
+                    timings: Timings, say, rep: int = 0, modes: Optional[Sequence[str]] = None,
+                    noise_cache: Optional[dict] = None) -> list:
+    """The audit's fine-tunes of ``base``: full and LoRA (or only ``modes``), each non-private and at every target
+    epsilon (built, or reused from ``root``; repetition r > 0 in ``root/rep<r>/``). Every model has its own seed,
+    ``model_seed(seed, rep, "<mode> <level>")``: its own canary pool and inclusion, batches, LoRA init and noise, so
+    that no two models share an inclusion vector or a noise draw."""
+    models = []
+    where = root if rep == 0 else root / f"rep{rep}"
+    for mode, target, c in model_configs(p, epsilons=epsilons, delta=delta, seed=seed, rep=rep, modes=modes,
+                                         noise_cache=noise_cache):
+        noise, ms = c.dp_noise, c.seed
+        eps = ft.finetune_epsilon(c, delta=delta)[0]
+        base_name = model_name(None if noise is None else eps, mode)
+        name = base_name if rep == 0 else f"{base_name} rep{rep}"
+        with timings(f"finetune:{name}"):
+            say(f"fine-tuning {name} (seed {ms}) ...")
+            run = ft.build_finetune(base, where / base_name.replace(" ", "-"), c, progress=progress, delta=delta)
+        mu = math.sqrt(c.steps) / noise if noise and c.sample_rate == 1 else None
+        models.append(Model(name, run, eps, noise, delta, mode,
+                            group_epsilon=None if noise is None else
+                            (lambda r, c=c: ft.finetune_epsilon(c, delta=delta, group=r)),
+                            target=target, seed=ms, mu=mu, rep=rep))
     return models
 
 
