@@ -196,13 +196,13 @@ PRESETS = {
     # about 90 s on 2 CPU cores: a 40-step testbed of 32-token rows, 96 canaries, two private twins
     "smoke": Preset("smoke", (("max_corpus_bytes", 200_000), ("seq_len", 32), ("train_steps", 40),
                               ("checkpoints", ()), ("warmup_steps", 4)),
-                    canaries=96, canary_reps=(1, 4, 16), noises=(0.8667, 0.4249), attacks="loss,zlib,mink:k=0.2",
+                    canaries=96, canary_reps=(1, 4, 16), noises=(0.8667, 0.4246), attacks="loss,zlib,mink:k=0.2",
                     max_cost="stats", n_natural=100, n_candidates=200,
                     primary=Primary("pretrain", "loss", "tokens", ((NON_PRIVATE, (12,)), (ANY_LEVEL, (3,))))),
     # the audit testbed (100 steps x 16 rows of 65 tokens), 2,000 canaries (new-token and random tokens, reps 1 and
     # 4: 500 of each pair), three private twins at epsilon 1, 4, 16 (delta 1/6600: 1,600 natural rows and 5,000
     # canary copies at most)
-    "default": Preset("audit", (), canaries=2000, canary_reps=(1, 4), noises=(0.7925, 0.5289, 0.3309),
+    "default": Preset("audit", (), canaries=2000, canary_reps=(1, 4), noises=(0.7922, 0.5287, 0.3307),
                       attacks="default", max_cost="model", n_natural=300, n_candidates=1000, canary_kind="new,tokens",
                       primary=Primary("pretrain", CONTRAST, "new", ((NON_PRIVATE, (200,)), (ANY_LEVEL, (25,))))),
 }
