@@ -322,7 +322,10 @@ def test_notebook_computes_the_tables(audit_smoke, monkeypatch):
     assert len(shown.images()) >= 3
     # the notebook's own epsilon-vs-bound check, from the rows
     assert ns["worst_gap"] == max(r["eps_lower"] - r["epsilon"] for r in s["rows"] if r["epsilon"] is not None)
-    assert f"{s['violation_check']['n_checks']} accountant claims tested, Holm" in printed
+    assert f"{s['violation_check']['n_checks']} claims tested, Holm" in printed
+    for e in s["primary"]:
+        assert f"{e['eps_lower']:.3f}" in text
+    assert "primary claim eps_lower" in printed and "best eps_lower" not in printed
 
 
 @pytest.mark.slow
