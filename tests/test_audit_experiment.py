@@ -292,7 +292,11 @@ def test_pretrain_smoke_end_to_end(pretrain_smoke):
     assert [(r["model"], r["attack"]) for r in s["rows"]] == [(m, a) for m in models for a in attacks]
     assert {r["canary_kind"] for r in s["rows"]} == {"tokens"} and s["setting"] == "pretrain"
     _recompute(out, s)
-    assert s["violation_check"]["n_checks"] == sum(r["p_accountant"] is not None for r in s["rows"] + s["by_reps"])
+    assert s["violation_check"]["n_checks"] == len(audit._checks(s["rows"], s["by_reps"], s["primary"])) == sum(
+        r["p_accountant"] is not None for r in s["rows"] + s["by_reps"]) + sum(
+        run["p_accountant"] is not None for e in s["primary"] for run in e["runs"])
+    assert [e["level"] for e in s["primary"]][0] == "non-private" and len(s["primary"]) == 3
+    assert s["delta"] == dp.default_delta(audit.preset_config(audit.PRESETS["smoke"]))  # 1 / records, copies counted
     assert s["violation_check"]["method"] == "holm"
     for a in attacks:  # science check 2: AUC towards 0.5 as epsilon shrinks
         by_eps = {r["epsilon"]: r["auc"] for r in s["rows"] if r["attack"] == a}
