@@ -336,7 +336,7 @@ def test_notebook_computes_the_tables(audit_smoke, monkeypatch):
 def test_strict_run_raises_after_writing(audit_smoke, monkeypatch, tmp_path):
     """strict=True (the Python API's default) raises AuditViolation, after every output is written."""
     out, _ = audit_smoke
-    monkeypatch.setattr(audit, "violation_check", lambda rows, by_reps: {
+    monkeypatch.setattr(audit, "violation_check", lambda rows, by_reps, **kw: {
         "method": "holm", "alpha": 0.05, "n_checks": 1, "n_above_per_row": 1,
         "violations": ["eps=1 loss: forced for the test"]})
     with pytest.raises(AuditViolation, match="forced for the test"):
