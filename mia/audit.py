@@ -137,6 +137,25 @@ def one_run_fdp_mu(m: int, r: int, v: int, *, alpha: float = 0.05, tol: float = 
     return lo
 
 
+def one_run_fdp_p_value(m: int, r: int, v: int, mu: float, *, rtol: float = 1e-3) -> float:
+    """P-value of "the training is ``mu``-GDP" after ``v`` correct of ``r`` guesses on ``m`` canaries: the smallest
+    level alpha at which ``one_run_fdp_rejects`` rejects it (bisection on log alpha to ``rtol``, rounded up; 1 when
+    not even alpha = 1 rejects). Rejection only gets easier as alpha grows (every mass of the recursion scales with
+    it), so ``p <= alpha`` exactly when ``one_run_fdp_rejects(m, r, v, mu, alpha)``, up to ``rtol``."""
+    m, r, v = _check_counts(m, r, v)
+    if not mu >= 0:
+        raise MetricError(f"mu must be >= 0, got {mu!r}")
+    if v == 0 or not one_run_fdp_rejects(m, r, v, mu, 1.0 - 1e-12):
+        return 1.0
+    lo, hi = math.log(1e-300), math.log(1.0 - 1e-12)
+    if one_run_fdp_rejects(m, r, v, mu, 1e-300):
+        return 1e-300
+    while hi - lo > rtol:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if one_run_fdp_rejects(m, r, v, mu, math.exp(mid)) else (mid, hi)
+    return float(min(1.0, math.exp(hi)))
+
+
 def one_run_fdp_epsilon(m: int, r: int, v: int, *, delta: float, alpha: float = 0.05) -> float:
     """The epsilon at ``delta`` of the strongest Gaussian curve that ``v`` correct of ``r`` guesses on ``m`` canaries
     rule out at level ``alpha``: ``gdp_epsilon(one_run_fdp_mu(...), delta)`` (0 when nothing is ruled out).

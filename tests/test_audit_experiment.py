@@ -74,18 +74,29 @@ def test_bounds_by_reps_are_one_run_audits_per_group():
 
 
 def test_targets_and_kinds_table():
-    rows = [{"model": "full non-private", "attack": "contrast", "canary_kind": "new", "epsilon": None, "eps_lower": 5.1,
-             "auc": 1.0, "tpr_at_1pct_fpr": 1.0, "tpr_at_0.1pct_fpr": 1.0, "n": 1000},
-            {"model": "lora eps=3.99", "attack": "contrast", "canary_kind": "new", "epsilon": 3.99, "eps_lower": 0.9},
-            {"model": "lora eps=16", "attack": "contrast", "canary_kind": "new", "epsilon": 16.0, "eps_lower": 3.0},
-            {"model": "kinds", "attack": "loss", "canary_kind": "tokens", "epsilon": None, "eps_lower": 1.0,
+    """The targets quote the primary claims only (with their spread over repetitions), never the best row."""
+    plan = [{"level": "non-private", "model": "lora non-private", "mode": "lora", "attack": "contrast",
+             "canary_kind": "new", "k": [400]},
+            {"level": "4", "model": "lora eps=3.99", "mode": "lora", "attack": "contrast", "canary_kind": "new",
+             "k": [50]}]
+    runs = {"non-private": [{"rep": i, "model": "lora non-private", "seed": i, "epsilon": None, "eps_lower": x,
+                             "k_best": 400, "n": 1000} for i, x in enumerate((5.5, 5.4, 5.6))],
+            "4": [{"rep": i, "model": "lora eps=3.99", "seed": i, "epsilon": 3.99, "eps_lower": x, "k_best": 50,
+                   "n": 1000} for i, x in enumerate((0.9, 1.2, 1.5))]}
+    primary = audit.summarize_primary(plan, runs)
+    assert [e["eps_lower"] for e in primary] == [5.5, 0.9] and primary[1]["mean"] == pytest.approx(1.2)
+    assert (primary[1]["min"], primary[1]["max"], primary[1]["n_reps"]) == (0.9, 1.5, 3)
+    assert primary[1]["row"] == {"model": "lora eps=3.99", "attack": "contrast", "canary_kind": "new"}
+    t = audit.targets(primary, "finetune")
+    assert t["nonprivate"]["met"] and t["nonprivate"]["gap"] == pytest.approx(4 - 5.5)
+    assert not t["eps4"]["met"] and t["eps4"]["gap"] == pytest.approx(0.1) and t["eps4"]["epsilon"] == 3.99
+    lines = audit.targets_lines(t)
+    assert "MISSED by 0.100" in lines[1] and "met" in lines[0] and "mean 1.200" in lines[1]
+    assert "range 0.900-1.500" in lines[1] and "primary claim eps_lower 0.900" in lines[1]
+    rows = [{"model": "kinds", "attack": "loss", "canary_kind": "tokens", "epsilon": None, "eps_lower": 1.0,
              "auc": 0.9, "tpr_at_1pct_fpr": 0.4, "tpr_at_0.1pct_fpr": 0.1, "n": 1000},
             {"model": "kinds", "attack": "ref", "canary_kind": "tokens", "epsilon": None, "eps_lower": 0.8,
              "auc": 0.95, "tpr_at_1pct_fpr": 0.3, "tpr_at_0.1pct_fpr": 0.2, "n": 1000}]
-    t = audit.targets(rows, "finetune")
-    assert t["nonprivate"]["met"] and t["nonprivate"]["gap"] == pytest.approx(4 - 5.1)
-    assert not t["eps4"]["met"] and t["eps4"]["gap"] == pytest.approx(0.1) and t["eps4"]["epsilon"] == 3.99
-    assert "MISSED by 0.100" in audit.targets_lines(t)[1] and "met." in audit.targets_lines(t)[0]
     kinds = audit.kinds_table(rows, "kinds")
     assert kinds == [{"canary_kind": "tokens", "attack": "loss", "n": 1000, "auc": 0.9, "tpr_at_1pct_fpr": 0.4,
                       "tpr_at_0.1pct_fpr": 0.1, "eps_lower": 1.0}]
@@ -131,10 +142,11 @@ def test_help_states_the_presets_defaults():
         assert f"{name}: {','.join(f'{x:g}' for x in p.epsilons)}" in text
     for name, p in {**audit.PRESETS, **audit.FT_PRESETS}.items():
         assert f"{name}: {p.attacks}" in text or (p.attacks == "default" and f"up to cost '{p.max_cost}'" in text)
-    assert "1 / (train_steps x batch_size)" in text and "canary copies are not counted" in text
-    assert "1 / records" not in text and "those of epsilon 1, 4, 16" not in text and "fine-tune 1e-05" in text
+    assert "1 / (train_steps x batch_size + every canary copy)" in text and "at most 1 / records" in text
+    assert "those of epsilon 1, 4, 16" not in text and "fine-tune 1e-05" in text
     cfg = audit.preset_config(audit.PRESETS["smoke"])
-    assert 1 / dp.n_records(cfg) < dp.default_delta(cfg) == 1 / (cfg.train_steps * cfg.batch_size)
+    assert 1 / dp.n_records(cfg) > dp.default_delta(cfg) == 1 / dp.max_records(cfg)
+    assert "best" not in text  # --help quotes the primary claims, never a best row
 
 
 def test_findings_follow_the_numbers():
@@ -249,7 +261,20 @@ def test_smoke_end_to_end_and_the_science_checks(audit_smoke):
         assert all((x["scores"]["contrast"] > 0) == (x["label"] == 1) for x in lines)
     assert [k["canary_kind"] for k in s["kinds"]] == list(audit.ALL_KINDS)
     assert s["kinds"][0]["attack"] == "contrast" and s["kinds"][0]["tpr_at_1pct_fpr"] == 1.0
-    assert s["targets"]["nonprivate"]["eps_lower"] == max(r["eps_lower"] for r in s["rows"] if r["epsilon"] is None)
+    primary = {e["level"]: e for e in s["primary"]}
+    assert list(primary) == ["non-private", "1", "8"] and all(e["mode"] == "lora" for e in primary.values())
+    assert s["targets"]["nonprivate"]["eps_lower"] == primary["non-private"]["eps_lower"]
+    assert all(r["eps_lower_family"] is not None and r["eps_lower_family"] <= r["eps_lower"] + 1e-12
+               for r in s["rows"] if r["eps_lower"] is not None)
+    for e in s["primary"]:  # the primary claims again from the saved scores, at alpha alone on their grid
+        lines = [x for x in _read_scores(out / "scores" / e["model"] / "canaries.jsonl")
+                 if x["reps"] == 1 and x["kind"] == e["canary_kind"]]
+        sc = np.array([x["scores"][e["attack"]] for x in lines], float)
+        inc = np.array([x["label"] == 1 for x in lines])
+        assert audit.audit_bound(sc, inc, 1e-5, grid=e["k"]).epsilon == pytest.approx(e["eps_lower"])
+    seeds = [m["seed"] for m in s["models"]]
+    assert len(set(seeds)) == len(seeds)  # every model its own seed
+    assert len({m["canaries_sha256"] for m in s["models"]}) == len(seeds)  # and its own pool
     same = rendered_again("experiments.audit", out, ["audit", "by_reps", "kinds"])
     assert same and all(same.values()), same
 
@@ -267,7 +292,11 @@ def test_pretrain_smoke_end_to_end(pretrain_smoke):
     assert [(r["model"], r["attack"]) for r in s["rows"]] == [(m, a) for m in models for a in attacks]
     assert {r["canary_kind"] for r in s["rows"]} == {"tokens"} and s["setting"] == "pretrain"
     _recompute(out, s)
-    assert s["violation_check"]["n_checks"] == sum(r["p_accountant"] is not None for r in s["rows"] + s["by_reps"])
+    assert s["violation_check"]["n_checks"] == len(audit._checks(s["rows"], s["by_reps"], s["primary"])) == sum(
+        r["p_accountant"] is not None for r in s["rows"] + s["by_reps"]) + sum(
+        run["p_accountant"] is not None for e in s["primary"] for run in e["runs"])
+    assert [e["level"] for e in s["primary"]][0] == "non-private" and len(s["primary"]) == 3
+    assert s["delta"] == dp.default_delta(audit.preset_config(audit.PRESETS["smoke"]))  # 1 / records, copies counted
     assert s["violation_check"]["method"] == "holm"
     for a in attacks:  # science check 2: AUC towards 0.5 as epsilon shrinks
         by_eps = {r["epsilon"]: r["auc"] for r in s["rows"] if r["attack"] == a}
@@ -297,14 +326,17 @@ def test_notebook_computes_the_tables(audit_smoke, monkeypatch):
     assert len(shown.images()) >= 3
     # the notebook's own epsilon-vs-bound check, from the rows
     assert ns["worst_gap"] == max(r["eps_lower"] - r["epsilon"] for r in s["rows"] if r["epsilon"] is not None)
-    assert f"{s['violation_check']['n_checks']} accountant claims tested, Holm" in printed
+    assert f"{s['violation_check']['n_checks']} claims tested, Holm" in printed
+    for e in s["primary"]:
+        assert f"{e['eps_lower']:.3f}" in text
+    assert "primary claim eps_lower" in printed and "best eps_lower" not in printed
 
 
 @pytest.mark.slow
 def test_strict_run_raises_after_writing(audit_smoke, monkeypatch, tmp_path):
     """strict=True (the Python API's default) raises AuditViolation, after every output is written."""
     out, _ = audit_smoke
-    monkeypatch.setattr(audit, "violation_check", lambda rows, by_reps: {
+    monkeypatch.setattr(audit, "violation_check", lambda rows, by_reps, **kw: {
         "method": "holm", "alpha": 0.05, "n_checks": 1, "n_above_per_row": 1,
         "violations": ["eps=1 loss: forced for the test"]})
     with pytest.raises(AuditViolation, match="forced for the test"):

@@ -214,8 +214,8 @@ def test_finetune_end_to_end(base, tmp_path):
     m = run.manifest
     start = base.train_steps * base.batch_size
     assert m["private_set"]["rows"] == [start, start + 32] and run.natural_rows() == (start, start + 32)
-    assert m["private_set"]["records"] == 32 + c.n_copies and m["base"]["sha256"] == base.checkpoint_hash()
-    log = [json.loads(x) for x in (run.root / "train_log.jsonl").read_text().splitlines()]
+    assert run.private_record()["records"] == 32 + c.n_copies and m["base"]["sha256"] == base.checkpoint_hash()
+    log = [json.loads(x) for x in (run.private_dir / "train_log.jsonl").read_text().splitlines()]
     assert [r["rows"] for r in log] == [len(ft.poisson_batch(cfg, s, 32 + c.n_copies)) for s in range(4)]
     s = new_token_contrast(run.load_model(), c)
     new = c.kind_of == "new"
@@ -233,6 +233,6 @@ def test_finetune_end_to_end(base, tmp_path):
     assert private.dp_epsilon() == pytest.approx(ft.finetune_epsilon(cfg.replace(dp_noise=2.0))[0])
     assert private.manifest["privacy"]["epsilon_pld"] == pytest.approx(private.dp_epsilon())
     assert 0 <= min(r["clipped"] for r in json.loads(json.dumps(
-        [json.loads(x) for x in (private.root / "train_log.jsonl").read_text().splitlines()]))) <= 1
+        [json.loads(x) for x in (private.private_dir / "train_log.jsonl").read_text().splitlines()]))) <= 1
     with pytest.raises(TestbedError, match="not the one this config plans"):
         ft.build_finetune(base, tmp_path / "x", cfg.replace(seed=5), progress=False, canaries_from=run)

@@ -313,7 +313,9 @@ def test_exposure_grows_with_repetitions(canary_testbed):
 def test_dp_twin_records_its_accountant(dp_twin):
     p = dp_twin.manifest["privacy"]
     assert p["epsilon_pld"] == pytest.approx(dp.accountant_epsilon(dp_twin.config))
-    assert p["records"] == 40 * 8 + dp_twin.canaries().n_copies and p["delta"] == pytest.approx(1 / (40 * 8))
+    assert p["records"] == 40 * 8 + dp_twin.canaries().n_copies
+    assert p["delta"] == pytest.approx(1 / dp.max_records(dp_twin.config))
+    assert dp.max_records(dp_twin.config) == 40 * 8 + int(dp_twin.canaries().reps.sum())  # every copy counted
     assert p["sample_rate"] == pytest.approx(1 / 40)  # fixed by the config, whatever the canaries
     assert dp_twin.dp_epsilon(20) < dp_twin.dp_epsilon() == pytest.approx(p["epsilon_pld"])
     log = [json.loads(line) for line in (dp_twin.root / "train_log.jsonl").read_text().splitlines()]

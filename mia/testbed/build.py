@@ -185,7 +185,8 @@ class Testbed:
     def dp_epsilon(self, step: Optional[int] = None, *, delta: Optional[float] = None,
                    accountant: str = "pld") -> float:
         """Accountant epsilon of one record at checkpoint ``step`` (default: the last), at ``delta`` (default
-        1 / (train_steps * batch_size)); see :mod:`mia.testbed.dp`. A testbed trained without DP raises."""
+        ``dp.default_delta``: 1 / (natural records + every canary copy)); see :mod:`mia.testbed.dp`. A testbed
+        trained without DP raises."""
 
         step = self.train_steps if step is None else int(step)
         return accountant_epsilon(self.config, delta=delta, steps=step, accountant=accountant)

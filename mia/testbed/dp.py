@@ -25,7 +25,8 @@ Accounting (``dp_accounting``; neighbouring datasets differ by adding or removin
   sampling). A canary with r copies (at r distinct steps) is r such mechanisms: one Gaussian with
   ``dp_noise / sqrt(r)``.
 
-delta defaults to 1 / N with N = train_steps * batch_size, the natural records. Every parameter of the mechanism
+delta defaults to 1 / N with N = ``max_records``: the natural records and every canary copy (1 / records whatever
+the inclusion). Every parameter of the mechanism
 (q, the divisor, delta, the steps of canary copies) is fixed by the config, never by which canaries happen to be
 included: the guarantee is about adding or removing a record, and a parameter that moved with the data would void
 it. With ``dp_noise = 0`` the run is clipped but not noised: epsilon is infinite.
@@ -63,9 +64,18 @@ def sample_rate(cfg: TestbedConfig) -> float:
     return 1.0 / cfg.train_steps
 
 
+def max_records(cfg: TestbedConfig) -> int:
+    """The most records a private run of ``cfg`` can hold: the natural rows [0, train_steps * batch_size) and every
+    copy of every canary, included or not (a function of the config alone; ``n_records`` counts the included)."""
+    copies = int(plan_canaries(cfg).reps.sum()) if cfg.canaries else 0
+    return int(cfg.train_steps * cfg.batch_size + copies)
+
+
 def default_delta(cfg: TestbedConfig) -> float:
-    """1 / N with N = train_steps * batch_size natural records (data-independent, like every parameter here)."""
-    return 1.0 / (cfg.train_steps * cfg.batch_size)
+    """1 / N with N = ``max_records``: the natural records and every canary copy, so that delta <= 1 / records
+    whichever canaries are included (data-independent, like every parameter here). Without canaries,
+    1 / (train_steps * batch_size)."""
+    return 1.0 / max_records(cfg)
 
 
 def poisson_batch(cfg: TestbedConfig, step: int, n: Optional[int] = None) -> np.ndarray:
@@ -193,7 +203,7 @@ def privacy_record(cfg: TestbedConfig, delta: Optional[float] = None) -> dict:
     delta = default_delta(cfg) if delta is None else float(delta)
     rec = {"mechanism": "DP-SGD (per-example clipping, Gaussian noise)", "noise_multiplier": cfg.dp_noise,
            "clip": cfg.dp_clip, "sampling": cfg.dp_sampling, "records": n_records(cfg), "steps": cfg.train_steps,
-           "delta": delta, "delta_rule": "1 / (train_steps * batch_size)",
+           "delta": delta, "delta_rule": "1 / (train_steps * batch_size + every canary copy)",
            "neighbouring": "add or remove one record (row)"}
     if cfg.dp_sampling == "poisson":
         rec["sample_rate"] = sample_rate(cfg)

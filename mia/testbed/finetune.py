@@ -29,12 +29,17 @@ over one tree (``trainable_mask``): gradients, clipping and noise see only them.
 ``steps``-fold composition of the Poisson-subsampled Gaussian mechanism (sample_rate, dp_noise), by
 ``dp_accounting``'s PLD accountant (RDP beside it); with sample_rate 1 (every record in every step: full-batch
 DP-GD) the subsampling is the identity and the run is ``steps`` Gaussian mechanisms. A canary of r records is a
-group of r (group privacy). delta defaults to 1e-5 (``DEFAULT_DELTA``), below 1 / records.
+group of r (group privacy). delta defaults to 1e-5 (``DEFAULT_DELTA``); a private run refuses a delta above
+1 / ``max_records`` (natural rows and every canary copy: ``check_delta``).
 
-Layout of ``out_dir``: ``finetune.json`` (config and hash, the base's checkpoint sha256, the private set, the
-canaries' sha256, the privacy record, timings), ``data/canaries.json``, ``model/`` (the fine-tuned model, LoRA
-merged into its kernels: an ordinary checkpoint every attack loads), ``lora.safetensors`` (the adapters),
-``train_log.jsonl``. A complete directory with the same config and base is reused.
+Layout of ``out_dir``: ``model/`` (the fine-tuned model, LoRA merged into its kernels: an ordinary checkpoint every
+attack loads) and ``lora.safetensors`` (the adapters): the release; ``finetune.json`` (config and hash, the base's
+checkpoint sha256, the private set's rows in the base's order, the canaries' sha256, the privacy record) and
+``data/canaries.json`` (the pool and its inclusion: the auditor's key); and ``private/`` (``PRIVATE_DIR``): what the
+run measured on the private set without noise, ``train_log.jsonl`` (each step's loss, fraction clipped, records and
+copies drawn) and ``private.json`` (the first and final loss, the copies and records, the canaries included, the
+training time). Nothing outside ``private/`` holds an un-noised statistic of the private set; the audit reads
+nothing inside it. A complete directory with the same config and base is reused.
 """
 from __future__ import annotations
 
@@ -64,6 +69,8 @@ from .tokenizer import reserved_ids
 
 FT_FORMAT = "mia-finetune/1"
 MANIFEST = "finetune.json"
+PRIVATE_DIR = "private"  # un-noised statistics of the private set: never beside the release, never read by the audit
+PRIVATE_RECORD = "private.json"
 DEFAULT_DELTA = 1e-5
 LORA_TARGETS = ("attention_query_key_value", "attention_dense")
 OPTIMIZERS = ("sgd", "adam")
@@ -219,6 +226,22 @@ def make_records(base, cfg: FinetuneConfig, canaries: Canaries) -> Records:
     natural = np.asarray(base.dataset().get_rows(np.arange(start, stop)), np.int32).reshape(cfg.n_private, -1)
     copy_of = np.repeat(np.arange(canaries.m), canaries.copies)
     return Records(natural, canaries.tokens[copy_of].astype(np.int32), canaries.secret_mask()[copy_of], copy_of)
+
+
+def max_records(cfg: FinetuneConfig) -> int:
+    """The most records the private set can hold: ``n_private`` plus every copy of every canary (all included); a
+    function of the config alone. A delta at most 1 / this is at most 1 / records whatever the inclusion."""
+    return int(cfg.n_private + sum(r * n for _, r, n in cfg.canary_groups))
+
+
+def check_delta(cfg: FinetuneConfig, delta: float) -> float:
+    """``delta``, refused (``TestbedError``) unless 0 < delta <= 1 / ``max_records``: a larger delta allows
+    releasing a record outright with probability delta for each of the records."""
+    d = float(delta)
+    if not 0 < d <= 1 / max_records(cfg):
+        raise TestbedError(f"delta {d:g} must be in (0, 1 / records] = (0, {1 / max_records(cfg):.3g}] "
+                           f"({max_records(cfg)} records: {cfg.n_private} natural rows and every canary copy)")
+    return d
 
 
 def poisson_batch(cfg: FinetuneConfig, step: int, n: int) -> np.ndarray:
@@ -477,6 +500,16 @@ class Finetune:
         are non-members (the base never trained them either)."""
         return tuple(self.manifest["private_set"]["rows"])
 
+    @property
+    def private_dir(self) -> Path:
+        """``private/``: the run's un-noised statistics of the private set (the training log and ``private.json``);
+        for whoever trained the model, never for the audit."""
+        return self.root / PRIVATE_DIR
+
+    def private_record(self) -> dict:
+        """``private/private.json`` (losses, copies, records, canaries included, training time)."""
+        return json.loads((self.private_dir / PRIVATE_RECORD).read_text())
+
     def dp_epsilon(self, *, delta: float = DEFAULT_DELTA, accountant: str = "pld", group: int = 1) -> float:
         return finetune_epsilon(self.config, delta=delta, accountant=accountant, group=group)[0]
 
@@ -500,10 +533,12 @@ def build_finetune(base, out_dir, cfg: FinetuneConfig, *, progress: bool = True,
     root = Path(out_dir)
     mf = root / MANIFEST
     brec = base_record(base)
+    if cfg.private:
+        check_delta(cfg, delta)
     if mf.exists():
         m = json.loads(mf.read_text())
         if m.get("complete") and m.get("config_hash") == cfg.config_hash and m.get("base", {}).get("sha256") == \
-                brec["sha256"] and (root / "model" / "model.safetensors").exists():
+                brec["sha256"] and (root / "model" / "model.safetensors").exists() and "private" in m:
             return Finetune(root, cfg, m, base)
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -532,20 +567,27 @@ def build_finetune(base, out_dir, cfg: FinetuneConfig, *, progress: bool = True,
     if "lora" in tree:
         flat = {f"{k}.{ab}": np.asarray(v[ab]) for k, v in tree["lora"].items() for ab in ("A", "B")}
         write_safetensors(flat, root / "lora.safetensors", metadata={"scale": str(cfg.lora_scale)})
-    write_text(root / "train_log.jsonl", "".join(json.dumps(r) + "\n" for r in log))
+    (root / PRIVATE_DIR).mkdir(exist_ok=True)
+    write_text(root / PRIVATE_DIR / "train_log.jsonl", "".join(json.dumps(r) + "\n" for r in log))
+    write_text(root / PRIVATE_DIR / PRIVATE_RECORD, json.dumps(
+        {"what": "un-noised statistics of the private set: not for release, not read by the audit",
+         "first_loss": log[0]["loss"], "final_loss": log[-1]["loss"], "n_copies": int(pool.n_copies),
+         "records": int(records.n), "n_included": int(pool.included.sum()), "log": "train_log.jsonl",
+         "train_s": round(train_s, 2)}, indent=1))
+    for stale in ("train_log.jsonl",):  # a directory written before private/ existed
+        (root / stale).unlink(missing_ok=True)
     start, stop = private_rows(base, cfg)
     m = {"format": FT_FORMAT, "preset": cfg.preset, "config": cfg.to_dict(), "config_hash": cfg.config_hash,
          "complete": True, "base": brec,
-         "private_set": {"rows": [start, stop], "n_natural": cfg.n_private, "n_copies": int(pool.n_copies),
-                         "records": int(records.n), "non_members": [stop, base.n_rows]},
+         "private_set": {"rows": [start, stop], "n_natural": cfg.n_private, "non_members": [stop, base.n_rows],
+                         "max_records": max_records(cfg)},
          "canaries": {"path": CANARY_FILE, "sha256": sha256_of_file(root / CANARY_FILE), "m": pool.m,
-                      "kind": pool.kind, "groups": [list(g) for g in cfg.canary_groups],
-                      "n_included": int(pool.included.sum()), "row_len": pool.row_len,
+                      "kind": pool.kind, "groups": [list(g) for g in cfg.canary_groups], "row_len": pool.row_len,
                       "inclusion": "independent, probability 1/2 (numpy default_rng([seed, 0xF1]))"},
          "privacy": privacy_record(cfg, delta),
          "trained": "LoRA" if cfg.lora_rank else "all parameters",
          "model": {"path": "model", "sha256": sha256_of_file(root / "model" / "model.safetensors")},
-         "train": {"first_loss": log[0]["loss"], "final_loss": log[-1]["loss"], "log": "train_log.jsonl"},
-         "timings": {"pool_s": round(t_pool, 2), "train_s": round(train_s, 2)}}
+         "private": {"path": PRIVATE_DIR, "what": "the training log and un-noised statistics of the private set"},
+         "timings": {"pool_s": round(t_pool, 2)}}
     write_text(mf, json.dumps(m, indent=1))
     return Finetune(root, cfg, m, base)
