@@ -36,6 +36,34 @@ def pytest_configure(config):
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
+def cpu_identity() -> str:
+    """One line naming this machine's CPU (vendor string, family/model, cores, widest vector unit): two machines that
+    both call themselves "AMD EPYC" can differ by a CPU generation, and test-time figures mean nothing without it."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        import platform
+
+        return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    flags = info.get("flags", "").split()
+    vector = next((f for f in ("avx512f", "avx2", "avx") if f in flags), "no avx")
+    family = f"family {info.get('cpu family', '?')} model {info.get('model', '?')}"
+    clock = f"{info.get('cpu MHz', '?')} MHz"
+    return f"cpu: {info.get('model name', '?')} ({family}), {os.cpu_count()} cores, {vector}, {clock}"
+
+
+def pytest_report_header(config):
+    return cpu_identity()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The CPU line again at the end, where ``-q`` runs (CI's) show it beside the wall time."""
+    terminalreporter.write_line(cpu_identity())
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """(xdist) Each worker gets the controller's shared compilation cache directory."""
