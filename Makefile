@@ -16,7 +16,7 @@ test: lint        ## lint, then the default (fast) test suite, as CI runs it: tw
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-all: setup   ## everything, including @pytest.mark.slow, then the mutation check (tests/mutations.py)
-	$(PY) -m pytest -q -m "slow or not slow"
+	MIA_TEST_XLA_OPT=default $(PY) -m pytest -q -m "slow or not slow"
 	$(PY) -m tests.mutations
 
 bench:            ## performance against named baselines (prints tables)

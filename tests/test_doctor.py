@@ -19,6 +19,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from xla_env import device_flags
 
 import mia
 from mia import checkup
@@ -296,7 +297,7 @@ def test_mesh_check_passes_on_two_devices_and_fails_when_a_device_loses_a_row():
     (nonzero) difference; when every device but the first loses its last row, the replicated layout's row fails
     (a mesh row that compared one device with one device would pass). The command's exit status: the cache check's
     test above; the whole doctor on 8 devices: under -m slow."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=str(ROOT),
+    env = dict(os.environ, XLA_FLAGS=device_flags(2), PYTHONPATH=str(ROOT),
                JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -316,7 +317,7 @@ def test_full_doctor_passes_on_this_cpu(devices, tmp_path):
         got, report = run_without_optional_packages(tmp_path, ",".join(checkup.CHECKS))
         assert got["status"] == 0 and got["asked"] == [] and got["loaded"] == []
     else:
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=str(ROOT),
+        env = dict(os.environ, XLA_FLAGS=device_flags(devices), PYTHONPATH=str(ROOT),
                    JAX_PLATFORMS="cpu", MIA_CACHE_DIR=str(tmp_path / "cache"))
         out = tmp_path / "report.json"
         p = subprocess.run([sys.executable, "-m", "mia", "doctor", "--json", str(out)], env=env, capture_output=True,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_env import device_flags
 
 from mia.engine import distributed as D
 
@@ -195,7 +196,7 @@ def test_the_watchdog_stops_on_another_process_failing_with_that_process_reason(
 
 # ------------------------------------------------------------------------------------------------ mia score
 def _env():
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+    return dict(os.environ, XLA_FLAGS=device_flags(2), JAX_PLATFORMS="cpu",
                 MIA_COMPILE_CACHE="0", PYTHONPATH=str(ROOT) + os.pathsep + str(TESTS))
 
 

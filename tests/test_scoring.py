@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+from xla_env import device_flags
 from transformers import AutoModelForCausalLM
 
 from hf_tiny import padded_batch, torch_logits
@@ -175,7 +176,7 @@ np.savez(sys.argv[3], *[o["logprob"] for o in out])
 
 
 def test_scores_do_not_depend_on_device_count(tiny_neox_dir, tiny_model, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=device_flags(8), JAX_PLATFORMS="cpu")
     out = tmp_path / "sharded.npz"
     subprocess.run([sys.executable, "-c", SHARDED, str(tiny_neox_dir), os.path.dirname(__file__), str(out)],
                    check=True, env=env, timeout=300)

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from xla_env import device_flags
 from jax.sharding import PartitionSpec as P
 
 from mia.engine import distributed
@@ -25,7 +26,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def env_with_devices(n):
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu",
+    return dict(os.environ, XLA_FLAGS=device_flags(n), JAX_PLATFORMS="cpu",
                 MIA_COMPILE_CACHE="0",
                 PYTHONPATH=str(ROOT) + os.pathsep + str(TESTS))
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from xla_env import device_flags
 
 from mia.models import attention as A
 
@@ -224,7 +225,7 @@ print(json.dumps(out))
 def test_splash_under_shard_map_on_a_mesh_equals_exact():
     """On 4 CPU devices (data=2, model=2), the engine's way (``traced_over``): splash runs per device under
     shard_map (rows over data; heads over model for GQA, replicated for MQA) and still equals exact."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=device_flags(4), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

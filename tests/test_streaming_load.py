@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from xla_env import device_flags
 
 import mia.models as mm
 from mia import sharding
@@ -254,7 +255,7 @@ def test_sharded_streamed_load_equals_whole_leaf_load(tmp_path):
     """8 CPU devices, mesh data=2,model=4 with FSDP, one row per block: every leaf's global value is bit for bit the
     whole-leaf path's, and each device holds only its shard (``load_check.py`` in a subprocess)."""
     out = tmp_path / "load.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=device_flags(8), JAX_PLATFORMS="cpu",
                MIA_COMPILE_CACHE="0", PYTHONPATH=str(ROOT) + os.pathsep + str(TESTS))
     r = subprocess.run([sys.executable, str(TESTS / "load_check.py"), str(out), str(tmp_path)], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
