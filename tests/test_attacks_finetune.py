@@ -143,3 +143,34 @@ def test_registration_parameters_and_needs():
             window_sizes(bad)
     with pytest.raises(AttackError, match="ez_mia needs a reference model"):
         check_request("ez_mia")
+
+
+def test_top1_from_logits_is_one_exactly_at_the_argmax():
+    from mia.engine.stats import stats_from_logits
+
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((2, 5, 300)).astype(np.float32)
+    nxt = rng.integers(0, 300, (2, 5))
+    nxt[0, 1] = logits[0, 1].argmax()
+    logits[1, 3, [7, 9]] = logits[1, 3].max() + 1.0  # a tie of the two largest: either counts
+    nxt[1, 3] = 9
+    got = np.asarray(stats_from_logits(logits, nxt)["top1"])
+    want = (np.take_along_axis(logits, nxt[..., None], -1)[..., 0] == logits.max(-1)).astype(np.float32)
+    assert want[0, 1] == want[1, 3] == 1 and want.sum() < want.size
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow  # compiles the all-statistics pass of the tiny model (the ez_mia score test covers it too)
+def test_top1_stat_marks_where_the_token_is_the_models_argmax(tiny_model):
+    from mia.engine.batching import ScoringSettings
+    from mia.engine.loop import compute_token_stats
+
+    rows = np.random.default_rng(1).integers(0, tiny_model.vocab_size, (2, 11))
+    rows[:, -1] = np.asarray(tiny_model.logits(tiny_model.params, rows))[:, -2].argmax(-1)  # causal: stays the argmax
+    want = np.asarray(tiny_model.logits(tiny_model.params, rows))[:, :-1].argmax(-1) == rows[:, 1:]
+    got = compute_token_stats(tiny_model, list(rows), ScoringSettings(progress=False, pack=False),
+                              stats=("logprob", "top1"))
+    assert want[:, -1].all() and not want.all()
+    for g, w in zip(got, want):
+        assert g["top1"].dtype == np.float32
+        np.testing.assert_array_equal(g["top1"], w.astype(np.float32))
