@@ -34,9 +34,12 @@ def load_reference(ctx):
         if not path:
             raise AttackError("this attack needs a reference model: give --ref-model DIR (a local model directory), "
                               "or --adapter DIR (the base is the reference)")
+        module = getattr(ctx.model, "module", None)
+        dtypes = {} if module is None else {"dtype": module.dtype, "param_dtype": module.param_dtype}
         try:
-            # the same layout as the target model (mesh and FSDP), so both score with the same batches
-            m["ref_model"] = load(path, mesh=ctx.model.mesh, fsdp=ctx.model.fsdp)
+            # the same layout (mesh and FSDP) and precision as the target model, so both score with the same batches
+            # and a token-level comparison (ez_mia, wbc) never sees a precision difference as a fine-tuning one
+            m["ref_model"] = load(path, mesh=ctx.model.mesh, fsdp=ctx.model.fsdp, **dtypes)
         except (FileNotFoundError, ValueError) as e:
             raise AttackError(f"--ref-model {path}: {e}") from None
     return m["ref_model"]
