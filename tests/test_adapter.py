@@ -82,9 +82,9 @@ def test_gpt2_conv1d_fan_in_fan_out_with_layers_and_modules_to_save(tmp_path):
     assert model.adapter == str(adapter) and model.path == str(base)
 
 
-def test_adapter_bin_is_read_without_pickle_and_fingerprint_covers_it(tmp_path):
+def test_adapter_bin_with_embedding_lora_is_read_without_pickle_and_fingerprint_covers_it(tmp_path):
     base, adapter, merged = make_adapter("gpt_neox", tmp_path, bin_file=True, r=2, lora_alpha=4,
-                                         target_modules=["query_key_value", "dense_4h_to_h"])
+                                         target_modules=["query_key_value", "dense_4h_to_h", "embed_in"])
     assert (adapter / "adapter_model.bin").exists() and not (adapter / "adapter_model.safetensors").exists()
     model = assert_same_logits(base, adapter, merged)
     assert model.fingerprint != mm.load(base).fingerprint  # the score cache key changes with the adapter
