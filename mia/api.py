@@ -38,8 +38,11 @@ from .results import ScoreRun
 
 
 def load(path, *, dtype: str = "auto", param_dtype: Optional[str] = None, mesh=None, fsdp: Optional[bool] = None,
-         tokenizer: bool = True) -> Model:
+         tokenizer: bool = True, adapter=None) -> Model:
     """A local checkpoint directory (config.json, safetensors, tokenizer.json) as a ``Model``.
+
+    ``adapter``: a PEFT LoRA adapter directory fine-tuned from this base, merged into its weights at load
+    (docs/models.md#adapters); the base is then the default reference model of ``ref``, ``ez_mia`` and ``wbc``.
 
     ``dtype``: "auto" (float32 on a CPU, bfloat16 on a GPU/TPU), "float32", "bfloat16" or "float16"
     (docs/models.md#precision; log-probs are float32 whatever it is);
@@ -48,7 +51,8 @@ def load(path, *, dtype: str = "auto", param_dtype: Optional[str] = None, mesh=N
     """
     if isinstance(mesh, str):
         mesh = make_mesh(parse_mesh(mesh, len(jax.devices())))
-    return load_checkpoint(path, dtype=dtype, param_dtype=param_dtype, tokenizer=tokenizer, mesh=mesh, fsdp=fsdp)
+    return load_checkpoint(path, dtype=dtype, param_dtype=param_dtype, tokenizer=tokenizer, mesh=mesh, fsdp=fsdp,
+                           adapter=adapter)
 
 
 def resolve_attacks(attacks) -> list[tuple[str, str, dict]]:
@@ -177,6 +181,8 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     """
     if cache_max_gb is not None:
         cache_limit.set_max_gb(cache_max_gb)
+    if ref_model is None and getattr(model, "adapter", None):  # a fine-tune's base is its default reference
+        ref_model = model.path
     chosen, skipped = check_request(attacks, ref_model=ref_model, mlm=mlm, freq_corpus=freq_corpus,
                                     on_error=on_error)
     scored = tuple(scored)

@@ -50,7 +50,9 @@ def _add_score_parser(sub) -> None:
                                         "of --data)")
     p.add_argument("--train-data", help="labelled training examples for learned combiners (disjoint from --data; "
                                         "any form of --data)")
-    p.add_argument("--ref-model", help="reference model directory for the `ref` attack")
+    p.add_argument("--ref-model", help="reference model directory for the `ref` attack (with --adapter: the base)")
+    p.add_argument("--adapter", help="PEFT LoRA adapter directory fine-tuned from --model, merged at load "
+                                     "(docs/models.md#adapters)")
     p.add_argument("--mlm", help="masked language model directory for the `neighbor` attack")
     p.add_argument("--freq-corpus", help="local corpus (.jsonl with text|tokens, or plain text, one document a line) "
                                          "for the `dcpdd` token frequencies (default: the calib partition)")
@@ -127,7 +129,7 @@ def cmd_score(args) -> int:
         api.resolve_attacks(args.attacks)
     except ValueError as e:
         raise ValueError(f"--attacks: {str(e).splitlines()[0]}") from None
-    api.check_request(args.attacks, ref_model=args.ref_model, mlm=args.mlm)
+    api.check_request(args.attacks, ref_model=args.ref_model or (args.model if args.adapter else None), mlm=args.mlm)
     check_score_paths(args)  # every path before any work: a bad --out is not found after all the scoring
     group = distributed.settings_from(args.coordinator, args.num_processes, args.process_id)
     distributed.initialize(group, timeout=args.init_timeout,  # before any other jax call
@@ -142,7 +144,7 @@ def cmd_score(args) -> int:
             check_documents(examples, args.data)  # before the model is loaded
         api.check_data(examples, scored, args.skip_invalid)  # label conflicts too, before the model is loaded
         model = api.load(args.model, dtype=args.dtype, mesh=args.mesh,
-                         fsdp=None if args.mesh is None else not args.no_fsdp)
+                         fsdp=None if args.mesh is None else not args.no_fsdp, adapter=args.adapter)
         run = api.score(model, examples, args.attacks, prefix=args.prefix_data,
                         member_prefix=args.member_prefix_data, calib=args.calib_data, train=args.train_data,
                         max_length=args.max_length,
@@ -180,6 +182,11 @@ def score_inputs(args) -> dict:
     from .models.hub import fingerprint  # (the same)
 
     out = {"--model": fingerprint(model_dir(args.model))}
+    if args.adapter:
+        from pathlib import Path  # (the same)
+
+        from .models.hub import adapted_fingerprint  # (the same)
+        out["--adapter"] = adapted_fingerprint(model_dir(args.model), Path(args.adapter))
     for flag in ("ref_model", "mlm"):
         if getattr(args, flag):
             out["--" + flag.replace("_", "-")] = fingerprint(model_dir(getattr(args, flag)))
@@ -234,6 +241,8 @@ def check_score_paths(args) -> None:
     if args.ref_model:
         V.input_dir(model_dir(args.ref_model, error=lambda m: V.InputError(f"--ref-model {m}")), "--ref-model",
                     noun="model directory")
+    if getattr(args, "adapter", None):
+        V.input_dir(args.adapter, "--adapter", noun="adapter directory")
     if args.mlm:
         V.input_dir(args.mlm, "--mlm", noun="model directory")
     V.output_file(args.out, "--out", inputs=(args.data, args.prefix_data, args.member_prefix_data, args.calib_data,

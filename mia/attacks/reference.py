@@ -32,10 +32,14 @@ def load_reference(ctx):
     if "ref_model" not in m:
         path = ctx.options.get("ref_model")
         if not path:
-            raise AttackError("attack ref needs a reference model: give --ref-model DIR (a local model directory)")
+            raise AttackError("this attack needs a reference model: give --ref-model DIR (a local model directory), "
+                              "or --adapter DIR (the base is the reference)")
+        module = getattr(ctx.model, "module", None)
+        dtypes = {} if module is None else {"dtype": module.dtype, "param_dtype": module.param_dtype}
         try:
-            # the same layout as the target model (mesh and FSDP), so both score with the same batches
-            m["ref_model"] = load(path, mesh=ctx.model.mesh, fsdp=ctx.model.fsdp)
+            # the same layout (mesh and FSDP) and precision as the target model, so both score with the same batches
+            # and a token-level comparison (ez_mia, wbc) never sees a precision difference as a fine-tuning one
+            m["ref_model"] = load(path, mesh=ctx.model.mesh, fsdp=ctx.model.fsdp, **dtypes)
         except (FileNotFoundError, ValueError) as e:
             raise AttackError(f"--ref-model {path}: {e}") from None
     return m["ref_model"]
@@ -64,21 +68,44 @@ def reference_tokens(ctx, ref) -> list:
     return [t[:limit] for t in toks]
 
 
-def reference_ll(ctx) -> np.ndarray:
-    """[N] LL_ref(x) (NaN where the reference tokenization has fewer than 2 tokens)."""
+def reference_logprobs(ctx) -> list:
+    """Per evaluated example, the reference model's token log-probs [T_ref - 1] float32 (one pass, memoised: ``ref``,
+    ``ez_mia`` and ``wbc`` share it); None where the reference tokenization has fewer than 2 tokens."""
     m = memo(ctx)
-    if "ref_ll" not in m:
+    if "ref_logprobs" not in m:
         ref = load_reference(ctx)
         toks = reference_tokens(ctx, ref)
         ok = [i for i, t in enumerate(toks) if len(t) >= 2]
-        ll = np.full(len(toks), np.nan)
         if len(ok) < len(toks):
             ctx.notes.append(f"ref: {len(toks) - len(ok)} example(s) have < 2 reference tokens; their ref score is NaN")
         stats = compute_token_stats(ref, [toks[i] for i in ok], ctx.settings, desc="reference model",
                                     stats=("logprob",))
+        out: list = [None] * len(toks)
         for i, s in zip(ok, stats):
-            ll[i] = float(np.mean(s["logprob"], dtype=np.float64))
-        m["ref_ll"] = ll
+            out[i] = np.asarray(s["logprob"], np.float32)
+        m["ref_logprobs"] = out
+        m["ref_same_tokens"] = all(len(t) <= len(e.tokens) and np.array_equal(t, np.asarray(e.tokens)[:len(t)])
+                                   for t, e in zip(toks, ctx.examples))
+    return m["ref_logprobs"]
+
+
+def aligned_reference_logprobs(ctx, attack: str) -> list:
+    """``reference_logprobs`` for an attack that compares the two models token by token: the reference must have
+    scored the target's own token ids (same vocabulary), else one ``AttackError``. Where the reference context is
+    shorter, its arrays are shorter (the attack compares the common positions)."""
+    lps = reference_logprobs(ctx)
+    if not memo(ctx)["ref_same_tokens"]:
+        raise AttackError(f"attack {attack} compares the target and reference models token by token: the reference "
+                          "model must share the target's tokenizer (its texts were re-tokenized)")
+    return lps
+
+
+def reference_ll(ctx) -> np.ndarray:
+    """[N] LL_ref(x) (NaN where the reference tokenization has fewer than 2 tokens)."""
+    m = memo(ctx)
+    if "ref_ll" not in m:
+        m["ref_ll"] = np.array([np.nan if lp is None else float(np.mean(lp, dtype=np.float64))
+                                for lp in reference_logprobs(ctx)])
     return m["ref_ll"]
 
 

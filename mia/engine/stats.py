@@ -10,6 +10,8 @@ Per target token, all float32:
   mean_logp mu_t  = sum_v p_v log p_v      (probability-weighted mean of log p; Min-K%++)
   std_logp  sigma_t = sqrt(sum_v p_v (log p_v - mu_t)^2)
   entropy   H_t = -mu_t
+  top1      1.0 when the target token has the largest logit (a tie counts), else 0.0 (EZ-MIA's "error zone" is
+            top1 = 0): z_tok - max z == 0 exactly, from the same subtraction as the moments
 
 Statistics on demand: a pass computes only the statistics it is asked for (``stats=``; each attack declares what it
 reads). ``logprob`` is always the logit minus the logsumexp (``logprob_from_logits``, as the conditional engine
@@ -29,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-STAT_NAMES = ("logprob", "mean_logp", "std_logp", "entropy")
+STAT_NAMES = ("logprob", "mean_logp", "std_logp", "entropy", "top1")
+CONTINUOUS_STATS = STAT_NAMES[:4]  # the statistics that precision moves a little (top1 flips or not)
 _LANES = 128  # vocabulary block of the fused reduction in ``stats_from_logits``
 
 
@@ -49,11 +52,13 @@ def stats_from_logits(logits_bcv: jax.Array, next_bc: jax.Array) -> dict:
                              lambda x, y: (x[0] + y[0], x[1] + y[1], x[2] + y[2]), (blocks.ndim - 1,))
     s, a, q = s.sum(-1), a.sum(-1), q.sum(-1)
     log_s = jnp.log(s)
-    tok = jnp.take_along_axis(zs, next_bc[..., None].astype(jnp.int32), axis=-1)[..., 0] - log_s
+    z_tok = jnp.take_along_axis(zs, next_bc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    tok = z_tok - log_s
     mean_z = a / s
     mu = mean_z - log_s
     var = jnp.maximum(q / s - jnp.square(mean_z), 0.0)
-    return {"logprob": tok, "mean_logp": mu, "std_logp": jnp.sqrt(var), "entropy": -mu}
+    return {"logprob": tok, "mean_logp": mu, "std_logp": jnp.sqrt(var), "entropy": -mu,
+            "top1": (z_tok == 0.0).astype(jnp.float32)}
 
 
 def _blocked(logits_bcv: jax.Array) -> tuple:

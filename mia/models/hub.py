@@ -32,6 +32,7 @@ from ..validate import check_config, check_hf_config, safetensors_header
 from . import hf_cache
 from .common import ConfigError, ParamMapping
 from .family import Family, family, family_of_config, read_config
+from .adapter import adapter_digest, adapter_weight_file, merge_lora, read_adapter_config
 from .layouts import native_layout
 from .torch_bin import read_torch_bin
 
@@ -60,6 +61,7 @@ class Model:
     content_address: Any = ""  # the fingerprint, or a zero-argument function computing it on first use
     mesh: Any = None
     fsdp: bool = False
+    adapter: Optional[str] = None  # the PEFT LoRA adapter directory merged into the weights at load (``path``: base)
 
     @property
     def fingerprint(self) -> str:
@@ -628,7 +630,7 @@ def _bad_tokenizer_file(root: Path) -> Optional[str]:
 
 
 def load(path, dtype=AUTO, param_dtype=None, tokenizer: bool = True, mesh=None,
-         fsdp: Optional[bool] = None) -> Model:
+         fsdp: Optional[bool] = None, adapter=None) -> Model:
     """Load a local HF-layout checkpoint directory, or ``ORG/NAME[@REVISION]`` from the Hugging Face cache (offline,
     ``hf_cache``). ``dtype``: activations (``"auto"``: float32 on a CPU, bfloat16 on an accelerator);
     ``param_dtype`` defaults to ``dtype``.
@@ -639,6 +641,10 @@ def load(path, dtype=AUTO, param_dtype=None, tokenizer: bool = True, mesh=None,
     checkpoint never exists whole in host memory as a second copy. Logits are float32 and log-probabilities are
     computed from them in float32 whatever ``dtype`` is; in ``"bfloat16"`` the weights, hidden states and matmul
     operands feeding them are bf16 (docs/models.md#precision).
+
+    ``adapter``: a PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors`` or ``.bin``),
+    merged into the base weights in float32 before they are cast and placed (``mia.models.adapter``). The model's
+    ``path`` stays the base's (the default reference of ``ref``, ``ez_mia`` and ``wbc``); its fingerprint covers both.
     """
     dtype, param_dtype = resolve_dtypes(dtype, param_dtype)  # a bad dtype is refused before anything is read
     root = hf_cache.model_dir(path, error=CheckpointError)
@@ -655,6 +661,10 @@ def load(path, dtype=AUTO, param_dtype=None, tokenizer: bool = True, mesh=None,
     by_name = {k: v for k, v in tensors.items() if not any(re.search(p, k) for p in fam.ignored_keys)}
     if layout:
         tensors = layout.hf_tensors(tensors, cfg, str(root), CheckpointError)
+    address: Any = functools.partial(fingerprint, root)
+    if adapter is not None:
+        tensors = with_adapter(Path(adapter), tensors, fam, cfg)
+        address = functools.partial(adapted_fingerprint, root, Path(adapter))
     module, shapes = abstract_params(fam, cfg, dtype, param_dtype)
     views = host_params_from_hf(tensors, fam, cfg, shapes, source=str(root), origin=origin)
     fsdp = (mesh is not None) if fsdp is None else bool(fsdp)
@@ -663,8 +673,30 @@ def load(path, dtype=AUTO, param_dtype=None, tokenizer: bool = True, mesh=None,
                         release=mapped_pages_release(tensors.values()))
     check_finite(params, by_name, origin, str(root), param_dtype, placed_on)
     tok = load_tokenizer(root, layout.tokenizer_class if layout else None) if tokenizer else None
-    return Model(module, params, tok, cfg, fam.model_type, str(root), functools.partial(fingerprint, root), placed_on,
-                 fsdp)
+    return Model(module, params, tok, cfg, fam.model_type, str(root), address, placed_on, fsdp,
+                 None if adapter is None else str(adapter))
+
+
+def with_adapter(adapter: Path, tensors: dict, fam: Family, cfg) -> dict:
+    """The base checkpoint's ``tensors`` with the PEFT LoRA adapter directory ``adapter`` merged
+    (``mia.models.adapter``); ``AdapterError`` (one line) for an adapter that cannot be merged exactly."""
+    if not adapter.is_dir():
+        raise CheckpointError(f"adapter directory not found: {adapter}")
+    conf = read_adapter_config(adapter)
+    weights = adapter_weight_file(adapter)
+    merged = merge_lora(tensors, conf, read_weights(weights), fam.param_mappings(cfg),
+                        getattr(fam.module_cls, "HEAD", "lm_head"), str(weights))
+    return merged
+
+
+def adapted_fingerprint(root: Path, adapter: Path) -> str:
+    """Content address of a base checkpoint with an adapter merged: the base's ``fingerprint`` and the adapter's
+    digest (its config and weight file) together, so the score cache never mixes the two models."""
+    both = f"mia-adapted|{fingerprint(root)}|{adapter_digest(adapter, file_hash.file_sha256)}"
+    return hashlib.sha256(both.encode()).hexdigest()[:32]
+
+
+
 
 
 def place(model: Model, mesh=None, fsdp: Optional[bool] = None) -> Model:
