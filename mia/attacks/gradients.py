@@ -155,8 +155,9 @@ def make_alora(model, lr: float, chunk: int = 1) -> Callable:
         stepped = jax.tree_util.tree_map(sgd, top, g_top)
         stepped[layers] = stack
 
-        def step_layer(i, lp):
-            return jax.tree_util.tree_map(lambda p, gs: sgd(p, gs[i]), lp, g_stack)
+        def step_layer(i, lp):  # lp: a FrozenDict inside the scan, g_stack a dict; both flatten in sorted order
+            leaves, treedef = jax.tree_util.tree_flatten(lp)
+            return treedef.unflatten([sgd(p, gs[i]) for p, gs in zip(leaves, jax.tree_util.tree_leaves(g_stack))])
 
         return row_loss(model, stepped, tok, val, layer_transform=step_layer) - l0
 
