@@ -8,7 +8,9 @@ from mia.attacks import get
 from mia.attacks import gradients as G
 from mia.models.family import family
 
-from attack_helpers import ctx_for, make_examples
+from mia.data.examples import Example
+
+from attack_helpers import ctx_for
 
 LENGTHS = (5, 17, 9, 30)
 
@@ -67,7 +69,15 @@ def hf_key(torch_name: str) -> str:
 def norms(tiny_model, rows):
     """gradnorm's features of the padded rows, 3 rows per vmapped chunk."""
     tok, val, _ = rows
-    return np.asarray(jax.jit(G.make_gradnorm(tiny_model, chunk=3))(tiny_model.params, tok, val), np.float64)
+    return np.asarray(G.jitted_gradient_step(tiny_model, "gradnorm", 3)(tiny_model.params, tok, val), np.float64)
+
+
+@pytest.fixture(scope="module")
+def alora(tiny_model, rows):
+    """alora's scores of the padded rows at lr = 0.05 (large enough that the step changes the loss well beyond
+    rounding), 2 rows per vmapped chunk."""
+    tok, val, _ = rows
+    return np.asarray(G.jitted_gradient_step(tiny_model, "alora", 2, 0.05)(tiny_model.params, tok, val), np.float64)
 
 
 def test_gradnorm_matches_torch_autograd(tiny_model, tiny_neox_torch, rows, norms):
@@ -87,11 +97,9 @@ def test_gradnorm_matches_torch_autograd(tiny_model, tiny_neox_torch, rows, norm
             np.testing.assert_allclose(float(G.gradnorm_score(jnp.asarray(feats[i:i + 1]), p)[0]), -norm, rtol=1e-4)
 
 
-def test_alora_matches_torch_autograd(tiny_model, tiny_neox_torch, rows):
-    tok, val, seqs = rows
-    lr = 0.05  # large enough that the step changes the loss well beyond rounding
-    ours = np.asarray(jax.jit(G.make_alora(tiny_model, lr, chunk=2))(tiny_model.params, tok, val), np.float64)
-    ref = np.array([torch_reference(tiny_neox_torch, s, lr)[1] for s in seqs])
+def test_alora_matches_torch_autograd(tiny_neox_torch, rows, alora):
+    ours = alora
+    ref = np.array([torch_reference(tiny_neox_torch, s, 0.05)[1] for s in rows[2]])
     assert (ref < 0).all()  # a descent step on the example lowers its loss
     np.testing.assert_allclose(ours, ref, rtol=1e-4)
 
@@ -151,17 +159,9 @@ def test_orientation_members_score_higher(tiny_model):
         assert s[:6].min() > s[6:].max()
 
 
-def test_registered_attacks_follow_the_pure_functions(tiny_model):
-    ex = make_examples(tiny_model.tokenizer, 5, 0)
+def test_registered_attacks_follow_the_pure_functions(tiny_model, rows, norms, alora):
+    ex = [Example(f"r{i}", seq, label=i % 2) for i, seq in enumerate(rows[2])]
     ctx = ctx_for(tiny_model, ex)
-    gn = get("gradnorm").fn(ctx, p="inf", chunk=2)
-    al = get("alora").fn(ctx, lr=0.01, chunk=1)
-    t = max(len(e.tokens) for e in ex)
-    tok, val = np.zeros((len(ex), t), np.int32), np.zeros((len(ex), t), bool)
-    for i, e in enumerate(ex):
-        tok[i, :len(e.tokens)], val[i, :len(e.tokens)] = e.tokens, True
-    feats = jax.jit(G.make_gradnorm(tiny_model, chunk=5))(tiny_model.params, tok, val)
-    np.testing.assert_allclose(gn, np.asarray(G.gradnorm_score(feats, "inf")), rtol=2e-5)
-    ref = np.asarray(jax.jit(G.make_alora(tiny_model, 0.01, chunk=5))(tiny_model.params, tok, val))
-    np.testing.assert_allclose(al, ref, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(get("gradnorm").fn(ctx, p="inf", chunk=3), -norms[:, :, 2].max(1), rtol=2e-5)
+    np.testing.assert_allclose(get("alora").fn(ctx, lr=0.05, chunk=2), alora, rtol=1e-5, atol=1e-8)
     assert get("gradnorm").cost == get("alora").cost == get("jl").cost == "heavy"  # opt-in by cost
