@@ -21,10 +21,11 @@ from typing import Callable
 
 import numpy as np
 
+from ..blind import classifiers as blind_classifiers
 from .registry import AttackError, check_attack_inputs, get, register
 
 FEATURES: dict[str, Callable] = {}  # attack name -> fn(ctx, examples, **params) -> [N, F] float
-CLASSIFIERS = ("lr", "rf", "mlp")
+CLASSIFIERS = blind_classifiers.CLASSIFIER_NAMES  # lr, rf, mlp
 
 
 def register_features(name: str, fn: Callable) -> Callable:
@@ -48,12 +49,11 @@ def labelled_rows(ctx, attack: str) -> tuple[list, np.ndarray]:
 def supervised_scores(classifier: str, x_train, y_train, x_eval, seed: int = 0) -> np.ndarray:
     """P(member) [N] of the evaluated rows from ``classifier`` fitted on (x_train, y_train). Non-finite entries
     become 0 (a column the classifier cannot use), as pandora's nan_to_num does."""
-    from ..blind.classifiers import ClassifierError, fit_predict
-
     clean = lambda x: np.nan_to_num(np.asarray(x, np.float64), nan=0.0, posinf=0.0, neginf=0.0)  # noqa: E731
     try:
-        return fit_predict(classifier, clean(x_train), np.asarray(y_train), clean(x_eval), seed=seed)
-    except ClassifierError as e:
+        return blind_classifiers.fit_predict(classifier, clean(x_train), np.asarray(y_train), clean(x_eval),
+                                             seed=seed)
+    except blind_classifiers.ClassifierError as e:
         raise AttackError(f"classifier {classifier}: {e}") from None
 
 

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..engine.batching import ScoringSettings, plan_batches, put_padded, row_length
 from ..engine.conditional import token_logprobs
@@ -49,7 +50,7 @@ from ..engine.loop import engine_layout, pipelined, placed_params, show_progress
 from ..engine.plan import register_planned_attack, row_args
 from ..sharding import batch_sharding, data_size, replicated
 from ..validate import Range
-from .combine import labelled_rows, register_features, supervised_scores
+from .combine import CLASSIFIERS, labelled_rows, register_features, supervised_scores
 from .registry import AttackError, register
 
 NORMS = ("1", "2", "inf")  # feature columns of gradnorm, in this order
@@ -260,8 +261,6 @@ def run_rows(ctx, examples: list, step, desc: str) -> np.ndarray:
     settings = dataclasses.replace(ctx.settings, token_budget=max(16, min(ctx.settings.token_budget, 4096)))
     out: dict = {}
     rows_sharding = batch_sharding(mesh)
-    from tqdm.auto import tqdm
-
     with tqdm(total=len(toks), desc=desc, disable=not show_progress(ctx.settings), leave=False) as bar:
         def consume(batch, r):
             r = np.asarray(r, np.float64)
@@ -330,7 +329,7 @@ def jl_features(ctx, examples: Optional[list] = None, *, k: int = 8, seed: int =
 
 
 _JL_LIMITS = {"k": Range(1), "seed": Range(0), "proj_type": PROJ_TYPES, "chunk": Range(1),
-              "classifier": ("lr", "rf", "mlp")}
+              "classifier": CLASSIFIERS}
 
 
 @register("jl", needs=("model", "train"), cost="heavy", cost_note=_COST + ", for the train partition too",
