@@ -79,3 +79,21 @@ def test_refusals(tiny_model, parts):
         run(tiny_model, evaluated, train, attacks="loss+nope")
     with pytest.raises(AttackError, match="both members and non-members"):
         run(tiny_model, evaluated, [e for e in train if e.label == 1], attacks="loss")
+
+
+@pytest.mark.slow
+def test_gradient_features_and_jl_end_to_end(tiny_model, parts):
+    """combine over gradnorm's per-tensor norms and jl's projections; jl's own classifier; both P(member)."""
+    from mia.attacks import gradients as G
+
+    evaluated, train = parts
+    n_tensors = len(G.tensor_names(tiny_model.params, tiny_model.module.LAYERS))
+    ctx = AttackContext(tiny_model, list(evaluated), SETTINGS, {"train": list(train)}, {"seed": 0})
+    from mia.attacks.combine import columns
+
+    assert columns(ctx, "gradnorm", train, False).shape == (len(train), n_tensors * 3)
+    assert columns(ctx, "jl", evaluated, True).shape == (len(evaluated), n_tensors * 8)
+    for name, params in (("combine", dict(attacks="loss+gradnorm+jl", classifier="lr")),
+                         ("jl", dict(get("jl").defaults))):
+        s = get(name).fn(ctx, **params)
+        assert s.shape == (len(evaluated),) and ((0 <= s) & (s <= 1)).all()
