@@ -165,3 +165,14 @@ def test_registered_attacks_follow_the_pure_functions(tiny_model, rows, norms, a
     np.testing.assert_allclose(get("gradnorm").fn(ctx, p="inf", chunk=3), -norms[:, :, 2].max(1), rtol=2e-5)
     np.testing.assert_allclose(get("alora").fn(ctx, lr=0.05, chunk=2), alora, rtol=1e-5, atol=1e-8)
     assert get("gradnorm").cost == get("alora").cost == get("jl").cost == "heavy"  # opt-in by cost
+
+
+@pytest.mark.slow
+def test_benchmark_runs_at_a_tiny_size(capsys):
+    """experiments.bench_gradients end to end (both sides agree, or it raises) on a tiny model."""
+    from experiments.bench_gradients import main
+
+    main(["--hidden", "32", "--layers", "1", "--heads", "2", "--vocab", "128", "--texts", "3", "--length", "20",
+          "--chunk", "2"])
+    out = capsys.readouterr().out
+    assert "| gradnorm |" in out and "| alora |" in out
