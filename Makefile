@@ -22,3 +22,4 @@ test-all: setup   ## everything, including @pytest.mark.slow, then the mutation 
 bench:            ## performance against named baselines (prints tables)
 	$(PY) -m experiments.bench_scoring
 	$(PY) -m experiments.bench_attacks
+	$(PY) -m experiments.bench_gradients

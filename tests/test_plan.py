@@ -160,6 +160,29 @@ def test_mope_plan_reports_its_perturbed_group():
     assert r.params_bytes == stats.params_bytes and r.peak_bytes > stats.peak_bytes
 
 
+def test_gradient_plan_options():
+    import mia.attacks  # noqa: F401 (registers the attacks' planned steps)
+    from mia.engine.plan import parse_plan_attack as parse_attack
+
+    assert parse_attack("jl:chunk=2,k=4") == ("jl", {"chunk": 2, "k": 4})
+    assert parse_attack("alora") == ("alora", {"chunk": 1})
+    with pytest.raises(PlanError, match="gradnorm takes chunk=INT"):
+        parse_attack("gradnorm:chunk=0")
+
+
+@pytest.mark.slow
+def test_gradient_plans_hold_chunk_gradients():
+    """gradnorm / alora / jl: per-example gradients of ``chunk`` rows at once (each the size of the parameters)."""
+    import mia.attacks  # noqa: F401 (registers the attacks' planned steps)
+
+    one = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=4, length=64, attack="gradnorm", chunk=1)
+    two = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=4, length=64, attack="gradnorm", chunk=2)
+    stats = plan_scoring(TINY, devices=ONE_DEVICE, dtype="float32", batch=4, length=64)
+    assert one.params_bytes == two.params_bytes == stats.params_bytes
+    assert two.peak_bytes - one.peak_bytes >= 0.9 * one.params_bytes  # one more gradient alive at once
+    assert one.peak_bytes >= stats.peak_bytes + one.params_bytes
+
+
 # ------------------------------------------------------------------------------------------------ attacks' own steps
 def _spy(seen: dict, name: str, make):
     """Wrap a jit factory so that each call records the lowered text and argument shapes of what it runs."""
@@ -290,7 +313,7 @@ def test_em_mia_prefix_group_costs_memory():
 @pytest.mark.parametrize("args, message", [
     (["--attack", "recall:shots=3"], "recall takes prefix_len=INT"),
     (["--attack", "em_mia:group=0"], "em_mia takes group=INT"),
-    (["--attack", "pac"], "expected stats, camia, em_mia[:group=INT], mope[:n=10,chunk=2], recall"),
+    (["--attack", "pac"], "em_mia[:group=INT], gradnorm[:chunk=1], jl[:chunk=1,k=8], mope[:n=10,chunk=2], recall"),
     (["--attack", "recall", "--length", "4096"], "--length 4096 is beyond the model's context"),
     (["--attack", "em_mia", "--length", "4096"], "--length 4096 is beyond the model's context"),
     (["--attack", "camia", "--length", "4096"], "--length 4096 is beyond the model's context"),
