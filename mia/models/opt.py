@@ -68,7 +68,10 @@ class OPTConfig(TransformerConfig):
         if values["hidden_size"] % values["num_attention_heads"]:
             raise ConfigError(f"opt: hidden_size={values['hidden_size']} must be divisible by "
                               f"num_attention_heads={values['num_attention_heads']}")
-        activation(values["activation_function"])
+        try:
+            activation(values["activation_function"])
+        except ConfigError as e:
+            raise ConfigError(f"opt: config field activation_function: {e}") from None
         return {**values, "word_embed_proj_dim": values["word_embed_proj_dim"] or values["hidden_size"]}
 
 
