@@ -86,7 +86,7 @@ BF16_EPS = 2.0 ** -8  # bfloat16 keeps 8 significant bits: relative rounding of 
 
 # every family once in the default run; llama_tied (a second Llama) in make test-all, for default-run time
 @pytest.mark.parametrize("name", ["gpt2", "gpt_neo", "llama_gqa", pytest.param("llama_tied", marks=pytest.mark.slow),
-                                  "olmo", "olmo2"])
+                                  "olmo", "olmo2", "opt", "opt_post", "phi3"])
 def test_bfloat16_close_to_float32(name, tmp_path_factory):
     """bf16 weights and activations: logits within 6 bf16 roundings of the row's largest float32 logit (these 2-3
     layer nets measure 1.3-3.4); and not equal to float32, so the bf16 path really runs in bf16."""
@@ -144,7 +144,7 @@ def test_other_families_refuse(tmp_path, hf, field):
 def test_unsupported_model_type_lists_supported(tmp_path):
     with pytest.raises(ConfigError) as e:
         mm.load_config(_write_config(tmp_path, {"model_type": "mamba", "vocab_size": V}))
-    for supported in ("gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2"):
+    for supported in ("gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2", "opt", "phi3"):
         assert supported in str(e.value)
 
 
