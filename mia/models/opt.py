@@ -51,10 +51,6 @@ class OPTConfig(TransformerConfig):
     pad_token_id: Optional[int] = hf_field(1)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
     def projects(self) -> bool:
         """The embedding width differs from the layers' (``project_in`` / ``project_out`` exist)."""
         return self.word_embed_proj_dim != self.hidden_size

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, RMSNorm, activation, apply_rotary, attend,
                      decoder_maps, linear_maps, norm_maps)
-from .family import hf_field, register_family
+from .family import PartialRotary, hf_field, register_family
 from .gqa import GQA_REFUSED, IGNORED_HF_KEYS, GQAConfig
 
 # transformers' Phi3 builds its projections without biases whatever these say, so a checkpoint that sets them is not
@@ -29,7 +29,7 @@ REFUSED = {**{k: v for k, v in GQA_REFUSED.items() if k != "sliding_window"}, "a
 
 
 @dataclasses.dataclass(frozen=True)
-class Phi3Config(GQAConfig):
+class Phi3Config(PartialRotary, GQAConfig):
     MODEL_TYPE, ARCHITECTURE = "phi3", "Phi3ForCausalLM"
     REFUSED = REFUSED
 
@@ -41,16 +41,12 @@ class Phi3Config(GQAConfig):
     eos_token_id: Any = hf_field(32000)
     pad_token_id: Optional[int] = hf_field(32000)
 
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
     @classmethod
     def derive(cls, hf: dict, values: dict) -> dict:
-        window, rope = values["sliding_window"], hf.get("rope_parameters") or {}
+        window = values["sliding_window"]
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ConfigError(f"phi3: config field sliding_window={window!r} must be a positive integer or null")
-        factor = float(rope.get("partial_rotary_factor", values["partial_rotary_factor"]))
+        factor = cls.rotary_fraction(hf, values["partial_rotary_factor"])
         if not 0 < factor <= 1:
             raise ConfigError(f"phi3: config field partial_rotary_factor={factor!r} must be in (0, 1]")
         return {**super().derive(hf, values), "partial_rotary_factor": factor}
