@@ -225,7 +225,8 @@ def test_nonfinite_weights_are_refused_naming_the_tensor(case, tmp_path):
             mm.load(d)
 
 
-@pytest.mark.parametrize("name", ["gpt2", pytest.param("gpt_neo", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("gpt_neo", marks=pytest.mark.slow),
+                                  pytest.param("opt", marks=pytest.mark.slow)])
 def test_a_text_of_context_plus_one_tokens_is_scored_inside_the_context(name, tmp_path_factory):
     """A model with a learned position table of C entries scores a text of C + 1 tokens (Pythia's 2049-token rows,
     a testbed's seq_len + 1): C predictions, each equal to transformers' on the first C tokens, whether the text
