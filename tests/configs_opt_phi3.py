@@ -50,6 +50,9 @@ PHI3_MINI_4K = {
 }
 
 REAL = {"opt-125m": OPT_125M, "opt-350m": OPT_350M, "opt-6.7b": OPT_6_7B, "phi-3-mini-4k": PHI3_MINI_4K}
+# the published parameter counts (a tied head counted once; OPT-350m: no final norm, project_in/out of 512 x 1024)
+PARAMETERS = {"opt-125m": 125_239_296, "opt-350m": 331_196_416, "opt-6.7b": OPT_6_7B_PARAMETERS,
+              "phi-3-mini-4k": 3_821_079_552}
 
 
 def tiny_depth_and_width(hf: dict) -> dict:

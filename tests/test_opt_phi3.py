@@ -13,7 +13,7 @@ import mia.models as mm
 from mia.models.common import ConfigError
 from mia.models.family import read_config
 
-from configs_opt_phi3 import OPT_350M, PHI3_MINI_4K, REAL, tiny_depth_and_width
+from configs_opt_phi3 import OPT_350M, PARAMETERS, PHI3_MINI_4K, REAL, tiny_depth_and_width
 from hf_tiny import padded_batch, save_tiny, torch_logits
 
 
@@ -30,6 +30,17 @@ def test_real_configs_parse_to_their_architecture():
     assert (opt67.hidden_size, opt67.num_hidden_layers, opt67.head_dim, opt67.enable_bias) == (4096, 32, 128, True)
     assert (phi3.sliding_window, phi3.head_dim, phi3.num_key_value_heads, phi3.rotary_dim) == (2047, 96, 32, 96)
     assert (phi3.rope_theta, phi3.max_position_embeddings, phi3.tie_word_embeddings) == (10000.0, 4096, False)
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_configs_have_the_published_parameter_counts(name):
+    import jax
+
+    from mia.models.hub import abstract_params
+
+    fam = mm.FAMILIES[REAL[name]["model_type"]]
+    _, shapes = abstract_params(fam, parse(REAL[name]))
+    assert sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes)) == PARAMETERS[name]
 
 
 # OPT's remaining switches, off in every published checkpoint: no norm weights, no final norm, no biases
