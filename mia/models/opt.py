@@ -68,7 +68,8 @@ class OPTConfig(TransformerConfig):
             activation(values["activation_function"])
         except ConfigError as e:
             raise ConfigError(f"opt: config field activation_function: {e}") from None
-        return {**values, "word_embed_proj_dim": values["word_embed_proj_dim"] or values["hidden_size"]}
+        width = values["word_embed_proj_dim"]
+        return {**values, "word_embed_proj_dim": values["hidden_size"] if width is None else width}
 
 
 class OPTDecoderLayer(DecoderLayer):
