@@ -161,12 +161,13 @@ def test_every_registered_family_has_tiny_configs():
 
 
 # every family with both kernels, except, for default-run time, the second Llama (llama_tied: make test-all only) and
-# GPT-NeoX, whose packed rows the default run checks with the exact kernel alone (and whole scores through
-# test_cli_score's --pack check); the kernels' own packed masks are checked on every other family
+# GPT-NeoX and the second OPT (opt_post), whose packed rows the default run checks with the exact kernel alone (and
+# whole scores through test_cli_score's --pack check); the kernels' own packed masks are checked on every other family
 BOTH = ("exact", "blocked")
-PACKED_CASES = [pytest.param(n, BOTH, id=n) for n in sorted(CASES) if n not in ("gpt_neox", "llama_tied")] + [
-    pytest.param("gpt_neox", ("exact",), id="gpt_neox-exact"),
-    pytest.param("gpt_neox", BOTH, id="gpt_neox", marks=pytest.mark.slow),
+EXACT_ONLY = ("gpt_neox", "opt_post")
+PACKED_CASES = [pytest.param(n, BOTH, id=n) for n in sorted(CASES) if n not in EXACT_ONLY + ("llama_tied",)] + [
+    p for n in EXACT_ONLY for p in (pytest.param(n, ("exact",), id=f"{n}-exact"),
+                                    pytest.param(n, BOTH, id=n, marks=pytest.mark.slow))] + [
     pytest.param("llama_tied", BOTH, id="llama_tied", marks=pytest.mark.slow)]
 
 
