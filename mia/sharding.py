@@ -10,9 +10,9 @@ layers are scanned), and those leading axes are never sharded.
 
   role      leaves (module name ends with ...)                        ``model`` splits    must divide
   column    q/k/v_proj, query_key_value, c_attn, gate/up_proj, c_fc,   kernel out, bias    yes
-            dense_h_to_4h, fc_in
+            dense_h_to_4h, fc_in, fc1, qkv_proj, gate_up_proj
   row       o_proj, out_proj, c_proj, attention_dense, down_proj,      kernel in           yes
-            dense_4h_to_h, fc_out
+            dense_4h_to_h, fc_out, fc2
   vocab     token embedding (embed_tokens, embed_in, wte) [V, D];      V                   no: replicated on
             untied head (lm_head, embed_out) [D, V]                                         ``model`` otherwise
   other     norms, biases of row layers, position tables                 -                   -
@@ -37,8 +37,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "model")
 
-COLUMN = re.compile(r"(q_proj|k_proj|v_proj|query_key_value|c_attn|gate_proj|up_proj|c_fc|dense_h_to_4h|fc_in)$")
-ROW = re.compile(r"(o_proj|out_proj|c_proj|attention_dense|down_proj|dense_4h_to_h|fc_out)$")
+COLUMN = re.compile(r"(q_proj|k_proj|v_proj|query_key_value|c_attn|gate_proj|up_proj|c_fc|dense_h_to_4h|fc_in|fc1)$")
+ROW = re.compile(r"(o_proj|out_proj|c_proj|attention_dense|down_proj|dense_4h_to_h|fc_out|fc2)$")
 VOCAB_EMBED = re.compile(r"(embed_tokens|embed_in|wte)$")
 VOCAB_HEAD = re.compile(r"(lm_head|embed_out)$")
 MATRIX_LEAVES = ("kernel", "embedding")  # logical rank 2; every other leaf has logical rank 1

@@ -186,7 +186,7 @@ def test_every_family_has_a_tiny_config_the_doctor_can_shard():
 
     from mia.models.family import FAMILIES, read_config, tiny_config
 
-    assert set(FAMILIES) >= {"gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2"}
+    assert set(FAMILIES) >= {"gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2", "opt", "phi3"}
     for name, fam in FAMILIES.items():
         hf = tiny_config(name)
         cfg = read_config(fam.config_cls, hf, fam.harmless)  # every field understood

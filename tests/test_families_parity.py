@@ -86,7 +86,7 @@ BF16_EPS = 2.0 ** -8  # bfloat16 keeps 8 significant bits: relative rounding of 
 
 # every family once in the default run; llama_tied (a second Llama) in make test-all, for default-run time
 @pytest.mark.parametrize("name", ["gpt2", "gpt_neo", "llama_gqa", pytest.param("llama_tied", marks=pytest.mark.slow),
-                                  "olmo", "olmo2"])
+                                  "olmo", "olmo2", "opt", "opt_post", "phi3"])
 def test_bfloat16_close_to_float32(name, tmp_path_factory):
     """bf16 weights and activations: logits within 6 bf16 roundings of the row's largest float32 logit (these 2-3
     layer nets measure 1.3-3.4); and not equal to float32, so the bf16 path really runs in bf16."""
@@ -144,7 +144,7 @@ def test_other_families_refuse(tmp_path, hf, field):
 def test_unsupported_model_type_lists_supported(tmp_path):
     with pytest.raises(ConfigError) as e:
         mm.load_config(_write_config(tmp_path, {"model_type": "mamba", "vocab_size": V}))
-    for supported in ("gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2"):
+    for supported in ("gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2", "opt", "phi3"):
         assert supported in str(e.value)
 
 
@@ -161,12 +161,13 @@ def test_every_registered_family_has_tiny_configs():
 
 
 # every family with both kernels, except, for default-run time, the second Llama (llama_tied: make test-all only) and
-# GPT-NeoX, whose packed rows the default run checks with the exact kernel alone (and whole scores through
-# test_cli_score's --pack check); the kernels' own packed masks are checked on every other family
+# GPT-NeoX and the second OPT (opt_post), whose packed rows the default run checks with the exact kernel alone (and
+# whole scores through test_cli_score's --pack check); the kernels' own packed masks are checked on every other family
 BOTH = ("exact", "blocked")
-PACKED_CASES = [pytest.param(n, BOTH, id=n) for n in sorted(CASES) if n not in ("gpt_neox", "llama_tied")] + [
-    pytest.param("gpt_neox", ("exact",), id="gpt_neox-exact"),
-    pytest.param("gpt_neox", BOTH, id="gpt_neox", marks=pytest.mark.slow),
+EXACT_ONLY = ("gpt_neox", "opt_post")
+PACKED_CASES = [pytest.param(n, BOTH, id=n) for n in sorted(CASES) if n not in EXACT_ONLY + ("llama_tied",)] + [
+    p for n in EXACT_ONLY for p in (pytest.param(n, ("exact",), id=f"{n}-exact"),
+                                    pytest.param(n, BOTH, id=n, marks=pytest.mark.slow))] + [
     pytest.param("llama_tied", BOTH, id="llama_tied", marks=pytest.mark.slow)]
 
 
@@ -225,7 +226,8 @@ def test_nonfinite_weights_are_refused_naming_the_tensor(case, tmp_path):
             mm.load(d)
 
 
-@pytest.mark.parametrize("name", ["gpt2", pytest.param("gpt_neo", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("gpt_neo", marks=pytest.mark.slow),
+                                  pytest.param("opt", marks=pytest.mark.slow)])
 def test_a_text_of_context_plus_one_tokens_is_scored_inside_the_context(name, tmp_path_factory):
     """A model with a learned position table of C entries scores a text of C + 1 tokens (Pythia's 2049-token rows,
     a testbed's seq_len + 1): C predictions, each equal to transformers' on the first C tokens, whether the text

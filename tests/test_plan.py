@@ -386,3 +386,40 @@ def test_topology_with_a_held_lock_file_says_so(fake_libtpu, run_plan):
         holder.kill()
         holder.wait()
     assert f"libtpu's lock file {fake_libtpu.lock} is held by another process" in line, line
+
+
+def test_opt_6_7b_from_its_real_config_has_the_published_parameters():
+    """OPT-6.7B's published config.json (``tests/configs_opt_phi3.py``): the abstract model has exactly the published
+    parameter count (2050 learned positions included), so a plan's parameter bytes are the real model's."""
+    import jax
+
+    from mia.engine.plan import abstract_model
+
+    from configs_opt_phi3 import OPT_6_7B, OPT_6_7B_PARAMETERS
+
+    _, shapes = abstract_model(OPT_6_7B, "bfloat16")
+    leaves = jax.tree_util.tree_leaves(shapes)
+    assert sum(int(np.prod(x.shape)) for x in leaves) == OPT_6_7B_PARAMETERS
+    assert {x.dtype for x in leaves} == {np.dtype("bfloat16")}
+
+
+@pytest.mark.slow  # (about 100 s a topology: libtpu compiles the 6.7B step)
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs the libtpu wheel (pip install libtpu)")
+@pytest.mark.parametrize("topology, mesh, batch, per_device", [
+    ("v5e:1x1", [], 4, 1), ("v5e:2x4", ["--mesh", "model=8"], 8, 8)])
+def test_opt_6_7b_plan_on_v5e_from_its_real_config(topology, mesh, batch, per_device, run_plan, tmp_path):
+    """``mia plan`` of OPT-6.7B's published config.json in bf16 at 2048 positions for v5e: one chip holds the whole
+    model (2 bytes a parameter) and a batch of 4 within its 15.75 GiB; model=8 holds an eighth of it a chip."""
+    from mia.engine.plan import TPU_HBM_BYTES
+
+    from configs_opt_phi3 import OPT_6_7B, OPT_6_7B_PARAMETERS
+
+    (tmp_path / "config.json").write_text(json.dumps(OPT_6_7B))
+    r = run_plan("--model", str(tmp_path), "--dtype", "bfloat16", "--topology", topology, *mesh,
+                 "--batch", str(batch), "--length", "2048")
+    assert r.returncode == 0, r.stderr
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last["device_kind"] == "TPU v5 lite" and last["device_bytes"] == TPU_HBM_BYTES["tpu v5 lite"]
+    whole = 2 * OPT_6_7B_PARAMETERS
+    assert whole / per_device <= last["params_bytes"] <= whole / per_device + 40 * 2**20  # + replicated positions
+    assert last["params_bytes"] < last["peak_bytes"] <= last["device_bytes"] and last["fits"] is True

@@ -53,6 +53,11 @@ def test_partition_rules_by_role_on_flat_and_stacked_layers():
     assert partition_spec("h/mlp_c_proj/kernel", (6, 64, 32), axes) == P(None, "model", "data")
     assert partition_spec("layers/self_attn_k_proj/kernel", (6, 32, 16), axes) == P(None, "data", "model")
     assert partition_spec("layers/input_layernorm/weight", (6, 32), axes) == P(None, None)
+    # OPT's fc1/fc2, Phi-3's fused qkv_proj and gate_up_proj (split by output columns, as transformers' TP plan)
+    assert partition_spec("layers/fc1/kernel", (6, 32, 64), axes) == P(None, "data", "model")
+    assert partition_spec("layers/fc2/kernel", (6, 64, 32), axes) == P(None, "model", "data")
+    assert partition_spec("layers/self_attn_qkv_proj/kernel", (6, 32, 64), axes) == P(None, "data", "model")
+    assert partition_spec("layers/mlp_gate_up_proj/kernel", (6, 32, 128), axes) == P(None, "data", "model")
     assert partition_spec("embed_in/embedding", (320, 32), axes) == P("model", "data")
     assert partition_spec("lm_head/kernel", (32, 320), axes) == P("data", "model")
     # a vocabulary that model does not divide (GPT-2's 50257) stays whole over model; FSDP takes a dimension
@@ -120,7 +125,8 @@ def test_mesh_data2_model4_equals_one_device_without_transfers(tmp_path, tiny_ne
 
 @pytest.mark.slow
 def test_every_family_on_the_mesh_equals_one_device(tmp_path, tiny_neox_dir):
-    report = _mesh_check(tmp_path, tiny_neox_dir, ["gpt_neox", "llama", "gpt2", "gpt_neo", "olmo", "olmo2"])
+    report = _mesh_check(tmp_path, tiny_neox_dir, ["gpt_neox", "llama", "gpt2", "gpt_neo", "olmo", "olmo2", "opt",
+                                                   "phi3"])
     _assert_mesh_equals_single_device(report)
     print(json.dumps({k: {"stats": max(v["stats"].values()), "condll": v["condll"], "mope": v["mope"]}
                       for k, v in report.items()}))

@@ -45,6 +45,20 @@ PARITY = {
     "olmo2": lambda: tf.Olmo2Config(
         vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2),
+    # pre-norm, biases, tied head; learned positions offset by 2
+    "opt": lambda: tf.OPTConfig(
+        vocab_size=V, hidden_size=40, ffn_dim=52, num_hidden_layers=2, num_attention_heads=5,
+        max_position_embeddings=32),
+    # OPT-350m's options: post-norm, no final norm, project_in/out (embedding width 24), untied head, no biases
+    "opt_post": lambda: tf.OPTConfig(
+        vocab_size=V, hidden_size=40, ffn_dim=52, num_hidden_layers=2, num_attention_heads=5,
+        max_position_embeddings=32, do_layer_norm_before=False, word_embed_proj_dim=24, tie_word_embeddings=False,
+        enable_bias=False),
+    # fused qkv (GQA, 6 heads on 2) and gate_up, sliding window 4 < sequence 13, half rotary
+    "phi3": lambda: tf.Phi3Config(
+        vocab_size=V, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, sliding_window=4, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}),
 }
 
 
@@ -59,6 +73,11 @@ def shardable(name: str) -> dict:
                                            attention_types=[[["global", "local"], 1]]),
         "olmo": lambda: tf.OlmoConfig(num_hidden_layers=2, num_key_value_heads=2, clip_qkv=0.5, **small),
         "olmo2": lambda: tf.Olmo2Config(num_hidden_layers=2, num_key_value_heads=2, **small),
+        "opt": lambda: tf.OPTConfig(vocab_size=SHARD_V, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=16,
+                                    do_layer_norm_before=False),
+        "phi3": lambda: tf.Phi3Config(num_hidden_layers=2, num_key_value_heads=2, sliding_window=8, pad_token_id=0,
+                                      eos_token_id=2, **small),
         "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=SHARD_V, hidden_size=32, num_hidden_layers=2,
                                              num_attention_heads=4, intermediate_size=64, tie_word_embeddings=False),
     }[name]().to_dict()

@@ -57,10 +57,6 @@ class BertConfig(TransformerConfig):
     layer_norm_eps: float = hf_field(1e-12)
     pad_token_id: int = hf_field(0)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
     @classmethod
     def derive(cls, hf: dict, values: dict) -> dict:
         if hf.get("model_type", "bert") != "bert":

@@ -300,7 +300,9 @@ class DecoderLM(nn.Module):
       LAYER           the decoder-layer module class           NORM    final norm (``final_norm()``)
       HEAD            untied output ``nn.Dense`` without bias (tied: EMBED.attend; none built when
                       ``config.tie_word_embeddings``)
-      POSITION_EMBED  learned position ``nn.Embed`` [max_position_embeddings, D], or None
+      POSITION_EMBED  learned position ``nn.Embed`` [max_position_embeddings + POSITION_OFFSET, D], or None;
+                      position p reads row p + POSITION_OFFSET (OPT: 2)
+      EMBED_WIDTH     config attribute with the token embedding's width (``hidden_size``; OPT projects it in/out)
       ROTARY_DIM      config attribute with the rotary width, or None
       FINAL_NORM      the final norm's class (``RMSNorm``, ``LayerNorm``), its epsilon the config attribute NORM_EPS
                       (or override ``final_norm()``)
@@ -323,6 +325,8 @@ class DecoderLM(nn.Module):
     NORM = "norm"
     HEAD = "lm_head"
     POSITION_EMBED = None
+    POSITION_OFFSET = 0
+    EMBED_WIDTH = "hidden_size"
     ROTARY_DIM = "head_dim"
     FINAL_NORM = None
     NORM_EPS = ""
@@ -330,19 +334,34 @@ class DecoderLM(nn.Module):
 
     def setup(self):
         cfg = self.config
-        embed = lambda rows: nn.Embed(rows, cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
-        setattr(self, self.EMBED, embed(cfg.vocab_size))
+        embed = lambda rows, width: nn.Embed(rows, width, dtype=self.dtype, param_dtype=self.param_dtype)
+        setattr(self, self.EMBED, embed(cfg.vocab_size, getattr(cfg, self.EMBED_WIDTH)))
         if self.POSITION_EMBED is not None:
-            setattr(self, self.POSITION_EMBED, embed(cfg.max_position_embeddings))
+            setattr(self, self.POSITION_EMBED,
+                    embed(cfg.max_position_embeddings + self.POSITION_OFFSET, cfg.hidden_size))
         setattr(self, self.LAYERS, self.layer_stack())
         setattr(self, self.NORM, self.final_norm())
         if not cfg.tie_word_embeddings:
             setattr(self, self.HEAD, nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
                                               param_dtype=self.param_dtype))
 
-    def final_norm(self) -> nn.Module:
-        """The norm after the last layer (built in ``setup``, named NORM): FINAL_NORM with epsilon NORM_EPS."""
+    def final_norm(self) -> Optional[nn.Module]:
+        """The norm after the last layer (built in ``setup``, named NORM): FINAL_NORM with epsilon NORM_EPS; None
+        when the family has none (OPT's post-norm stacks)."""
         return self.FINAL_NORM(getattr(self.config, self.NORM_EPS), dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def embed(self, tokens_bt, positions_bt):
+        """tokens [B, T] int, positions [B, T] int -> the first layer's input [B, T, D]: the token embedding plus,
+        with learned positions, row ``position + POSITION_OFFSET`` of the position table (which must exist)."""
+        x = getattr(self, self.EMBED)(tokens_bt)
+        if self.POSITION_EMBED is not None:
+            x = x + getattr(self, self.POSITION_EMBED)(positions_bt + self.POSITION_OFFSET)
+        return x
+
+    def to_head(self, x_btd):
+        """The last layer's output [B, T, D] -> the head's input: the final norm (none: unchanged)."""
+        norm = getattr(self, self.NORM)
+        return x_btd if norm is None else norm(x_btd)
 
     def layer_template(self) -> nn.Module:
         """An unbound instance of the family's layer, applied functionally to one layer's params."""
@@ -370,15 +389,14 @@ class DecoderLM(nn.Module):
     def declare(self, tokens_bt):
         """Init only, ``module.init(key, tokens, method="declare")``: creates every param (same values as an init
         through ``__call__``) without running the layer scan, which eagerly would compile the scan just to init."""
-        x = getattr(self, self.EMBED)(tokens_bt)
-        if self.POSITION_EMBED is not None:
-            x = x + getattr(self, self.POSITION_EMBED)(jnp.zeros(tokens_bt.shape, jnp.int32))
+        x = self.embed(tokens_bt, jnp.zeros(tokens_bt.shape, jnp.int32))
         getattr(self, self.LAYERS)
-        return self.unembed(getattr(self, self.NORM)(x))
+        return self.unembed(self.to_head(x))
 
     def hidden(self, tokens_bt, valid_bt=None, positions_bt=None, cache: Optional[KVCache] = None,
                layer_transform: Optional[Callable] = None):
-        """tokens [B, T] int -> (final normed hidden states [B, T, D], KVCache of this call's tokens only).
+        """tokens [B, T] int -> (the head's input [B, T, D] (``to_head``: the final norm; OPT: projected out to its
+        embedding width), KVCache of this call's tokens only).
 
         ``valid_bt``: [B, T] bool (padding False), or int32 segment ids of packed rows (0 padding; a token attends
         only to earlier tokens of its own segment, and positions restart per segment; see ``is_packed``).
@@ -394,9 +412,7 @@ class DecoderLM(nn.Module):
             valid_bt = valid_bt.astype(bool)
         if positions_bt is None:
             positions_bt = default_positions(tokens_bt, valid_bt, cache)
-        x = getattr(self, self.EMBED)(tokens_bt)
-        if self.POSITION_EMBED is not None:  # learned positions: must stay < the table size
-            x = x + getattr(self, self.POSITION_EMBED)(positions_bt)
+        x = self.embed(tokens_bt, positions_bt)  # learned positions: must stay < max_position_embeddings
         rotary = self._rotary(positions_bt)
         layer = self.layer_template()
 
@@ -411,7 +427,7 @@ class DecoderLM(nn.Module):
         per_layer = (jnp.arange(n, dtype=jnp.int32), getattr(self, self.LAYERS),
                      None if cache is None else cache.keys, None if cache is None else cache.values)
         x, (ks, vs) = jax.lax.scan(step, x, per_layer)
-        return getattr(self, self.NORM)(x), KVCache(ks, vs, positions_bt, valid_bt)
+        return self.to_head(x), KVCache(ks, vs, positions_bt, valid_bt)
 
     def unembed(self, h_btd):
         """Hidden states [..., D] -> float32 logits [..., V].

@@ -156,6 +156,28 @@ class TransformerConfig(HFConfig):
     num_attention_heads: int = hf_field()
     intermediate_size: int = hf_field()
 
+    @property
+    def head_dim(self) -> int:
+        """E = hidden_size // num_attention_heads (a family whose config.json may set it declares a field instead)."""
+        return self.hidden_size // self.num_attention_heads
+
+
+class PartialRotary:
+    """Mixin of a config whose rotary embedding turns the first ``rotary_dim`` = int(head_dim * fraction) channels
+    of each head (GPT-NeoX, Phi-3); ``ROTARY_FRACTION`` names the field that holds the fraction."""
+
+    ROTARY_FRACTION: ClassVar[str] = "partial_rotary_factor"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * getattr(self, self.ROTARY_FRACTION))
+
+    @staticmethod
+    def rotary_fraction(hf: dict, flat: float) -> float:
+        """The fraction as transformers resolves it: ``rope_parameters.partial_rotary_factor`` when config.json gives
+        it, else ``flat`` (the value of the family's flat field)."""
+        return float((hf.get("rope_parameters") or {}).get("partial_rotary_factor", flat))
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:

@@ -17,15 +17,16 @@ import jax.numpy as jnp
 
 from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, apply_rotary,
                      attend, decoder_maps, linear_maps, norm_maps, rope_theta_from)
-from .family import TransformerConfig, hf_field, register_family
+from .family import PartialRotary, TransformerConfig, hf_field, register_family
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTNeoXConfig(TransformerConfig):
+class GPTNeoXConfig(PartialRotary, TransformerConfig):
     """``rotary_pct``: the rotating fraction of each head (``rope_parameters.partial_rotary_factor`` when given);
     ``rope_theta``: written as ``rotary_emb_base`` (either spelling is read, ``rope_theta_from``)."""
 
     MODEL_TYPE, ARCHITECTURE = "gpt_neox", "GPTNeoXForCausalLM"
+    ROTARY_FRACTION = "rotary_pct"
 
     rotary_pct: float = hf_field(0.25, aliases=("partial_rotary_factor",))
     rope_theta: float = hf_field(10000.0, key="rotary_emb_base")
@@ -38,20 +39,11 @@ class GPTNeoXConfig(TransformerConfig):
     bos_token_id: Optional[int] = hf_field(0)
     eos_token_id: Optional[int] = hf_field(0)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.rotary_pct)
-
     @classmethod
     def derive(cls, hf: dict, values: dict) -> dict:
-        rope = hf.get("rope_parameters") or {}
         if values["hidden_size"] % values["num_attention_heads"]:
             raise ConfigError("gpt_neox: hidden_size must be divisible by num_attention_heads")
-        return {**values, "rotary_pct": float(rope.get("partial_rotary_factor", values["rotary_pct"])),
+        return {**values, "rotary_pct": cls.rotary_fraction(hf, values["rotary_pct"]),
                 "rope_theta": rope_theta_from(hf, legacy_key="rotary_emb_base")}
 
     def hf_extra(self) -> dict:
