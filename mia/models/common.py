@@ -188,6 +188,13 @@ def attend(q_bthe: Array, k_btke: Array, v_btke: Array, pos_bt: Array, valid_bt:
 GLOBAL_WINDOW = np.iinfo(np.int32).max  # q_pos - k_pos < this always holds: a global layer in a window table
 
 
+def checked_window(model_type: str, value, field: str = "sliding_window") -> Optional[int]:
+    """A config's local-attention window: a positive int, or None (no window); ``ConfigError`` naming ``field``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{model_type}: config field {field}={value!r} must be a positive integer or null")
+    return value
+
+
 def layer_window(windows: Sequence[Optional[int]], layer):
     """The local-attention window of layer ``layer`` (a traced int32 index) from the per-layer ``windows`` (an int:
     a key is seen when q_pos - k_pos < it; None: a global layer): None when every layer is global, the static int
@@ -360,6 +367,10 @@ class DecoderLM(nn.Module):
             setattr(self, self.HEAD, nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
                                               param_dtype=self.param_dtype))
 
+    def embed(self, tokens_bt):
+        """Token embeddings [B, T, D] in the activation dtype (Gemma scales them: it overrides this)."""
+        return getattr(self, self.EMBED)(tokens_bt)
+
     def final_norm(self) -> nn.Module:
         """The norm after the last layer (built in ``setup``, named NORM): FINAL_NORM with epsilon NORM_EPS."""
         return self.FINAL_NORM(getattr(self.config, self.NORM_EPS), dtype=self.dtype, param_dtype=self.param_dtype)
@@ -414,7 +425,7 @@ class DecoderLM(nn.Module):
             valid_bt = valid_bt.astype(bool)
         if positions_bt is None:
             positions_bt = default_positions(tokens_bt, valid_bt, cache)
-        x = getattr(self, self.EMBED)(tokens_bt)
+        x = self.embed(tokens_bt)
         if self.POSITION_EMBED is not None:  # learned positions: must stay < the table size
             x = x + getattr(self, self.POSITION_EMBED)(positions_bt)
         rotary = self._rotary(positions_bt)
