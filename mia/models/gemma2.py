@@ -98,6 +98,10 @@ class Gemma2Config(GQAConfig):
         for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
             positive(name, field, values[field], optional=field != "query_pre_attn_scalar")
         checked_window(name, values["sliding_window"])
+        legacy = hf.get("sliding_window_size")  # Gemma-2-9B's config.json also carries it; transformers reads neither
+        if legacy is not None and legacy != values["sliding_window"]:  # it nor its disagreement: refuse that
+            raise ConfigError(f"{name}: config fields sliding_window={values['sliding_window']!r} and "
+                              f"sliding_window_size={legacy!r} disagree")
         n = values["num_hidden_layers"]
         types = read_layer_types(name, hf, n, cls.default_layer_types(values, n))
         return {**super().derive(hf, values), "layer_types": types}
