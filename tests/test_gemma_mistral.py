@@ -129,8 +129,8 @@ def _shrunk(hf: dict) -> dict:
 
 # the Mistral-7B-v0.1, Gemma-2-9B and Gemma-3-4B ones in make test-all only, for default-run time (their fields are
 # read whole by the test above; v0.3, 2-2b and 1b carry every kind of field the others do)
-PARITY_REAL = [pytest.param(n, marks=pytest.mark.slow) if n in (
-    "mistralai/Mistral-7B-v0.1", "google/gemma-2-9b", "google/gemma-3-4b-pt (text_config)") else n for n in sorted(REAL)]
+SLOW_REAL = ("mistralai/Mistral-7B-v0.1", "google/gemma-2-9b", "google/gemma-3-4b-pt (text_config)")
+PARITY_REAL = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_REAL else n for n in sorted(REAL)]
 
 
 @pytest.mark.parametrize("name", PARITY_REAL)
