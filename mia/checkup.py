@@ -264,10 +264,14 @@ class _Run:
         kernel with, the exact kernel in float32 included."""
         return self.stats(family, "float32", REFERENCE_KERNEL)
 
-    def auto_kernel(self, length: int, dtype: str, heads: int = 4, head_dim: int = 16) -> str:
-        """What auto picks for ``length`` positions in an engine step here, failures aside."""
+    def auto_kernel(self, length: int, dtype: str, heads: int = 4, head_dim: int = 16,
+                    family: Optional[str] = None) -> str:
+        """What auto picks for ``length`` positions in an engine step here, failures aside; for ``family``'s tiny
+        model when given (a soft-capped family, Gemma 2, never gets xla: ``attention.auto_kernel``)."""
+        softcap = None if family is None else getattr(self.model(family, "float32").config, "attn_logit_softcapping",
+                                                      None)
         with A.over_mesh(self.one):
-            return A.auto_kernel(len(self.rows), heads, length, length, head_dim, jnp.dtype(dtype))
+            return A.auto_kernel(len(self.rows), heads, length, length, head_dim, jnp.dtype(dtype), softcap=softcap)
 
 
 def platform_rows(run: _Run) -> list:
@@ -286,9 +290,10 @@ def platform_rows(run: _Run) -> list:
     ]
 
 
-def kernels_here(run: _Run) -> list:
-    """(kernel, is auto's pick) for every kernel that can run on this backend: auto's pick, blocked, exact."""
-    auto = run.auto_kernel(CHECK_POSITIONS, run.dtype)
+def kernels_here(run: _Run, family: Optional[str] = None) -> list:
+    """(kernel, is auto's pick) for every kernel that can run on this backend: auto's pick (for ``family``'s model
+    when given), blocked, exact."""
+    auto = run.auto_kernel(CHECK_POSITIONS, run.dtype, family=family)
     return [(k, k == auto) for k in dict.fromkeys([auto, "blocked", "exact"])]
 
 
@@ -296,7 +301,7 @@ def attention_rows(run: _Run) -> list:
     tol = TOLERANCE.get(run.dtype, TOLERANCE["bfloat16"])
     rows = []
     for family in run.families:
-        for kernel, auto in kernels_here(run):
+        for kernel, auto in kernels_here(run, family):
             name = f"attention {family} {kernel}"
             try:
                 ref = run.attention_reference(family)
@@ -335,7 +340,7 @@ def mesh_rows(run: _Run) -> list:
             mesh = make_mesh(axes, run.devices)
             name = f"mesh {family} {describe(mesh)}"
             try:
-                one = run.stats(family, "float32", run.auto_kernel(CHECK_POSITIONS, "float32"))
+                one = run.stats(family, "float32", run.auto_kernel(CHECK_POSITIONS, "float32", family=family))
                 d = largest_difference(one, run.stats(family, "float32", None, mesh, fsdp))
             except Exception as e:
                 rows.append(failed(name, e))
@@ -478,7 +483,7 @@ def precision_rows(run: _Run) -> list:
         attacks = stats_attacks()
         scores = {}
         for family in run.families:
-            low = run.stats(family, "bfloat16", run.auto_kernel(CHECK_POSITIONS, "bfloat16"))
+            low = run.stats(family, "bfloat16", run.auto_kernel(CHECK_POSITIONS, "bfloat16", family=family))
             scores[family] = (attack_scores(run.model(family, "float32"), run.rows, run.reference(family), attacks),
                               attack_scores(run.model(family, "bfloat16"), run.rows, low, attacks))
     except Exception as e:

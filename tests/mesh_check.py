@@ -20,6 +20,7 @@ from mia.data.examples import Example
 from mia.engine.batching import ScoringSettings, bucket_length
 from mia.engine.conditional import loglik_matrix
 from mia.engine.loop import compute_token_stats, jitted_token_stats
+from mia.engine.stats import program_stats
 from mia.sharding import make_mesh
 
 from tiny_configs import shardable
@@ -76,7 +77,8 @@ def main(out_path, neox_dir, families):
             condll=float(np.abs(ll1 - ll8).max()), mope=float(np.abs(mope1 - mope8).max()),
             scale=dict(logprob=float(np.mean([np.abs(a["logprob"]).mean() for a in s1])),
                        condll=float(np.abs(ll1).mean()), mope=float(np.abs(mope1).mean())),
-            compiled_stats_programs=int(jitted_token_stats(m8)._cache_size()),
+            # the step compute_token_stats runs (its arguments as it passes them: lru_cache keys by call)
+            compiled_stats_programs=int(jitted_token_stats(m8, None, program_stats(None))._cache_size()),
             length_buckets=len({bucket_length(n, SETTINGS.min_bucket) for n in LENGTHS}),
             layout=layout(m8))
     with open(out_path, "w") as f:

@@ -336,3 +336,52 @@ def test_a_bfloat16_run_says_it_computes_in_bfloat16(llama32):
              for d in ("float32", "bfloat16")}
     assert not any("computes in" in n for n in notes["float32"])
     assert any("computes in bfloat16" in n for n in notes["bfloat16"])
+
+
+# ------------------------------------------------------------------------------------------------ soft caps (Gemma 2)
+CAP = 0.7  # small enough that tanh bites on these N(0, 1) inputs (|q . k| * SCALE reaches ~3)
+
+
+def numpy_capped_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window, softcap):
+    """An obvious float64 reference: scores * scale, softcap * tanh(s / softcap), the position-id mask, softmax."""
+    b, t, h, e = q.shape
+    g = h // k.shape[2]
+    kk, vv = np.repeat(k, g, axis=2).astype(np.float64), np.repeat(v, g, axis=2).astype(np.float64)
+    s = np.einsum("bthe,bshe->bhts", q.astype(np.float64), kk) * scale
+    s = softcap * np.tanh(s / softcap)
+    allowed = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+    if window is not None:
+        allowed &= q_pos[:, :, None] - k_pos[:, None, :] < window
+    s = np.where(allowed[:, None], s, -1e30)  # finite: a fully masked (padding) row stays finite
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhts,bshe->bthe", p / p.sum(-1, keepdims=True), vv)
+
+
+@pytest.mark.parametrize("kernel", ["exact", "blocked", "xla"])
+@pytest.mark.parametrize("case", ["gqa_left_padded_prefix_cache", "local_window_with_cache"])
+def test_soft_capped_scores_in_every_kernel(kernel, case):
+    """Each kernel caps the scaled scores before masking, as transformers' Gemma 2 does (NumPy float64 reference);
+    leaving the cap out would move the outputs by far more than the tolerance."""
+    window, kw = _split(case)
+    args, valid = make_inputs(**kw)
+    blocks = dict(block_q=4, block_k=5) if kernel == "blocked" else {}
+    got = np.asarray(jax.jit(lambda *a: A.KERNELS[kernel](*a, scale=SCALE, window=window, softcap=CAP, **blocks))(
+        *args))
+    want = numpy_capped_attention(*args, scale=SCALE, window=window, softcap=CAP)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[valid], want[valid], atol=1e-5, rtol=0)
+    assert np.abs(_exact(args, window)[valid] - want[valid]).max() > 1e-2  # the cap matters here
+
+
+def test_auto_never_picks_xla_for_capped_scores():
+    """cuDNN has no soft cap: on a GPU, auto picks xla for a plain bf16 model and the kernel a CPU would for a capped
+    one; dot_product_attention records that choice (no silent drop of the cap)."""
+    gpu = dict(backend="gpu")
+    assert A.auto_kernel(2, 4, 256, 256, 64, jnp.bfloat16, **gpu) == "xla"
+    assert A.auto_kernel(2, 4, 256, 256, 64, jnp.bfloat16, softcap=50.0, **gpu) == "exact"
+    assert A.auto_kernel(2, 4, 4096, 4096, 64, jnp.bfloat16, softcap=50.0, **gpu) == "blocked"
+    args, _ = make_inputs()
+    with A.planning_for("gpu", "cpu") as chosen:
+        jax.jit(lambda *a: A.dot_product_attention(*a, scale=SCALE, softcap=CAP)).lower(
+            *[jnp.asarray(x, jnp.bfloat16) for x in args[:3]], *args[3:])
+    assert chosen == [("exact", "exact")]

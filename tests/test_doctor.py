@@ -186,7 +186,8 @@ def test_every_family_has_a_tiny_config_the_doctor_can_shard():
 
     from mia.models.family import FAMILIES, read_config, tiny_config
 
-    assert set(FAMILIES) >= {"gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2", "opt", "phi3"}
+    assert set(FAMILIES) >= {"gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2", "opt", "phi3", "mistral",
+                             "gemma2", "gemma3_text"}
     for name, fam in FAMILIES.items():
         hf = tiny_config(name)
         cfg = read_config(fam.config_cls, hf, fam.harmless)  # every field understood
@@ -328,3 +329,21 @@ def test_full_doctor_passes_on_this_cpu(devices, tmp_path):
     checks = {r["check"] for r in report["rows"]}
     assert {"attention gpt_neox blocked", "speed", "precision minkpp", "cache dir"} <= checks
     assert any(c.startswith("mesh gpt_neox data=") for c in checks) == (devices > 1)
+
+
+def test_a_soft_capped_family_is_never_given_xla_and_its_kernels_agree(monkeypatch):
+    """Gemma 2's attention rows: auto's pick for a capped model is not cuDNN's xla kernel (shown with auto planned
+    for a GPU in bf16, where an uncapped Llama gets xla), and on this backend every kernel, splash's own cap in
+    interpret mode included, agrees with the reference (jax's formula with the cap) in float32."""
+    run = checkup._Run(["gemma2", "llama"])
+    real = A.auto_kernel
+    monkeypatch.setattr(A, "auto_kernel", lambda *a, **k: real(*a, **{**k, "backend": "gpu"}))
+    run.dtype = "bfloat16"
+    assert checkup.kernels_here(run, "llama")[0] == ("xla", True)
+    assert checkup.kernels_here(run, "gemma2")[0] == ("exact", True)
+    monkeypatch.setattr(A, "auto_kernel", real)
+    report = mia.doctor(checks=("attention",), families=["gemma2"])
+    rows = rows_by_name(report)
+    assert report.ok and {"attention gemma2 exact", "attention gemma2 blocked"} <= set(rows), report.table()
+    splash = run.stats("gemma2", "float32", "splash")
+    assert checkup.largest_difference(splash, run.attention_reference("gemma2")) <= checkup.TOLERANCE["float32"]

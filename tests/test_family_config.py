@@ -74,3 +74,14 @@ def test_every_family_reads_its_own_to_hf_whole(model_type):
     cfg = read_config(fam.config_cls, tiny_config(model_type), fam.harmless)
     assert isinstance(cfg, HFConfig)
     assert read_config(fam.config_cls, cfg.to_hf(), fam.harmless) == cfg
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_config_finds_its_own_family_not_the_one_it_subclasses(model_type):
+    """Mistral's config subclasses Llama's and Gemma 3's Gemma 2's: ``family_of_config`` (``from_config``, the doctor)
+    must still give each its own module."""
+    from mia.models.family import family_of_config
+
+    fam = FAMILIES[model_type]
+    cfg = read_config(fam.config_cls, tiny_config(model_type), fam.harmless)
+    assert family_of_config(cfg) is fam

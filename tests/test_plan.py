@@ -423,3 +423,41 @@ def test_opt_6_7b_plan_on_v5e_from_its_real_config(topology, mesh, batch, per_de
     whole = 2 * OPT_6_7B_PARAMETERS
     assert whole / per_device <= last["params_bytes"] <= whole / per_device + 40 * 2**20  # + replicated positions
     assert last["params_bytes"] < last["peak_bytes"] <= last["device_bytes"] and last["fits"] is True
+
+
+# ------------------------------------------------------------------------------------------------ Gemma-2-9B on v5e
+GEMMA2_9B_PARAMETERS = 9_241_705_984  # google/gemma-2-9b's published parameter count (tied head)
+
+
+def _gemma2_9b() -> dict:
+    from test_gemma_mistral import REAL
+
+    return REAL["google/gemma-2-9b"]
+
+
+def test_gemma2_9b_from_its_real_config_does_not_fit_one_v5e_chip():
+    """Gemma-2-9B's published config.json: its bf16 parameters are exactly the published count x 2 bytes, more than
+    one v5e chip's 15.75 GiB, so the plan (Gemma's soft-capped attention compiled, exact at 256 positions) says it
+    does not fit; the figures are those of the compiled step."""
+    import jax
+
+    from mia.engine.plan import TPU_HBM_BYTES, abstract_model
+
+    _, shapes = abstract_model(_gemma2_9b(), "bfloat16")
+    assert sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes)) == GEMMA2_9B_PARAMETERS
+    r = plan_scoring(_gemma2_9b(), devices=ONE_DEVICE, dtype="bfloat16", batch=1, length=256,
+                     device_bytes=TPU_HBM_BYTES["tpu v5 lite"])
+    assert r.params_bytes == 2 * GEMMA2_9B_PARAMETERS and r.device_bytes == int(15.75 * 2**30)
+    assert r.peak_bytes >= r.params_bytes and r.fits is False and r.attention == (("exact", "exact"),)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs the libtpu wheel (pip install libtpu)")
+def test_gemma2_9b_fits_a_v5e_2x4_slice_with_fsdp(run_plan, tmp_path):
+    """On v5e:2x4 with FSDP (data=8) each chip holds an eighth of the parameters, and splash caps the scores."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(_gemma2_9b()))
+    r = run_plan("--model", str(cfg), "--topology", "v5e:2x4", "--mesh", "data=8", "--batch", "8", "--length", "2048")
+    assert r.returncode == 0, r.stderr
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert last["device_kind"] == "TPU v5 lite" and last["fits"] is True
+    assert last["params_bytes"] <= 2 * GEMMA2_9B_PARAMETERS / 8 * 1.01

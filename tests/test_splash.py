@@ -261,3 +261,19 @@ def test_whole_model_splash_equals_exact(monkeypatch):
         (exact, exact_text), (splash, text) = run("exact"), run("splash")
         assert "splash" in text and "splash" not in exact_text
         np.testing.assert_allclose(splash[valid], exact[valid], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, pytest.param(5, marks=pytest.mark.slow)])
+def test_splash_soft_caps_with_its_own_cap(window):
+    """Gemma 2's soft cap runs inside splash (``attn_logits_soft_cap``, applied to the pre-scaled scores) and equals
+    exact's capped scores; a traced per-layer window (global: splash, local: blocked) caps on both branches."""
+    args, live = rows("right")
+    cap = 0.7
+    want = np.asarray(jax.jit(lambda *a: A.exact_attention(*a, scale=SCALE, window=window, softcap=cap))(*args))
+    got = np.asarray(jax.jit(lambda *a: A.splash_attention(*a, scale=SCALE, window=window, softcap=cap,
+                                                           interpret=True))(*args))
+    np.testing.assert_allclose(got[live], want[live], atol=2e-5, rtol=0)
+    assert np.abs(want[live] - _exact(args, window)[live]).max() > 1e-2
+    fn = jax.jit(lambda w, *a: A.splash_attention(*a, scale=SCALE, window=w, softcap=cap, interpret=True))
+    traced = np.iinfo(np.int32).max if window is None else window
+    np.testing.assert_allclose(np.asarray(fn(jnp.int32(traced), *args))[live], want[live], atol=2e-5, rtol=0)

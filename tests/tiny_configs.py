@@ -59,6 +59,24 @@ PARITY = {
         vocab_size=V, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, sliding_window=4, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}),
+    # GQA, a sliding window of 4 < sequence 13 on every layer
+    "mistral": lambda: tf.MistralConfig(
+        vocab_size=V, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, sliding_window=4, max_position_embeddings=64),
+    # 3 layers: sliding, full, sliding (window 4 < 13); head_dim 12 != 40 / 4; query_pre_attn_scalar != head_dim;
+    # both soft caps small enough to bite (tests/test_gemma_mistral.py checks that they and the window matter)
+    "gemma2": lambda: tf.Gemma2Config(
+        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, sliding_window=4, query_pre_attn_scalar=10, max_position_embeddings=64,
+        attn_logit_softcapping=0.05, final_logit_softcapping=1.0, attn_implementation="eager"),
+    # 3 layers (pattern 2: sliding, full, sliding), q/k norms, local and global rotary bases, linear scaling (x8) on
+    # the full layer, a final soft cap
+    "gemma3_text": lambda: tf.Gemma3TextConfig(
+        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, sliding_window=4, query_pre_attn_scalar=10, max_position_embeddings=64,
+        sliding_window_pattern=2, final_logit_softcapping=1.0, attn_implementation="eager",
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 8.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 30.0}}),
 }
 
 
@@ -80,6 +98,11 @@ def shardable(name: str) -> dict:
                                       eos_token_id=2, **small),
         "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=SHARD_V, hidden_size=32, num_hidden_layers=2,
                                              num_attention_heads=4, intermediate_size=64, tie_word_embeddings=False),
+        "mistral": lambda: tf.MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=8, **small),
+        "gemma2": lambda: tf.Gemma2Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                                          attn_logit_softcapping=1.0, final_logit_softcapping=5.0, **small),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=8,
+                                                   sliding_window=8, sliding_window_pattern=2, **small),
     }[name]().to_dict()
 
 

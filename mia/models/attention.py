@@ -38,6 +38,11 @@ their float32 sum at the end. In bf16 the two then agree to float32 summation or
            :func:`over_mesh` (the engine's jitted steps) it runs under ``shard_map``: rows over ``data``, heads over
            ``model`` when both head counts divide by it.
 
+Soft caps (Gemma-2's ``attn_logit_softcapping``, ``softcap``): the scaled scores become softcap * tanh(s / softcap)
+before masking, in every kernel: exact and blocked in their float32 scores, splash through its own
+``attn_logits_soft_cap``, xla through :func:`capped_xla_attention` (jax's XLA formula written out: neither cuDNN nor
+``jax.nn.dot_product_attention`` caps scores), so auto never picks xla for a capped model.
+
 Dispatch (:func:`select_kernel`, at trace time, from static shapes and ``jax.default_backend()``):
   the environment variable ``MIA_ATTENTION`` = exact | blocked | xla | splash forces a kernel; auto (the
   default) picks xla on a GPU when cuDNN can run it (bf16/fp16, no cache, head dim a multiple of 8 and <= 128),
@@ -109,9 +114,19 @@ def allowed_mask(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array, window,
 LOG2E = 1.4426950408889634
 
 
-def _log2_scores(spec: str, q: Array, k: Array, scale: float) -> Array:
-    """Scores in base-2 units, float32: (q . k) * scale * log2(e), products of the inputs summed in float32."""
-    return jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * (scale * LOG2E)
+def soft_capped(scores: Array, softcap: Optional[float]) -> Array:
+    """Gemma-2's attention-logit soft cap on scaled float32 scores: ``softcap * tanh(scores / softcap)`` (applied
+    before masking, as transformers does); None: the scores unchanged."""
+    return scores if softcap is None else jnp.tanh(scores / softcap) * softcap
+
+
+def _log2_scores(spec: str, q: Array, k: Array, scale: float, softcap: Optional[float] = None) -> Array:
+    """Scores in base-2 units, float32: (q . k) * scale * log2(e), products of the inputs summed in float32; with
+    ``softcap`` the scaled scores are soft-capped (:func:`soft_capped`) before the change of base."""
+    s = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32)
+    if softcap is None:
+        return s * (scale * LOG2E)
+    return soft_capped(s * scale, softcap) * LOG2E
 
 
 def _integer_max(scores: Array) -> Array:
@@ -134,13 +149,13 @@ def _weights(scores: Array, row_max: Array) -> Array:
 
 # ------------------------------------------------------------------------------------------------ exact
 def exact_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
-                    window: Window = None) -> Array:
+                    window: Window = None, softcap: Optional[float] = None) -> Array:
     """The reference: full float32 scores [B, K, G, T, S], the shared rounding rule (:func:`_weights`), float32
     sums."""
     b, t, h, e = q_bthe.shape
     kv_heads = k_bske.shape[2]
     q = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e)
-    scores = _log2_scores("btkge,bske->bkgts", q, k_bske, scale)
+    scores = _log2_scores("btkge,bske->bkgts", q, k_bske, scale, softcap)
     allowed = allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window, query_segments(k_valid_bs, t))
     scores = jnp.where(allowed[:, None, None, :, :], scores, MASK_VALUE)
     p = _weights(scores, _integer_max(scores))
@@ -189,7 +204,7 @@ def _pad_axis1(x: Array, n: int, value=0) -> Array:
 
 
 def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_valid_bs, q_seg_bq=None, *, scale,
-                         window):
+                         window, softcap=None):
     """Fold one key block into the running (integer max m of base-2 scores, sum l, weighted values acc) of one
     query block, all float32.
 
@@ -197,7 +212,7 @@ def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_v
     first block and a row that later sees a real key forgets its masked entries (their weight exp(MASK - m) is 0).
     """
     m, l, acc = carry
-    s = _log2_scores("bqkge,bske->bkgqs", q_bqkge, k_bske, scale)
+    s = _log2_scores("bqkge,bske->bkgqs", q_bqkge, k_bske, scale, softcap)
     allowed = allowed_mask(q_pos_bq, k_pos_bs, k_valid_bs, window, q_seg_bq)
     s = jnp.where(allowed[:, None, None, :, :], s, MASK_VALUE)
     m_new = jnp.maximum(m, _integer_max(s)[..., 0])
@@ -210,7 +225,7 @@ def _online_softmax_step(carry, q_bqkge, k_bske, v_bske, q_pos_bq, k_pos_bs, k_v
 
 def blocked_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
                       window: Window = None, block_q: Optional[int] = None,
-                      block_k: Optional[int] = None) -> Array:
+                      block_k: Optional[int] = None, softcap: Optional[float] = None) -> Array:
     """Query-blocked online-softmax attention (FlashAttention's recurrence in plain JAX). Same result as
     :func:`exact_attention` up to float32 rounding for every query that sees at least one key.
 
@@ -241,7 +256,7 @@ def blocked_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *,
     reach = reachable_blocks(q_pos_blocks, k_pos_blocks, k_valid_blocks != 0, window)  # [nq, nk]
     if packed:  # texts are contiguous and numbered along the row: a key block wholly of other texts is skipped
         reach = reach & same_segment_blocks(q_seg_blocks, k_valid_blocks)
-    step = partial(_online_softmax_step, scale=scale, window=window)
+    step = partial(_online_softmax_step, scale=scale, window=window, softcap=softcap)
 
     def one_query_block(args):
         q_blk, q_pos_blk, q_seg_blk, reach_row = args
@@ -316,8 +331,26 @@ def _jax_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sc
     return jax.lax.cond(plain_causal_layout(q_pos_bt, k_pos_bs, k_valid_bs), plain, general, None)
 
 
+def capped_xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
+                         window: Window = None, softcap: float) -> Array:
+    """The xla kernel for soft-capped scores: ``jax.nn.dot_product_attention``'s XLA formula written out (it has no
+    soft cap): float32 scores [B, K, G, T, S] scaled, capped (:func:`soft_capped`) and masked with the float32
+    minimum, ``jax.nn.softmax`` in float32, weights rounded to the input dtype, values summed in float32. Quadratic
+    in the length, on every backend (cuDNN's kernel has no soft cap in jax's API, so auto never picks xla for a
+    capped model)."""
+    b, t, h, e = q_bthe.shape
+    dtype, kv_heads = q_bthe.dtype, k_bske.shape[2]
+    q = q_bthe.reshape(b, t, kv_heads, h // kv_heads, e)
+    s = jnp.einsum("btkge,bske->bkgts", q, k_bske.astype(dtype), preferred_element_type=jnp.float32) * scale
+    allowed = allowed_mask(q_pos_bt, k_pos_bs, k_valid_bs, window, query_segments(k_valid_bs, t))
+    s = jnp.where(allowed[:, None, None], soft_capped(s, softcap), jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgts,bske->btkge", p, v_bske.astype(dtype), preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, e).astype(v_bske.dtype)
+
+
 def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
-                  window: Window = None) -> Array:
+                  window: Window = None, softcap: Optional[float] = None) -> Array:
     """``jax.nn.dot_product_attention`` with our masking: cuDNN on a CUDA GPU where it can run, jax's XLA version
     on other backends. If cuDNN fails when traced (missing, old GPU, shapes it refuses), the failure is the engine
     step's to handle (:mod:`mia.engine.failsafe`: blocked attention and one warning under auto, an error when
@@ -326,6 +359,8 @@ def xla_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, sca
     Valid query rows equal :func:`exact_attention`; padding rows are finite (zeros on the plain-layout branch).
     """
     args = (q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs)
+    if softcap is not None:  # neither cuDNN nor jax's XLA version caps scores: the XLA formula, capped
+        return capped_xla_attention(*args, scale=scale, window=window, softcap=softcap)
     if jax.default_backend() == "gpu" and _cudnn_can_run(q_bthe.shape[-1], q_bthe.dtype):
         try:
             return _jax_attention(*args, scale=scale, window=window, implementation="cudnn").astype(v_bske.dtype)
@@ -404,7 +439,7 @@ def index_aligned(q_pos_bt: Array, k_pos_bs: Array, k_valid_bs: Array) -> Array:
     return jnp.all(ok) & jnp.all(q_pos_bt == k_pos_bs)
 
 
-def _splash_kernel(heads: int, length: int, window, interpret: bool):
+def _splash_kernel(heads: int, length: int, window, interpret: bool, softcap: Optional[float] = None):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     shape = (length, length)
@@ -412,16 +447,17 @@ def _splash_kernel(heads: int, length: int, window, interpret: bool):
     block = splash_block(length)
     sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=min(block, 512))
     return sa.make_splash_mha(sa.MultiHeadMask([head_mask] * heads), block_sizes=sizes, head_shards=1,
-                              q_seq_shards=1, interpret=interpret)
+                              q_seq_shards=1, interpret=interpret, attn_logits_soft_cap=softcap)
 
 
-def splash_per_device(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpret):
+def splash_per_device(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpret, softcap=None):
     """Splash on one device's rows and heads: q [b, T, h, E], k, v [b, T, k, E] (q's dtype), seg [b, T] int32.
     q is scaled in float32 and rounded to its dtype (splash takes no scale), after the transpose to the kernel's
-    [b, h, T, E] so that XLA does both in one pass."""
+    [b, h, T, E] so that XLA does both in one pass. ``softcap``: splash's own ``attn_logits_soft_cap``, applied to
+    the scaled scores before masking."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
-    kernel = _splash_kernel(q_bthe.shape[2], q_bthe.shape[1], window, interpret)
+    kernel = _splash_kernel(q_bthe.shape[2], q_bthe.shape[1], window, interpret, softcap)
 
     def one_row(q, k, v, seg):  # [h, T, E], [k, T, E], [k, T, E], [T]
         return kernel(q, k, v, segment_ids=SegmentIds(q=seg, kv=seg))
@@ -432,9 +468,9 @@ def splash_per_device(q_bthe, k_bske, v_bske, seg_bt, *, scale, window, interpre
     return out.transpose(0, 2, 1, 3)
 
 
-def _splash_sharded(q, k, v, seg, *, scale, window, interpret):
+def _splash_sharded(q, k, v, seg, *, scale, window, interpret, softcap=None):
     mesh = _MESH.get()
-    local = partial(splash_per_device, scale=scale, window=window, interpret=interpret)
+    local = partial(splash_per_device, scale=scale, window=window, interpret=interpret, softcap=softcap)
     if mesh is None or mesh.size == 1:
         return local(q, k, v, seg)
     from jax.sharding import PartitionSpec as P
@@ -449,7 +485,8 @@ def _splash_sharded(q, k, v, seg, *, scale, window, interpret):
 
 
 def splash_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, scale: float,
-                     window: Window = None, interpret: Optional[bool] = None) -> Array:
+                     window: Window = None, interpret: Optional[bool] = None,
+                     softcap: Optional[float] = None) -> Array:
     """Pallas splash attention (TPU) with our masking; the blocked kernel where it cannot run (see the module
     docstring: statically :func:`splash_can_run`, at run time :func:`index_aligned`). Valid query rows equal
     :func:`exact_attention` to the input dtype's rounding; padding rows are finite.
@@ -460,10 +497,11 @@ def splash_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, 
     args = (q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs)
     b, t, h, e = q_bthe.shape
     if not splash_can_run(t, k_bske.shape[1]):
-        return blocked_attention(*args, scale=scale, window=window)
+        return blocked_attention(*args, scale=scale, window=window, softcap=softcap)
     if not is_static(window):  # a per-layer table entry (GPT-Neo): global layers run splash, local ones blocked
-        return jax.lax.cond(window >= t, lambda _: splash_attention(*args, scale=scale, interpret=interpret),
-                            lambda _: blocked_attention(*args, scale=scale, window=window), None)
+        return jax.lax.cond(window >= t,
+                            lambda _: splash_attention(*args, scale=scale, interpret=interpret, softcap=softcap),
+                            lambda _: blocked_attention(*args, scale=scale, window=window, softcap=softcap), None)
     if interpret is None:
         interpret = lowering_platform() != "tpu"
     dtype = q_bthe.dtype
@@ -471,11 +509,11 @@ def splash_attention(q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, *, 
 
     def splash(_):
         out = _splash_sharded(q_bthe, k_bske.astype(dtype), v_bske.astype(dtype), seg, scale=scale, window=window,
-                              interpret=interpret)
+                              interpret=interpret, softcap=softcap)
         return out.astype(v_bske.dtype)
 
     def blocked(_):
-        return blocked_attention(*args, scale=scale, window=window)
+        return blocked_attention(*args, scale=scale, window=window, softcap=softcap)
 
     return jax.lax.cond(index_aligned(q_pos_bt, k_pos_bs, k_valid_bs), splash, blocked, None)
 
@@ -613,31 +651,34 @@ def splash_partitionable() -> bool:
 
 
 def select_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, *, backend: Optional[str] = None,
-                  requested: Optional[str] = None, window_static: bool = True) -> str:
+                  requested: Optional[str] = None, window_static: bool = True,
+                  softcap: Optional[float] = None) -> str:
     """The kernel name for static shapes (see the module docstring); ``requested`` defaults to the kernel
     :func:`forced_kernel` sets, else MIA_ATTENTION.
 
     A traced per-layer window (``window_static`` False) does not change the choice: on a GPU the xla kernel then
     passes it in the mask; on a TPU splash runs the layers whose window is global and blocked the local ones.
     Under auto, a kernel that failed on this backend in this process (:func:`failed_kernels`) is replaced by
-    FALLBACK, except when planning for another backend (``backend`` given).
+    FALLBACK, except when planning for another backend (``backend`` given). ``softcap``: see :func:`auto_kernel`.
     """
     requested = requested or _FORCED.get() or requested_kernel()
     if requested != "auto":
         return requested
-    kernel = auto_kernel(batch, heads, t, s, head_dim, dtype, backend=backend)
+    kernel = auto_kernel(batch, heads, t, s, head_dim, dtype, backend=backend, softcap=softcap)
     return FALLBACK if backend is None and kernel in _FAILED else kernel
 
 
 def auto_kernel(batch: int, heads: int, t: int, s: int, head_dim: int, dtype, *,
-                backend: Optional[str] = None) -> str:
+                backend: Optional[str] = None, softcap: Optional[float] = None) -> str:
     """What auto picks for static shapes on ``backend`` (default: the local one), failures aside.
 
     Auto picks splash only inside :func:`over_mesh` (the engine's steps, which run it under ``shard_map``) or with
     one device: a model call jitted elsewhere on several TPU chips gets blocked, which XLA partitions itself.
+    Soft-capped scores (``softcap``, Gemma-2) never pick xla: cuDNN has no soft cap in jax's API, and the xla kernel's
+    capped formula (:func:`capped_xla_attention`) is quadratic; splash caps natively.
     """
     backend = backend or jax.default_backend()
-    if backend == "gpu" and t == s and _cudnn_can_run(head_dim, dtype):
+    if backend == "gpu" and t == s and softcap is None and _cudnn_can_run(head_dim, dtype):
         return "xla"
     if backend == "tpu" and splash_can_run(t, s) and splash_partitionable():
         return "splash"
@@ -684,8 +725,10 @@ def lowering_platform() -> str:
 
 
 def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt: Array, k_pos_bs: Array,
-                          k_valid_bs: Array, *, scale: float, window: Window = None) -> Array:
+                          k_valid_bs: Array, *, scale: float, window: Window = None,
+                          softcap: Optional[float] = None) -> Array:
     """Causal (by position id) grouped-query attention; scores and softmax in float32. Returns [B, T, H, E].
+    ``softcap``: scaled scores soft-capped before masking (:func:`soft_capped`; Gemma-2), in every kernel.
 
     The kernel is chosen by :func:`select_kernel` when traced (for the backend ``planning_for`` names, if any);
     every kernel agrees with ``exact_attention``.
@@ -693,7 +736,7 @@ def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt:
     b, t, h, e = q_bthe.shape
     target = _TARGET.get()
     kernel = select_kernel(b, h, t, k_bske.shape[1], e, q_bthe.dtype, backend=target,
-                           window_static=is_static(window))
+                           window_static=is_static(window), softcap=softcap)
     compiled = kernel
     if target is not None and target == NEEDS_PLATFORM.get(kernel) and lowering_platform() != target:
         compiled = STAND_IN  # cuDNN's kernel lowers only with a GPU present, splash's only for TPU devices
@@ -702,4 +745,6 @@ def dot_product_attention(q_bthe: Array, k_bske: Array, v_bske: Array, q_pos_bt:
         chosen.append((kernel, compiled))
     for used in _USED.get():
         used.append(compiled)
-    return KERNELS[compiled](q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, scale=scale, window=window)
+    capped = {} if softcap is None else {"softcap": softcap}  # every kernel takes it; passed only when set
+    return KERNELS[compiled](q_bthe, k_bske, v_bske, q_pos_bt, k_pos_bs, k_valid_bs, scale=scale, window=window,
+                             **capped)

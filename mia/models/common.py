@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .attention import MASK_VALUE, dot_product_attention, unrecorded  # noqa: F401  (re-exported: the families import them here)
@@ -175,11 +176,37 @@ def join_cache(
 
 
 def attend(q_bthe: Array, k_btke: Array, v_btke: Array, pos_bt: Array, valid_bt: Array, cache: Optional[KVCache], *,
-           scale, window=None) -> Array:
+           scale, window=None, softcap: Optional[float] = None) -> Array:
     """One layer's attention over [cached prefix ; current tokens] (``join_cache`` then ``dot_product_attention``):
-    q [B, T, H, E], this call's keys/values [B, T, K, E] (keys after rotary) -> [B, T, H, E]."""
+    q [B, T, H, E], this call's keys/values [B, T, K, E] (keys after rotary) -> [B, T, H, E]. ``window``: see
+    ``layer_window``; ``softcap``: scores soft-capped before masking (Gemma-2)."""
     k_all, v_all, k_pos, k_valid = join_cache(cache, k_btke, v_btke, pos_bt, valid_bt)
-    return dot_product_attention(q_bthe, k_all, v_all, pos_bt, k_pos, k_valid, scale=scale, window=window)
+    return dot_product_attention(q_bthe, k_all, v_all, pos_bt, k_pos, k_valid, scale=scale, window=window,
+                                 softcap=softcap)
+
+
+GLOBAL_WINDOW = np.iinfo(np.int32).max  # q_pos - k_pos < this always holds: a global layer in a window table
+
+
+def checked_window(model_type: str, value, field: str = "sliding_window") -> Optional[int]:
+    """A config's local-attention window: a positive int, or None (no window); ``ConfigError`` naming ``field``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{model_type}: config field {field}={value!r} must be a positive integer or null")
+    return value
+
+
+def layer_window(windows: Sequence[Optional[int]], layer):
+    """The local-attention window of layer ``layer`` (a traced int32 index) from the per-layer ``windows`` (an int:
+    a key is seen when q_pos - k_pos < it; None: a global layer): None when every layer is global, the static int
+    when every layer has the same one, else a lookup in a constant int32 table (global layers get
+    ``GLOBAL_WINDOW``), so mixed stacks (GPT-Neo, Gemma-2/3) need no Python branch on the layer."""
+    kinds = set(windows)
+    if kinds == {None}:
+        return None
+    if len(kinds) == 1:
+        return int(next(iter(kinds)))
+    table = np.array([GLOBAL_WINDOW if w is None else w for w in windows], np.int32)
+    return jnp.asarray(table)[layer]
 
 
 class DecoderLayer(nn.Module):

@@ -220,11 +220,12 @@ def family(model_type: str) -> Family:
 
 
 def family_of_config(cfg) -> Family:
-    """The family whose config class ``cfg`` is an instance of."""
-    for fam in FAMILIES.values():
-        if isinstance(cfg, fam.config_cls):
-            return fam
-    raise ConfigError(f"{type(cfg).__name__} is not the config of a registered family")
+    """The family whose config class ``cfg`` is an instance of: its own class first (a family may subclass another's
+    config, Mistral's Llama's), else the most derived registered class it inherits from."""
+    owners = [fam for fam in FAMILIES.values() if isinstance(cfg, fam.config_cls)]
+    if not owners:
+        raise ConfigError(f"{type(cfg).__name__} is not the config of a registered family")
+    return max(owners, key=lambda fam: (type(cfg) is fam.config_cls, len(fam.config_cls.__mro__)))
 
 
 class ReadTracker(dict):

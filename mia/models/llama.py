@@ -40,12 +40,17 @@ class LlamaLayer(DecoderLayer):
         k = dense(kv * e, "self_attn_k_proj", bias)(y).reshape(b, t, kv, e)
         v = dense(kv * e, "self_attn_v_proj", bias)(y).reshape(b, t, kv, e)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        attn = attend(q, k, v, pos_bt, valid_bt, cache, scale=e ** -0.5)
+        attn = attend(q, k, v, pos_bt, valid_bt, cache, scale=e ** -0.5, window=self.window(layer))
         x_btd = x_btd + dense(cfg.hidden_size, "self_attn_o_proj", bias)(attn.reshape(b, t, h * e))
 
         mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias, self.dtype,
                      self.param_dtype, name="mlp")
         return x_btd + mlp(norm("post_attention_layernorm")(x_btd)), (k, v)
+
+    def window(self, layer):
+        """The local-attention window of layer ``layer`` (``common.layer_window``): Llama attends globally; Mistral
+        overrides it with its sliding window."""
+        return None
 
 
 class LlamaForCausalLM(DecoderLM):
