@@ -13,11 +13,9 @@ import dataclasses
 from typing import Any, Optional
 
 import flax.linen as nn
-import jax.numpy as jnp
-import numpy as np
 
 from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, attend,
-                     decoder_maps, linear_maps, norm_maps)
+                     decoder_maps, layer_window, linear_maps, norm_maps)
 from .family import HFConfig, hf_field, register_family
 
 DEFAULT_ATTENTION_TYPES = [[["global", "local"], 12]]  # GPTNeoConfig's default: 24 layers alternating
@@ -78,20 +76,10 @@ class GPTNeoConfig(HFConfig):
                 "attention_layers": list(self.attention_layers)}
 
 
-GLOBAL_WINDOW = np.iinfo(np.int32).max  # q_pos - k_pos < this always holds: a global layer in the window table
-
-
 def attention_window(cfg: GPTNeoConfig, layer):
-    """The local-attention window of layer ``layer`` (a traced int32 index): None when every layer is global, the
-    static ``window_size`` when every layer is local, else a lookup in the per-layer int32 table (global layers
-    get ``GLOBAL_WINDOW``), so mixed stacks need no Python branch on the layer."""
-    kinds = set(cfg.attention_layers)
-    if kinds == {"global"}:
-        return None
-    if kinds == {"local"}:
-        return cfg.window_size
-    table = np.array([cfg.window_size if kind == "local" else GLOBAL_WINDOW for kind in cfg.attention_layers], np.int32)
-    return jnp.asarray(table)[layer]
+    """The local-attention window of layer ``layer`` (a traced int32 index), ``common.layer_window`` of the
+    per-layer kinds: ``window_size`` for a local layer, None for a global one."""
+    return layer_window([cfg.window_size if kind == "local" else None for kind in cfg.attention_layers], layer)
 
 
 class GPTNeoBlock(DecoderLayer):
