@@ -215,9 +215,11 @@ def test_samia_sees_the_memorization_dial(smoke_testbed, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama_gqa", "llama_tied", "gpt2", "gpt_neo", "olmo", "olmo2"])
+@pytest.mark.parametrize("family", ["llama_gqa", "llama_tied", "llama3_rope", "gpt2", "gpt_neo", "olmo", "olmo2",
+                                    "qwen2", "qwen3"])
 def test_greedy_equals_transformers_for_every_family(family, tmp_path):
-    """GQA, tied heads, learned positions (gpt2), local attention windows (gpt_neo: window 4 < 20 tokens), clip_qkv."""
+    """GQA, tied heads, learned positions (gpt2), local attention windows (gpt_neo: window 4 < 20 tokens; qwen2's
+    sliding layer), clip_qkv, llama3 and linear RoPE scaling, per-head q/k norms (qwen3)."""
     import torch
     from transformers import AutoModelForCausalLM
 

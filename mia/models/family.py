@@ -198,8 +198,9 @@ def family(model_type: str) -> Family:
 
 
 def family_of_config(cfg) -> Family:
-    """The family whose config class ``cfg`` is an instance of."""
-    for fam in FAMILIES.values():
+    """The family whose config class ``cfg`` is an instance of (its own class first: Qwen3Config subclasses
+    Qwen2Config)."""
+    for fam in sorted(FAMILIES.values(), key=lambda f: type(cfg) is not f.config_cls):
         if isinstance(cfg, fam.config_cls):
             return fam
     raise ConfigError(f"{type(cfg).__name__} is not the config of a registered family")
