@@ -73,6 +73,15 @@ def test_llama3_tiny_config_covers_all_three_bands():
     assert (change[:high] == 0).all() and (max(LENGTHS) - 1) * change[high:].min() > 0.1
 
 
+def test_llama3_without_original_context_takes_max_position_embeddings_as_transformers_does():
+    hf = dict(model_type="llama", hidden_size=64, num_attention_heads=4, max_position_embeddings=48, rope_theta=100.0,
+              rope_scaling={k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"})
+    _, module = _hf_rotary(json.loads(json.dumps(hf)))
+    theta, scaling = rope.read_rope(hf, max_position_embeddings=48)
+    assert scaling.original_max_position_embeddings == 48
+    np.testing.assert_allclose(rope.inv_freq(16, theta, scaling), module.inv_freq.numpy(), rtol=1e-6, atol=0)
+
+
 def test_both_spellings_read_alike_and_a_disagreement_is_refused():
     flat = {"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
     nested = {"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}}
@@ -188,8 +197,8 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
      "rope_scaling.rope_type='yarn'"),
     ("llama", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_parameters.rope_type"),
     ("llama", dict(rope_scaling={"rope_type": "su", "factor": 2.0}), "unknown rope_type"),
-    ("llama", dict(rope_scaling={k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}),
-     "rope_scaling.original_max_position_embeddings is missing"),
+    ("llama", dict(rope_scaling={k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}),
+     "rope_scaling.low_freq_factor is missing"),
     ("llama", dict(rope_scaling={**LLAMA3, "high_freq_factor": 1.0}), "high_freq_factor"),
     ("llama", dict(rope_scaling={**LLAMA3, "attention_factor": 0.5}), "rope_scaling.attention_factor"),
     ("llama", dict(rope_scaling={"rope_type": "linear"}), "rope_scaling.factor is missing"),

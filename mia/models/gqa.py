@@ -67,7 +67,7 @@ class GQAConfig(TransformerConfig):
         kv, e = gqa_heads(cls.MODEL_TYPE, values["num_attention_heads"], values["num_key_value_heads"],
                           values["head_dim"], values["hidden_size"])
         activation(values["hidden_act"])  # fail early on an unknown activation
-        theta, scaling = read_rope(hf, types=cls.ROPE_TYPES)
+        theta, scaling = read_rope(hf, types=cls.ROPE_TYPES, max_position_embeddings=values["max_position_embeddings"])
         return {**values, "num_key_value_heads": kv, "head_dim": e, "rope_theta": theta, "rope_scaling": scaling}
 
     def hf_extra(self) -> dict:

@@ -80,14 +80,16 @@ def _number(value, where: str, *, integer: bool = False) -> float:
     return int(value) if integer else float(value)
 
 
-def scaling_from(params: dict, where: str, *, types=SCALED_TYPES, partial: bool = False) -> RopeScaling:
+def scaling_from(params: dict, where: str, *, types=SCALED_TYPES, partial: bool = False,
+                 max_position_embeddings: Optional[int] = None) -> RopeScaling:
     """The ``RopeScaling`` of one flat rope dict (a ``rope_scaling`` or ``rope_parameters`` value, or one per-layer
     entry of a nested ``rope_parameters``); ``where`` names it in errors ("rope_scaling").
 
     ``types``: the rope_type values the caller implements (a family without scaled RoPE passes ("default",)).
     ``partial``: the caller reads ``partial_rotary_factor`` itself (GPT-NeoX); otherwise the key is accepted only
-    when it is 1 (a fully rotated head). ``ConfigError`` naming the key on a refused type, a missing or bad value,
-    or a key this type does not read."""
+    when it is 1 (a fully rotated head). ``max_position_embeddings``: the config's, which stands in for a missing
+    ``original_max_position_embeddings`` of a llama3 dict (transformers' ``standardize_rope_params``).
+    ``ConfigError`` naming the key on a refused type, a missing or bad value, or a key this type does not read."""
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in types:
         why = REFUSED_TYPES.get(rope_type) or (f"the family implements {', '.join(map(repr, types))}"
@@ -95,13 +97,16 @@ def scaling_from(params: dict, where: str, *, types=SCALED_TYPES, partial: bool 
         raise ConfigError(f"config field {where}.rope_type={rope_type!r} is not supported ({why}); "
                           f"supported: {', '.join(types)}")
     known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *_TYPE_KEYS[rope_type]}
-    for key in sorted(set(params) - known):
-        raise ConfigError(f"config field {where}.{key}={params[key]!r} is not read by rope_type {rope_type!r}: "
-                          "it may change the model, so it is not loaded")
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigError(f"config field {where}.{unknown[0]}={params[unknown[0]]!r} is not read by rope_type "
+                          f"{rope_type!r}: it may change the model, so it is not loaded")
     prf = params.get("partial_rotary_factor")
     if not partial and prf is not None and prf != 1:
         raise ConfigError(f"config field {where}.partial_rotary_factor={prf!r} is not supported (only 1: the "
                           "whole head rotates)")
+    if rope_type == "llama3" and params.get("original_max_position_embeddings") is None:
+        params = {**params, "original_max_position_embeddings": max_position_embeddings}
     values = {}
     for key in _TYPE_KEYS[rope_type]:
         if params.get(key) is None:
@@ -114,13 +119,14 @@ def scaling_from(params: dict, where: str, *, types=SCALED_TYPES, partial: bool 
 
 
 def read_rope(hf: dict, *, legacy_key: str = "rope_theta", default_theta: float = DEFAULT_THETA,
-              types=SCALED_TYPES, partial: bool = False) -> tuple[float, RopeScaling]:
+              types=SCALED_TYPES, partial: bool = False,
+              max_position_embeddings: Optional[int] = None) -> tuple[float, RopeScaling]:
     """(theta, scaling) of a config.json dict in either spelling (module docstring).
 
     The base: ``rope_parameters.rope_theta``, the flat ``legacy_key`` and ``rope_theta`` must agree where several
     are given (``ConfigError`` naming them: which one trained the model?); none: ``default_theta``. The scaling:
     ``rope_scaling`` when it is a non-empty dict (transformers prefers it), else ``rope_parameters``
-    (``scaling_from`` with ``types`` and ``partial``)."""
+    (``scaling_from`` with ``types``, ``partial`` and ``max_position_embeddings``)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     where, spec = ("rope_scaling", scaling) if scaling else ("rope_parameters", params)
@@ -130,7 +136,8 @@ def read_rope(hf: dict, *, legacy_key: str = "rope_theta", default_theta: float 
     if len({float(v) for _, v in given}) > 1:
         raise ConfigError("config fields " + ", ".join(f"{k}={v!r}" for k, v in given) + " disagree")
     theta = _number(given[0][1], given[0][0]) if given else float(default_theta)
-    return theta, scaling_from(spec, where, types=types, partial=partial)
+    return theta, scaling_from(spec, where, types=types, partial=partial,
+                               max_position_embeddings=max_position_embeddings)
 
 
 def inv_freq(dim: int, theta: float, scaling: RopeScaling = UNSCALED) -> np.ndarray:
