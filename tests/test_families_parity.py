@@ -162,8 +162,8 @@ def test_every_registered_family_has_tiny_configs():
 
 
 # every family with both kernels, except, for default-run time, the other Llamas (llama_tied, llama3_rope: make
-# test-all only) and GPT-NeoX, whose packed rows the default run checks with the exact kernel alone (and whole scores through
-# test_cli_score's --pack check); the kernels' own packed masks are checked on every other family
+# test-all only) and GPT-NeoX, whose packed rows the default run checks with the exact kernel alone (and whole scores
+# through test_cli_score's --pack check); the kernels' own packed masks are checked on every other family
 BOTH = ("exact", "blocked")
 PACKED_CASES = [pytest.param(n, BOTH, id=n) for n in sorted(CASES) if n not in ("gpt_neox", "llama_tied", "llama3_rope")
                 ] + [pytest.param("gpt_neox", ("exact",), id="gpt_neox-exact"),
