@@ -87,9 +87,10 @@ BF16_EPS = 2.0 ** -8  # bfloat16 keeps 8 significant bits: relative rounding of 
 BF16_ROUNDINGS = {"gemma2": 10, "gemma3_text": 10}
 
 
-# every family once in the default run; llama_tied (a second Llama) in make test-all, for default-run time
+# every family once in the default run; llama_tied and llama3_rope (more Llamas) in make test-all, for default-run time
 @pytest.mark.parametrize("name", ["gpt2", "gpt_neo", "llama_gqa", pytest.param("llama_tied", marks=pytest.mark.slow),
-                                  "olmo", "olmo2", "opt", "opt_post", "phi3", "mistral", "gemma2", "gemma3_text"])
+                                  pytest.param("llama3_rope", marks=pytest.mark.slow), "olmo", "olmo2", "qwen2",
+                                  "qwen3", "opt", "opt_post", "phi3", "mistral", "gemma2", "gemma3_text"])
 def test_bfloat16_close_to_float32(name, tmp_path_factory):
     """bf16 weights and activations: logits within 6 bf16 roundings of the row's largest float32 logit (these 2-3
     layer nets measure 1.3-3.4; Gemma's: ``BF16_ROUNDINGS``); and not equal to float32, so the bf16 path really runs
@@ -121,8 +122,8 @@ LLAMA_HF = dict(model_type="llama", vocab_size=V, hidden_size=40, intermediate_s
 
 
 @pytest.mark.parametrize("extra, field", [
-    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "rope_type"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "low_freq_factor"),
     (dict(sliding_window=4), "sliding_window"),
 ])
 def test_math_changing_config_is_refused(tmp_path, extra, field):
@@ -149,7 +150,7 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     with pytest.raises(ConfigError) as e:
         mm.load_config(_write_config(tmp_path, {"model_type": "mamba", "vocab_size": V}))
     for supported in ("gpt2", "gpt_neo", "gpt_neox", "llama", "olmo", "olmo2", "opt", "phi3", "mistral", "gemma2",
-                      "gemma3_text"):
+                      "gemma3_text", "qwen2", "qwen3"):
         assert supported in str(e.value)
 
 
@@ -165,13 +166,13 @@ def test_every_registered_family_has_tiny_configs():
         assert shardable(family)["model_type"] == family
 
 
-# every family with both kernels, except, for default-run time, the second Llama (llama_tied: make test-all only) and
 # Packed rows: the families in EXACT_ONLY are checked with the exact kernel alone in the default run (GPT-NeoX's whole
-# scores also through test_cli_score's --pack check) and with both kernels in make test-all; the kernels' own packed
-# masks are checked on every other family (Gemma 2's windows and caps run both kernels in the default run).
+# scores also through test_cli_score's --pack check) and with both kernels in make test-all; SLOW_ONLY (the other
+# Llamas, Gemma 3) in make test-all only; the kernels' own packed masks are checked on every other family (Gemma 2's
+# and Qwen2's windows run both kernels in the default run).
 BOTH = ("exact", "blocked")
 EXACT_ONLY = ("gpt_neox", "opt_post", "mistral")
-SLOW_ONLY = ("llama_tied", "gemma3_text")
+SLOW_ONLY = ("llama_tied", "llama3_rope", "gemma3_text")
 PACKED_CASES = [pytest.param(n, BOTH, id=n) for n in sorted(CASES) if n not in EXACT_ONLY + SLOW_ONLY] + [
     p for n in EXACT_ONLY for p in (pytest.param(n, ("exact",), id=f"{n}-exact"),
                                     pytest.param(n, BOTH, id=n, marks=pytest.mark.slow))] + [

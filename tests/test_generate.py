@@ -215,12 +215,12 @@ def test_samia_sees_the_memorization_dial(smoke_testbed, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama_gqa", "llama_tied", "gpt2", "gpt_neo", "olmo", "olmo2", "opt", "opt_post",
-                                    "phi3", "mistral", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama_gqa", "llama_tied", "llama3_rope", "gpt2", "gpt_neo", "olmo", "olmo2",
+                                    "qwen2", "qwen3", "opt", "opt_post", "phi3", "mistral", "gemma2", "gemma3_text"])
 def test_greedy_equals_transformers_for_every_family(family, tmp_path):
     """GQA, tied heads, learned positions (gpt2; opt: offset 2), local attention windows (gpt_neo, mistral, gemma,
-    phi3: window 4 < 20 tokens), clip_qkv, post-norm with project_in/out (opt_post), soft caps (gemma2), per-layer
-    rotary bases (gemma3_text)."""
+    phi3: window 4 < 20 tokens; qwen2's sliding layer), clip_qkv, llama3 and linear RoPE scaling, per-head q/k norms
+    (qwen3), post-norm with project_in/out (opt_post), soft caps (gemma2), per-layer rotary bases (gemma3_text)."""
     import torch
     from transformers import AutoModelForCausalLM
 

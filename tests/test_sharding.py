@@ -126,7 +126,7 @@ def test_mesh_data2_model4_equals_one_device_without_transfers(tmp_path, tiny_ne
 @pytest.mark.slow
 def test_every_family_on_the_mesh_equals_one_device(tmp_path, tiny_neox_dir):
     report = _mesh_check(tmp_path, tiny_neox_dir, ["gpt_neox", "llama", "gpt2", "gpt_neo", "olmo", "olmo2", "opt",
-                                                   "phi3", "mistral", "gemma2", "gemma3_text"])
+                                                   "phi3", "mistral", "gemma2", "gemma3_text", "qwen2", "qwen3"])
     _assert_mesh_equals_single_device(report)
     print(json.dumps({k: {"stats": max(v["stats"].values()), "condll": v["condll"], "mope": v["mope"]}
                       for k, v in report.items()}))

@@ -18,6 +18,9 @@ def _neox(**kw) -> tf.GPTNeoXConfig:
     c.rope_parameters["partial_rotary_factor"] = kw["rotary_pct"]
     return c
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
 PARITY = {
     # partial rotary (0.4 of head_dim 8), parallel residual, untied head
     "gpt_neox": lambda: _neox(vocab_size=V, hidden_size=40, num_hidden_layers=2, num_attention_heads=5,
@@ -32,6 +35,21 @@ PARITY = {
     "llama_tied": lambda: tf.LlamaConfig(
         vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=5, head_dim=12,
         tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    # Llama 3.x RoPE scaling, its three bands exercised: head_dim 16 at base 100 has wavelengths 6.3 ... 353 against
+    # an original context of 32 (kept below 8, interpolated in 8-32, divided by 8 above 32); GQA 3 on 1, tied head
+    "llama3_rope": lambda: tf.LlamaConfig(
+        vocab_size=V, hidden_size=48, intermediate_size=52, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=256, rope_parameters=LLAMA3_ROPE),
+    # q/k/v biases, GQA, a sliding layer (window 4 < sequence 13) after a global one (max_window_layers 1), tied head
+    "qwen2": lambda: tf.Qwen2Config(
+        vocab_size=V, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        tie_word_embeddings=True),
+    # per-head q/k norms, head_dim 12 != 40 / 4, biases on all four projections, GQA, linear RoPE scaling, untied
+    "qwen3": lambda: tf.Qwen3Config(
+        vocab_size=V, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 3.0}),
     "gpt2": lambda: tf.GPT2Config(
         vocab_size=V, n_embd=40, n_layer=2, n_head=5, n_positions=32, n_inner=52, scale_attn_by_inverse_layer_idx=True),
     # 3 layers: global, local, local; window 4 < sequence 13
@@ -96,6 +114,9 @@ def shardable(name: str) -> dict:
                                     do_layer_norm_before=False),
         "phi3": lambda: tf.Phi3Config(num_hidden_layers=2, num_key_value_heads=2, sliding_window=8, pad_token_id=0,
                                       eos_token_id=2, **small),
+        "qwen2": lambda: tf.Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, use_sliding_window=True,
+                                        sliding_window=8, max_window_layers=1, **small),
+        "qwen3": lambda: tf.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, **small),
         "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=SHARD_V, hidden_size=32, num_hidden_layers=2,
                                              num_attention_heads=4, intermediate_size=64, tie_word_embeddings=False),
         "mistral": lambda: tf.MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=8, **small),

@@ -70,7 +70,8 @@ TPU_HBM_BYTES = {
 }
 
 # Shapes of the models our users score, so that ``--model pythia-12b`` works without a checkpoint on disk.
-# Numbers from the public config.json files of EleutherAI/pythia-*-deduped and allenai/OLMo-7B-hf.
+# Numbers from the public config.json files of EleutherAI/pythia-*-deduped, allenai/OLMo-7B-hf,
+# meta-llama/Llama-3.1-8B and Qwen/Qwen2.5-7B.
 _PYTHIA = {  # name: (hidden, layers, heads, vocab)
     "70m": (512, 6, 8, 50304), "160m": (768, 12, 12, 50304), "410m": (1024, 24, 16, 50304),
     "1b": (2048, 16, 8, 50304), "1.4b": (2048, 24, 16, 50304), "2.8b": (2560, 32, 32, 50304),
@@ -84,6 +85,18 @@ NAMED_SHAPES = {
     "olmo-7b": {"model_type": "olmo", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                 "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 50304,
                 "max_position_embeddings": 2048, "tie_word_embeddings": False, "clip_qkv": None},
+    # the architecture fields of meta-llama/Llama-3.1-8B's and Qwen/Qwen2.5-7B's config.json
+    "llama-3.1-8b": {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                     "bos_token_id": 128000, "eos_token_id": 128001, "rope_theta": 500000.0,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+                   "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                   "bos_token_id": 151643, "eos_token_id": 151643, "rope_theta": 1000000.0,
+                   "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 28},
 }
 
 

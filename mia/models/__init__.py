@@ -1,8 +1,9 @@
 """Flax model families and the loading of real checkpoints.
 
-Every family module (``gpt_neox``, ``llama``, ``gpt2``, ``gpt_neo``, ``olmo``, ``olmo2``, ``mistral``, ``gemma2``,
-``gemma3``) registers itself (``family.register_family``) when this package is imported; ``gqa`` holds what the
-Llama-shaped ones share, ``bert`` the BERT encoder and masked LM (not a decoder family).
+Every family module (``gpt_neox``, ``llama``, ``gpt2``, ``gpt_neo``, ``olmo``, ``olmo2``, ``opt``, ``phi3``,
+``qwen2``, ``qwen3``, ``mistral``, ``gemma2``, ``gemma3``) registers itself (``family.register_family``) when this
+package is imported; ``gqa`` holds what the Llama-shaped ones share, ``rope`` every family's rotary frequencies
+(RoPE scaling included), ``bert`` the BERT encoder and masked LM (not a decoder family).
 """
 import importlib as _importlib
 import pkgutil as _pkgutil

@@ -20,12 +20,10 @@ import numpy as np
 from flax import struct
 
 from .attention import MASK_VALUE, dot_product_attention, unrecorded  # noqa: F401  (re-exported: the families import them here)
+from .errors import ConfigError  # noqa: F401  (re-exported)
+from .rope import UNSCALED, RopeScaling, inv_freq, read_rope
 
 Array = jax.Array
-
-
-class ConfigError(ValueError):
-    """A checkpoint's config.json asks for something we cannot reproduce exactly."""
 
 
 @struct.dataclass
@@ -84,28 +82,16 @@ def activation(name: str) -> Callable[[Array], Array]:
 
 
 def rope_theta_from(hf: dict, default: float = 10000.0, legacy_key: str = "rope_theta") -> float:
-    """Rotary base from either the transformers<5 flat keys or the >=5 ``rope_parameters`` dict.
-
-    Refuses any RoPE scaling (linear, dynamic, yarn, llama3 ...): it changes the math and we do not implement it.
-    """
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if scaling not in (None, {}) and (scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
-        raise ConfigError(f"config field rope_scaling={scaling!r} is not supported (only unscaled RoPE)")
-    if rope_type not in ("default", None):
-        raise ConfigError(f"config field rope_parameters.rope_type={rope_type!r} is not supported (only 'default')")
-    flat = [(k, hf[k]) for k in dict.fromkeys((legacy_key, "rope_theta")) if k in hf]
-    given = ([("rope_parameters.rope_theta", params["rope_theta"])] if "rope_theta" in params else []) + flat
-    if len({float(v) for _, v in given}) > 1:  # two spellings of the base that disagree: which one trained it?
-        raise ConfigError("config fields " + ", ".join(f"{k}={v!r}" for k, v in given) + " disagree")
-    return float(given[0][1]) if given else float(default)
+    """Rotary base of a family without RoPE scaling (``rope.read_rope`` with only the default rope_type; a
+    ``rope_parameters.partial_rotary_factor`` is left to the family): any scaling is refused naming the field."""
+    return read_rope(hf, legacy_key=legacy_key, default_theta=default, types=("default",), partial=True)[0]
 
 
-def rotary_tables(positions_bt: Array, rot_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos, sin of shape [B, T, rot_dim] in float32 (HF 'rotate_half' layout: frequencies repeated twice)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rot_dim, 2, dtype=jnp.float32) / rot_dim))
-    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rot_dim/2]
+def rotary_tables(positions_bt: Array, rot_dim: int, theta: float,
+                  scaling: RopeScaling = UNSCALED) -> tuple[Array, Array]:
+    """cos, sin of shape [B, T, rot_dim] in float32 (HF 'rotate_half' layout: frequencies repeated twice), from
+    ``rope.inv_freq(rot_dim, theta, scaling)``."""
+    angles = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(rot_dim, theta, scaling))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -330,7 +316,8 @@ class DecoderLM(nn.Module):
       POSITION_EMBED  learned position ``nn.Embed`` [max_position_embeddings + POSITION_OFFSET, D], or None;
                       position p reads row p + POSITION_OFFSET (OPT: 2)
       EMBED_WIDTH     config attribute with the token embedding's width (``hidden_size``; OPT projects it in/out)
-      ROTARY_DIM      config attribute with the rotary width, or None
+      ROTARY_DIM      config attribute with the rotary width, or None (base ``config.rope_theta``, scaling
+                      ``config.rope_scaling`` where the config has one: ``rope.inv_freq``)
       FINAL_NORM      the final norm's class (``RMSNorm``, ``LayerNorm``), its epsilon the config attribute NORM_EPS
                       (or override ``final_norm()``)
       HF_PREFIX       the checkpoint's prefix of every tensor but the head's (``decoder_maps``)
@@ -397,7 +384,9 @@ class DecoderLM(nn.Module):
     def _rotary(self, positions_bt) -> tuple:
         if self.ROTARY_DIM is None:
             return ()
-        return rotary_tables(positions_bt, getattr(self.config, self.ROTARY_DIM), self.config.rope_theta)
+        cfg = self.config  # a config without ``rope_scaling`` (GPT-NeoX) is unscaled
+        return rotary_tables(positions_bt, getattr(cfg, self.ROTARY_DIM), cfg.rope_theta,
+                             getattr(cfg, "rope_scaling", UNSCALED))
 
     def layer_stack(self):
         """Declare the stacked layer params (call in ``setup``): each layer initialised with its own key."""

@@ -25,17 +25,11 @@ from .family import ReadTracker, hf_field, register_family
 from .gemma2 import (GEMMA_HARMLESS, GEMMA_REFUSED, LAYER_TYPES, Gemma2Config, Gemma2ForCausalLM, Gemma2Layer,
                      gemma_mappings, positive)
 from .gqa import IGNORED_HF_KEYS
+from .rope import UNSCALED, RopeScaling
 
 GEMMA3_REFUSED = {**GEMMA_REFUSED, "attn_logit_softcapping": lambda v: v is not None}
 ROPE_FIELDS = ("rope_theta", "rope_local_base_freq", "rope_parameters", "rope_scaling")  # read by read_gemma3_rope
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor"}  # what a layer type's rope_parameters may hold
-
-
-def linear_rope_positions(positions_bt, factor: float):
-    """LOCAL STAND-IN for the shared rope-scaling module (to be pointed at it): linear RoPE scaling. transformers
-    divides the inverse frequencies by ``factor``; dividing the float32 positions instead gives the same angles
-    (exactly for a power-of-two factor, such as Gemma 3's 8; within one float32 rounding otherwise)."""
-    return positions_bt if factor == 1.0 else positions_bt.astype(jnp.float32) / jnp.float32(factor)
 
 
 def _rope_spec(model_type: str, field: str, spec, allowed: tuple) -> dict:
@@ -152,7 +146,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def _rotary(self, positions_bt) -> tuple:
         cfg = self.config
-        full = rotary_tables(linear_rope_positions(positions_bt, cfg.rope_factor), cfg.head_dim, cfg.rope_theta)
+        scaling = UNSCALED if cfg.rope_factor == 1.0 else RopeScaling("linear", factor=cfg.rope_factor)
+        full = rotary_tables(positions_bt, cfg.head_dim, cfg.rope_theta, scaling)
         return (*full, *rotary_tables(positions_bt, cfg.head_dim, cfg.rope_local_base_freq))
 
 

@@ -7,13 +7,14 @@ config.json may omit ``num_key_value_heads`` (then K = H) and ``head_dim`` (then
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .common import ConfigError, ParamMapping, activation, apply_rotary, linear_maps, rope_theta_from
+from .common import ConfigError, ParamMapping, activation, apply_rotary, linear_maps
 from .family import TransformerConfig, hf_field
+from .rope import UNSCALED, RopeScaling, read_rope
 
 # Config fields that would change the math and that these families do not implement (value -> refuse?).
 GQA_REFUSED = {
@@ -38,10 +39,13 @@ def gqa_heads(model_type: str, heads: int, kv_heads: Optional[int], head_dim: Op
 class GQAConfig(TransformerConfig):
     """The config fields of a Llama-shaped family (a base: each family subclasses it, adds its own fields and
     restates a default where its HF config differs). ``from_hf`` refuses ``GQA_REFUSED``, fills K and E
-    (``gqa_heads``), reads the rotary base from either spelling (``rope_theta_from``) and checks the activation;
-    ``to_hf`` writes the rotary base both ways (flat ``rope_theta`` and transformers>=5 ``rope_parameters``)."""
+    (``gqa_heads``), reads the rotary base and scaling from either spelling (``rope.read_rope``: the rope_type
+    values in ``ROPE_TYPES``, only "default" unless the family implements scaling) and checks the activation;
+    ``to_hf`` writes the rotary base both ways (flat ``rope_theta`` and transformers>=5 ``rope_parameters``, which
+    also holds the scaling)."""
 
     REFUSED = GQA_REFUSED
+    ROPE_TYPES: ClassVar[tuple] = ("default",)
 
     num_key_value_heads: Optional[int] = hf_field(None)
     head_dim: Optional[int] = hf_field(None)
@@ -50,6 +54,7 @@ class GQAConfig(TransformerConfig):
     hidden_act: str = hf_field("silu")
     attention_bias: bool = hf_field(False)
     tie_word_embeddings: bool = hf_field(False)
+    rope_scaling: RopeScaling = hf_field(UNSCALED, derived=True)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -62,10 +67,11 @@ class GQAConfig(TransformerConfig):
         kv, e = gqa_heads(cls.MODEL_TYPE, values["num_attention_heads"], values["num_key_value_heads"],
                           values["head_dim"], values["hidden_size"])
         activation(values["hidden_act"])  # fail early on an unknown activation
-        return {**values, "num_key_value_heads": kv, "head_dim": e, "rope_theta": rope_theta_from(hf)}
+        theta, scaling = read_rope(hf, types=cls.ROPE_TYPES, max_position_embeddings=values["max_position_embeddings"])
+        return {**values, "num_key_value_heads": kv, "head_dim": e, "rope_theta": theta, "rope_scaling": scaling}
 
     def hf_extra(self) -> dict:
-        return {"rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}}
+        return {"rope_parameters": self.rope_scaling.to_hf(self.rope_theta)}
 
 
 class SwiGLU(nn.Module):
@@ -93,11 +99,13 @@ def rotary_f32(x_bthe, cos, sin):
     return apply_rotary(x_bthe.astype(jnp.float32), cos, sin).astype(x_bthe.dtype)
 
 
-def attention_maps(hf: str, p: tuple, bias: bool) -> list[ParamMapping]:
-    """``{hf}.self_attn.{q,k,v,o}_proj`` <-> ``self_attn_{q,k,v,o}_proj`` under ``p``."""
+def attention_maps(hf: str, p: tuple, bias: bool, o_bias: Optional[bool] = None) -> list[ParamMapping]:
+    """``{hf}.self_attn.{q,k,v,o}_proj`` <-> ``self_attn_{q,k,v,o}_proj`` under ``p``; ``bias``: q/k/v have
+    biases, ``o_bias`` (default: ``bias``) o_proj has one (Qwen2: q/k/v only)."""
     m = []
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        m += linear_maps(f"{hf}.self_attn.{proj}", p + (f"self_attn_{proj}",), bias)
+        has = bias if proj != "o_proj" or o_bias is None else o_bias
+        m += linear_maps(f"{hf}.self_attn.{proj}", p + (f"self_attn_{proj}",), has)
     return m
 
 
