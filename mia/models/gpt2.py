@@ -76,22 +76,27 @@ def inverse_layer_scales(cfg: GPT2Config) -> np.ndarray:
 
 
 class GPT2Block(DecoderLayer):
+    """Pre-norm block: x + c_proj(attention(ln_1(x))), then ``mlp`` (GPT-Neo's block shares it)."""
+
+    def norm(self, name: str):
+        return self.layer_norm(self.config.layer_norm_epsilon, name)
+
+    def mlp(self, x_btd, width: int):
+        """x + c_proj(act(c_fc(ln_2(x)))) for x [B, T, D], ``width`` the MLP's inner width."""
+        y = activation(self.config.activation_function)(self.dense(width, "mlp_c_fc")(self.norm("ln_2")(x_btd)))
+        return x_btd + self.dense(x_btd.shape[-1], "mlp_c_proj")(y)
+
     @nn.compact
     def __call__(self, x_btd, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
-        cfg, dense, norm = self.config, self.dense, lambda name: self.layer_norm(self.config.layer_norm_epsilon, name)
-        b, t, d = x_btd.shape
-        h, e = cfg.n_head, cfg.head_dim
-
-        qkv = dense(3 * d, "attn_c_attn")(norm("ln_1")(x_btd))
-        q, k, v = (a.reshape(b, t, h, e) for a in jnp.split(qkv, 3, axis=-1))
+        cfg, (b, t, d) = self.config, x_btd.shape
+        qkv = self.dense(3 * d, "attn_c_attn")(self.norm("ln_1")(x_btd))
+        q, k, v = (a.reshape(b, t, cfg.n_head, cfg.head_dim) for a in jnp.split(qkv, 3, axis=-1))
         scale = base_scale(cfg)
         if cfg.scale_attn_by_inverse_layer_idx:  # per layer: a lookup by the (traced) layer index
             scale = jnp.asarray(inverse_layer_scales(cfg))[layer]
         attn = attend(q, k, v, pos_bt, valid_bt, cache, scale=scale)
-        x_btd = x_btd + dense(d, "attn_c_proj")(attn.reshape(b, t, d))
-
-        y = activation(cfg.activation_function)(dense(cfg.intermediate_size, "mlp_c_fc")(norm("ln_2")(x_btd)))
-        return x_btd + dense(d, "mlp_c_proj")(y), (k, v)
+        x_btd = x_btd + self.dense(d, "attn_c_proj")(attn.reshape(b, t, d))
+        return self.mlp(x_btd, cfg.intermediate_size), (k, v)
 
 
 class GPT2LMHeadModel(DecoderLM):

@@ -14,9 +14,10 @@ from typing import Any, Optional
 
 import flax.linen as nn
 
-from .common import (ConfigError, DecoderLayer, DecoderLM, KVCache, LayerNorm, ParamMapping, activation, attend,
+from .common import (ConfigError, KVCache, ParamMapping, activation, attend,
                      decoder_maps, layer_window, linear_maps, norm_maps)
 from .family import HFConfig, hf_field, register_family
+from .gpt2 import GPT2Block, GPT2LMHeadModel
 
 DEFAULT_ATTENTION_TYPES = [[["global", "local"], 12]]  # GPTNeoConfig's default: 24 layers alternating
 
@@ -82,28 +83,25 @@ def attention_window(cfg: GPTNeoConfig, layer):
     return layer_window([cfg.window_size if kind == "local" else None for kind in cfg.attention_layers], layer)
 
 
-class GPTNeoBlock(DecoderLayer):
+class GPTNeoBlock(GPT2Block):
+    """GPT-Neo's block: separate unbiased q/k/v, no 1/sqrt(E) scaling, a local window on the local layers; GPT-2's
+    norms and MLP (``GPT2Block.mlp``)."""
+
     @nn.compact
     def __call__(self, x_btd, pos_bt, valid_bt, layer, cache: Optional[KVCache]):
-        cfg, dense, norm = self.config, self.dense, lambda name: self.layer_norm(self.config.layer_norm_epsilon, name)
-        b, t, d = x_btd.shape
-        h, e = cfg.num_heads, cfg.head_dim
-
-        y = norm("ln_1")(x_btd)
-        q, k, v = (dense(d, f"attn_{n}_proj", False)(y).reshape(b, t, h, e) for n in "qkv")
+        cfg, (b, t, d) = self.config, x_btd.shape
+        y = self.norm("ln_1")(x_btd)
+        q, k, v = (self.dense(d, f"attn_{n}_proj", False)(y).reshape(b, t, cfg.num_heads, cfg.head_dim) for n in "qkv")
         attn = attend(q, k, v, pos_bt, valid_bt, cache, scale=1.0, window=attention_window(cfg, layer))
-        x_btd = x_btd + dense(d, "attn_out_proj")(attn.reshape(b, t, d))
-
-        y = activation(cfg.activation_function)(dense(cfg.inner_dim, "mlp_c_fc")(norm("ln_2")(x_btd)))
-        return x_btd + dense(d, "mlp_c_proj")(y), (k, v)
+        x_btd = x_btd + self.dense(d, "attn_out_proj")(attn.reshape(b, t, d))
+        return self.mlp(x_btd, cfg.inner_dim), (k, v)
 
 
-class GPTNeoForCausalLM(DecoderLM):
-    """GPT-Neo causal LM; ``setup``, ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
+class GPTNeoForCausalLM(GPT2LMHeadModel):
+    """GPT-Neo causal LM: GPT-2's (the same tensor names: ``wte``, ``wpe``, ``h``, ``ln_f`` under ``transformer``)
+    with GPT-Neo's block; ``setup``, ``hidden``, ``unembed`` and ``__call__`` come from ``common.DecoderLM``."""
 
-    EMBED, LAYERS, NORM, POSITION_EMBED, ROTARY_DIM = "wte", "h", "ln_f", "wpe", None
     LAYER = GPTNeoBlock
-    FINAL_NORM, NORM_EPS, HF_PREFIX = LayerNorm, "layer_norm_epsilon", "transformer"
 
 
 
