@@ -160,7 +160,7 @@ BASE = {"mistral": REAL["mistralai/Mistral-7B-v0.3"], "gemma2": REAL["google/gem
     ("mistral", {"sliding_window": 0}, "sliding_window"),
     ("mistral", {"layer_types": ["full_attention"] * 32}, "layer_types"),
     ("mistral", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
-    ("mistral", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ("mistral", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling"),  # linear, llama3: as Llama
     ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("gemma2", {"layer_types": ["sliding_attention"] * 3}, "layer_types"),
     ("gemma2", {"layer_types": ["chunked_attention"] * 26}, "layer_types"),

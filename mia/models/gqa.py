@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .common import ConfigError, ParamMapping, activation, apply_rotary, linear_maps
-from .family import TransformerConfig, hf_field
+from .family import PartialRotary, TransformerConfig, hf_field
 from .rope import UNSCALED, RopeScaling, read_rope
 
 # Config fields that would change the math and that these families do not implement (value -> refuse?).
@@ -67,7 +67,8 @@ class GQAConfig(TransformerConfig):
         kv, e = gqa_heads(cls.MODEL_TYPE, values["num_attention_heads"], values["num_key_value_heads"],
                           values["head_dim"], values["hidden_size"])
         activation(values["hidden_act"])  # fail early on an unknown activation
-        theta, scaling = read_rope(hf, types=cls.ROPE_TYPES, max_position_embeddings=values["max_position_embeddings"])
+        theta, scaling = read_rope(hf, types=cls.ROPE_TYPES, max_position_embeddings=values["max_position_embeddings"],
+                                   partial=issubclass(cls, PartialRotary))  # Phi-3 reads its fraction itself
         return {**values, "num_key_value_heads": kv, "head_dim": e, "rope_theta": theta, "rope_scaling": scaling}
 
     def hf_extra(self) -> dict:
