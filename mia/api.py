@@ -29,7 +29,8 @@ from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
 from .sharding import make_mesh, parse_mesh
-from . import cache_limit, checkup
+from . import cache_limit
+from .doctor import CHECKS as DOCTOR_CHECKS, doctor as run_doctor
 from .file_hash import check_cache_dir
 from .models.hub import Model
 from .models.hub import load as load_checkpoint
@@ -266,11 +267,11 @@ def _describe(data) -> str:
 
 
 def doctor(*, checks=None, families=None, progress=None):
-    """``mia doctor`` as data: run the checks (``mia.checkup.CHECKS``: platform, attention, mesh, cache, speed,
+    """``mia doctor`` as data: run the checks (``mia.doctor.CHECKS``: platform, attention, mesh, cache, speed,
     precision; a subset by name) on the registered model families (or ``families``) and return the
-    ``mia.checkup.DoctorReport``: ``report.ok``, ``report.first_failure``, ``report.rows`` (check, result, value,
+    ``mia.doctor.DoctorReport``: ``report.ok``, ``report.first_failure``, ``report.rows`` (check, result, value,
     tolerance, ok), ``report.table()``, ``report.to_json()``. docs/doctor.md."""
-    return checkup.doctor(checks=checkup.CHECKS if checks is None else checks, families=families, progress=progress)
+    return run_doctor(checks=DOCTOR_CHECKS if checks is None else checks, families=families, progress=progress)
 
 
 __all__ = ["load", "score", "doctor", "resolve_attacks", "read_data", "check_data", "check_request", "run_attacks",

@@ -410,8 +410,8 @@ def _add_doctor_parser(sub) -> None:
 
 
 def cmd_doctor(args) -> int:
-    """``mia doctor``: ``mia.checkup.doctor``'s table on stdout (progress on stderr), 1 when a check failed."""
-    from .checkup import CHECKS, check_report_path, doctor, name_list, print_progress, write_report  # (jax)
+    """``mia doctor``: ``mia.doctor.doctor``'s table on stdout (progress on stderr), 1 when a check failed."""
+    from .doctor import CHECKS, check_report_path, doctor, name_list, print_progress, write_report  # (jax)
     from .models.family import FAMILIES  # (the same)
 
     if args.json:

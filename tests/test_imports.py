@@ -135,7 +135,7 @@ FLOORS = (
     ("mia.models",),  # model families, loading, attention kernels
     ("mia.data", "mia.engine"),  # examples and splits; the scoring engine
     ("mia.attacks", "mia.blind", "mia.commands"),  # attacks; blind baselines; what every entry point shares
-    ("mia.testbed", "mia.checkup"),  # the embedded testbed; mia doctor
+    ("mia.testbed", "mia.doctor"),  # the embedded testbed; mia doctor
     ("mia.api", "mia.checkpoints"),  # the Python API; checkpoint finding
     ("mia.cli", "mia", "mia.__main__"),  # the command line and the package's own namespace
 )
