@@ -62,9 +62,10 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from mia.atomic import save_figure, write_text
-from mia.audit import AuditViolation, guess_counts, one_run_audit, one_run_epsilon, one_run_fdp_p_value, one_run_p_value
-from mia.exposure import exposure_by_reps, exposure_sampled, exposure_skewnorm
-from mia.gdp import gdp_epsilon_estimate
+from mia.privacy.one_run import (AuditViolation, guess_counts, one_run_audit, one_run_epsilon, one_run_fdp_p_value,
+                                 one_run_p_value)
+from mia.privacy.exposure import exposure_by_reps, exposure_sampled, exposure_skewnorm
+from mia.privacy.gdp import gdp_epsilon_estimate
 from mia.metrics import epsilon_lower_bound, holm_significant, metric_rows
 from mia.report import markdown, pyplot
 from mia.testbed import build_testbed, build_twin, dp, preset as testbed_preset
@@ -306,7 +307,7 @@ def _grid(m: int, grid: Optional[Sequence[int]]) -> list:
 
 def audit_bound(scores: np.ndarray, included: np.ndarray, delta: float, alpha: float = ALPHA,
                 bound: str = "steinke", grid: Optional[Sequence[int]] = None):
-    """The one-run audit (``mia.audit.one_run_audit``) on ``grid`` (default ``audit_grid``): for each k, guesses
+    """The one-run audit (``one_run_audit``) on ``grid`` (default ``audit_grid``): for each k, guesses
     "in" for the k highest scores and "out" for the k lowest, tested at alpha / (grid size) (Bonferroni); the best
     result. ``bound``: "steinke" (an (eps, delta) lower bound) or "fdp" (the same guesses in f-DP form: the epsilon
     at ``delta`` of the strongest Gaussian trade-off curve they rule out, Mahloujifar et al.)."""
@@ -332,7 +333,7 @@ def audit_claim_p_value(scores: np.ndarray, included: np.ndarray, epsilon: float
 def gdp_claim_p_value(scores: np.ndarray, included: np.ndarray, mu: float,
                       grid: Optional[Sequence[int]] = None) -> float:
     """P-value of the claim "the training is ``mu``-GDP" from the same guesses, in f-DP form
-    (``mia.audit.one_run_fdp_p_value``): the smallest over the grid times its size, capped at 1. At sample rate 1
+    (``one_run_fdp_p_value``): the smallest over the grid times its size, capped at 1. At sample rate 1
     DP-SGD is exactly a Gaussian mechanism (T steps of noise sigma: sqrt(T) / sigma-GDP per record, r times that for
     r copies), so there this is a rigorous check of the mechanism, as ``audit_claim_p_value`` is of the accountant."""
     grid = _grid(len(scores), grid)
@@ -364,7 +365,7 @@ def lower_bounds(scores: np.ndarray, included: np.ndarray, delta: float, epsilon
                  mu: Optional[float] = None) -> dict:
     """What one attack's scores on canaries inserted once prove: eps_lower (one run, ``audit_bound``) and the guesses
     per side k of its best setting; eps_lower_fdp (the same guesses in f-DP form, Gaussian curve); eps_lower_cp
-    (Clopper-Pearson, a heuristic here); eps_gdp (the Gaussian-DP estimate, ``mia.gdp.gdp_epsilon_estimate``; not a
+    (Clopper-Pearson, a heuristic here); eps_gdp (the Gaussian-DP estimate, ``gdp_epsilon_estimate``; not a
     bound); p_accountant, the one-run p-value of the accountant's claim ``epsilon`` (None without one); and, where
     the mechanism is exactly ``mu``-GDP (sample rate 1), p_gdp, the f-DP p-value of that claim (None otherwise)."""
     res = audit_bound(scores, included, delta)

@@ -112,7 +112,7 @@ MUTATIONS = (
              "    p = int(extreme.sum()) / (len(d) + 1)",
              ("tests/test_score_run.py::test_compare_two_attacks_and_two_runs",),
              "the paired bootstrap's p-value loses its +1 (p = 0 becomes possible)"),
-    Mutation("gdp-abs", "mia/gdp.py",
+    Mutation("gdp-abs", "mia/privacy/gdp.py",
              "    return float(max(np.max(mu), 0.0))",
              "    return float(max(np.max(np.abs(mu[np.isfinite(mu)]), initial=0.0), 0.0))",
              ("tests/test_audit_jax_privacy.py::test_gdp_estimate_against_jax_privacy",),

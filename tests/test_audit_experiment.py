@@ -10,8 +10,8 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from experiments import audit
-from mia.audit import AuditViolation
-from mia.gdp import gdp_epsilon_estimate
+from mia.privacy.one_run import AuditViolation
+from mia.privacy.gdp import gdp_epsilon_estimate
 from mia.metrics import epsilon_lower_bound
 from mia.testbed import dp, preset
 
@@ -27,7 +27,7 @@ def _model(eps=math.inf, noise=None, delta=1e-3, group=None):
 def test_audit_grid_and_bound_by_hand():
     """The grid is fixed by m alone; the bound is the best one-run epsilon over it, each guess count k ("in" for the
     k highest scores, "out" for the k lowest) tested at alpha / (grid size), recomputed here from the counts."""
-    from mia.audit import one_run_epsilon
+    from mia.privacy.one_run import one_run_epsilon
 
     assert audit.audit_grid(1000) == [12, 25, 50, 100, 400] and audit.audit_grid(40) == [1, 2, 4, 16]
     assert audit.audit_grid(2) == [1] and all(2 * k <= 7 for k in audit.audit_grid(7))

@@ -13,7 +13,7 @@ import pytest
 
 from experiments import audit
 from experiments.common import ExperimentError
-from mia.audit import one_run_epsilon, one_run_fdp_mu, one_run_fdp_p_value, one_run_fdp_rejects
+from mia.privacy.one_run import one_run_epsilon, one_run_fdp_mu, one_run_fdp_p_value, one_run_fdp_rejects
 from mia.testbed import TestbedError, dp, preset
 from mia.testbed import finetune as ft
 

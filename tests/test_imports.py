@@ -130,8 +130,8 @@ def test_relative_imports_resolve_to_modules():
 FLOORS = (
     ("mia.version", "mia.atomic", "mia.validate", "mia.offline", "mia.flops", "mia.sharding"),  # foundations
     ("mia.cache_limit", "mia.file_hash"),  # the on-disk caches' bookkeeping
-    ("mia.metrics", "mia.gdp", "mia.audit", "mia.exposure", "mia.report", "mia.results",
-     "mia.documents"),  # statistics of scores: ROC, bounds, tables, plots (no model)
+    ("mia.metrics", "mia.privacy", "mia.report", "mia.results", "mia.documents"),  # statistics of scores: ROC,
+    # privacy bounds, tables, plots (no model)
     ("mia.models",),  # model families, loading, attention kernels
     ("mia.data", "mia.engine"),  # examples and splits; the scoring engine
     ("mia.attacks", "mia.blind", "mia.commands"),  # attacks; blind baselines; what every entry point shares
@@ -214,8 +214,8 @@ def test_the_private_import_check_sees_one():
     planted = {"mia.engine.plan": "from ..models.hub import Model, _dtypes\n",
                "mia.attacks.lowercase": "from . import _texts\nfrom ._texts import texts_stats\n"
                                         "from ..metrics import __doc__\n",
-               "mia.gdp": "from .metrics import _check as check\n"}
-    assert private_names_imported_across_modules(planted) == ["mia.engine.plan:1 _dtypes", "mia.gdp:1 _check"]
+               "mia.privacy.gdp": "from ..metrics import _check as check\n"}
+    assert private_names_imported_across_modules(planted) == ["mia.engine.plan:1 _dtypes", "mia.privacy.gdp:1 _check"]
 
 
 def private_imports_of_mia(paths) -> list:
