@@ -51,7 +51,7 @@ from mia.attacks import COSTS, AttackError, AttackInputs, available, check_attac
 from mia.attacks.registry import NEED_DESCRIPTIONS
 from mia.blind import run_blind, shift_verdict
 from mia.checkpoints import IDENTICAL_FLAG, ArgumentError
-from mia.commands import add_compile_cache_flag, run_for_user
+from mia.entry import add_compile_cache_flag, run_for_user
 from mia.data.splits import read_split
 from mia.file_hash import check_cache_dir, sha256_of_file
 from mia.metrics import N_RESAMPLES
@@ -225,7 +225,7 @@ def check_model_dir(path, flag: str) -> Path:
 
 def run_main(fn: Callable[[], object], *, debug: bool = False, compile_cache: bool = True,
              on_interrupt: str = "interrupted; rerun the same command: finished work is cached and reused"):
-    """``(status, result)`` of ``fn()`` through ``mia.commands.run_for_user``: one ``error: ...`` line and status 2 for
+    """``(status, result)`` of ``fn()`` through ``mia.entry.run_for_user``: one ``error: ...`` line and status 2 for
     bad input, 130 on Ctrl-C. It also turns on JAX's persistent compilation cache (``mia.engine.compile_cache``: every
     checkpoint of one model size and every rerun reuse compiled code; ``--no-compile-cache`` or
     ``MIA_COMPILE_CACHE=0`` turn it off). The cache directory (``$MIA_CACHE_DIR`` or ~/.cache/mia) is made and

@@ -12,7 +12,7 @@ import sys
 from . import cache_limit
 from . import validate as V
 from .blind.cli import add_blind_parser
-from .commands import USER_ERRORS, add_compile_cache_flag, run_for_user
+from .entry import USER_ERRORS, add_compile_cache_flag, run_for_user
 from .data.cli import add_split_parser
 from .data.sources import check_data_path, parse_column_map
 from .documents import check_document_records, check_train_documents, score_documents, write_document_scores

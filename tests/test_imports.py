@@ -134,7 +134,7 @@ FLOORS = (
     # privacy bounds, tables, plots (no model)
     ("mia.models",),  # model families, loading, attention kernels
     ("mia.data", "mia.engine"),  # examples and splits; the scoring engine
-    ("mia.attacks", "mia.blind", "mia.commands"),  # attacks; blind baselines; what every entry point shares
+    ("mia.attacks", "mia.blind", "mia.entry"),  # attacks; blind baselines; what every entry point shares
     ("mia.testbed", "mia.doctor"),  # the embedded testbed; mia doctor
     ("mia.api", "mia.checkpoints"),  # the Python API; checkpoint finding
     ("mia.cli", "mia", "mia.__main__"),  # the command line and the package's own namespace

@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache under the mia cache dir, so a second run does not recompile the same programs.
 
 Every command-line entry point (``mia ...``, ``python -m mia.testbed``, ``python -m experiments.*``) turns it on
-through ``enable_compile_cache`` before anything compiles (``mia.commands.run_for_user`` does it). Compiled executables
+through ``enable_compile_cache`` before anything compiles (``mia.entry.run_for_user`` does it). Compiled executables
 go to ``<mia cache dir>/xla`` (``$MIA_CACHE_DIR`` or ``~/.cache/mia``; see ``mia.file_hash.default_cache_dir``). JAX
 keys
 each entry by the program, the compile options, the backend and the jax/jaxlib versions, so an entry is never used
