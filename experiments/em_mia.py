@@ -12,7 +12,7 @@ AUC of each split.
    model never sees a position it was not trained at). OLMo (``--olmo``): the OLMoMIA recipe
    (docs/algorithms.md#difficulty): instances from steps [0, 100k) (members) and [400k, 450k) (non-members) of
    ``global_indices``, each reduced to its first document strictly between two EOS with L/2 < length <= L
-   (L = 128), ``mia.data.olmo``; the model is the checkpoint at ``--steps`` (400k), which has seen the members and
+   (L = 128), ``mia.data.olmo_order``; the model is the checkpoint at ``--steps`` (400k), which has seen the members and
    not the non-members. Texts that occur twice in the pool are dropped (a text both trained on and held out has no
    label).
 2. The six splits: ``mia.data.difficulty`` (MiniLM embeddings, spherical k-means per class, the distance filter,
@@ -192,9 +192,9 @@ def olmo_steps(member_steps: str, nonmember_steps: str, step: Optional[int]) -> 
 def olmo_pool(global_indices, data_paths, *, model_step: int, member_steps: tuple, nonmember_steps: tuple,
               pool: int, n_prefix: int, doc_len: int, eos: int, batch_size: int, seq_len: int, seed: int,
               candidates: Optional[int] = None) -> tuple:
-    """(header, pool examples, prefix examples, notes, drawn positions) by the OLMoMIA recipe (``mia.data.olmo``
+    """(header, pool examples, prefix examples, notes, drawn positions) by the OLMoMIA recipe (``mia.data.olmo_order``
     documents); ``header`` describes the whole draw, ``file_header`` makes each file's."""
-    from mia.data.olmo import OlmoOrder, draw_checkpoint_split
+    from mia.data.olmo_order import OlmoOrder, draw_checkpoint_split
 
     check_olmo_request(model_step, member_steps, nonmember_steps, global_indices, data_paths)
     order = OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
