@@ -75,7 +75,7 @@ from mia.testbed.config import canary_kinds
 
 from mia.checkpoints import check_checkpoints, check_testbed_checkpoints
 from mia.data.draw import draw_testbed_split, SplitSizes
-from experiments.common import (check_paths, experiment_parser, ExperimentError, run_main, say_fn, score_split,
+from experiments.harness import (check_paths, experiment_parser, ExperimentError, run_main, say_fn, score_split,
                                 select_attacks, Timings, write_json, write_manifest, write_tables)
 
 NON_PRIVATE = "non-private"

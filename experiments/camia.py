@@ -56,7 +56,7 @@ from mia.report import csv_text
 from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, memorized_checkpoint, open_members,
                              pick_members)
 from mia.data.draw import check_token_ids, without_label_conflicts
-from experiments.common import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, check_model_dir, check_paths,
+from experiments.harness import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, check_model_dir, check_paths,
                                 flags_named,
                                 check_suite_steps, experiment_parser, ExperimentError, identical_note, one_step,
                                 run_blind_baselines, run_main, say_fn, score_split, select_attacks, sha_file, Timings,

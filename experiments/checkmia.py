@@ -39,7 +39,7 @@ from mia.testbed import build_testbed
 
 from mia.checkpoints import check_testbed_checkpoints, memorized_checkpoint
 from mia.data.draw import draw_testbed_split, SplitSizes
-from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, add_model_flags, check_paths, experiment_parser,
+from experiments.harness import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, add_model_flags, check_paths, experiment_parser,
                                 ExperimentError, fmt, one_step, plot_roc, run_blind_baselines, run_main, say_fn,
                                 score_split, select_attacks as _select, sha_file, Timings, TRAIN_STEPS_MAX,
                                 TRAIN_STEPS_TYPE, versions, write_json)

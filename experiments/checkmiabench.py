@@ -48,7 +48,7 @@ from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, count
                              olmo_checkpoint, olmo_order_settings, open_members, pick_members, select_pythia, size_name)
 from mia.data.draw import (check_token_ids, draw_olmo_split, draw_pythia_split, draw_testbed_split,
                            drop_label_conflicts, drop_learned_duplicates, SplitSizes)
-from experiments.common import (flags_named, BLIND_FEATURES, DEFAULT_BOOTSTRAP, PYTHIA_ORDER_HINT, add_identical_flag,
+from experiments.harness import (flags_named, BLIND_FEATURES, DEFAULT_BOOTSTRAP, PYTHIA_ORDER_HINT, add_identical_flag,
                                 add_model_flags, add_olmo_flags, argv_or_sys, check_paths, check_suite_steps,
                                 default_out, experiment_parser, ExperimentError, identical_note, require_order,
                                 run_blind_baselines, run_main, say_fn, score_split, select_attacks, sha_file, Timings,

@@ -27,7 +27,7 @@ import numpy as np
 
 from mia.results import read_scores
 
-from experiments.common import ExperimentError, plot_lines, write_tables
+from experiments.harness import ExperimentError, plot_lines, write_tables
 
 RECENCY_COLUMNS = ("model", "step", "method", "bin", "age_lo", "age_hi", "n_members", "auc", "auc_se", "auc_ci_low",
                    "auc_ci_high")
@@ -249,7 +249,7 @@ def curves_from_results(results_dir, n_bins: int, n_resamples: int, seed: int) -
 def build_parser():
     from mia import validate as V
 
-    from experiments.common import BOOTSTRAP_TYPE, DEFAULT_BOOTSTRAP, SEED_TYPE
+    from experiments.harness import BOOTSTRAP_TYPE, DEFAULT_BOOTSTRAP, SEED_TYPE
 
     p = V.OneLineParser(prog="python -m experiments.curves", description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="a python -m experiments.checkmiabench results directory")
@@ -262,7 +262,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from experiments.common import check_paths, run_main
+    from experiments.harness import check_paths, run_main
 
     args = build_parser().parse_args(argv)
     args.bins = 8 if args.bins is None else args.bins

@@ -53,7 +53,7 @@ from mia.metrics import metric_rows
 from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, memorized_checkpoint, olmo_checkpoint,
                              olmo_order_settings, open_members, pick_members)
 from mia.data.draw import check_token_ids, draw_testbed_split, SplitSizes
-from experiments.common import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, add_olmo_flags, check_paths,
+from experiments.harness import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, add_olmo_flags, check_paths,
                                 flags_named,
                                 check_suite_steps, experiment_parser, ExperimentError, identical_note, one_step,
                                 run_blind_baselines, run_main, say_fn, score_split, select_attacks, sha_file, Timings,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import audit
-from experiments.common import ExperimentError
+from experiments.harness import ExperimentError
 from mia.privacy.one_run import one_run_epsilon, one_run_fdp_mu, one_run_fdp_p_value, one_run_fdp_rejects
 from mia.testbed import TestbedError, dp, preset
 from mia.testbed import finetune as ft
