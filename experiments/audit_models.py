@@ -85,6 +85,7 @@ class FinetunePreset:
 
 ALL_KINDS = ("new", "tokens", "words", "unigram", "bigram", "sampled")
 
+
 def kinds_groups(n: int) -> tuple:
     return tuple((k, 1, n) for k in ALL_KINDS)
 
