@@ -77,8 +77,9 @@ from experiments.audit_models import (CONTRAST, EXPOSURE_KINDS, FT_PRESETS, PRES
 from experiments.audit_report import (add_ideal, findings, kinds_table, plot_eps_lower, plot_exposure, plot_kinds,
                                       plot_vs_epsilon, report_markdown, targets, COLUMNS, EXPOSURE_COLUMNS,
                                       KINDS_COLUMNS, REPS_COLUMNS)
-from experiments.harness import (check_paths, experiment_parser, ExperimentError, run_main, say_fn, select_attacks,
-                                 Timings, write_json, write_manifest, write_tables)
+from mia.attacks.catalog import select_attacks
+from experiments.harness import (check_paths, experiment_parser, ExperimentError, run_and_report, say_fn, Timings,
+                                 write_json, write_manifest, write_tables)
 
 SETTINGS = ("finetune", "pretrain")
 
@@ -464,20 +465,19 @@ def _floats(v, flag: str) -> Optional[list]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    status, s = run_main(lambda: run(a.preset, a.out, setting=a.setting, testbed_dir=a.testbed_dir,
-                                     noises=_floats(a.noises, "--noises"), epsilons=_floats(a.epsilons, "--epsilons"),
-                                     attacks=a.attacks, delta=a.delta, seed=a.seed, bootstrap=a.bootstrap,
-                                     progress=not a.no_progress, strict=False, argv=argv, primary=a.primary,
-                                     reps=a.reps),
-                         debug=a.debug, compile_cache=not a.no_compile_cache)
-    if status:
-        return status
-    print(report_markdown(s))
-    if s["violations"]:
-        for v in s["violations"]:
-            print(f"PRIVACY AUDIT VIOLATION: {v}", file=sys.stderr)
-        return 3
-    return 0
+    return run_and_report(lambda: run(a.preset, a.out, setting=a.setting, testbed_dir=a.testbed_dir,
+                                      noises=_floats(a.noises, "--noises"), epsilons=_floats(a.epsilons, "--epsilons"),
+                                      attacks=a.attacks, delta=a.delta, seed=a.seed, bootstrap=a.bootstrap,
+                                      progress=not a.no_progress, strict=False, argv=argv, primary=a.primary,
+                                      reps=a.reps),
+                          a, report_markdown, exit_status=violations_status)
+
+
+def violations_status(s: dict) -> int:
+    """3 when the audit rejected a claim (each violation one line on stderr), else 0."""
+    for v in s["violations"]:
+        print(f"PRIVACY AUDIT VIOLATION: {v}", file=sys.stderr)
+    return 3 if s["violations"] else 0
 
 
 if __name__ == "__main__":

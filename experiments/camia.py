@@ -61,11 +61,11 @@ from mia.data.mimir import mimir_examples, mimir_index, mimir_listing, mimir_pic
 from mia.testbed.row_documents import domain_of, row_documents
 from experiments.camia_report import (BASELINES, DISPLAY, TABLE2_METHODS, cell, method_order, report_markdown,
                                       table1_rows, table2_rows, value_rows)
+from mia.attacks.catalog import select_attacks
 from experiments.harness import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, check_model_dir, check_paths,
-                                flags_named,
-                                check_suite_steps, experiment_parser, ExperimentError, identical_note, one_step,
-                                run_blind_baselines, run_main, say_fn, score_split, select_attacks, sha_file, Timings,
-                                write_json, write_manifest, write_tables)
+                                 flags_named, check_suite_steps, experiment_parser, ExperimentError, identical_note,
+                                 one_step, run_blind_baselines, run_and_report, say_fn, score_split, sha_file, Timings,
+                                 write_json, write_manifest, write_tables)
 
 MIN_TABLE2_NONMEMBERS = 20  # fewer non-members after an n-gram filter leave no meaningful TPR@1%FPR
 NGRAM_SPLITS = (("ngram_7_0.2", 7, 0.2), ("ngram_13_0.2", 13, 0.2), ("ngram_13_0.8", 13, 0.8))
@@ -544,18 +544,13 @@ def main(argv=None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     step = one_step(ap, a.steps, "camia")
-    status, s = run_main(lambda: run(
+    return run_and_report(lambda: run(
         a.preset, a.out, testbeds=a.testbed or [], suite_dir=a.suite_dir, member=a.member, step=step,
         domains=_csv(a.domains), n_domains=a.n_domains, n_members=a.n_members, n_nonmembers=a.n_nonmembers,
         draws=a.draws, memorize_epochs=a.memorize_epochs, mimir=a.mimir, model_dir=a.model, ref_model=a.ref_model,
         mlm=a.mlm, split=a.split, table2_domains=_csv(a.table2_domains), max_per_class=a.max_per_class,
         blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap, progress=not a.no_progress,
-        allow_identical_checkpoints=a.allow_identical_checkpoints, argv=argv),
-        debug=a.debug, compile_cache=not a.no_compile_cache)
-    if status:
-        return status
-    print(report_markdown(s))
-    return 0
+        allow_identical_checkpoints=a.allow_identical_checkpoints, argv=argv), a, report_markdown)
 
 
 if __name__ == "__main__":
