@@ -60,7 +60,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from mia.atomic import write_text
+from mia.files.atomic import write_text
 from mia.checkpoints import check_checkpoints, check_testbed_checkpoints
 from mia.data.draw import draw_testbed_split, SplitSizes
 from mia.privacy.claims import (ALPHA, ANY_LEVEL, NON_PRIVATE, Primary, above_accountant, checked_grid, family_bounds,

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from mia.atomic import write_text
+from mia.files.atomic import write_text
 from mia.metrics import metric_rows
 from mia.privacy.claims import (ANY_LEVEL, NO_BOUNDS, NON_PRIVATE, Primary, bounds_by_reps, lower_bounds)
 from mia.privacy.exposure import exposure_by_reps, exposure_sampled, exposure_skewnorm

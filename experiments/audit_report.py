@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from mia.atomic import save_figure
+from mia.files.atomic import save_figure
 from mia.privacy.claims import ALPHA, NON_PRIVATE, ideal_primary
 from mia.report import markdown, pyplot
 

@@ -49,7 +49,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 import mia
-from mia.atomic import save_npz, write_text
+from mia.files.atomic import save_npz, write_text
 from mia.attacks import camia
 from mia.report import csv_text
 

@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 
 import mia
-from mia.atomic import write_text
+from mia.files.atomic import write_text
 from mia.data.splits import write_split
 from mia.metrics import metric_rows, summary_row
 from mia.testbed import build_testbed

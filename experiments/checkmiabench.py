@@ -38,14 +38,14 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 import mia
-from mia.atomic import write_text
+from mia.files.atomic import write_text
 from mia.attacks.catalog import select_attacks
 from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, count_params, memorized_checkpoint,
                              olmo_checkpoint, olmo_order_settings, open_members, pick_members, select_pythia, size_name)
 from mia.data.draw import (check_token_ids, draw_olmo_split, draw_pythia_split, draw_testbed_split,
                            drop_label_conflicts, drop_learned_duplicates, SplitSizes)
 from mia.data.splits import write_split
-from mia.file_hash import default_cache_dir
+from mia.files.hashing import default_cache_dir
 from mia.metrics import metric_rows
 
 from experiments import curves

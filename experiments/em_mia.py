@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 import mia
-from mia.atomic import write_text
+from mia.files.atomic import write_text
 from mia.data.splits import DROPPED_ROWS, partition_counts, read_split
 from mia.metrics import metric_rows
 
@@ -494,7 +494,7 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
 
 def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonmember_steps, ref_model, step, eos,
                 batch_size, seq_len, seed, notes) -> tuple:
-    from mia.file_hash import default_cache_dir
+    from mia.files.hashing import default_cache_dir
     from mia.models.hub import load_config
 
     ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)

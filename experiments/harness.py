@@ -47,12 +47,12 @@ from tqdm.auto import tqdm
 import mia
 from mia import report
 from mia import validate as V
-from mia.atomic import save_figure
+from mia.files.atomic import save_figure
 from mia.blind import run_blind, shift_verdict
 from mia.checkpoints import IDENTICAL_FLAG, ArgumentError
 from mia.entry import add_compile_cache_flag, run_for_user
 from mia.data.splits import read_split
-from mia.file_hash import check_cache_dir, sha256_of_file
+from mia.files.hashing import check_cache_dir, sha256_of_file
 from mia.metrics import N_RESAMPLES
 from mia.report import json_safe, write_json
 from mia.testbed import build_testbed
@@ -228,7 +228,7 @@ def run_main(fn: Callable[[], object], *, debug: bool = False, compile_cache: bo
     bad input, 130 on Ctrl-C. It also turns on JAX's persistent compilation cache (``mia.engine.compile_cache``: every
     checkpoint of one model size and every rerun reuse compiled code; ``--no-compile-cache`` or
     ``MIA_COMPILE_CACHE=0`` turn it off). The cache directory (``$MIA_CACHE_DIR`` or ~/.cache/mia) is made and
-    proved writable first (``mia.file_hash.check_cache_dir``): an unusable one is the run's one error line."""
+    proved writable first (``mia.files.hashing.check_cache_dir``): an unusable one is the run's one error line."""
     return run_for_user(fn, debug=debug, on_interrupt=on_interrupt, compile_cache=compile_cache,
                         check_first=lambda: check_cache_dir(error=ExperimentError))
 
@@ -339,7 +339,7 @@ def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Seque
 
 # ============================================================================================ outputs
 def sha_file(path) -> str:
-    """Hex SHA-256 of the whole file (``mia.file_hash``)."""
+    """Hex SHA-256 of the whole file (``mia.files.hashing``)."""
     return sha256_of_file(path)
 
 

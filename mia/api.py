@@ -29,9 +29,9 @@ from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
 from .sharding import make_mesh, parse_mesh
-from . import cache_limit
+from .files import cache_limit
 from .doctor import CHECKS as DOCTOR_CHECKS, doctor as run_doctor
-from .file_hash import check_cache_dir
+from .files.hashing import check_cache_dir
 from .models.hub import Model
 from .models.hub import load as load_checkpoint
 from .results import ScoreRun
@@ -168,7 +168,7 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     ``bucket_step`` rows above this length are padded to multiples of it (0: powers of two; speed only)
     ``cache`` / ``cache_dir``  the on-disk score cache (default ``$MIA_CACHE_DIR`` or ``~/.cache/mia``)
     ``cache_max_gb``  the cache's size limit for this process (default ``$MIA_CACHE_MAX_GB`` or 5; least recently
-                   used entries are evicted, ``mia.cache_limit``)
+                   used entries are evicted, ``mia.files.cache_limit``)
     ``ref_model`` / ``mlm`` / ``freq_corpus``  the extra inputs of ``ref``, ``neighbor``, ``dcpdd``
     ``on_error``   "raise" (default): a missing input or failing attack stops the run; "skip": it is recorded
                    in ``ScoreRun.skipped`` with its reason and the others go on

@@ -126,7 +126,7 @@ def fake_hub(tmp: Path) -> Path:
 
 
 def _env_case(tmp, monkeypatch, capsys, env: dict, command: str, counts: dict):
-    from mia import cache_limit
+    from mia.files import cache_limit
     from mia.cli import main
 
     monkeypatch.setattr(cache_limit, "_warned_env", False)

@@ -55,7 +55,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..atomic import write_text
+from ..files.atomic import write_text
 from ..privacy.exposure import exposure_sampled, exposure_skewnorm
 from .config import TestbedConfig, TestbedError, canary_kinds
 from .tokenizer import reserved_ids

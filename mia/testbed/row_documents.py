@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from ..atomic import save_npz
+from ..files.atomic import save_npz
 from .config import TestbedError
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from .atomic import is_temporary, write_json
-from .validate import InputError
+from ..validate import InputError
 
 ENV_MAX_GB = "MIA_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 5.0
