@@ -237,3 +237,10 @@ def private_imports_of_mia(paths) -> list:
 
 def test_experiments_use_only_public_names_of_mia():
     assert private_imports_of_mia(sorted((ROOT / "experiments").glob("*.py"))) == []
+
+
+def test_no_experiment_module_is_over_600_lines():
+    """An experiment is parse, build, run, report; what is library work lives in ``mia`` (docs/architecture.md)."""
+    long = {p.name: n for p in sorted((ROOT / "experiments").glob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
+    assert long == {}, f"move library work into mia or tables/report into NAME_report.py: {long}"
