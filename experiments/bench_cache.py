@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mia.atomic import save_npz
+from mia.files.atomic import save_npz
 from mia.engine.cache import StatsCache
 from mia.engine.stats import STAT_NAMES
 

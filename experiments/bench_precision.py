@@ -37,8 +37,9 @@ from mia.metrics import auc as roc_auc
 
 from mia.checkpoints import memorized_checkpoint, open_members, pick_members
 from mia.data.draw import draw_testbed_split, SplitSizes
-from .common import (flags_named, experiment_parser, ExperimentError, fmt, MEMORIZE_EPOCHS_MAX, MEMORIZE_TYPE, run_main,
-                     select_attacks, write_tables)
+from mia.attacks.catalog import select_attacks
+from .harness import (flags_named, experiment_parser, ExperimentError, fmt, MEMORIZE_EPOCHS_MAX, MEMORIZE_TYPE,
+                      run_main, write_tables)
 
 # attacks whose scores depend on the seed (random noise, sampling, augmentation): their float32 scores under another
 # seed are the yardstick for the bf16 change

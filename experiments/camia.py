@@ -49,31 +49,26 @@ from typing import Optional, Sequence
 import numpy as np
 
 import mia
-from mia.atomic import save_npz, write_text
+from mia.files.atomic import save_npz, write_text
 from mia.attacks import camia
 from mia.report import csv_text
 
 from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, memorized_checkpoint, open_members,
                              pick_members)
+from mia.attacks.camia_protocol import aggregate, draw_results
 from mia.data.draw import check_token_ids, without_label_conflicts
-from experiments.common import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, check_model_dir, check_paths,
-                                flags_named,
-                                check_suite_steps, experiment_parser, ExperimentError, identical_note, one_step,
-                                run_blind_baselines, run_main, say_fn, score_split, select_attacks, sha_file, Timings,
-                                write_json, write_manifest, write_tables)
+from mia.data.mimir import mimir_examples, mimir_index, mimir_listing, mimir_pick
+from mia.testbed.row_documents import domain_of, row_documents
+from experiments.camia_report import (BASELINES, DISPLAY, TABLE2_METHODS, cell, method_order, report_markdown,
+                                      table1_rows, table2_rows, value_rows)
+from mia.attacks.catalog import select_attacks
+from experiments.harness import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, check_model_dir, check_paths,
+                                 flags_named, check_suite_steps, experiment_parser, ExperimentError, identical_note,
+                                 one_step, run_blind_baselines, run_and_report, say_fn, score_split, sha_file, Timings,
+                                 write_json, write_manifest, write_tables)
 
-BASELINES = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "ref", "neighbor")  # the paper's K = 20 for Min-K%
-COMBINERS = ("edgington", "fisher", "pearson", "george")
-DISPLAY = {"blind": "Blind (BoW + LR, 80/20)", "loss": "LOSS", "zlib": "Zlib", "mink:k=0.2": "Min-K% (k=0.2)",
-           "minkpp:k=0.2": "Min-K%++ (k=0.2)", "ref": "Reference", "neighbor": "Neighborhood",
-           "camia:edgington": "CAMIA (Edgington)", "camia:fisher": "CAMIA (Fisher)",
-           "camia:pearson": "CAMIA (Pearson)", "camia:george": "CAMIA (George)",
-           "camia_lr": "CAMIA (LR + group PCA, c=2; members too)"}
-TABLE2_METHODS = ("loss", "zlib", "mink:k=0.2", "minkpp:k=0.2", "camia:edgington", "camia:george")
 MIN_TABLE2_NONMEMBERS = 20  # fewer non-members after an n-gram filter leave no meaningful TPR@1%FPR
 NGRAM_SPLITS = (("ngram_7_0.2", 7, 0.2), ("ngram_13_0.2", 13, 0.2), ("ngram_13_0.8", 13, 0.8))
-MIMIR_CACHES = ("cache_100_200_1000_512", "cache_100_200_10000_512")
-_MIMIR_NAME = re.compile(r"^(?P<domain>.+?)(?:_(?P<split>ngram_\d+_[0-9.]+))?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,82 +97,6 @@ PRESETS = {
 
 
 # ============================================================================================ the testbed's domains
-@dataclasses.dataclass(frozen=True)
-class RowDocuments:
-    """Which corpus document each row of a testbed's order comes from."""
-
-    paths: tuple  # document paths (corpus order)
-    doc: np.ndarray  # [n_rows] int: index into ``paths`` of the document holding most of row i's tokens
-    share: np.ndarray  # [n_rows] float: the fraction of row i's tokens from that document
-
-
-def domain_of(path: str) -> str:
-    """The top-level name of a corpus path: its package (``asyncio/base_events.py`` -> ``asyncio``) or, for a
-    top-level file, its module name (``argparse.py`` -> ``argparse``)."""
-    head = path.split("/", 1)[0]
-    if "/" not in path:
-        head = head.split("#", 1)[0]
-        for suffix in (".py", ".txt", ".md"):
-            if head.endswith(suffix):
-                return head[: -len(suffix)]
-    return head
-
-
-def majority_documents(packed_rows: np.ndarray, doc_lengths: np.ndarray, row_len: int) -> tuple:
-    """(doc [R], share [R]) of packed rows: ``packed_rows`` are row numbers in the packed token stream (row p holds
-    stream tokens [p*row_len, (p+1)*row_len)); document j holds ``doc_lengths[j]`` stream tokens (its EOD included)."""
-    starts = np.concatenate([[0], np.cumsum(np.asarray(doc_lengths, np.int64))])
-    lo = np.asarray(packed_rows, np.int64) * row_len
-    d0 = np.searchsorted(starts, lo, side="right") - 1
-    d1 = np.searchsorted(starts, lo + row_len - 1, side="right") - 1
-    doc, share = d0.copy(), np.ones(len(lo))
-    for i in np.flatnonzero(d0 != d1):
-        js = np.arange(d0[i], d1[i] + 1)
-        overlap = np.minimum(starts[js + 1], lo[i] + row_len) - np.maximum(starts[js], lo[i])
-        k = int(np.argmax(overlap))
-        doc[i], share[i] = js[k], overlap[k] / row_len
-    return doc, share
-
-
-def row_documents(tb, progress: bool = False) -> RowDocuments:
-    """The document of every row of testbed ``tb``'s order, re-derived (the testbed does not record it): the corpus
-    is re-read and re-tokenized, packed as ``mia.testbed.packing`` packs it, and each row of ``order.bin`` is matched
-    by content to its first occurrence in the packed stream (duplicate rows were kept once, first occurrence). A row
-    of the order missing from the re-packed stream stops the run. Cached in ``tb.root/cache``."""
-    from mia.data.corpus import load_corpus
-    from mia.testbed.packing import pack_rows
-    from mia.testbed.tokenizer import encode_documents
-
-    m = tb.manifest
-    key = f"{m['data']['bin']['sha256'][:16]}-{m['corpus']['sha256'][:16]}"
-    cache = tb.root / "cache" / f"row_documents-{key}.npz"
-    if cache.exists():
-        z = np.load(cache, allow_pickle=False)
-        return RowDocuments(tuple(str(p) for p in z["paths"]), z["doc"], z["share"])
-    cfg = tb.config
-    corpus = load_corpus(cfg.corpus, cfg.text_column, cfg.max_corpus_bytes)
-    if corpus.sha256 != m["corpus"]["sha256"]:
-        raise ExperimentError(f"{tb.root}: its corpus changed since the testbed was built (sha256 "
-                              f"{corpus.sha256[:12]} != {m['corpus']['sha256'][:12]}); cannot map rows to documents")
-    say_fn(progress)(f"mapping the rows of {tb.root} to their corpus documents (re-tokenizing {len(corpus)} documents)")
-    docs = encode_documents(tb.tokenizer(), corpus.texts)
-    packed = pack_rows(docs, tb.row_len)
-    first: dict = {}
-    for p in range(len(packed)):
-        first.setdefault(packed[p].tobytes(), p)
-    order = tb.dataset().get_rows(np.arange(tb.n_rows))
-    found = np.array([first.get(np.ascontiguousarray(r, np.uint16).tobytes(), -1) for r in order], np.int64)
-    if (found < 0).any():
-        i = int(np.flatnonzero(found < 0)[0])
-        raise ExperimentError(f"{tb.root}: row {i} of data/order.bin is not in the corpus re-packed with its tokenizer "
-                              f"({int((found < 0).sum())} such rows); cannot map rows to documents")
-    doc, share = majority_documents(found, np.array([len(d) + 1 for d in docs]), tb.row_len)
-    out = RowDocuments(tuple(d.path for d in corpus.documents), doc, share)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    save_npz(cache, paths=np.array(out.paths), doc=doc.astype(np.int32), share=share.astype(np.float32))
-    return out
-
-
 def choose_domains(row_domain: np.ndarray, member_rows: np.ndarray, nonmember_rows: np.ndarray, n_members: int,
                    n_nonmembers: int, want) -> list:
     """Domain names to evaluate: ``want`` names them (each must have enough rows of both classes), or is a count
@@ -257,46 +176,6 @@ def ngram_masks(train_rows: np.ndarray, nonmember_tokens: Sequence, splits=NGRAM
 
 
 # ============================================================================================ MIMIR files
-def mimir_index(root) -> dict:
-    """{(domain, split): (member file, non-member file)} of MIMIR's cache layout under ``root``:
-    ``[cache_100_200_1000_512/]{train,test}/<domain>[_<split>].jsonl`` (train = members, test = non-members; split
-    "none" when the name has no ``_ngram_<n>_<t>`` suffix)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ExperimentError(f"--mimir {root}: not a directory")
-    bases = [root] if (root / "train").is_dir() else [root / c for c in MIMIR_CACHES if (root / c / "train").is_dir()]
-    found = {}
-    for base in bases:
-        for f in sorted((base / "train").glob("*.json*")):
-            other = base / "test" / f.name
-            m = _MIMIR_NAME.match(f.name.rsplit(".", 1)[0])
-            if m and other.exists():
-                found.setdefault((m.group("domain"), m.group("split") or "none"), (f, other))
-    if not found:
-        raise ExperimentError(f"--mimir {root}: no MIMIR files (expected "
-                              f"{MIMIR_CACHES[0]}/train/<domain>_<split>.jsonl "
-                              "with the same name under test/)")
-    return found
-
-
-def _listing(index: dict) -> str:
-    by: dict = {}
-    for d, s in sorted(index):
-        by.setdefault(d, []).append(s)
-    return "; ".join(f"{d} ({', '.join(v)})" for d, v in by.items())
-
-
-def mimir_pick(index: dict, domains: Optional[Sequence[str]], split: str) -> list:
-    """The (domain, split) keys to run: every requested domain must have ``split``; one line lists what is there."""
-    have = sorted({d for d, _ in index})
-    domains = list(domains) if domains else [d for d in have if (d, split) in index]
-    missing = [d for d in domains if (d, split) not in index]
-    if missing or not domains:
-        what = f"domain(s) {', '.join(missing)}" if missing else "any domain"
-        raise ExperimentError(f"the MIMIR files have no {what} with split {split!r}; domains there: {_listing(index)}")
-    return [(d, split) for d in domains]
-
-
 def mimir_request(root, domains: Optional[Sequence[str]], split: str, table2_domains) -> tuple:
     """(index, Table 1 keys, Table 2 domains) of a ``--mimir`` run, from the directory listing alone: every requested
     domain has the split, every Table 2 domain has files; one line naming what is missing and what is there."""
@@ -306,118 +185,11 @@ def mimir_request(root, domains: Optional[Sequence[str]], split: str, table2_dom
     unknown = [d for d in t2_domains if not any(k[0] == d for k in index)]
     if unknown:
         raise ExperimentError(f"--table2-domains: no MIMIR files for {', '.join(unknown)}; domains there: "
-                              f"{_listing(index)}")
+                              f"{mimir_listing(index)}")
     return index, keys, t2_domains
 
 
-def mimir_examples(member_file, nonmember_file, tokenizer, max_per_class: Optional[int], seed: int) -> tuple:
-    """(examples with text and token ids, notes): MIMIR texts (``mia.data.text.load_mimir``), at most
-    ``max_per_class`` per class (a seeded subsample), tokenized with the model's tokenizer defaults; texts of fewer
-    than 2 tokens are left out (noted), and so is a non-member text equal to a member text (the member kept, noted:
-    ``mia.score`` refuses one input labelled both, while MIMIR's member and non-member files may share a text)."""
-    from mia.data.text import load_mimir
-
-    ex, _ = load_mimir(member=str(member_file), nonmember=str(nonmember_file))
-    rng = np.random.default_rng([int(seed), 0x313])
-    out, notes = [], []
-    for label in (1, 0):
-        pool = [e for e in ex if e["label"] == label]
-        if max_per_class is not None and len(pool) > max_per_class:
-            pool = [pool[i] for i in np.sort(rng.choice(len(pool), max_per_class, replace=False))]
-        out += pool
-    short = 0
-    kept = []
-    for e in out:
-        e["tokens"] = [int(t) for t in tokenizer(e["text"])["input_ids"]]
-        if len(e["tokens"]) < 2:
-            short += 1
-            continue
-        kept.append(e)
-    if short:
-        notes.append(f"{Path(member_file).name}: {short} text(s) with fewer than 2 tokens left out")
-    kept, conflicts = without_label_conflicts(kept)
-    if conflicts:
-        notes.append(f"{Path(member_file).name}: {conflicts} non-member text(s) with the same text or token ids as a "
-                     "member text dropped (the member kept: one input cannot be both)")
-    return kept, notes
-
-
 # ============================================================================================ the protocol
-def calibration_draw(labels: np.ndarray, alpha: float, seed: int, i: int) -> tuple:
-    """(calib, remove, target) index arrays of draw ``i``: ``alpha`` of the non-members (calib), ``alpha`` of the
-    members (remove), the rest of both (target); ``numpy.random.default_rng([seed, i])`` permutations."""
-    rng = np.random.default_rng([int(seed), int(i)])
-    y = np.asarray(labels)
-    non, mem = rng.permutation(np.flatnonzero(y == 0)), rng.permutation(np.flatnonzero(y == 1))
-    k0, k1 = int(alpha * len(non)), int(alpha * len(mem))
-    return np.sort(non[:k0]), np.sort(mem[:k1]), np.sort(np.concatenate([non[k0:], mem[k1:]]))
-
-
-def _metrics(s: np.ndarray, y: np.ndarray) -> tuple:
-    """(AUC, TPR@1%FPR) over the finite scores, from one ROC curve (``mia.metrics.roc``): the area under it, and
-    the largest TPR among its points with FPR <= 1% (``mia.metrics.tpr_at_fpr``'s rule); NaN with one class."""
-    from sklearn.metrics import auc as area
-
-    from mia.metrics import roc
-
-    ok = np.isfinite(s)
-    if len(set(y[ok].tolist())) < 2:
-        return float("nan"), float("nan")
-    f, t = roc(s[ok], y[ok])
-    return float(area(f, t)), float(t[f <= 0.01 + 1e-12].max())
-
-
-def draw_results(scores: dict, signals: Optional[np.ndarray], labels: np.ndarray, *, draws: int, alpha: float,
-                 seed: int, subset: Optional[np.ndarray] = None, components: int = 2, diversity: str = "low",
-                 lr: bool = True) -> tuple:
-    """({method: {"auc": [draws], "tpr": [draws]}}, {method: reason skipped}) over ``draws`` calibration draws on
-    the examples ``subset`` (default: all). ``scores``: baseline scores [N] (higher = member); ``signals``: the 75
-    raw CAMIA signals [N, 75] (None: no CAMIA rows); ``lr``: also ``camia_lr`` (trained on calib + remove)."""
-
-    idx = np.arange(len(labels)) if subset is None else np.asarray(subset)
-    y_all = np.asarray(labels)
-    out: dict = {}
-    skipped: dict = {}
-    oriented = None if signals is None else np.asarray(signals, np.float64) * camia.orientation(diversity)
-    for i in range(draws):
-        cal, rem, tgt = (idx[j] for j in calibration_draw(y_all[idx], alpha, seed, i))
-        y = y_all[tgt]
-        per = {m: s[tgt] for m, s in scores.items()}
-        if oriented is not None:
-            n_cal = int(np.isfinite(oriented[cal]).all(1).sum())
-            if n_cal < camia.MIN_CALIB_FLOOR:
-                skipped["camia"] = (f"only {n_cal} calibration non-members with all 75 signals; CAMIA needs at "
-                                    f"least {camia.MIN_CALIB_FLOOR}")
-            else:
-                for c in COMBINERS:
-                    per[f"camia:{c}"] = camia.pvalue_scores(oriented[tgt], oriented[cal], c)
-            train = np.concatenate([cal, rem])
-            try:
-                if lr:
-                    per["camia_lr"] = camia.group_pca_lr_scores(oriented[train], y_all[train], oriented[tgt],
-                                                                components)
-            except camia.AttackError as e:
-                skipped["camia_lr"] = str(e)
-        for m, s in per.items():
-            a, t = _metrics(np.asarray(s, np.float64), y)
-            r = out.setdefault(m, {"auc": [], "tpr": []})
-            r["auc"].append(a)
-            r["tpr"].append(t)
-    return out, skipped
-
-
-def aggregate(per_draw: dict) -> dict:
-    """{"auc", "auc_sd", "tpr", "tpr_sd", "n_draws"}: mean and standard deviation (ddof = 1) over the draws."""
-    out = {}
-    for k in ("auc", "tpr"):
-        v = np.asarray(per_draw[k], np.float64)
-        v = v[np.isfinite(v)]
-        out[k] = float(v.mean()) if v.size else None
-        out[f"{k}_sd"] = float(v.std(ddof=1)) if v.size > 1 else None
-    out["n_draws"] = int(np.isfinite(np.asarray(per_draw["auc"], np.float64)).sum())
-    return out
-
-
 def blind_result(examples: list, path: Path, header_source: dict, seed: int, n_resamples: int) -> tuple:
     """(row, None) of BoW + logistic regression on one seeded stratified 80/20 split of the dataset (``mia.blind``),
     or (None, why it did not run): the caller records the reason in ``skipped`` so the blind row never vanishes
@@ -433,92 +205,6 @@ def blind_result(examples: list, path: Path, header_source: dict, seed: int, n_r
         return None, f"BoW + LR did not run ({why})"
     return {"auc": run[0]["auc"], "auc_sd": None, "tpr": run[0]["tpr_at_1pct_fpr"], "tpr_sd": None, "n_draws": 1,
             "n_eval": run[0].get("n_eval"), "n_train": run[0].get("n_train")}, None
-
-
-# ============================================================================================ tables
-def _cell(mean, sd, scale: float = 1.0, digits: int = 3) -> str:
-    if mean is None:
-        return ""
-    s = f"{mean * scale:.{digits}f}"
-    return s + (f" ± {sd * scale:.{digits}f}" if sd is not None else "")
-
-
-def method_order(results: dict) -> list:
-    """Methods in the paper's row order (blind, baselines, CAMIA combiners, LR), those present anywhere."""
-    seen = {m for r in results.values() for m in r}
-    order = ["blind"] + list(BASELINES) + [f"camia:{c}" for c in COMBINERS] + ["camia_lr"]
-    return [m for m in order if m in seen] + sorted(m for m in seen if m not in order)
-
-
-def table1_rows(results: dict, datasets: Sequence[str]) -> list:
-    """Wide rows: method, then per dataset "<d> AUC" and "<d> TPR%" cells "mean ± sd"."""
-    rows = []
-    for m in method_order(results):
-        row = {"method": DISPLAY.get(m, m)}
-        for d in datasets:
-            r = results[d].get(m)
-            row[f"{d} AUC"] = _cell(r["auc"], r["auc_sd"]) if r else ""
-            row[f"{d} TPR%"] = _cell(r["tpr"], r["tpr_sd"], 100.0, 2) if r else ""
-        rows.append(row)
-    return rows
-
-
-def value_rows(results: dict, counts: dict) -> list:
-    """Long numeric rows: dataset, method, auc, auc_sd, tpr, tpr_sd, n_draws, n_members, n_nonmembers."""
-    rows = []
-    for d, res in results.items():
-        for m in method_order({d: res}):
-            r = res[m]
-            rows.append({"dataset": d, "method": m, **{k: r[k] for k in ("auc", "auc_sd", "tpr", "tpr_sd", "n_draws")},
-                         **counts.get(d, {})})
-    return rows
-
-
-def table2_rows(t2: dict) -> list:
-    """Rows per (domain, n-gram split): non-members kept, then TPR% and AUC of the Table 2 methods."""
-    rows = []
-    for (d, split), (res, n_non) in t2.items():
-        row = {"domain": d, "split": split, "n non-members": n_non}
-        for m in TABLE2_METHODS:
-            r = res.get(m)
-            row[f"{DISPLAY.get(m, m)} TPR%"] = _cell(r["tpr"], r["tpr_sd"], 100.0, 2) if r else ""
-        for m in TABLE2_METHODS:
-            r = res.get(m)
-            row[f"{DISPLAY.get(m, m)} AUC"] = _cell(r["auc"], r["auc_sd"]) if r else ""
-        rows.append(row)
-    return rows
-
-
-def report_markdown(s: dict) -> str:
-    L = [f"# CAMIA Table 1 / Table 2 ({s['setting']})", "", s["model"]["description"], ""]
-    L += [f"Protocol: {s['protocol']}", ""]
-    ds = s["datasets"]
-    L += ["## Table 1: TPR@1%FPR (%), mean ± sd over the calibration draws", ""]
-    L += ["| Attack | " + " | ".join(ds) + " |", "|---|" + "---:|" * len(ds)]
-    for r in s["table1_values_wide"]:
-        L.append(f"| {r['method']} | " + " | ".join(r["tpr"].get(d, "") for d in ds) + " |")
-    L += ["", "## Table 13: AUC, mean ± sd over the calibration draws", ""]
-    L += ["| Attack | " + " | ".join(ds) + " |", "|---|" + "---:|" * len(ds)]
-    for r in s["table1_values_wide"]:
-        L.append(f"| {r['method']} | " + " | ".join(r["auc"].get(d, "") for d in ds) + " |")
-    L += ["", "| dataset | members | non-members | " + " | ".join(k for k in s.get("dataset_info_keys", [])) + " |",
-          "|---|---:|---:|" + "---:|" * len(s.get("dataset_info_keys", []))]
-    for d in ds:
-        c = s["counts"][d]
-        extra = [str(s["dataset_info"].get(d, {}).get(k, "")) for k in s.get("dataset_info_keys", [])]
-        L.append(f"| {d} | {c['n_members']} | {c['n_nonmembers']} | " + " | ".join(extra) + " |")
-    if s.get("table2"):
-        L += ["", "## Table 2: n-gram overlap splits (TPR@1%FPR %, then AUC)", ""]
-        cols = list(s["table2"][0])
-        L += ["| " + " | ".join(cols) + " |", "|" + "---|" * 2 + "---:|" * (len(cols) - 2)]
-        for r in s["table2"]:
-            L.append("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    if s.get("skipped"):
-        L += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in s["skipped"].items()]
-    if s.get("notes"):
-        L += ["", "## Notes", ""] + [f"- {n}" for n in s["notes"]]
-    L += ["", "Numbers: `table1_values.csv`; timings: `timings.json`; inputs and hashes: `manifest.json`.", ""]
-    return "\n".join(L)
 
 
 # ============================================================================================ the run
@@ -645,9 +331,9 @@ def _finish(p: Preset, out: Path, results: dict, counts: dict, t2: dict, *, sett
     per_method = []
     for m in method_order(results):
         per_method.append({"method": DISPLAY.get(m, m),
-                           "tpr": {d: _cell(results[d][m]["tpr"], results[d][m]["tpr_sd"], 100.0, 2)
+                           "tpr": {d: cell(results[d][m]["tpr"], results[d][m]["tpr_sd"], 100.0, 2)
                                    for d in names if m in results[d]},
-                           "auc": {d: _cell(results[d][m]["auc"], results[d][m]["auc_sd"])
+                           "auc": {d: cell(results[d][m]["auc"], results[d][m]["auc_sd"])
                                    for d in names if m in results[d]}})
     protocol = (f"{p.draws} calibration draws (numpy default_rng([seed, i])): calib = {p.alpha:.0%} of the "
                 f"non-members (CAMIA p-values), remove = {p.alpha:.0%} of the members (camia_lr training only, with "
@@ -858,18 +544,13 @@ def main(argv=None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     step = one_step(ap, a.steps, "camia")
-    status, s = run_main(lambda: run(
+    return run_and_report(lambda: run(
         a.preset, a.out, testbeds=a.testbed or [], suite_dir=a.suite_dir, member=a.member, step=step,
         domains=_csv(a.domains), n_domains=a.n_domains, n_members=a.n_members, n_nonmembers=a.n_nonmembers,
         draws=a.draws, memorize_epochs=a.memorize_epochs, mimir=a.mimir, model_dir=a.model, ref_model=a.ref_model,
         mlm=a.mlm, split=a.split, table2_domains=_csv(a.table2_domains), max_per_class=a.max_per_class,
         blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap, progress=not a.no_progress,
-        allow_identical_checkpoints=a.allow_identical_checkpoints, argv=argv),
-        debug=a.debug, compile_cache=not a.no_compile_cache)
-    if status:
-        return status
-    print(report_markdown(s))
-    return 0
+        allow_identical_checkpoints=a.allow_identical_checkpoints, argv=argv), a, report_markdown)
 
 
 if __name__ == "__main__":

@@ -32,17 +32,18 @@ from typing import Optional
 import numpy as np
 
 import mia
-from mia.atomic import write_text
+from mia.files.atomic import write_text
 from mia.data.splits import write_split
 from mia.metrics import metric_rows, summary_row
 from mia.testbed import build_testbed
 
 from mia.checkpoints import check_testbed_checkpoints, memorized_checkpoint
 from mia.data.draw import draw_testbed_split, SplitSizes
-from experiments.common import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, add_model_flags, check_paths, experiment_parser,
-                                ExperimentError, fmt, one_step, plot_roc, run_blind_baselines, run_main, say_fn,
-                                score_split, select_attacks as _select, sha_file, Timings, TRAIN_STEPS_MAX,
-                                TRAIN_STEPS_TYPE, versions, write_json)
+from mia.attacks.catalog import select_attacks as catalog_select
+from experiments.harness import (BLIND_FEATURES, DEFAULT_BOOTSTRAP, add_model_flags, check_paths, experiment_parser,
+                                 ExperimentError, fmt, one_step, plot_roc, run_blind_baselines, run_and_report, say_fn,
+                                 score_split, sha_file, Timings, TRAIN_STEPS_MAX, TRAIN_STEPS_TYPE, versions,
+                                 write_json)
 
 # Examples per class in each partition, per preset (non-members only in calib / prefix).
 SIZES = {
@@ -72,7 +73,7 @@ def draw_split(tb, step: int, n_eval_members: int, n_eval_nonmembers: int, n_tra
 # ---------------------------------------------------------------------------------------------- attacks
 def select_attacks(spec: Optional[str], preset: str = "default"):
     """[(label, name, params)] to run and {name: reason} skipped."""
-    return _select(spec, max_cost=MAX_COST.get(preset, "heavy"), preset=preset)
+    return catalog_select(spec, max_cost=MAX_COST.get(preset, "heavy"), preset=preset)
 
 
 def recency_rows(loss: np.ndarray, evaluated: list, steps: dict, c: int, n_resamples: int, seed: int) -> list:
@@ -346,7 +347,7 @@ def main(argv=None) -> int:
     step = one_step(ap, args.steps, "checkmia")
     overrides = {k: v for k, v in (("corpus", args.corpus), ("train_steps", args.train_steps),
                                    ("batch_size", args.batch_size)) if v is not None}
-    status, s = run_main(
+    return run_and_report(
         lambda: (
             check_args(args)
             and run(
@@ -369,14 +370,10 @@ def main(argv=None) -> int:
                 argv=argv,
             )
         ),
-        debug=args.debug,
-        compile_cache=not args.no_compile_cache,
+        args,
+        report_markdown,
         on_interrupt="interrupted; rerun the same command: the testbed resumes and finished scoring batches are cached",
     )
-    if status:
-        return status
-    print(report_markdown(s))
-    return 0
 
 
 if __name__ == "__main__":

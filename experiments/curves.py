@@ -27,7 +27,7 @@ import numpy as np
 
 from mia.results import read_scores
 
-from experiments.common import ExperimentError, plot_lines, write_tables
+from experiments.harness import ExperimentError, plot_lines, write_tables
 
 RECENCY_COLUMNS = ("model", "step", "method", "bin", "age_lo", "age_hi", "n_members", "auc", "auc_se", "auc_ci_low",
                    "auc_ci_high")
@@ -249,7 +249,7 @@ def curves_from_results(results_dir, n_bins: int, n_resamples: int, seed: int) -
 def build_parser():
     from mia import validate as V
 
-    from experiments.common import BOOTSTRAP_TYPE, DEFAULT_BOOTSTRAP, SEED_TYPE
+    from experiments.harness import BOOTSTRAP_TYPE, DEFAULT_BOOTSTRAP, SEED_TYPE
 
     p = V.OneLineParser(prog="python -m experiments.curves", description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="a python -m experiments.checkmiabench results directory")
@@ -262,7 +262,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from experiments.common import check_paths, run_main
+    from experiments.harness import check_paths, run_and_report
 
     args = build_parser().parse_args(argv)
     args.bins = 8 if args.bins is None else args.bins
@@ -272,14 +272,12 @@ def main(argv=None) -> int:
         rec, sc = curves_from_results(args.results, args.bins, args.bootstrap, args.seed)
         return write_curves(args.results, rec, sc, Path(args.results).name), rec, sc
 
-    status, res = run_main(go, debug=args.debug, compile_cache=False)  # no model: nothing compiles
-    if status:
-        return status
-    paths, rec, sc = res
-    print(recency_sentence(recency_trends(rec)))
-    print(scale_sentence(scale_trends(sc)))
-    print("wrote " + ", ".join(str(v) for v in paths.values()))
-    return 0
+    def report(res) -> str:
+        paths, rec, sc = res
+        return "\n".join([recency_sentence(recency_trends(rec)), scale_sentence(scale_trends(sc)),
+                          "wrote " + ", ".join(str(v) for v in paths.values())])
+
+    return run_and_report(go, args, report, compile_cache=False)  # no model: nothing compiles
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ AUC of each split.
    model never sees a position it was not trained at). OLMo (``--olmo``): the OLMoMIA recipe
    (docs/algorithms.md#difficulty): instances from steps [0, 100k) (members) and [400k, 450k) (non-members) of
    ``global_indices``, each reduced to its first document strictly between two EOS with L/2 < length <= L
-   (L = 128), ``mia.data.olmo``; the model is the checkpoint at ``--steps`` (400k), which has seen the members and
+   (L = 128), ``mia.data.olmo_order``; the model is the checkpoint at ``--steps`` (400k), which has seen the members and
    not the non-members. Texts that occur twice in the pool are dropped (a text both trained on and held out has no
    label).
 2. The six splits: ``mia.data.difficulty`` (MiniLM embeddings, spherical k-means per class, the distance filter,
@@ -46,27 +46,22 @@ from typing import Optional, Sequence
 import numpy as np
 
 import mia
-from mia.atomic import write_text
+from mia.files.atomic import write_text
 from mia.data.splits import DROPPED_ROWS, partition_counts, read_split
 from mia.metrics import metric_rows
 
 from mia.checkpoints import (check_checkpoints, check_testbed_checkpoints, memorized_checkpoint, olmo_checkpoint,
                              olmo_order_settings, open_members, pick_members)
 from mia.data.draw import check_token_ids, draw_testbed_split, SplitSizes
-from experiments.common import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, add_olmo_flags, check_paths,
-                                flags_named,
-                                check_suite_steps, experiment_parser, ExperimentError, identical_note, one_step,
-                                run_blind_baselines, run_main, say_fn, score_split, select_attacks, sha_file, Timings,
-                                write_json, write_manifest, write_tables)
+from mia.attacks.catalog import select_attacks
+from experiments.harness import (DEFAULT_BOOTSTRAP, add_identical_flag, add_model_flags, add_olmo_flags, check_paths,
+                                 flags_named, check_suite_steps, experiment_parser, ExperimentError, identical_note,
+                                 one_step, run_blind_baselines, run_and_report, say_fn, score_split, sha_file, Timings,
+                                 write_json, write_manifest, write_tables)
+from experiments.em_mia_report import SPLITS, report_markdown, table_rows, value_rows
 
-SPLITS = ("random", "easy", "medium", "hard", "mix-1", "mix-2")
 INITS = ("loss", "ref", "zlib", "mink", "minkpp")
 MAX_SHOTS = 12  # ReCaLL's default n
-DISPLAY = {"loss": "Loss", "ref": "Ref", "zlib": "Zlib", "mink:k=0.2": "Min-K% (k=0.2)",
-           "minkpp:k=0.2": "Min-K%++ (k=0.2)", "recall_avg": "ReCaLL-Avg",
-           **{f"em_mia:init={i}": f"EM-MIA (init {n})" for i, n in
-              (("loss", "Loss"), ("ref", "Ref"), ("zlib", "Zlib"), ("mink", "Min-K%"), ("minkpp", "Min-K%++"))}}
-BLIND_FEATURES = {"bow": "Blind: BoW + LR", "bert": "Blind: MiniLM + LR"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +187,9 @@ def olmo_steps(member_steps: str, nonmember_steps: str, step: Optional[int]) -> 
 def olmo_pool(global_indices, data_paths, *, model_step: int, member_steps: tuple, nonmember_steps: tuple,
               pool: int, n_prefix: int, doc_len: int, eos: int, batch_size: int, seq_len: int, seed: int,
               candidates: Optional[int] = None) -> tuple:
-    """(header, pool examples, prefix examples, notes, drawn positions) by the OLMoMIA recipe (``mia.data.olmo``
+    """(header, pool examples, prefix examples, notes, drawn positions) by the OLMoMIA recipe (``mia.data.olmo_order``
     documents); ``header`` describes the whole draw, ``file_header`` makes each file's."""
-    from mia.data.olmo import OlmoOrder, draw_checkpoint_split
+    from mia.data.olmo_order import OlmoOrder, draw_checkpoint_split
 
     check_olmo_request(model_step, member_steps, nonmember_steps, global_indices, data_paths)
     order = OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
@@ -228,12 +223,6 @@ def attack_list(have_ref: bool, shots: int) -> tuple:
     return select_attacks(",".join(specs), unavailable=["mlm"] + ([] if have_ref else ["ref"]), reasons=reasons)
 
 
-def display(label: str) -> str:
-    if label.startswith("recall:n="):
-        return f"ReCaLL ({label.split('=', 1)[1]}-shot)"
-    return DISPLAY.get(label, label)
-
-
 def blind_split(split_path: Path, out_path: Path, seed: int) -> Path:
     """A copy of a split file with seeded, stratified train / eval halves (for the blind classifiers only)."""
     from mia.data.splits import partition_counts, read_split, write_split
@@ -262,64 +251,6 @@ def blind_rows(split_path: Path, features: Sequence[str], seed: int, bootstrap: 
             out[f] = {"auc": r["auc"], "auc_se": r["auc_se"], "tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"],
                       "n": r.get("n_eval")}
     return out, skipped
-
-
-# ============================================================================================ tables
-def table_rows(results: dict, models: Sequence[str], blind: dict, key: str) -> list:
-    """Rows {"model", "method", <split>: value}: the blind rows first, then each model's methods."""
-    rows = []
-    for f, name in BLIND_FEATURES.items():
-        if any(f in blind.get(s, {}) for s in SPLITS):
-            rows.append({"model": "-", "method": name,
-                         **{s: blind.get(s, {}).get(f, {}).get(key) for s in SPLITS}})
-    for m in models:
-        labels = list(dict.fromkeys(lbl for s in SPLITS for lbl in results[m].get(s, {})))
-        for lbl in labels:
-            rows.append({"model": m, "method": display(lbl),
-                         **{s: results[m].get(s, {}).get(lbl, {}).get(key) for s in SPLITS}})
-    return rows
-
-
-def value_rows(results: dict, blind: dict) -> list:
-    rows = []
-    for s in SPLITS:
-        for f, r in blind.get(s, {}).items():
-            rows.append({"model": "-", "split": s, "method": BLIND_FEATURES[f], "auc": r["auc"], "auc_se": r["auc_se"],
-                         "tpr_at_1pct_fpr": r["tpr_at_1pct_fpr"], "n": r["n"]})
-    for m, per in results.items():
-        for s in SPLITS:
-            for lbl, r in per.get(s, {}).items():
-                rows.append({"model": m, "split": s, "method": display(lbl), "auc": r.get("auc"),
-                             "auc_se": r.get("auc_se"), "tpr_at_1pct_fpr": r.get("tpr_at_1pct_fpr"), "n": r.get("n")})
-    return rows
-
-
-def _md_table(rows: list, title: str, digits: int = 3) -> list:
-    L = [f"### {title}", "", "| model | method | " + " | ".join(SPLITS) + " |", "|---|---|" + "---:|" * len(SPLITS)]
-    for r in rows:
-        L.append(f"| {r['model']} | {r['method']} | " + " | ".join(
-            "" if r[s] is None else f"{r[s]:.{digits}f}" for s in SPLITS) + " |")
-    return L + [""]
-
-
-def report_markdown(s: dict) -> str:
-    L = [f"# EM-MIA on graded-difficulty splits ({s['setting']})", "", s["description"], ""]
-    d = s["difficulty"]
-    L += [f"Splits: {d['params']['size']} texts each ({d['params']['size'] // 2} + {d['params']['size'] // 2}) from a "
-          f"pool of {s['pool']['members']} members and {s['pool']['nonmembers']} non-members of {s['pool']['doc_len']} "
-          f"tokens; K = {d['params']['k']}, filter {d['params']['threshold']}, {d['info']['valid_member_clusters']} "
-          f"valid member and {d['info']['valid_nonmember_clusters']} valid non-member clusters, cluster pair mean "
-          "distances: " + ", ".join(f"{k} {v[2]:.3f}" for k, v in d["info"]["pairs"].items()) + ".", ""]
-    L += _md_table(s["table_auc"], "AUC")
-    L += _md_table(s["table_tpr"], "TPR@1%FPR")
-    L += ["Blind rows: logistic regression on bag-of-words / MiniLM features, trained on a seeded half of each split "
-          "and evaluated on the other half: the higher, the easier the split is to tell apart without the model.", ""]
-    if s.get("skipped"):
-        L += ["## Skipped", ""] + [f"- {k}: {v}" for k, v in s["skipped"].items()] + [""]
-    if s.get("notes"):
-        L += ["## Notes", ""] + [f"- {n}" for n in s["notes"]] + [""]
-    L += ["Bootstrap SEs: `values.csv`; timings: `timings.json`; inputs and hashes: `manifest.json`.", ""]
-    return "\n".join(L)
 
 
 # ============================================================================================ the run
@@ -563,7 +494,7 @@ def _testbed_setup(p: Preset, testbeds, suite_dir, step, memorize_epochs, seed, 
 
 def _olmo_setup(p: Preset, olmo, global_indices, data_paths, member_steps, nonmember_steps, ref_model, step, eos,
                 batch_size, seq_len, seed, notes) -> tuple:
-    from mia.file_hash import default_cache_dir
+    from mia.files.hashing import default_cache_dir
     from mia.models.hub import load_config
 
     ms, ns, model_step = olmo_steps(member_steps, nonmember_steps, step)
@@ -633,7 +564,7 @@ def main(argv=None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     step = one_step(ap, a.steps, "em_mia")
-    status, s = run_main(lambda: run(
+    return run_and_report(lambda: run(
         a.preset, a.out, testbeds=a.testbed or [], suite_dir=a.suite_dir, member=a.member, step=step,
         memorize_epochs=a.memorize_epochs,
         olmo=a.olmo, global_indices=a.global_indices, data_paths=a.data_paths, member_steps=a.member_steps,
@@ -641,11 +572,7 @@ def main(argv=None) -> int:
         seq_len=a.seq_len, pool=a.pool, size=a.size, k=a.k, threshold=a.threshold, doc_len=a.doc_len,
         encoder=a.encoder, embeddings=a.embeddings, blind=not a.no_blind, seed=a.seed, bootstrap=a.bootstrap,
         progress=not a.no_progress, allow_identical_checkpoints=a.allow_identical_checkpoints, argv=argv),
-        debug=a.debug, compile_cache=not a.no_compile_cache)
-    if status:
-        return status
-    print(report_markdown(s))
-    return 0
+        a, report_markdown)
 
 
 if __name__ == "__main__":

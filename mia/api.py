@@ -29,8 +29,9 @@ from .data.freq_corpus import read_corpus
 from .documents import chunk_examples
 from .engine.batching import ScoringSettings
 from .sharding import make_mesh, parse_mesh
-from . import cache_limit, checkup
-from .file_hash import check_cache_dir
+from .files import cache_limit
+from .doctor import CHECKS as DOCTOR_CHECKS, doctor as run_doctor
+from .files.hashing import check_cache_dir
 from .models.hub import Model
 from .models.hub import load as load_checkpoint
 from .results import ScoreRun
@@ -171,7 +172,7 @@ def score(model, data, attacks="loss", *, prefix=None, member_prefix=None, calib
     ``bucket_step`` rows above this length are padded to multiples of it (0: powers of two; speed only)
     ``cache`` / ``cache_dir``  the on-disk score cache (default ``$MIA_CACHE_DIR`` or ``~/.cache/mia``)
     ``cache_max_gb``  the cache's size limit for this process (default ``$MIA_CACHE_MAX_GB`` or 5; least recently
-                   used entries are evicted, ``mia.cache_limit``)
+                   used entries are evicted, ``mia.files.cache_limit``)
     ``ref_model`` / ``mlm`` / ``freq_corpus``  the extra inputs of ``ref``, ``neighbor``, ``dcpdd``
     ``on_error``   "raise" (default): a missing input or failing attack stops the run; "skip": it is recorded
                    in ``ScoreRun.skipped`` with its reason and the others go on
@@ -272,11 +273,11 @@ def _describe(data) -> str:
 
 
 def doctor(*, checks=None, families=None, progress=None):
-    """``mia doctor`` as data: run the checks (``mia.checkup.CHECKS``: platform, attention, mesh, cache, speed,
+    """``mia doctor`` as data: run the checks (``mia.doctor.CHECKS``: platform, attention, mesh, cache, speed,
     precision; a subset by name) on the registered model families (or ``families``) and return the
-    ``mia.checkup.DoctorReport``: ``report.ok``, ``report.first_failure``, ``report.rows`` (check, result, value,
+    ``mia.doctor.DoctorReport``: ``report.ok``, ``report.first_failure``, ``report.rows`` (check, result, value,
     tolerance, ok), ``report.table()``, ``report.to_json()``. docs/doctor.md."""
-    return checkup.doctor(checks=checkup.CHECKS if checks is None else checks, families=families, progress=progress)
+    return run_doctor(checks=DOCTOR_CHECKS if checks is None else checks, families=families, progress=progress)
 
 
 __all__ = ["load", "score", "doctor", "resolve_attacks", "read_data", "check_data", "check_request", "run_attacks",

@@ -26,7 +26,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from .data.olmo_state import OlmoStateError, check_order, checkpoint_facts
-from .file_hash import file_sha256
+from .files.hashing import file_sha256
 from .models import ConfigError, hf_cache, load_config
 from .models.family import FAMILIES
 from .models.hub import CheckpointError

@@ -9,14 +9,14 @@ import json
 import os
 import sys
 
-from . import cache_limit
+from .files import cache_limit
 from . import validate as V
 from .blind.cli import add_blind_parser
-from .commands import USER_ERRORS, add_compile_cache_flag, run_for_user
+from .entry import USER_ERRORS, add_compile_cache_flag, run_for_user
 from .data.cli import add_split_parser
 from .data.sources import check_data_path, parse_column_map
 from .documents import check_document_records, check_train_documents, score_documents, write_document_scores
-from .file_hash import check_cache_dir, default_cache_dir
+from .files.hashing import check_cache_dir, default_cache_dir
 from .metrics import metric_rows
 from .report import metrics_table
 from .results import no_metrics_reason
@@ -175,9 +175,9 @@ def cmd_score(args) -> int:
 
 def score_inputs(args) -> dict:
     """{flag: digest} of everything every process of a multi-process ``mia score`` must agree on before any work:
-    the content of the model(s) (``mia.models.hub.fingerprint``) and of every input file (``mia.file_hash``,
+    the content of the model(s) (``mia.models.hub.fingerprint``) and of every input file (``mia.files.hashing``,
     memoised), and the settings that shape the batch plan. Paths, --out and the cache flags may differ."""
-    from . import file_hash  # here, not at the top: the CLI's fast start (only multi-process runs hash inputs)
+    from .files import hashing  # here, not at the top: the CLI's fast start (only multi-process runs hash inputs)
     from .models.hf_cache import model_dir  # (the same)
     from .models.hub import fingerprint  # (the same)
 
@@ -192,7 +192,7 @@ def score_inputs(args) -> dict:
             out["--" + flag.replace("_", "-")] = fingerprint(model_dir(getattr(args, flag)))
     for flag in ("data", "prefix_data", "member_prefix_data", "calib_data", "train_data", "freq_corpus"):
         if getattr(args, flag):
-            out["--" + flag.replace("_", "-")] = file_hash.path_sha256(getattr(args, flag))
+            out["--" + flag.replace("_", "-")] = hashing.path_sha256(getattr(args, flag))
     for flag in ("columns", "attacks", "max_length", "skip_invalid", "dtype", "batch_tokens", "pack", "bucket_step",
                  "mesh", "no_fsdp", "seed",
                  "documents", "doc_features", "doc_bins", "doc_classifier", "seq_tokens"):
@@ -386,13 +386,13 @@ def _cache_root(args) -> str:
 
 
 def cmd_cache_info(args) -> int:
-    """``mia cache info``: ``mia.cache_limit.info_table``."""
+    """``mia cache info``: ``mia.files.cache_limit.info_table``."""
     print(cache_limit.info_table(_cache_root(args)))
     return 0
 
 
 def cmd_cache_prune(args) -> int:
-    """``mia cache prune``: ``mia.cache_limit.prune``, then what it freed."""
+    """``mia cache prune``: ``mia.files.cache_limit.prune``, then what it freed."""
     if args.older_than is None and args.model is None and args.max_gb is None and not args.all:
         raise V.InputError("mia cache prune: give --older-than, --model, --max-gb or --all")
     root = _cache_root(args)
@@ -419,8 +419,8 @@ def _add_doctor_parser(sub) -> None:
 
 
 def cmd_doctor(args) -> int:
-    """``mia doctor``: ``mia.checkup.doctor``'s table on stdout (progress on stderr), 1 when a check failed."""
-    from .checkup import CHECKS, check_report_path, doctor, name_list, print_progress, write_report  # (jax)
+    """``mia doctor``: ``mia.doctor.doctor``'s table on stdout (progress on stderr), 1 when a check failed."""
+    from .doctor import CHECKS, check_report_path, doctor, name_list, print_progress, write_report  # (jax)
     from .models.family import FAMILIES  # (the same)
 
     if args.json:

@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .atomic import atomic_write
+from .files.atomic import atomic_write
 
 FEATURES = ("hist", "agg", "both")
 CLASSIFIERS = ("rf", "lr")

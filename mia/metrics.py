@@ -311,7 +311,7 @@ def holm_significant(p_values: Sequence[float], alpha: float = 0.05) -> list[boo
 # the data and bounds on the other, a number fixes it in advance.
 # Clopper-Pearson treats the examples as independent trials of the training on neighbouring datasets (one target
 # example per training run, as in those audits). Many canaries scored in ONE run are not independent trials: there
-# the bound is the common heuristic, and ``mia.audit.one_run_audit`` is the bound with a proof.
+# the bound is the common heuristic, and ``mia.privacy.one_run.one_run_audit`` is the bound with a proof.
 
 def clopper_pearson_upper(k, n, alpha: float) -> np.ndarray:
     """One-sided upper (1 - alpha) Clopper-Pearson bound on a binomial rate from ``k`` successes in ``n`` trials:
@@ -440,7 +440,7 @@ def epsilon_bound(scores, labels, *, delta: float, alpha: float = 0.05,
                               with the best bound on the first halves is evaluated on the second halves, at alpha / 2;
       a number                that threshold, fixed in advance, on all examples, at alpha / 2.
     The bound is 0 when no test rules anything out. It assumes the examples are independent trials (see the comment
-    above); for canaries of one training run prefer ``mia.audit.one_run_audit``.
+    above); for canaries of one training run prefer ``mia.privacy.one_run.one_run_audit``.
     """
     s, y = checked_scores(scores, labels, ids)
     delta, alpha = check_privacy_args(delta, alpha)

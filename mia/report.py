@@ -17,7 +17,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .atomic import save_figure, write_text
+from .files.atomic import save_figure, write_text
 from .metrics import auc as _auc, roc
 
 # column key -> header; unknown keys are shown under their own name

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
-from .atomic import atomic_write
+from .files.atomic import atomic_write
 from .metrics import auc, metric_rows, paired_bootstrap_test, tpr_at_fpr
 from .report import draw_roc, metrics_table
 

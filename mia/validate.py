@@ -2,7 +2,7 @@
 
 Every reader takes the value, ``where`` (the file:line, field or option it came from, named in the message) and
 ``error`` (the one-line user error type of the caller: ``DataError``, ``ConfigError``, ``CheckpointError``,
-``AttackError`` ..., all ``ValueError`` subclasses that ``mia.commands.run_for_user`` prints as ``error: ...`` with exit
+``AttackError`` ..., all ``ValueError`` subclasses that ``mia.entry.run_for_user`` prints as ``error: ...`` with exit
 status 2). A reader returns the value in its canonical type or raises; nothing past the edge sees a bad value.
 
 Groups:

@@ -33,9 +33,10 @@ os.environ["XLA_FLAGS"] = fast_compile_flags(os.environ.get("XLA_FLAGS", ""), os
 
 
 def pytest_configure(config):
-    """Every mia cache (scores, conditional LLs, file hashes, compiled programs: ``mia.file_hash.default_cache_dir``)
-    goes to a fresh directory for the session, never to the user's ``~/.cache/mia``. Set in ``os.environ`` so that
-    subprocesses started by tests inherit it; removed at the end of the session.
+    """Every mia cache (scores, conditional LLs, file hashes, compiled programs:
+    ``mia.files.hashing.default_cache_dir``) goes to a fresh directory for the session, never to the user's
+    ``~/.cache/mia``. Set in ``os.environ`` so that subprocesses started by tests inherit it; removed at the end of
+    the session.
 
     JAX's own persistent compilation cache (every program, however quick to compile) goes to one directory shared by
     the session's processes (both xdist workers and every subprocess a test starts): the same tiny model's programs

@@ -70,7 +70,7 @@ MUTATIONS = (
               "tests/test_streaming_load.py::test_a_nan_in_a_bfloat16_checkpoint_loaded_as_float32_is_refused"),
              "the finiteness test goes back to max |x| < inf (a bfloat16 checkpoint's NaN loaded as float32 too; on "
              "XLA:CPU a bfloat16 max keeps NaN, so bfloat16 leaves are right either way)"),
-    Mutation("doctor-mesh-one-device", "mia/checkup.py",
+    Mutation("doctor-mesh-one-device", "mia/doctor.py",
              "            mesh = make_mesh(axes, run.devices)",
              "            mesh = make_mesh(devices=run.devices[:1])",
              ("tests/test_doctor.py::test_mesh_check_passes_on_two_devices_and_fails_when_a_device_loses_a_row",),
@@ -96,7 +96,7 @@ MUTATIONS = (
              ("tests/test_finetune.py::test_dp_finetune_adds_the_noise_the_accountant_counts",),
              "the DP fine-tune adds no noise"),
     # ----------------------------------------------------------------------------------------------- our own
-    Mutation("doctor-self-reference", "mia/checkup.py",
+    Mutation("doctor-self-reference", "mia/doctor.py",
              "                ref = run.attention_reference(family)",
              "                ref = run.reference(family)",
              ("tests/test_doctor.py::test_healthy_attention_speed_and_precision_rows_pass_on_a_real_difference_and_fail_"
@@ -112,7 +112,7 @@ MUTATIONS = (
              "    p = int(extreme.sum()) / (len(d) + 1)",
              ("tests/test_score_run.py::test_compare_two_attacks_and_two_runs",),
              "the paired bootstrap's p-value loses its +1 (p = 0 becomes possible)"),
-    Mutation("gdp-abs", "mia/gdp.py",
+    Mutation("gdp-abs", "mia/privacy/gdp.py",
              "    return float(max(np.max(mu), 0.0))",
              "    return float(max(np.max(np.abs(mu[np.isfinite(mu)]), initial=0.0), 0.0))",
              ("tests/test_audit_jax_privacy.py::test_gdp_estimate_against_jax_privacy",),

@@ -474,7 +474,7 @@ def test_neighbor_cache_eviction_recomputes_never_serves_stale(tmp_path, monkeyp
     rewritten for another text is recomputed, never served."""
     from types import SimpleNamespace
 
-    from mia import cache_limit
+    from mia.files import cache_limit
     from mia.attacks import neighbor
 
     calls = []
@@ -519,7 +519,7 @@ def test_neighbor_cache_past_its_limit_evicts_and_recomputes(tiny_model, tiny_ml
     least recently used are evicted during the run (which computes everything: its scores are the reference) and
     the cache ends under the limit; a second run recomputes the evicted texts, serves the kept ones, and gives the
     same neighbours and scores. A kept entry rewritten for another text is recomputed, never served."""
-    from mia import cache_limit
+    from mia.files import cache_limit
     from mia.attacks.neighbor import neighbour_texts
 
     def run():

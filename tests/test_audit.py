@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from scipy.stats import binom, norm
 
-from mia.audit import (AuditViolation, check_lower_bound, group_privacy, guess_counts, one_run_audit,
+from mia.privacy.one_run import (AuditViolation, check_lower_bound, group_privacy, guess_counts, one_run_audit,
                        one_run_claim_p_value, one_run_epsilon, one_run_fdp_epsilon, one_run_fdp_mu,
                        one_run_fdp_rejects, one_run_p_value)
-from mia.exposure import exposure_by_reps, exposure_sampled, exposure_skewnorm
-from mia.gdp import (gdp_delta, gdp_epsilon, gdp_epsilon_estimate, gdp_mu, gdp_mu_estimate, gdp_tradeoff,
+from mia.privacy.exposure import exposure_by_reps, exposure_sampled, exposure_skewnorm
+from mia.privacy.gdp import (gdp_delta, gdp_epsilon, gdp_epsilon_estimate, gdp_mu, gdp_mu_estimate, gdp_tradeoff,
                      mu_from_rates)
 from mia.metrics import (MetricError, clopper_pearson, clopper_pearson_upper, epsilon_bound, epsilon_from_rates,
                          epsilon_lower_bound, holm_significant)
@@ -412,7 +412,7 @@ def test_exposure_sampled_expectation_is_what_the_docstring_says():
     so exposure stops at log2(n + 1) bits."""
     import itertools
 
-    import mia.exposure
+    import mia.privacy.exposure
 
     space = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])  # losses of the 6 sequences of R
     n = 3
@@ -423,7 +423,7 @@ def test_exposure_sampled_expectation_is_what_the_docstring_says():
         assert est.mean() == pytest.approx((1 + n * p) / (n + 1), abs=1e-12)
         assert est.mean() - p == pytest.approx((1 - p) / (n + 1), abs=1e-12)  # the bias
     assert exposure_sampled([0.0], space[:n])[0] == pytest.approx(math.log2(n + 1))  # the cap
-    doc = " ".join(mia.exposure.__doc__.split())
+    doc = " ".join(mia.privacy.exposure.__doc__.split())
     assert "(1 + n p) / (n + 1)" in doc and "nbiased" not in doc
 
 

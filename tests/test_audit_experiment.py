@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from experiments import audit
-from mia.audit import AuditViolation
-from mia.gdp import gdp_epsilon_estimate
+from experiments import audit, audit_models, audit_report
+from mia.privacy import claims
+from mia.privacy.one_run import AuditViolation
+from mia.privacy.gdp import gdp_epsilon_estimate
 from mia.metrics import epsilon_lower_bound
 from mia.testbed import dp, preset
 
@@ -20,28 +21,28 @@ from table_check import rendered_again
 
 
 def _model(eps=math.inf, noise=None, delta=1e-3, group=None):
-    return audit.Model(audit.model_name(None if math.isinf(eps) else eps), None, eps, noise, delta,
+    return audit_models.Model(audit_models.model_name(None if math.isinf(eps) else eps), None, eps, noise, delta,
                        group_epsilon=group)
 
 
 def test_audit_grid_and_bound_by_hand():
     """The grid is fixed by m alone; the bound is the best one-run epsilon over it, each guess count k ("in" for the
     k highest scores, "out" for the k lowest) tested at alpha / (grid size), recomputed here from the counts."""
-    from mia.audit import one_run_epsilon
+    from mia.privacy.one_run import one_run_epsilon
 
-    assert audit.audit_grid(1000) == [12, 25, 50, 100, 400] and audit.audit_grid(40) == [1, 2, 4, 16]
-    assert audit.audit_grid(2) == [1] and all(2 * k <= 7 for k in audit.audit_grid(7))
+    assert claims.audit_grid(1000) == [12, 25, 50, 100, 400] and claims.audit_grid(40) == [1, 2, 4, 16]
+    assert claims.audit_grid(2) == [1] and all(2 * k <= 7 for k in claims.audit_grid(7))
     rng = np.random.default_rng(0)
     included = rng.random(400) < 0.5
     scores = included * 2.0 + rng.normal(size=400)
     order = np.argsort(-scores, kind="stable")
     best = 0.0
-    for k in audit.audit_grid(400):
+    for k in claims.audit_grid(400):
         v = int(included[order[:k]].sum() + (~included[order[400 - k:]]).sum())
-        best = max(best, one_run_epsilon(400, 2 * k, v, delta=1e-5, alpha=0.05 / len(audit.audit_grid(400))))
-    res = audit.audit_bound(scores, included, 1e-5)
+        best = max(best, one_run_epsilon(400, 2 * k, v, delta=1e-5, alpha=0.05 / len(claims.audit_grid(400))))
+    res = claims.audit_bound(scores, included, 1e-5)
     assert res.epsilon == pytest.approx(best) and best > 0 and res.k_pos == res.k_neg
-    perfect = audit.audit_bound(included.astype(float), included, 1e-5)  # every guess right: the largest k binds
+    perfect = claims.audit_bound(included.astype(float), included, 1e-5)  # every guess right: the largest k binds
     assert perfect.k_pos == 160 and perfect.v == perfect.r == 320
 
 
@@ -55,19 +56,19 @@ def test_bounds_by_reps_are_one_run_audits_per_group():
     cfg = preset("smoke", train_steps=40, canaries=120, canary_reps=(1, 4, 16), dp_noise=2.0)
     d = dp.default_delta(cfg)
     group = lambda r: dp.canary_epsilon(cfg, r, delta=d)  # noqa: E731
-    rows = audit.bounds_by_reps(scores, included, reps, _model(1.0, 2.0, d, group), "loss", "tokens", d)
+    rows = claims.bounds_by_reps(scores, included, reps, _model(1.0, 2.0, d, group), "loss", "tokens", d)
     assert [r["reps"] for r in rows] == [1, 4, 16] and {r["canary_kind"] for r in rows} == {"tokens"}
     for r in rows:
         sel = reps == r["reps"]
         eps_r, delta_r = dp.canary_epsilon(cfg, r["reps"], delta=d)
         assert (r["eps_upper"], r["delta"]) == (eps_r, delta_r)
-        expected = audit.audit_bound(scores[sel], included[sel], delta_r).epsilon if delta_r < 1 else None
+        expected = claims.audit_bound(scores[sel], included[sel], delta_r).epsilon if delta_r < 1 else None
         assert r["eps_lower"] == expected and r["n"] == sel.sum() and r["n_included"] == included[sel].sum()
-        p = audit.audit_claim_p_value(scores[sel], included[sel], eps_r, delta_r) if delta_r < 1 else None
+        p = claims.audit_claim_p_value(scores[sel], included[sel], eps_r, delta_r) if delta_r < 1 else None
         assert r["p_accountant"] == p
         if p is not None:  # the p-value and the bound tell the same story
             assert (p <= 0.05) == (r["eps_lower"] > eps_r)
-    plain = audit.bounds_by_reps(scores, included, reps, _model(), "loss", "tokens", d)
+    plain = claims.bounds_by_reps(scores, included, reps, _model(), "loss", "tokens", d)
     assert all(r["eps_upper"] is None and r["delta"] == d and r["eps_lower"] is not None for r in plain)
     assert all(r["p_accountant"] is None for r in plain)  # no claim to test
     assert plain[-1]["eps_lower"] > 0  # 16 copies with a strong signal: the non-private model is caught
@@ -83,21 +84,21 @@ def test_targets_and_kinds_table():
                              "k_best": 400, "n": 1000} for i, x in enumerate((5.5, 5.4, 5.6))],
             "4": [{"rep": i, "model": "lora eps=3.99", "seed": i, "epsilon": 3.99, "eps_lower": x, "k_best": 50,
                    "n": 1000} for i, x in enumerate((0.9, 1.2, 1.5))]}
-    primary = audit.summarize_primary(plan, runs)
+    primary = claims.summarize_primary(plan, runs)
     assert [e["eps_lower"] for e in primary] == [5.5, 0.9] and primary[1]["mean"] == pytest.approx(1.2)
     assert (primary[1]["min"], primary[1]["max"], primary[1]["n_reps"]) == (0.9, 1.5, 3)
     assert primary[1]["row"] == {"model": "lora eps=3.99", "attack": "contrast", "canary_kind": "new"}
-    t = audit.targets(primary, "finetune")
+    t = audit_report.targets(primary, "finetune")
     assert t["nonprivate"]["met"] and t["nonprivate"]["gap"] == pytest.approx(4 - 5.5)
     assert not t["eps4"]["met"] and t["eps4"]["gap"] == pytest.approx(0.1) and t["eps4"]["epsilon"] == 3.99
-    lines = audit.targets_lines(t)
+    lines = audit_report.targets_lines(t)
     assert "MISSED by 0.100" in lines[1] and "met" in lines[0] and "mean 1.200" in lines[1]
     assert "range 0.900-1.500" in lines[1] and "primary claim eps_lower 0.900" in lines[1]
     rows = [{"model": "kinds", "attack": "loss", "canary_kind": "tokens", "epsilon": None, "eps_lower": 1.0,
              "auc": 0.9, "tpr_at_1pct_fpr": 0.4, "tpr_at_0.1pct_fpr": 0.1, "n": 1000},
             {"model": "kinds", "attack": "ref", "canary_kind": "tokens", "epsilon": None, "eps_lower": 0.8,
              "auc": 0.95, "tpr_at_1pct_fpr": 0.3, "tpr_at_0.1pct_fpr": 0.2, "n": 1000}]
-    kinds = audit.kinds_table(rows, "kinds")
+    kinds = audit_report.kinds_table(rows, "kinds")
     assert kinds == [{"canary_kind": "tokens", "attack": "loss", "n": 1000, "auc": 0.9, "tpr_at_1pct_fpr": 0.4,
                       "tpr_at_0.1pct_fpr": 0.1, "eps_lower": 1.0}]
 
@@ -113,12 +114,12 @@ def test_violations_are_holm_over_every_claim_tested():
     reps = [{"model": "eps=1", "attack": "loss", "reps": 4, "eps_upper": 4.0, "eps_lower": 4.5, "p_accountant": 0.04},
             {"model": "eps=1", "attack": "loss", "reps": 16, "eps_upper": None, "eps_lower": 30.0,
              "p_accountant": None}]
-    check = audit.violation_check(rows, reps)
+    check = claims.violation_check(rows, reps)
     assert (check["method"], check["alpha"], check["n_checks"], check["n_above_per_row"]) == ("holm", 0.05, 4, 3)
-    bad = audit.violations(rows, reps)
+    bad = claims.violations(rows, reps)
     assert len(bad) == 1 and bad[0].startswith("eps=1 loss: eps_lower 1.4 vs accountant epsilon 1 (p = 0.01, Holm")
     rows[1]["p_accountant"], reps[0]["p_accountant"] = 0.012, 0.02  # 0.012 <= 0.05 / 3, 0.02 <= 0.05 / 2
-    assert [b.split(" (p")[0] for b in audit.violations(rows, reps)] == [
+    assert [b.split(" (p")[0] for b in claims.violations(rows, reps)] == [
         "eps=1 loss: eps_lower 1.4 vs accountant epsilon 1", "eps=1 zlib: eps_lower 1.1 vs accountant epsilon 1",
         "eps=1 loss reps 4: eps_lower 4.5 vs group epsilon 4"]
 
@@ -127,7 +128,7 @@ def test_gaussian_curve_bounds_above_the_accountant_are_named_not_violations():
     rows = [{"model": "eps=1", "attack": "loss", "epsilon": 1.0, "eps_lower_fdp": 1.3, "eps_gdp": 0.4},
             {"model": "eps=1", "attack": "zlib", "epsilon": 1.0, "eps_lower_fdp": None, "eps_gdp": 2.0},
             {"model": "non-private", "attack": "loss", "epsilon": None, "eps_lower_fdp": 9.0, "eps_gdp": 9.0}]
-    lines = audit.above_accountant(rows)
+    lines = claims.above_accountant(rows)
     assert [x.split(" (")[0] for x in lines] == ["eps=1 loss: eps_lower_fdp 1.3 > accountant epsilon 1",
                                                   "eps=1 zlib: eps_gdp 2 > accountant epsilon 1"]
 
@@ -136,15 +137,15 @@ def test_help_states_the_presets_defaults():
     """--help's defaults come from the presets (each pretrain preset's noises, each fine-tune preset's epsilons, both
     settings' attacks), and delta's is the code's rule."""
     text = " ".join(audit.build_parser().format_help().split())
-    for name, p in audit.PRESETS.items():
+    for name, p in audit_models.PRESETS.items():
         assert f"{name}: {','.join(f'{x:g}' for x in p.noises)}" in text
-    for name, p in audit.FT_PRESETS.items():
+    for name, p in audit_models.FT_PRESETS.items():
         assert f"{name}: {','.join(f'{x:g}' for x in p.epsilons)}" in text
-    for name, p in {**audit.PRESETS, **audit.FT_PRESETS}.items():
+    for name, p in {**audit_models.PRESETS, **audit_models.FT_PRESETS}.items():
         assert f"{name}: {p.attacks}" in text or (p.attacks == "default" and f"up to cost '{p.max_cost}'" in text)
     assert "1 / (train_steps x batch_size + every canary copy)" in text and "at most 1 / records" in text
     assert "those of epsilon 1, 4, 16" not in text and "fine-tune 1e-05" in text
-    cfg = audit.preset_config(audit.PRESETS["smoke"])
+    cfg = audit_models.preset_config(audit_models.PRESETS["smoke"])
     assert 1 / dp.n_records(cfg) > dp.default_delta(cfg) == 1 / dp.max_records(cfg)
     assert "best" not in text  # --help quotes the primary claims, never a best row
 
@@ -156,12 +157,12 @@ def test_findings_follow_the_numbers():
             {"model": "non-private", "attack": "zlib", "epsilon": None, "auc": 0.52},
             {"model": "eps=1", "attack": "zlib", "epsilon": 1.0, "auc": 0.6}]
     ex = [{"model": "non-private", "reps": r, "skewnorm_mean": m} for r, m in ((1, 2.0), (4, 9.0), (16, 40.0))]
-    f = audit.findings(rows, ex)
+    f = audit_report.findings(rows, ex)
     assert f["auc"].startswith("Canary AUC moves towards 0.5 from the non-private model to epsilon 1 for 1 of 2")
     assert "loss (0.900 -> 0.550)" in f["auc"] and "not for zlib (0.520 -> 0.600)" in f["auc"]
     assert "(grows with repetitions)" in f["exposure"]
     ex[2]["skewnorm_mean"] = 1.0
-    assert "does NOT grow" in audit.findings(rows, ex)["exposure"]
+    assert "does NOT grow" in audit_report.findings(rows, ex)["exposure"]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -194,8 +195,8 @@ def test_a_violation_exits_3_with_every_line(monkeypatch, capsys):
                                            pytest.param("default", (1.0, 4.0, 16.0), marks=pytest.mark.slow)])
 def test_preset_noises_give_their_target_epsilons(name, targets):
     """The presets' noise multipliers are those of their stated target epsilons (within the bisection's rounding)."""
-    cfg = audit.preset_config(audit.PRESETS[name])
-    got = sorted(dp.accountant_epsilon(cfg.replace(dp_noise=s)) for s in audit.PRESETS[name].noises)
+    cfg = audit_models.preset_config(audit_models.PRESETS[name])
+    got = sorted(dp.accountant_epsilon(cfg.replace(dp_noise=s)) for s in audit_models.PRESETS[name].noises)
     assert got == pytest.approx(sorted(targets), rel=2e-3)
     assert all(g <= t * (1 + 1e-9) for g, t in zip(got, sorted(targets)))
 
@@ -229,14 +230,14 @@ def _recompute(out, s):
         sc = np.array([x["scores"][r["attack"]] for x in lines], float)[once]
         assert r["n"] == once.sum() and roc_auc_score(y, sc) == pytest.approx(r["auc"], abs=1e-12)
         delta = next(m["delta"] for m in s["models"] if m["model"] == r["model"])
-        assert audit.audit_bound(sc, y.astype(bool), delta).epsilon == pytest.approx(r["eps_lower"])
-        assert audit.audit_bound(sc, y.astype(bool), delta, bound="fdp").epsilon == pytest.approx(r["eps_lower_fdp"])
+        assert claims.audit_bound(sc, y.astype(bool), delta).epsilon == pytest.approx(r["eps_lower"])
+        assert claims.audit_bound(sc, y.astype(bool), delta, bound="fdp").epsilon == pytest.approx(r["eps_lower_fdp"])
         if 0 < y.sum() < len(y):
             assert epsilon_lower_bound(sc, y, delta=delta) == pytest.approx(r["eps_lower_cp"])
             assert gdp_epsilon_estimate(sc, y, delta=delta) == pytest.approx(r["eps_gdp"])
         if r["epsilon"] is not None:  # science check 1: no bound above the accountant's epsilon
             assert r["eps_lower"] <= r["epsilon"]
-            assert r["p_accountant"] == pytest.approx(audit.audit_claim_p_value(sc, y.astype(bool), r["epsilon"],
+            assert r["p_accountant"] == pytest.approx(claims.audit_claim_p_value(sc, y.astype(bool), r["epsilon"],
                                                                                 delta))
     assert not s["violations"]
 
@@ -254,12 +255,12 @@ def test_smoke_end_to_end_and_the_science_checks(audit_smoke):
     assert models == ["full non-private", "full eps=0.999", "full eps=7.99", "lora non-private", "lora eps=0.999",
                       "lora eps=7.99", "kinds"]
     assert {r["canary_kind"] for r in s["rows"] if r["model"] != "kinds"} == {"new"}
-    assert {r["canary_kind"] for r in s["rows"] if r["model"] == "kinds"} == set(audit.ALL_KINDS)
+    assert {r["canary_kind"] for r in s["rows"] if r["model"] == "kinds"} == set(audit_models.ALL_KINDS)
     _recompute(out, s)
     for name in ("full non-private", "lora non-private", "kinds"):  # untrained ids score 0 exactly, trained ones > 0
         lines = [x for x in _read_scores(out / "scores" / name / "canaries.jsonl") if x["kind"] == "new"]
         assert all((x["scores"]["contrast"] > 0) == (x["label"] == 1) for x in lines)
-    assert [k["canary_kind"] for k in s["kinds"]] == list(audit.ALL_KINDS)
+    assert [k["canary_kind"] for k in s["kinds"]] == list(audit_models.ALL_KINDS)
     assert s["kinds"][0]["attack"] == "contrast" and s["kinds"][0]["tpr_at_1pct_fpr"] == 1.0
     primary = {e["level"]: e for e in s["primary"]}
     assert list(primary) == ["non-private", "1", "8"] and all(e["mode"] == "lora" for e in primary.values())
@@ -271,7 +272,7 @@ def test_smoke_end_to_end_and_the_science_checks(audit_smoke):
                  if x["reps"] == 1 and x["kind"] == e["canary_kind"]]
         sc = np.array([x["scores"][e["attack"]] for x in lines], float)
         inc = np.array([x["label"] == 1 for x in lines])
-        assert audit.audit_bound(sc, inc, 1e-5, grid=e["k"]).epsilon == pytest.approx(e["eps_lower"])
+        assert claims.audit_bound(sc, inc, 1e-5, grid=e["k"]).epsilon == pytest.approx(e["eps_lower"])
     seeds = [m["seed"] for m in s["models"]]
     assert len(set(seeds)) == len(seeds)  # every model its own seed
     assert len({m["canaries_sha256"] for m in s["models"]}) == len(seeds)  # and its own pool
@@ -292,11 +293,12 @@ def test_pretrain_smoke_end_to_end(pretrain_smoke):
     assert [(r["model"], r["attack"]) for r in s["rows"]] == [(m, a) for m in models for a in attacks]
     assert {r["canary_kind"] for r in s["rows"]} == {"tokens"} and s["setting"] == "pretrain"
     _recompute(out, s)
-    assert s["violation_check"]["n_checks"] == len(audit._checks(s["rows"], s["by_reps"], s["primary"])) == sum(
+    assert s["violation_check"]["n_checks"] == len(claims.tested_claims(s["rows"], s["by_reps"], s["primary"])) == sum(
         r["p_accountant"] is not None for r in s["rows"] + s["by_reps"]) + sum(
         run["p_accountant"] is not None for e in s["primary"] for run in e["runs"])
     assert [e["level"] for e in s["primary"]][0] == "non-private" and len(s["primary"]) == 3
-    assert s["delta"] == dp.default_delta(audit.preset_config(audit.PRESETS["smoke"]))  # 1 / records, copies counted
+    smoke = audit_models.preset_config(audit_models.PRESETS["smoke"])
+    assert s["delta"] == dp.default_delta(smoke)  # 1 / records, copies counted
     assert s["violation_check"]["method"] == "holm"
     for a in attacks:  # science check 2: AUC towards 0.5 as epsilon shrinks
         by_eps = {r["epsilon"]: r["auc"] for r in s["rows"] if r["attack"] == a}
@@ -363,8 +365,8 @@ def test_a_damaged_audit_checkpoint_stops_the_run_before_any_scoring(setting, sm
     weights.write_bytes(bytes(data))
     tb = open_testbed(copy)
     if setting == "pretrain":
-        monkeypatch.setattr(audit, "_models", lambda *a, **k: [audit.Model(audit.NON_PRIVATE, tb, math.inf, None,
-                                                                            1e-3)])
+        monkeypatch.setattr(audit, "pretrain_models",
+                            lambda *a, **k: [audit_models.Model(claims.NON_PRIVATE, tb, math.inf, None, 1e-3)])
     else:
         monkeypatch.setattr(audit, "build_base", lambda *a, **k: tb)
     scored = []

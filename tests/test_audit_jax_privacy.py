@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from mia.audit import one_run_epsilon, one_run_fdp_epsilon
-from mia.gdp import gdp_epsilon, gdp_epsilon_estimate, mu_from_rates
+from mia.privacy.one_run import one_run_epsilon, one_run_fdp_epsilon
+from mia.privacy.gdp import gdp_epsilon, gdp_epsilon_estimate, mu_from_rates
 from mia.metrics import clopper_pearson_upper, epsilon_bound, roc_hull, threshold_counts
 
 auditing = pytest.importorskip("jax_privacy.auditing")

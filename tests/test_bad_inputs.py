@@ -8,6 +8,7 @@ JSONL and safetensors-header readers (any bytes: a valid result or one user erro
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import shutil
@@ -768,13 +769,13 @@ def test_doctor_cli_bad_input(case, tmp_path, capsys, monkeypatch):
     """``mia doctor``: an empty or unknown --checks / --families (an empty one ran nothing and printed "all checks
     passed") and a --json that cannot be written (found after a minute of checks, as a raw ``[Errno 2]`` on a
     temporary file name): one line naming the flag, before any check runs."""
-    from mia import checkup
+    doctor_module = importlib.import_module("mia.doctor")  # the module; mia.doctor is the function
     from mia.cli import main
 
     def no_run(*a, **k):
         raise AssertionError("a check ran before the arguments were checked")
 
-    monkeypatch.setattr(checkup, "_Run", no_run)
+    monkeypatch.setattr(doctor_module, "_Run", no_run)
     code, lines, out = run_main(main, _materialise(case, tmp_path, tmp_path), capsys)
     assert_one_error(code, lines, *case.names)
     assert "all checks passed" not in out

@@ -3,7 +3,7 @@
 - The score cache is content-addressed: an edit of any weight byte (size and mtime kept), the tokenizer, the config,
   the dtypes or the attention kernel gives another key; a damaged entry is recomputed with one warning line.
 - Reading the cache is bounded by the run: only the requested examples' bytes are read and kept.
-- Every output goes through ``mia.atomic``: two writers of one path never leave a partial file.
+- Every output goes through ``mia.files.atomic``: two writers of one path never leave a partial file.
 - ``datasets``/``transformers`` never reach for the network, whatever HF_*_OFFLINE say.
 """
 import json
@@ -20,8 +20,8 @@ import pytest
 
 import mia.engine.cache as cache_mod
 import mia.engine.loop as sc
-from mia.atomic import atomic_write
-from mia.file_hash import file_sha256
+from mia.files.atomic import atomic_write
+from mia.files.hashing import file_sha256
 from mia.models.hub import fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_fingerprint_covers_every_weight_byte_tokenizer_and_config(ckpt):
 def test_file_hash_is_memoised_and_misses_after_an_in_place_edit(tmp_path, monkeypatch):
     import time
 
-    import mia.file_hash as fh
+    import mia.files.hashing as fh
 
     f, memo = tmp_path / "w.bin", tmp_path / "memo"
     f.write_bytes(bytes(range(256)) * 64)
@@ -230,7 +230,7 @@ def test_damaged_entry_is_recomputed_with_one_warning(tiny_model, tmp_path, caps
 WRITER = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from mia.atomic import atomic_write
+from mia.files.atomic import atomic_write
 letter, path = sys.argv[2], sys.argv[3]
 for i in range(40):
     with atomic_write(path) as f:
@@ -258,7 +258,7 @@ def test_two_writers_of_one_path_never_leave_a_partial_file(tmp_path):
 
 
 def test_no_fixed_temporary_names_in_the_code():
-    """Every writer goes through mia.atomic (unique temporaries); a fixed ``x.tmp`` name would be shared."""
+    """Every writer goes through mia.files.atomic (unique temporaries); a fixed ``x.tmp`` name would be shared."""
     pattern = re.compile(r"""["'][^"'\n]*\.tmp["'{]|with_suffix\([^)]*tmp""")
     hits = [f"{f.relative_to(REPO)}:{i}" for d in ("mia", "experiments") for f in sorted((REPO / d).rglob("*.py"))
             if f.name != "atomic.py" for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
@@ -300,7 +300,7 @@ def test_no_cache_never_hashes_the_weights(tiny_neox_dir, tmp_path, monkeypatch,
     """``mia score --no-cache`` builds no cache key, so it never reads the weight files to hash them (a 12B
     checkpoint costs minutes): the whole-file hash is made to fail, and the run must still succeed. The model's
     fingerprint is still there on demand (the cache's key), from the same hash."""
-    import mia.file_hash as fh
+    import mia.files.hashing as fh
     from mia.cli import main
     from mia.models import load
 

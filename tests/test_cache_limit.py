@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mia import cache_limit
+from mia.files import cache_limit
 from mia.cli import main
 from mia.engine.cache import STAT_NAMES, StatsCache
-from mia import file_hash
-from mia.file_hash import file_sha256
+from mia.files import hashing as file_hash
+from mia.files.hashing import file_sha256
 
 ROOT = Path(__file__).resolve().parent.parent
 NS, OLD, NEW, SHARED = "0123456789abcdef" * 2, "a" * 32, "b" * 32, "c" * 32  # namespaces: 32 hex, as mia names them

@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 from experiments import camia as exp
+from mia.attacks import camia_protocol
+from mia.data import mimir
+from mia.testbed import row_documents
 
 from notebook_runner import run_notebook
 from table_check import rendered_again
@@ -32,7 +35,7 @@ def camia_smoke(request, tmp_path_factory):
 # ------------------------------------------------------------------------------------------------ pure parts
 def test_majority_documents_by_hand():
     # documents of 3, 10, 2 and 5 stream tokens; rows of 4 tokens
-    doc, share = exp.majority_documents(np.array([0, 1, 3, 4]), np.array([3, 10, 2, 5]), 4)
+    doc, share = row_documents.majority_documents(np.array([0, 1, 3, 4]), np.array([3, 10, 2, 5]), 4)
     # row 0 = [0, 4): doc0 3, doc1 1 | row 1 = [4, 8): doc1 | row 3 = [12, 16): doc1 1, doc2 2, doc3 1 |
     # row 4 = [16, 20): doc3
     assert doc.tolist() == [0, 1, 2, 3]
@@ -40,24 +43,24 @@ def test_majority_documents_by_hand():
 
 
 def test_domain_of():
-    assert exp.domain_of("asyncio/base_events.py") == "asyncio"
-    assert exp.domain_of("argparse.py") == "argparse"
-    assert exp.domain_of("xml/etree/ElementTree.py") == "xml"
+    assert row_documents.domain_of("asyncio/base_events.py") == "asyncio"
+    assert row_documents.domain_of("argparse.py") == "argparse"
+    assert row_documents.domain_of("xml/etree/ElementTree.py") == "xml"
 
 
 def test_calibration_draw_is_the_protocol():
     y = np.array([1] * 20 + [0] * 30)
-    cal, rem, tgt = exp.calibration_draw(y, 0.3, 0, 3)
+    cal, rem, tgt = camia_protocol.calibration_draw(y, 0.3, 0, 3)
     assert len(cal) == 9 and (y[cal] == 0).all()  # 30% of the non-members, non-members only
     assert len(rem) == 6 and (y[rem] == 1).all()  # 30% of the members
     assert sorted(np.concatenate([cal, rem, tgt]).tolist()) == list(range(50))  # a partition
-    again = exp.calibration_draw(y, 0.3, 0, 3)
+    again = camia_protocol.calibration_draw(y, 0.3, 0, 3)
     assert all((a == b).all() for a, b in zip((cal, rem, tgt), again))
-    assert not (exp.calibration_draw(y, 0.3, 0, 4)[0] == cal).all()
+    assert not (camia_protocol.calibration_draw(y, 0.3, 0, 4)[0] == cal).all()
 
 
 def test_row_documents_decode_to_their_document(smoke_testbed):
-    rd = exp.row_documents(smoke_testbed)
+    rd = row_documents.row_documents(smoke_testbed)
     assert len(rd.doc) == smoke_testbed.n_rows
     from mia.data.corpus import load_corpus
 
@@ -197,7 +200,7 @@ def test_blind_baseline_that_cannot_run_says_why(tmp_path):
 
 def test_mimir_layout_is_read(tmp_path):
     root = _fake_mimir(tmp_path, {"arxiv_ngram_7_0.2": (3, 2), "wikipedia_(en)_ngram_13_0.8": (2, 2)})
-    idx = exp.mimir_index(root)
+    idx = mimir.mimir_index(root)
     assert set(idx) == {("arxiv", "ngram_7_0.2"), ("wikipedia_(en)", "ngram_13_0.8")}
     from mia.data.text import load_mimir
 
@@ -270,11 +273,11 @@ def test_a_text_in_both_mimir_files_drops_the_non_member_with_a_note(tmp_path):
     from mia import api
 
     root = _fake_mimir(tmp_path, {"arxiv_ngram_7_0.2": (3, 3)})
-    m, n = exp.mimir_index(root)[("arxiv", "ngram_7_0.2")]
+    m, n = mimir.mimir_index(root)[("arxiv", "ngram_7_0.2")]
     shared = json.loads(m.read_text().splitlines()[1])
     n.write_text(n.read_text() + json.dumps(shared) + "\n" + json.dumps("a b") + "\n")
     fake_tokenizer = lambda t: {"input_ids": [ord(c) for c in t]}  # noqa: E731
-    ex, notes = exp.mimir_examples(m, n, fake_tokenizer, None, 0)
+    ex, notes = mimir.mimir_examples(m, n, fake_tokenizer, None, 0)
     assert [e["label"] for e in ex] == [1, 1, 1, 0, 0, 0, 0] and label_conflicts(ex) == []
     assert [e["text"] for e in ex if e["label"] == 1][1] == shared and shared not in [e["text"] for e in ex
                                                                                        if e["label"] == 0]

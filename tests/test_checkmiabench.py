@@ -13,6 +13,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from experiments import checkmiabench as cmb, curves
+from experiments import checkmiabench_paper as cmb_paper
 
 from notebook_runner import run_notebook
 from order_files import LAYOUT_B, LAYOUT_END, LAYOUT_STEP, pythia_layout
@@ -48,7 +49,7 @@ def test_smoke_end_to_end(cmb_smoke):
     assert len(steps) >= 2 and s["kind"] == "testbed"
     # Table 2 layout: every (model, step, attack) that ran has AUC, SE, TPR
     ran = s["attacks_run"]
-    assert {"loss", "mink:k=0.1", "minkpp:k=0.1", cmb.PAPER_ZLIB} <= set(ran)
+    assert {"loss", "mink:k=0.1", "minkpp:k=0.1", cmb_paper.PAPER_ZLIB} <= set(ran)
     # the preset's last-checkpoint-only attacks (here the LL/zlib ratio) run at the last checkpoint only
     last_only = set(json.loads((out / "manifest.json").read_text())["config"]["attacks_last_checkpoint_only"])
     assert last_only == {"zlib"}
@@ -190,30 +191,30 @@ def test_trend_sentences_follow_the_numbers():
 
 
 def test_paper_numbers_lookup():
-    assert cmb.paper_attack_reference("pythia", "70m", 97_000, "loss", 98_500) == (0.513, 0.0130, 0.006,
-                                                                                   "Table 2, row 70m LOSS")
-    assert cmb.paper_attack_reference("pythia", "2.8b", 97_000, "mope:n=10,sigma=0.005")[:3] == (0.493, 0.0131, 0.006)
-    assert cmb.paper_attack_reference("olmo", "7b", 400_000, "recall:variant=checkmia")[3] == "Table 4, row 7b ReCaLL"
-    assert cmb.paper_attack_reference("pythia", "70m", 97_000, "mink") is None  # k = 0.2 is not the paper's k
-    assert cmb.paper_attack_reference("pythia", "70m", 90_000, "loss") is None  # another checkpoint
-    assert cmb.paper_attack_reference("testbed", "70m", 97_000, "loss") is None
-    assert cmb.paper_blind_reference("pythia", 97_000, "BoW (tokens)") == (0.505, 0.0128, 0.01,
-                                                                          "Table 1, row BoW (tokens)")
-    assert cmb.paper_blind_reference("pythia", 97_000, "W2V (tokens)") is None  # our encoder differs
+    attack_ref, blind_ref = cmb_paper.paper_attack_reference, cmb_paper.paper_blind_reference
+    assert attack_ref("pythia", "70m", 97_000, "loss", 98_500) == (0.513, 0.0130, 0.006, "Table 2, row 70m LOSS")
+    assert attack_ref("pythia", "2.8b", 97_000, "mope:n=10,sigma=0.005")[:3] == (0.493, 0.0131, 0.006)
+    assert attack_ref("olmo", "7b", 400_000, "recall:variant=checkmia")[3] == "Table 4, row 7b ReCaLL"
+    assert attack_ref("pythia", "70m", 97_000, "mink") is None  # k = 0.2 is not the paper's k
+    assert attack_ref("pythia", "70m", 90_000, "loss") is None  # another checkpoint
+    assert attack_ref("testbed", "70m", 97_000, "loss") is None
+    assert blind_ref("pythia", 97_000, "BoW (tokens)") == (0.505, 0.0128, 0.01, "Table 1, row BoW (tokens)")
+    assert blind_ref("pythia", 97_000, "W2V (tokens)") is None  # our encoder differs
     paper = cmb.PRESETS["paper"]  # the paper's settings (App. A)
-    assert paper.attacks == tuple(cmb.PAPER_ATTACKS.values()) and (paper.sizes.eval, paper.sizes.train) == (1000, 4000)
+    assert paper.attacks == tuple(cmb_paper.PAPER_ATTACKS.values())
+    assert (paper.sizes.eval, paper.sizes.train) == (1000, 4000)
 
 
 def test_paper_setting_differences():
     """The paper's split: no gap, 1,000 evaluated and (blind) 4,000 training rows per class, at its checkpoint."""
     same = {"gap": 0, "end_step": 98_500, "eval_counts": (1000, 1000), "train_counts": (4000, 4000)}
-    assert cmb.paper_setting_differences("pythia", 97_000, **same) == []
-    assert cmb.paper_setting_differences("olmo", 400_000, gap=0, eval_counts=(1000, 1000)) == []
-    assert cmb.paper_setting_differences("pythia", 97_000, **{**same, "gap": 10}) == ["gap 10 (paper: 0)"]
-    assert cmb.paper_setting_differences("pythia", 97_000, **{**same, "eval_counts": (800, 800)}) == [
+    assert cmb_paper.paper_setting_differences("pythia", 97_000, **same) == []
+    assert cmb_paper.paper_setting_differences("olmo", 400_000, gap=0, eval_counts=(1000, 1000)) == []
+    assert cmb_paper.paper_setting_differences("pythia", 97_000, **{**same, "gap": 10}) == ["gap 10 (paper: 0)"]
+    assert cmb_paper.paper_setting_differences("pythia", 97_000, **{**same, "eval_counts": (800, 800)}) == [
         "eval 800 + 800 (paper: 1,000 + 1,000)"]
-    assert cmb.paper_setting_differences("pythia", 90_000, gap=0) == ["step 90000 (paper: 97,000)"]
-    assert cmb.paper_setting_differences("testbed", 97_000, gap=0) == ["no paper numbers for kind testbed"]
+    assert cmb_paper.paper_setting_differences("pythia", 90_000, gap=0) == ["step 90000 (paper: 97,000)"]
+    assert cmb_paper.paper_setting_differences("testbed", 97_000, gap=0) == ["no paper numbers for kind testbed"]
     assert cmb.PRESETS["paper"].gap == 0  # the paper samples uniformly before and after the checkpoint
     assert cmb.build_parser().parse_args(["--paper", "--gap", "10"]).gap == 10
 
@@ -226,7 +227,7 @@ def test_paper_numbers_only_beside_the_papers_setting(tiny_neox_dir, tmp_path):
     from mia.data.indexed import write_indexed
 
     vocab = len(transformers.AutoTokenizer.from_pretrained(str(tiny_neox_dir)))
-    step, end = cmb.PAPER_SETTING["pythia"]["step"], cmb.PAPER_SETTING["pythia"]["end_step"]
+    step, end = cmb_paper.PAPER_SETTING["pythia"]["step"], cmb_paper.PAPER_SETTING["pythia"]["end_step"]
     shutil.copytree(tiny_neox_dir, tmp_path / "models" / "pythia-70m-deduped" / f"step{step}")
     rows = np.random.default_rng(0).integers(1, vocab, size=(end + 3, 9))
     write_indexed(tmp_path / "document", rows)
@@ -252,13 +253,13 @@ def test_paper_numbers_match_the_paper_text():
         pytest.skip("CHECKMIABENCH_TEXT (the paper as text) is not set")
     paper = Path(os.environ["CHECKMIABENCH_TEXT"])
     lines = paper.read_text().splitlines()
-    for model, row in cmb.PAPER_TABLE2.items():
+    for model, row in cmb_paper.PAPER_TABLE2.items():
         for mia, nums in row.items():
             assert f"{model}\t{mia}\t{nums[0]:.3f}\t{nums[1]:.4f}\t{nums[2]:.3f}" in lines, (model, mia)
     t4 = lines[lines.index(next(l for l in lines if l.startswith("Table 4"))):]
-    for mia, (a, se, tpr) in cmb.PAPER_TABLE4["7b"].items():
+    for mia, (a, se, tpr) in cmb_paper.PAPER_TABLE4["7b"].items():
         assert any(l.split("\t") == [mia, f"{a:.3f}", f"{se:.4f}", f"{tpr:g}"] for l in t4), mia
-    for table, nums in (("Table 1", cmb.PAPER_TABLE1), ("Table 3", cmb.PAPER_TABLE3)):
+    for table, nums in (("Table 1", cmb_paper.PAPER_TABLE1), ("Table 3", cmb_paper.PAPER_TABLE3)):
         t = lines[lines.index(next(l for l in lines if l.startswith(table))):]
         for ours, paper_name in (("BoW (tokens)", "BoW (Tokens)"), ("TF-IDF (tokens)", "TFIDF (Tokens)")):
             a, se, tpr = nums[ours]

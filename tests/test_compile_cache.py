@@ -54,9 +54,9 @@ def test_default_dir_and_opt_out(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv, want", [(["attacks"], [True]), (["--no-compile-cache", "attacks"], [False])])
 def test_entry_points_turn_it_on_unless_told_not_to(argv, want, monkeypatch, capsys):
     calls = []
-    import mia.commands
+    import mia.entry
 
-    monkeypatch.setattr(mia.commands, "enable_compile_cache", lambda *a, enabled=True, **k: calls.append(enabled))
+    monkeypatch.setattr(mia.entry, "enable_compile_cache", lambda *a, enabled=True, **k: calls.append(enabled))
     assert mia.cli.main(argv) == 0
     assert calls == want
     from experiments.checkmia import build_parser as checkmia_parser

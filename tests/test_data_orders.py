@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from mia.data import olmo, pythia
+from mia.data import olmo_order, pythia
 from mia.data.examples import DataError, Example, tokenize_examples
 from mia.data.indexed import IndexedDataset
 from mia.data.splits import read_split
@@ -41,7 +41,7 @@ def test_olmo_order_as_olmo_writes_it(tmp_path, drop_last, capsys):
     gi = olmo_global_indices(n, world, drop_last)
     assert len(gi) == (8 if drop_last else 12)
     gi.astype("<u4").tofile(tmp_path / "global_indices.npy")
-    order = olmo.OlmoOrder(tmp_path / "global_indices.npy", tmp_path / "paths.txt", seq_len=SEQ, batch_size=batch)
+    order = olmo_order.OlmoOrder(tmp_path / "global_indices.npy", tmp_path / "paths.txt", seq_len=SEQ, batch_size=batch)
     assert len(order) == (8 if drop_last else 11)  # the padded repeat is not a position of the order
     (note,) = order.notes
     if drop_last:
@@ -66,12 +66,13 @@ def test_olmo_order_refuses_what_olmo_does_not_write(tmp_path):
     gi = olmo_global_indices(len(inst), 8, drop_last=False)
     gi[-1] = (gi[3] + 1) % len(inst)  # the padding is not a repeat of the head
     gi.astype("<u4").tofile(tmp_path / "gi")
-    with pytest.raises(olmo.OlmoDataError, match=r"gi: 16 entries but the 3 token files hold 12 instances of 16 "
+    with pytest.raises(olmo_order.OlmoDataError, match=r"gi: 16 entries but the 3 token files hold 12 instances of 16 "
                                                   r"tokens, and the 4 extra entries are not OLMo's padding"):
-        olmo.OlmoOrder(tmp_path / "gi", tmp_path / "paths.txt", seq_len=SEQ, batch_size=8)
+        olmo_order.OlmoOrder(tmp_path / "gi", tmp_path / "paths.txt", seq_len=SEQ, batch_size=8)
     gi[:6].astype("<u4").tofile(tmp_path / "gi")  # 6 short of 12: more than a world size <= the batch size 4
-    with pytest.raises(olmo.OlmoDataError, match=r"6 entries but .* less than the world size <= the batch size 4"):
-        olmo.OlmoOrder(tmp_path / "gi", tmp_path / "paths.txt", seq_len=SEQ, batch_size=4)
+    with pytest.raises(olmo_order.OlmoDataError,
+                       match=r"6 entries but .* less than the world size <= the batch size 4"):
+        olmo_order.OlmoOrder(tmp_path / "gi", tmp_path / "paths.txt", seq_len=SEQ, batch_size=4)
 
 
 def test_pythia_draw_stops_at_the_first_id_outside_the_vocabulary(tmp_path, capsys):
@@ -98,13 +99,13 @@ def test_olmo_draw_stops_at_the_first_id_outside_the_vocabulary(tmp_path):
     arrays[2].tofile(tmp_path / "part-2.npy")
     gi = np.random.default_rng(1).permutation(len(inst)).astype("<u4")
     gi.tofile(tmp_path / "gi")
-    order = olmo.OlmoOrder(tmp_path / "gi", tmp_path / "paths.txt", seq_len=SEQ, batch_size=3)
+    order = olmo_order.OlmoOrder(tmp_path / "gi", tmp_path / "paths.txt", seq_len=SEQ, batch_size=3)
     q = int(np.flatnonzero(gi == 9)[0])
     msg = (rf"part-2.npy: instance 9 \(global position {q}, step {q // 3}\) token 5 \(token 53 of the file\) is id "
            r"60000, outside the model vocabulary \(50304 ids\)")
-    with pytest.raises(olmo.OlmoDataError, match=msg):
-        olmo.draw_checkpoint_split(order, 2, 6, 6, seed=0, vocab_size=50304)
-    olmo.draw_checkpoint_split(order, 2, 6, 6, seed=0, vocab_size=60001)
+    with pytest.raises(olmo_order.OlmoDataError, match=msg):
+        olmo_order.draw_checkpoint_split(order, 2, 6, 6, seed=0, vocab_size=50304)
+    olmo_order.draw_checkpoint_split(order, 2, 6, 6, seed=0, vocab_size=60001)
 
 
 def test_scored_examples_name_the_offending_token():

@@ -313,7 +313,7 @@ def test_every_form_gives_the_jsonl_scores(tiny_model, tiny_neox_dir, tmp_path, 
 def test_saved_dataset_digest_covers_every_file(tmp_path):
     """Several processes agree on --data by its digest (``mia.cli.score_inputs``): a saved dataset directory's
     covers every file under it."""
-    from mia.file_hash import path_sha256
+    from mia.files.hashing import path_sha256
 
     (tmp_path / "ds" / "test").mkdir(parents=True)
     (tmp_path / "ds" / "dataset_dict.json").write_text('{"splits": ["test"]}')

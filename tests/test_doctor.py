@@ -1,4 +1,4 @@
-"""``mia doctor`` (``mia.checkup``): every check can fail, and a failing check gives exit status 1 naming it.
+"""``mia doctor`` (``mia.doctor``): every check can fail, and a failing check gives exit status 1 naming it.
 
 Each test breaks one thing the doctor checks, the way it breaks on a real machine, and looks for the failing row:
 a kernel that lets a query see the next token, bf16 weights that are not the float32 model's, a cache directory that
@@ -9,6 +9,7 @@ the full doctor on 1 and 8 devices runs under ``-m slow``.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -22,8 +23,9 @@ import pytest
 from xla_env import device_flags
 
 import mia
-from mia import checkup
 from mia.models import attention as A
+
+doctor_module = importlib.import_module("mia.doctor")  # the module of the checks; mia.doctor is the function
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +36,8 @@ def peeking_kernel(q, k, v, q_pos, k_pos, k_valid, *, scale, window=None):
 
 
 def scrambled_bf16_models(tiny_models):
-    """``checkup.tiny_models`` whose bf16 model does not hold the float32 model's weights: a conversion that reverses
-    the last axis of every matrix (garbage of the same size and dtype)."""
+    """``mia.doctor.tiny_models`` whose bf16 model does not hold the float32 model's weights: a conversion that
+    reverses the last axis of every matrix (garbage of the same size and dtype)."""
     import jax
 
     def models(family):
@@ -51,13 +53,40 @@ def rows_by_name(report) -> dict:
     return {r.check: r for r in report.rows}
 
 
+NAME_SCRIPT = """
+import importlib, json, sys
+import mia.doctor              # the submodule first: its import must not rebind mia.doctor
+import mia
+from mia import doctor as imported
+import mia.doctor as aliased
+module = importlib.import_module("mia.doctor")
+print(json.dumps({"function": mia.doctor is mia.api.doctor, "callable": callable(mia.doctor),
+                  "imported": imported is mia.api.doctor, "aliased": aliased is mia.api.doctor,
+                  "module": module.__name__, "checks": list(module.CHECKS),
+                  "in_sys": sys.modules["mia.doctor"] is module,
+                  "report": type(mia.doctor(checks=["platform"], families=["gpt2"])).__name__}))
+"""
+
+
+def test_mia_doctor_is_the_function_after_the_submodule_is_imported():
+    """``mia/doctor.py`` is the checks' module and ``mia.doctor`` the API function: importing the submodule (which
+    binds it on its package) leaves ``mia.doctor`` the function, whatever the import style, and the module is
+    reachable through ``sys.modules`` / ``importlib``."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", NAME_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"function": True, "callable": True, "imported": True, "aliased": True, "module": "mia.doctor",
+                   "checks": list(doctor_module.CHECKS), "in_sys": True, "report": "DoctorReport"}
+
+
 def test_failing_and_wrong_kernels_and_scrambled_bf16_weights_fail_their_checks(monkeypatch):
     """One run, three breaks: auto picks splash here (as on a TPU) and Mosaic refuses to lower it for this backend,
     the blocked kernel peeks at the next token, and the bf16 weights are not the float32 model's."""
     monkeypatch.setattr(A, "auto_kernel", lambda *a, **k: "splash" if a[5] == jnp.float32 else "exact")
     monkeypatch.setitem(A.KERNELS, "splash", partial(A.splash_attention, interpret=False))
     monkeypatch.setitem(A.KERNELS, "blocked", peeking_kernel)
-    monkeypatch.setattr(checkup, "tiny_models", scrambled_bf16_models(checkup.tiny_models))
+    monkeypatch.setattr(doctor_module, "tiny_models", scrambled_bf16_models(doctor_module.tiny_models))
     report = mia.doctor(checks=("attention", "precision"), families=["gpt_neox"])
     rows = rows_by_name(report)
     assert [r.check for r in report.rows][:3] == [f"attention gpt_neox {k}" for k in ("splash", "blocked", "exact")]
@@ -66,7 +95,7 @@ def test_failing_and_wrong_kernels_and_scrambled_bf16_weights_fail_their_checks(
     assert splash.ok is False and "Only interpret mode is supported" in splash.result
     assert "runs fall back to blocked attention here" in splash.result
     exact = rows["attention gpt_neox exact"]
-    assert exact.ok and exact.value <= exact.tolerance == checkup.TOLERANCE["float32"]
+    assert exact.ok and exact.value <= exact.tolerance == doctor_module.TOLERANCE["float32"]
     blocked = rows["attention gpt_neox blocked"]
     assert blocked.ok is False and blocked.value > 100 * blocked.tolerance
     for attack in ("loss", "mink", "minkpp", "zlib"):  # the attacks the issue names; surp may be 0 on both sides
@@ -80,14 +109,14 @@ def test_healthy_attention_speed_and_precision_rows_pass_on_a_real_difference_an
     """Healthy rows of each kind pass, each comparing two different computations: every kernel (the exact one in
     float32 included) against jax's own attention, bf16 scores against float32 ones, a speed model with finite
     stats. A tolerance tightened to 1e-9 fails them: the tolerances, not the comparisons, let them pass."""
-    monkeypatch.setattr(checkup, "SPEED", dict(checkup.SPEED, hidden_size=64, num_attention_heads=4,
+    monkeypatch.setattr(doctor_module, "SPEED", dict(doctor_module.SPEED, hidden_size=64, num_attention_heads=4,
                                                intermediate_size=128, vocab_size=256))  # a tiny speed model
-    run = checkup._Run(["gpt_neox"])
-    attention, speed, precision = (f(run) for f in (checkup.attention_rows, checkup.speed_rows,
-                                                   checkup.precision_rows))
+    run = doctor_module._Run(["gpt_neox"])
+    attention, speed, precision = (f(run) for f in (doctor_module.attention_rows, doctor_module.speed_rows,
+                                                   doctor_module.precision_rows))
     assert [r.check for r in attention] == ["attention gpt_neox exact", "attention gpt_neox blocked"]
     for row in attention:  # float32 summation order: a few 1e-6, never 0
-        assert row.ok is True and 1e-7 < row.value <= row.tolerance == checkup.TOLERANCE["float32"], row
+        assert row.ok is True and 1e-7 < row.value <= row.tolerance == doctor_module.TOLERANCE["float32"], row
         assert "vs float32 with jax's attention" in row.result
     (row,) = speed
     assert row.ok is True and row.value > 0 and "NON-FINITE" not in row.result, row
@@ -96,10 +125,10 @@ def test_healthy_attention_speed_and_precision_rows_pass_on_a_real_difference_an
         assert row.ok is True and row.value <= row.tolerance, row
         if row.check != "precision surp":  # surp may be 0 on both sides
             assert row.value > 1e-5, row
-    monkeypatch.setitem(checkup.TOLERANCE, "float32", 1e-9)
-    monkeypatch.setattr(checkup, "PRECISION_TOLERANCE", 1e-9)
-    assert [r.ok for r in checkup.attention_rows(run)] == [False, False]  # (the stats are memoized in ``run``)
-    tight = {r.check: r.ok for r in checkup.precision_rows(run)}
+    monkeypatch.setitem(doctor_module.TOLERANCE, "float32", 1e-9)
+    monkeypatch.setattr(doctor_module, "PRECISION_TOLERANCE", 1e-9)
+    assert [r.ok for r in doctor_module.attention_rows(run)] == [False, False]  # (the stats are memoized in ``run``)
+    tight = {r.check: r.ok for r in doctor_module.precision_rows(run)}
     assert not any(ok for c, ok in tight.items() if c != "precision surp"), tight
 
 
@@ -130,9 +159,9 @@ def test_cache_checks_fail_on_a_file_in_place_of_the_directory_and_over_the_limi
 
 
 def test_speed_line_says_what_it_measured_and_fails_on_non_finite_numbers(monkeypatch):
-    small = dict(checkup.SPEED, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256)
-    monkeypatch.setattr(checkup, "SPEED", small)  # the shape of the speed model, kept tiny here
-    make = checkup.speed_model
+    small = dict(doctor_module.SPEED, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256)
+    monkeypatch.setattr(doctor_module, "SPEED", small)  # the shape of the speed model, kept tiny here
+    make = doctor_module.speed_model
 
     def poisoned(layers, dtype):
         model = make(layers, dtype)
@@ -140,7 +169,7 @@ def test_speed_line_says_what_it_measured_and_fails_on_non_finite_numbers(monkey
         params["embed_in"] = {"embedding": np.full_like(model.params["embed_in"]["embedding"], np.nan)}
         return model.__class__(**{**model.__dict__, "params": params})
 
-    monkeypatch.setattr(checkup, "speed_model", poisoned)
+    monkeypatch.setattr(doctor_module, "speed_model", poisoned)
     row = mia.doctor(checks=("speed",)).rows[0]
     assert row.check == "speed" and row.ok is False and "NON-FINITE" in row.result
     import re  # one device: 1 x 512 positions; several (XLA_FLAGS with 8 CPU devices): a row on each
@@ -174,9 +203,10 @@ def test_mfu_needs_a_known_peak():
 
 
 def test_model_axis_divides_devices_and_both_head_counts():
-    assert checkup.model_axis(8, 4, 4) == 4 and checkup.model_axis(8, 4, 2) == 2
-    assert checkup.model_axis(8, 12, 12) == 4 and checkup.model_axis(3, 4, 4) == 1 and checkup.model_axis(1, 4, 4) == 1
-    assert len(checkup.check_rows(8)) == 8 and len(checkup.check_rows(16)) == 16 and len(checkup.check_rows(3)) == 9
+    axis, rows = doctor_module.model_axis, doctor_module.check_rows
+    assert axis(8, 4, 4) == 4 and axis(8, 4, 2) == 2
+    assert axis(8, 12, 12) == 4 and axis(3, 4, 4) == 1 and axis(1, 4, 4) == 1
+    assert len(rows(8)) == 8 and len(rows(16)) == 16 and len(rows(3)) == 9
 
 
 def test_every_family_has_a_tiny_config_the_doctor_can_shard():
@@ -191,9 +221,9 @@ def test_every_family_has_a_tiny_config_the_doctor_can_shard():
     for name, fam in FAMILIES.items():
         hf = tiny_config(name)
         cfg = read_config(fam.config_cls, hf, fam.harmless)  # every field understood
-        assert hf["model_type"] == name and cfg.vocab_size == checkup.CHECK_VOCAB
+        assert hf["model_type"] == name and cfg.vocab_size == doctor_module.CHECK_VOCAB
         positions = getattr(cfg, "max_position_embeddings", None) or cfg.n_positions
-        assert positions >= checkup.CHECK_POSITIONS
+        assert positions >= doctor_module.CHECK_POSITIONS
     FAMILIES["nameless"] = dataclasses.replace(FAMILIES["gpt2"], model_type="nameless", tiny=None)
     try:
         with pytest.raises(ValueError, match="registered no tiny config"):
@@ -236,13 +266,15 @@ class Absent(importlib.abc.MetaPathFinder):  # as if the packages were not insta
 
 sys.meta_path.insert(0, Absent())
 import mia
-import mia.api, mia.checkup, mia.cli
+import mia.api, mia.cli
+import importlib
+doctor_module = importlib.import_module("mia.doctor")
 from mia.cli import main
 
 status = main(["doctor", "--checks", sys.argv[2], "--json", sys.argv[1]])
 print(json.dumps({"status": status, "asked": [m for m in asked if m.split(".")[0] in NEVER],
                   "loaded": [m for m in sys.modules if m.split(".")[0] in ABSENT],
-                  "attacks": mia.checkup.stats_attacks()}))
+                  "attacks": doctor_module.stats_attacks()}))
 """
 
 
@@ -268,8 +300,9 @@ def test_mia_and_its_doctor_import_without_the_optional_packages(tmp_path):
 
 MESH_SCRIPT = """
 import dataclasses, json
+import importlib
 import mia.engine.batching as B
-from mia import checkup
+doctor_module = importlib.import_module("mia.doctor")  # the module; mia.doctor is the function
 
 put_rows = B.put_rows
 
@@ -282,13 +315,13 @@ def losing_rows(shape, sharding, make_rows):  # every shard but the first loses 
         return out
     return put_rows(shape, sharding, rows)
 
-run = checkup._Run(["gpt2"])
-healthy = checkup.mesh_rows(run)
+run = doctor_module._Run(["gpt2"])
+healthy = doctor_module.mesh_rows(run)
 # recompute only the replicated layout's stats (key: family, dtype, kernel, mesh, fsdp): one device and FSDP (data=1:
 # no device would lose a row) are kept
 run._stats = {k: v for k, v in run._stats.items() if k[3] is None or k[4]}
 B.put_rows = losing_rows
-broken = checkup.mesh_rows(run)
+broken = doctor_module.mesh_rows(run)
 print(json.dumps([[dataclasses.asdict(r) for r in rows] for rows in (healthy, broken)]))
 """
 
@@ -305,9 +338,10 @@ def test_mesh_check_passes_on_two_devices_and_fails_when_a_device_loses_a_row():
     healthy, broken = json.loads(p.stdout.strip().splitlines()[-1])
     for rows in (healthy, broken):
         assert [r["check"] for r in rows] == ["mesh gpt2 data=2,model=1", "mesh gpt2 data=1,model=2"], rows
-    assert all(r["ok"] is True and r["value"] <= r["tolerance"] == checkup.MESH_TOLERANCE for r in healthy), healthy
+    tol = doctor_module.MESH_TOLERANCE
+    assert all(r["ok"] is True and r["value"] <= r["tolerance"] == tol for r in healthy), healthy
     assert healthy[1]["value"] > 0 and "FSDP" in healthy[1]["result"]
-    assert broken[0]["ok"] is False and broken[0]["value"] > 100 * checkup.MESH_TOLERANCE, broken
+    assert broken[0]["ok"] is False and broken[0]["value"] > 100 * doctor_module.MESH_TOLERANCE, broken
 
 
 @pytest.mark.slow
@@ -315,7 +349,7 @@ def test_mesh_check_passes_on_two_devices_and_fails_when_a_device_loses_a_row():
 def test_full_doctor_passes_on_this_cpu(devices, tmp_path):
     """Every check, every family; with 1 device also without the optional packages (as above)."""
     if devices == 1:
-        got, report = run_without_optional_packages(tmp_path, ",".join(checkup.CHECKS))
+        got, report = run_without_optional_packages(tmp_path, ",".join(doctor_module.CHECKS))
         assert got["status"] == 0 and got["asked"] == [] and got["loaded"] == []
     else:
         env = dict(os.environ, XLA_FLAGS=device_flags(devices), PYTHONPATH=str(ROOT),
@@ -335,15 +369,16 @@ def test_a_soft_capped_family_is_never_given_xla_and_its_kernels_agree(monkeypat
     """Gemma 2's attention rows: auto's pick for a capped model is not cuDNN's xla kernel (shown with auto planned
     for a GPU in bf16, where an uncapped Llama gets xla), and on this backend every kernel, splash's own cap in
     interpret mode included, agrees with the reference (jax's formula with the cap) in float32."""
-    run = checkup._Run(["gemma2", "llama"])
+    run = doctor_module._Run(["gemma2", "llama"])
     real = A.auto_kernel
     monkeypatch.setattr(A, "auto_kernel", lambda *a, **k: real(*a, **{**k, "backend": "gpu"}))
     run.dtype = "bfloat16"
-    assert checkup.kernels_here(run, "llama")[0] == ("xla", True)
-    assert checkup.kernels_here(run, "gemma2")[0] == ("exact", True)
+    assert doctor_module.kernels_here(run, "llama")[0] == ("xla", True)
+    assert doctor_module.kernels_here(run, "gemma2")[0] == ("exact", True)
     monkeypatch.setattr(A, "auto_kernel", real)
     report = mia.doctor(checks=("attention",), families=["gemma2"])
     rows = rows_by_name(report)
     assert report.ok and {"attention gemma2 exact", "attention gemma2 blocked"} <= set(rows), report.table()
     splash = run.stats("gemma2", "float32", "splash")
-    assert checkup.largest_difference(splash, run.attention_reference("gemma2")) <= checkup.TOLERANCE["float32"]
+    difference = doctor_module.largest_difference(splash, run.attention_reference("gemma2"))
+    assert difference <= doctor_module.TOLERANCE["float32"]

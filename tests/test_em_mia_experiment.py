@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import em_mia as exp
+from experiments import em_mia as exp, em_mia_report
 
 from notebook_runner import run_notebook
 from table_check import rendered_again
@@ -137,7 +137,7 @@ def test_em_mia_notebook_computes_the_tables(em_mia_smoke, monkeypatch):
             for lbl in lines[0]["scores"]:
                 v = np.array([np.nan if x["scores"][lbl] is None else x["scores"][lbl] for x in lines], float)
                 ok = np.isfinite(v)
-                assert auc.loc[(m, exp.display(lbl)), split] == pytest.approx(_auc(v[ok], y[ok]), abs=1e-12)
+                assert auc.loc[(m, em_mia_report.display(lbl)), split] == pytest.approx(_auc(v[ok], y[ok]), abs=1e-12)
                 checked += 1
     assert checked >= 6 * 2 and any(m.startswith("EM-MIA") for _, m in auc.index)
     for r in json.loads((out / "values.json").read_text())["rows"]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mia.checkup import tiny_models
+from mia.doctor import tiny_models
 from mia.engine.batching import ScoringSettings
 from mia.engine.conditional import loglik_matrix
 from mia.engine.failsafe import FailSafeStep, fail_safe

@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 
-from experiments import common
+from experiments import harness
 from mia import metrics
 
 MODULES = ("checkmia", "checkmiabench", "em_mia", "camia", "audit", "curves")
@@ -52,15 +52,15 @@ def test_every_shared_flag_means_the_same_in_every_experiment():
 
 
 def test_the_vocabulary_flags_come_from_the_shared_helpers():
-    """Not only equal today: the same objects, defined once in experiments.common, so they cannot drift."""
-    want = {"--testbed": common.testbed_dir, "--steps": common.STEPS_TYPE, "--bootstrap": common.BOOTSTRAP_TYPE,
-            "--seed": common.SEED_TYPE, "--memorize-epochs": common.MEMORIZE_TYPE}
+    """Not only equal today: the same objects, defined once in experiments.harness, so they cannot drift."""
+    want = {"--testbed": harness.testbed_dir, "--steps": harness.STEPS_TYPE, "--bootstrap": harness.BOOTSTRAP_TYPE,
+            "--seed": harness.SEED_TYPE, "--memorize-epochs": harness.MEMORIZE_TYPE}
     for module, parser in _parsers().items():
         actions = _actions(parser)
         for flag, kind in want.items():
             if flag in actions:
                 assert actions[flag].type is kind, (module, flag)
-        assert actions["--bootstrap"].default == common.DEFAULT_BOOTSTRAP == metrics.N_RESAMPLES == 1000, module
+        assert actions["--bootstrap"].default == harness.DEFAULT_BOOTSTRAP == metrics.N_RESAMPLES == 1000, module
         if "--testbed" in actions:
             assert actions["--testbed"].default is None and type(actions["--testbed"]).__name__ == "_AppendAction"
         if "--steps" in actions:

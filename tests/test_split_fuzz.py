@@ -21,7 +21,7 @@ hypothesis = pytest.importorskip("hypothesis")  # in setup.py's test extras
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from mia.data import olmo, pythia  # noqa: E402
+from mia.data import olmo_order, pythia  # noqa: E402
 from mia.data.indexed import MAGIC, IndexedDataError, IndexedDataset  # noqa: E402
 from mia.data.splits import (HEADER_HASH, ROW_HASH, SplitError, read_split, row_digest, short_repr,  # noqa: E402
                              write_split)
@@ -64,10 +64,11 @@ def templates(tmp_path_factory):
     paths["testbed"] = write_split(d / "testbed.jsonl", h, ex)
     _, inst = make_files(d, eos_every=5)
     make_order(d, len(inst))
-    order = olmo.OlmoOrder(d / "global_indices.npy", d / "paths.txt", seq_len=SEQ, batch_size=3)
-    h, ex = olmo.draw_checkpoint_split(order, 2, 2, 2, seed=4, nonmember_start=3, vocab_size=50304)
+    order = olmo_order.OlmoOrder(d / "global_indices.npy", d / "paths.txt", seq_len=SEQ, batch_size=3)
+    h, ex = olmo_order.draw_checkpoint_split(order, 2, 2, 2, seed=4, nonmember_start=3, vocab_size=50304)
     paths["olmo"] = write_split(d / "olmo.jsonl", h, ex)
-    h, ex = olmo.draw_checkpoint_split(order, 2, 2, 2, seed=4, nonmember_start=3, documents=True, eos=EOS, doc_len=6)
+    h, ex = olmo_order.draw_checkpoint_split(order, 2, 2, 2, seed=4, nonmember_start=3, documents=True, eos=EOS,
+                                             doc_len=6)
     paths["olmo_documents"] = write_split(d / "olmo_documents.jsonl", h, ex)
     paths["text"] = _text_split(d)
     for kind, p in paths.items():

@@ -126,7 +126,7 @@ def fake_hub(tmp: Path) -> Path:
 
 
 def _env_case(tmp, monkeypatch, capsys, env: dict, command: str, counts: dict):
-    from mia import cache_limit
+    from mia.files import cache_limit
     from mia.cli import main
 
     monkeypatch.setattr(cache_limit, "_warned_env", False)
@@ -532,7 +532,7 @@ PATH_FLAGS = {"--out", "--suite-dir", "--testbed", "--pythia", "--data", "--idx"
 SKIP_FLAGS = {"--help", "--debug", "--no-progress"}  # --debug shows tracebacks on purpose
 SENTINELS = {"checkmiabench": ("testbed_setup", "pythia_setup", "olmo_setup"),
              "em_mia": ("_testbed_setup", "_olmo_setup"), "camia": ("_run_testbed", "_run_mimir"),
-             "audit": ("_models", "noises_for", "build_base")}
+             "audit": ("pretrain_models", "noises_for", "build_base")}
 EXPERIMENT_VALUES = {  # plausible values besides any text: each flag also gets FUNNY, numbers and any text
     "--preset": ["smoke", "default", "paper", "huge"], "--attacks": ["loss", "loss,zlib", "mink:k=2", "nosuch", ""],
     "--sizes": ["70m", "all", "x,y"], "--steps": ["1", "1,2", "0", "-1", "a"], "--member": ["largest", "all", "nope"],

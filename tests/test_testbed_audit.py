@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from mia.audit import check_lower_bound, one_run_audit
-from mia.exposure import exposure_by_reps
+from mia.privacy.one_run import check_lower_bound, one_run_audit
+from mia.privacy.exposure import exposure_by_reps
 from mia.metrics import auc, epsilon_bound
 from mia.testbed import TestbedError, build_testbed, build_twin, preset
 from mia.testbed import dp

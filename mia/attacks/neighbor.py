@@ -26,8 +26,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from .. import cache_limit
-from ..atomic import write_json
+from ..files import cache_limit
+from ..files.atomic import write_json
 from ..engine.loop import compute_token_stats
 from ..validate import Range
 from ..models.bert import load_mlm

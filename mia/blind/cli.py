@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from .. import report, validate as V
-from ..atomic import write_text
+from ..files.atomic import write_text
 from .classifiers import CLASSIFIER_NAMES
 from .features import FEATURE_NAMES
 from .run import BlindError, run_blind, shift_verdict

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .. import validate as V
-from . import olmo, pythia, text
+from . import olmo_order, pythia, text
 from .difficulty import add_difficulty_parser
 from .indexed import IndexedDataset
 from .splits import SplitError, parse_partitions, partition_total, write_split
@@ -107,9 +107,9 @@ def _run_olmo(args) -> int:
 
     parts = parse_partitions(args.partition)
     n_m, n_n = _counts(args, parts)
-    order = olmo.OlmoOrder(args.global_indices, args.data_paths, seq_len=args.seq_len, batch_size=args.batch_size,
+    order = olmo_order.OlmoOrder(args.global_indices, args.data_paths, seq_len=args.seq_len, batch_size=args.batch_size,
                       token_dtype=args.token_dtype, indices_format=args.global_indices_format)
-    header, ex = olmo.draw_checkpoint_split(order, one_step(args), n_m, n_n, args.seed,
+    header, ex = olmo_order.draw_checkpoint_split(order, one_step(args), n_m, n_n, args.seed,
                                             nonmember_start=args.nonmember_start, end_step=args.end_step,
                                             partitions=parts or None, documents=args.documents, eos=args.eos,
                                             doc_len=args.doc_len, pool=args.pool, vocab_size=_vocab_bound(args))

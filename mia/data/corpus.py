@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ..atomic import write_text
+from ..files.atomic import write_text
 from ..offline import force_offline
 from ..validate import check_json_file
 

@@ -32,8 +32,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .. import validate as V
-from ..atomic import save_npz, write_text
-from ..file_hash import sha256_of_file
+from ..files.atomic import save_npz, write_text
+from ..files.hashing import sha256_of_file
 from .splits import Split, read_split, write_split
 
 DIFFICULTIES = ("random", "easy", "medium", "hard", "mix-1", "mix-2")

@@ -1,8 +1,8 @@
 """Drawing member / non-member splits from a training order: the testbed's, Pythia's and OLMo's.
 
 ``draw_testbed_split``, ``draw_pythia_split`` and ``draw_olmo_split`` are the ``mia split`` samplers
-(``mia.data.pythia`` / ``mia.data.olmo``: members from the rows a checkpoint has seen, non-members from the rows of
-the same first epoch it has not) followed by one seeded partition plan (``SplitSizes``: eval / train per class,
+(``mia.data.pythia`` / ``mia.data.olmo_order``: members from the rows a checkpoint has seen, non-members from the
+rows of the same first epoch it has not) followed by one seeded partition plan (``SplitSizes``: eval / train per class,
 calib and prefix non-members). Each returns ``(header, examples, note)``: the split file's header and rows (dicts:
 ``id``, ``tokens``, ``label``, ``partition``, ``index``, ...; ``mia.data.splits.write_split`` writes them) and a
 note when the partitions were shrunk to what the ranges hold (``allow_fewer``), else None.
@@ -20,7 +20,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from . import olmo, pythia
+from . import olmo_order, pythia
 from .examples import LEARNED_PARTITIONS, disjointness_keys
 from .splits import DROPPED_ROWS, SplitError, assign_partitions, partition_counts
 
@@ -226,11 +226,11 @@ def draw_olmo_split(global_indices, data_paths, step: int, sizes: SplitSizes, se
     """(header, examples, note) of an OLMo checkpoint split: ``mia split olmo`` (members from positions of steps
     [0, step), non-members from [nonmember_start, end_step)) on ``global_indices`` + the ``data_paths`` list."""
     require_order("an OLMo split", {"global_indices": global_indices, "data_paths": data_paths})
-    order = olmo.OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
+    order = olmo_order.OlmoOrder(global_indices, data_paths, seq_len=seq_len, batch_size=batch_size)
     s2 = step if nonmember_start is None else int(nonmember_start)
     e = order.steps if end_step is None else int(end_step)
     sizes, note = fit_sizes("olmo split", sizes, allow_fewer, step * batch_size, max(0, e - s2) * batch_size)
-    header, examples = olmo.draw_checkpoint_split(order, step, sizes.members, sizes.nonmembers, seed,
+    header, examples = olmo_order.draw_checkpoint_split(order, step, sizes.members, sizes.nonmembers, seed,
                                              nonmember_start=s2, end_step=e, batch_size=batch_size)
     header, examples = finish_split(header, examples, sizes, seed)
     return header, examples, note

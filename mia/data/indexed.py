@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..files.atomic import atomic_write
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

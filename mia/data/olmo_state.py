@@ -1,6 +1,6 @@
 """What an OLMo checkpoint directory says about where its step sits in the data order, read without OLMo or torch.
 
-The OLMo data-order mode (``mia.data.olmo``) puts step ``s`` at global positions ``[s·B, (s+1)·B)`` of
+The OLMo data-order mode (``mia.data.olmo_order``) puts step ``s`` at global positions ``[s·B, (s+1)·B)`` of
 ``global_indices``: batch size ``B``, the first step at position 0. Neither is in the weights. Where a checkpoint
 carries its trainer's record, this module reads it so the experiments can compare it with the ``B`` and step they
 were given (``check_order``):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..files.atomic import atomic_write
 from ..validate import utf8_lines
 
 FORMAT = "mia-split/1"

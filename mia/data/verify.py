@@ -1,7 +1,7 @@
 """``verify_split``: re-read a split file and verify everything it claims (``mia split check``).
 
 Rows, header and content are checked here; the rows of a training-order split (Pythia, testbed, OLMo) are re-read
-from their sources and re-drawn from the seed by ``mia.data.pythia`` / ``mia.data.olmo``. Never raises on a bad
+from their sources and re-drawn from the seed by ``mia.data.pythia`` / ``mia.data.olmo_order``. Never raises on a bad
 file: every problem is one line naming the file's line and field.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import olmo, pythia
+from . import olmo_order, pythia
 from .splits import (FORMAT, HEADER_HASH, NONNEG_INT, ROW_HASH, SOURCE_FILES, SplitError, content_key, read_split_raw,
                      checked_fields, hash_matches, one_line, partition_counts, short_repr, source_file_records,
                      verify_file_record)
@@ -207,7 +207,7 @@ def verify_split(path, verify_sources: bool = True, verify_hashes: bool = True,
     if kind in ("pythia", "testbed"):  # testbed orders are Pythia-format files
         pythia.verify_examples(h, ex, problems, not_verified, vocab_size)
     elif kind == "olmo":
-        olmo.verify_examples(h, ex, problems, not_verified, vocab_size)
+        olmo_order.verify_examples(h, ex, problems, not_verified, vocab_size)
     elif kind != "text":
         not_verified.append(f"sources: source kind {short_repr(kind)} is not re-readable: rows are checked only "
                             "against the header and their row hashes")

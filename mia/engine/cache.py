@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import cache_limit
-from ..atomic import write_bytes, write_json
+from ..files import cache_limit
+from ..files.atomic import write_bytes, write_json
 from ..models.attention import requested_kernel
 from ..validate import InputError, output_dir
 from .stats import STAT_NAMES
@@ -116,14 +116,14 @@ class StatsCache:
                             without an index is ignored.
     A lookup for some statistics is served by any part that holds all of them (a subset of its columns); an example
     that no part covers is not served, and the engine computes it again with the statistics asked for.
-    Both files are written atomically (``mia.atomic``); processes writing the same part write the same bytes.
+    Both files are written atomically (``mia.files.atomic``); processes writing the same part write the same bytes.
 
     Reading (``lookup``) is bounded by what the run asks for: each index is read, then one contiguous read per
     requested example that is there, copied into arrays of exactly its length. A damaged part (unreadable index,
     missing or truncated data, a CRC mismatch) is reported by one ``warning:`` line on stderr and its examples are
     recomputed; nothing from a damaged block is served. ``bytes_read`` counts the bytes read from disk.
 
-    The cache directory has a size limit (``mia.cache_limit``): a part that serves an example is touched (its
+    The cache directory has a size limit (``mia.files.cache_limit``): a part that serves an example is touched (its
     recency), every write is noted and may evict the least recently used entries; a part evicted while it is read
     is recomputed without a warning.
     """

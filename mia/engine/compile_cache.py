@@ -1,13 +1,13 @@
 """JAX's persistent compilation cache under the mia cache dir, so a second run does not recompile the same programs.
 
 Every command-line entry point (``mia ...``, ``python -m mia.testbed``, ``python -m experiments.*``) turns it on
-through ``enable_compile_cache`` before anything compiles (``mia.commands.run_for_user`` does it). Compiled executables
-go to ``<mia cache dir>/xla`` (``$MIA_CACHE_DIR`` or ``~/.cache/mia``; see ``mia.file_hash.default_cache_dir``). JAX
+through ``enable_compile_cache`` before anything compiles (``mia.entry.run_for_user`` does it). Compiled executables
+go to ``<mia cache dir>/xla`` (``$MIA_CACHE_DIR`` or ``~/.cache/mia``; see ``mia.files.hashing.default_cache_dir``). JAX
 keys
 each entry by the program, the compile options, the backend and the jax/jaxlib versions, so an entry is never used
 for another program or another jax.
 
-Its files count towards the mia cache's size limit (``mia.cache_limit``): JAX is given the limit too, so that it
+Its files count towards the mia cache's size limit (``mia.files.cache_limit``): JAX is given the limit too, so that it
 records when an entry is read (``<key>-atime``), and mia evicts the least recently used programs with the rest.
 
 Opt out with ``MIA_COMPILE_CACHE=0`` (also ``false``/``no``/``off``) or a command's ``--no-compile-cache``.
@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .. import cache_limit
-from ..file_hash import default_cache_dir
+from ..files import cache_limit
+from ..files.hashing import default_cache_dir
 from ..validate import InputError, output_dir
 
 ENV_SWITCH = "MIA_COMPILE_CACHE"

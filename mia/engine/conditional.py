@@ -36,8 +36,8 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from .. import cache_limit
-from ..atomic import save_npz
+from ..files import cache_limit
+from ..files.atomic import save_npz
 from ..models.attention import traced_over
 from ..models.common import KVCache
 from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows, plan_batches, pow2_ceil, pow2_floor,
@@ -215,7 +215,7 @@ def jitted_token_logprobs(model):
 # ------------------------------------------------------------------------------------------------ on-disk cache
 class PairCache:
     """LL[p, x] values on disk under ``root/condll-<namespace>/``: one .npz part per flush, written atomically
-    (``mia.atomic``), and the pairs in memory.
+    (``mia.files.atomic``), and the pairs in memory.
 
     Only the pairs of the run's prefixes x targets (``prefixes``/``targets``: key sets; None: all) are kept when
     the parts are read, so memory is bounded by the run, not by the cache. A damaged part (unreadable zip, a CRC

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ..atomic import atomic_write, write_text
+from ..files.atomic import atomic_write, write_text
 from ..sharding import make_mesh, param_shardings, put_params, replicated
-from .. import file_hash  # called through the module so that tests can stand in for the hash
+from ..files import hashing as file_hash  # called through the module so that tests can stand in for the hash
 from ..validate import check_config, check_hf_config, safetensors_header
 from . import hf_cache
 from .common import ConfigError, ParamMapping
@@ -249,7 +249,7 @@ def resolve_lazy(obj, field: str):
 
 def fingerprint(root: Path) -> str:
     """Content address of a checkpoint directory: SHA-256 over every byte of every weight file (memoised per file
-    by path, size, mtime and ctime: ``mia.file_hash``) and of each of ``FINGERPRINT_FILES`` present. Any edit of a
+    by path, size, mtime and ctime: ``mia.files.hashing``) and of each of ``FINGERPRINT_FILES`` present. Any edit of a
     weight, the config or the tokenizer gives another fingerprint. The dtypes a model is loaded in are not part of
     it (``mia.engine.cache.cache_namespace`` adds them)."""
     root = Path(root)

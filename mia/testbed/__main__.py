@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import time
 
-from ..commands import add_compile_cache_flag, run_for_user
+from ..entry import add_compile_cache_flag, run_for_user
 from ..validate import OneLineParser, arg_float, arg_int, arg_int_list, input_file, output_dir
 from . import build_testbed
 from .config import CANARY_KINDS, DP_SAMPLINGS, FIELD_LIMITS, MEMORIZE_EPOCHS_MAX, PRESETS, TestbedConfig, TestbedError

@@ -29,12 +29,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic import temporary_sibling, write_json
+from ..files.atomic import temporary_sibling, write_json
 from ..data.corpus import load_corpus
 from ..data.indexed import IndexedDataset
 from ..data.splits import file_record, short_repr
-from .. import file_hash
-from ..file_hash import sha256_of_file
+from ..files import hashing
+from ..files.hashing import sha256_of_file
 from ..validate import integer
 from ..models import from_config, load, save
 from ..models.gpt_neox import GPTNeoXConfig
@@ -310,7 +310,7 @@ def _recorded_digests(m: dict) -> list:
 def verify_data(root, m: dict, missing_ok: bool = False) -> Optional[str]:
     """None when every data file whose sha256 ``m`` records is there with that digest, else one line naming the
     first damaged (or, unless ``missing_ok``, missing) file with the expected and actual digest prefixes. Hashed
-    through ``mia.file_hash.file_sha256`` (memoised by path, size, mtime, ctime and inode), so reopening an
+    through ``mia.files.hashing.file_sha256`` (memoised by path, size, mtime, ctime and inode), so reopening an
     unchanged testbed does not rehash it."""
     root = Path(root)
     for rel, want in _recorded_digests(m):
@@ -319,7 +319,7 @@ def verify_data(root, m: dict, missing_ok: bool = False) -> Optional[str]:
             if missing_ok:
                 continue
             return f"{path}: missing (testbed.json records sha256 {want[:12]})"
-        got = file_hash.file_sha256(path)
+        got = hashing.file_sha256(path)
         if got != want:
             return f"{path}: damaged: sha256 {got[:12]}, testbed.json records {want[:12]}"
     return None

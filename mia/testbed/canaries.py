@@ -41,7 +41,7 @@ used: every natural row of the first ``train_steps * batch_size`` and every cana
 that each step samples from.
 
 Exposure (``canary_exposure``) ranks each canary's log-perplexity among fresh random rows of the same kind
-(``candidate_rows``; see ``mia.exposure``).
+(``candidate_rows``; see ``mia.privacy.exposure``).
 """
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..atomic import write_text
-from ..exposure import exposure_sampled, exposure_skewnorm
+from ..files.atomic import write_text
+from ..privacy.exposure import exposure_sampled, exposure_skewnorm
 from .config import TestbedConfig, TestbedError, canary_kinds
 from .tokenizer import reserved_ids
 
@@ -625,7 +625,7 @@ def canary_exposure(model, canaries: Canaries, *, n_candidates: int = 1000, seed
                     tokenizer=None, batch_size: int = 64) -> np.ndarray:
     """[m] exposure (bits) of every canary under ``model``, ranked among ``n_candidates`` fresh rows of the same
     kind (``candidate_rows``). ``method``: "sampled" (rank estimate, at most log2(n_candidates + 1) bits) or
-    "skewnorm" (the skew-normal extrapolation); see ``mia.exposure``."""
+    "skewnorm" (the skew-normal extrapolation); see ``mia.privacy.exposure``."""
     if method not in ("sampled", "skewnorm"):
         raise TestbedError(f"exposure method must be 'sampled' or 'skewnorm', got {method!r}")
     cand = candidate_rows(canaries, n_candidates, seed, tokenizer)

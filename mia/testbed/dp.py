@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..audit import group_privacy
+from ..privacy.one_run import group_privacy
 from .canaries import plan_canaries
 from .config import TestbedConfig, TestbedError
 

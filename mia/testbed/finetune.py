@@ -53,13 +53,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic import write_text
+from ..files.atomic import write_text
 from .canaries import (CANARY_FILE, Canaries, canary_source, check_distinct, draw_pool, kind_params, read_canaries,
                        write_canaries)
 from .config import CANARY_KINDS, TestbedError
-from ..audit import group_privacy
+from ..privacy.one_run import group_privacy
 from ..data.corpus import load_corpus
-from ..file_hash import sha256_of_file
+from ..files.hashing import sha256_of_file
 from ..models import from_config, save
 from ..models import load
 from ..models.hub import write_safetensors

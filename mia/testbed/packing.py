@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..files.atomic import atomic_write
 from ..data.indexed import write_indexed
 from .tokenizer import EOD_ID
 

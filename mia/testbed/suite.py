@@ -21,7 +21,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from ..atomic import write_json
+from ..files.atomic import write_json
 from .build import DEFAULT_ROOT, MANIFEST, Testbed, build_from_config, open_testbed, share_data
 from .config import DATA_FIELDS, PRESETS, SUITE_FIELDS, TestbedConfig, TestbedError, read_manifest
 

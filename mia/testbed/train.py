@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..atomic import atomic_write, save_figure, temporary_sibling
+from ..files.atomic import atomic_write, save_figure, temporary_sibling
 from ..models.hub import read_safetensors, save, write_safetensors
 from . import dp
 from .config import TestbedConfig, TestbedError

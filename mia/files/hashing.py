@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import cache_limit, validate
+from .. import validate
+from . import cache_limit
 from .atomic import write_json
 
 SETTLE_NS = 2_000_000_000  # a file must be this old (mtime and ctime) before its digest is memoised

@@ -15,7 +15,7 @@ level ``alpha``, i.e. a lower bound on eps with confidence 1 - alpha. Guesses co
 
 One-run audit in f-DP form (Mahloujifar, Melis and Chaudhuri, "Auditing f-differential privacy in one run",
 ICML 2025). The same game and the same guesses, tested against a trade-off curve instead of (eps, delta): here the
-Gaussian curve of mu-GDP (``mia.gdp``). A guessing rule that is right with probability x must, against a mu-GDP
+Gaussian curve of mu-GDP (``mia.privacy.gdp``). A guessing rule that is right with probability x must, against a mu-GDP
 training, be wrong with probability at least Phi(Phi^-1(x) - mu). Their recursion turns this into a test: with
 
     right_v = alpha v / m,   wrong_v = alpha (r - v) / m,   and for i = v - 1, ..., 0:
@@ -24,7 +24,7 @@ training, be wrong with probability at least Phi(Phi^-1(x) - mu). Their recursio
 
 "mu-GDP" is rejected at level alpha when right_0 + wrong_0 > r / m (the guessing mass the rule would need exceeds
 the r / m it has). ``one_run_fdp_mu`` is the largest mu so rejected; ``one_run_fdp_epsilon`` its epsilon at delta
-(``mia.gdp.gdp_epsilon``): the epsilon of the strongest Gaussian curve the guesses rule out. It is tighter than the
+(``gdp.gdp_epsilon``): the epsilon of the strongest Gaussian curve the guesses rule out. It is tighter than the
 bound above, and a lower bound on epsilon for a training whose trade-off curve is Gaussian (DP-SGD's nearly is);
 the bound above holds for every (eps, delta)-DP training.
 
@@ -42,7 +42,7 @@ from scipy.special import expit, ndtr, ndtri
 from scipy.stats import binom
 
 from .gdp import gdp_epsilon
-from .metrics import MetricError
+from ..metrics import MetricError
 
 BOUNDS = ("steinke", "fdp")  # one-run analyses: (eps, delta)-DP (Steinke et al.); Gaussian f-DP (Mahloujifar et al.)
 

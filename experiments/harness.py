@@ -4,16 +4,17 @@ CLI conventions  ``experiment_parser`` (``--preset``, ``--out``, ``--seed``, ``-
                  ``--debug``; usage errors are one line), ``add_model_flags`` / ``add_olmo_flags`` / ``one_step`` (the
                  one flag vocabulary: ``--testbed``, ``--member``, ``--steps``, the OLMo order flags; old spellings
                  refused, ``RENAMED_FLAGS``), ``run_main`` (a user error is one ``error: ...`` line and
-                 exit 2; Ctrl-C 130), ``ExperimentError`` (bad input, one line), ``default_out``,
+                 exit 2; Ctrl-C 130) and ``run_and_report`` (the end of every ``main``), ``ExperimentError`` (bad
+                 input, one line), ``default_out``,
                  ``check_paths`` / ``check_model_dir`` (every path option before any work), ``check_suite_steps``.
 Models           ``open_testbed``; ``add_identical_flag`` / ``identical_note`` (``--allow-identical-checkpoints``).
                  Finding, picking and checking checkpoints (testbed suites, Pythia, OLMo) is library work:
                  ``mia.checkpoints``; drawing splits from the testbed's, Pythia's and OLMo's orders:
                  ``mia.data.draw`` (a notebook calls the same functions). ``require_order`` names the missing order
                  flags.
-Attacks          ``select_attacks`` (registry names and ``NAME:k=v`` specs, by cost, with reasons for what is
-                 skipped), ``score_split`` (``mia.score`` of a split's eval partition; metrics, scores files and
-                 JSON come from ``ScoreRun``, ``mia.metrics`` and ``mia.report``).
+Attacks          ``score_split`` (``mia.score`` of a split's eval partition; metrics, scores files and
+                 JSON come from ``ScoreRun``, ``mia.metrics`` and ``mia.report``). Choosing the attacks is library
+                 work: ``mia.attacks.catalog.select_attacks``.
 Blind baselines  ``run_blind_baselines`` (``mia.blind`` per feature, and the shift verdict).
 Outputs          ``write_tables`` (md / CSV / LaTeX / JSON via ``mia.report``), ``plot_roc``, ``plot_lines`` (curves
 with bands), ``write_manifest`` (config, seeds, hashes,
@@ -46,14 +47,12 @@ from tqdm.auto import tqdm
 import mia
 from mia import report
 from mia import validate as V
-from mia.atomic import save_figure
-from mia.attacks import COSTS, AttackError, AttackInputs, available, check_attack_inputs, get, parse_attacks
-from mia.attacks.registry import NEED_DESCRIPTIONS
+from mia.files.atomic import save_figure
 from mia.blind import run_blind, shift_verdict
 from mia.checkpoints import IDENTICAL_FLAG, ArgumentError
-from mia.commands import add_compile_cache_flag, run_for_user
+from mia.entry import add_compile_cache_flag, run_for_user
 from mia.data.splits import read_split
-from mia.file_hash import check_cache_dir, sha256_of_file
+from mia.files.hashing import check_cache_dir, sha256_of_file
 from mia.metrics import N_RESAMPLES
 from mia.report import json_safe, write_json
 from mia.testbed import build_testbed
@@ -225,13 +224,29 @@ def check_model_dir(path, flag: str) -> Path:
 
 def run_main(fn: Callable[[], object], *, debug: bool = False, compile_cache: bool = True,
              on_interrupt: str = "interrupted; rerun the same command: finished work is cached and reused"):
-    """``(status, result)`` of ``fn()`` through ``mia.commands.run_for_user``: one ``error: ...`` line and status 2 for
+    """``(status, result)`` of ``fn()`` through ``mia.entry.run_for_user``: one ``error: ...`` line and status 2 for
     bad input, 130 on Ctrl-C. It also turns on JAX's persistent compilation cache (``mia.engine.compile_cache``: every
     checkpoint of one model size and every rerun reuse compiled code; ``--no-compile-cache`` or
     ``MIA_COMPILE_CACHE=0`` turn it off). The cache directory (``$MIA_CACHE_DIR`` or ~/.cache/mia) is made and
-    proved writable first (``mia.file_hash.check_cache_dir``): an unusable one is the run's one error line."""
+    proved writable first (``mia.files.hashing.check_cache_dir``): an unusable one is the run's one error line."""
     return run_for_user(fn, debug=debug, on_interrupt=on_interrupt, compile_cache=compile_cache,
                         check_first=lambda: check_cache_dir(error=ExperimentError))
+
+
+def run_and_report(fn: Callable[[], object], args: argparse.Namespace, report: Callable[[object], str], *,
+                   compile_cache: Optional[bool] = None, on_interrupt: Optional[str] = None,
+                   exit_status: Optional[Callable[[object], int]] = None) -> int:
+    """The end of every experiment's ``main``: ``fn()`` through ``run_main`` with the parsed ``--debug`` and
+    ``--no-compile-cache`` (``compile_cache`` overrides the flag); a failure returns its status (2: bad input, 130:
+    Ctrl-C), else ``report(result)`` is printed and the status is 0, or ``exit_status(result)`` (the audit's 3 on a
+    violation)."""
+    kw = {} if on_interrupt is None else {"on_interrupt": on_interrupt}
+    cache = not getattr(args, "no_compile_cache", False) if compile_cache is None else compile_cache
+    status, result = run_main(fn, debug=args.debug, compile_cache=cache, **kw)
+    if status:
+        return status
+    print(report(result))
+    return 0 if exit_status is None else exit_status(result)
 
 
 def default_out(module: str, preset: str, tag: str = "") -> Path:
@@ -288,63 +303,6 @@ def require_order(source_flag: str, flags: Mapping[str, object], hint: str = "")
 
 
 # ============================================================================================ attacks
-def unavailable_reason(need: str) -> str:
-    """Why an attack with ``need`` is skipped by an experiment that cannot provide it."""
-    return f"needs {NEED_DESCRIPTIONS[need]}, which this experiment does not have"
-
-
-def select_attacks(spec=None, *, max_cost: str = "heavy", unavailable: Sequence[str] = ("ref", "mlm"),
-                   reasons: Optional[Mapping[str, str]] = None, tolerant: bool = False, preset: str = ""):
-    """([(label, name, params)] to run, {label: reason} skipped).
-
-    ``spec``: None or ``"default"`` (every registered attack whose ``cost`` is at most ``max_cost``), ``"all"``
-    (every one), a comma list ``"loss,mink:k=0.1"``, or a list of such spec strings (named attacks run whatever
-    their cost). Attacks needing one of ``unavailable`` are skipped with the reason (``reasons`` overrides
-    ``unavailable_reason`` per need). ``tolerant``: an unknown attack or parameter is skipped with the registry's
-    message instead of stopping (for preset lists that name attacks a checkout may not have yet)."""
-    reasons = {need: (reasons or {}).get(need) or unavailable_reason(need) for need in unavailable}
-    skipped: dict = {}
-    chosen: list = []
-    if spec is None or (isinstance(spec, str) and spec.strip() in ("all", "default")):
-        every = isinstance(spec, str) and spec.strip() == "all"
-        budget = COSTS.index(max_cost)
-        for name in available():
-            a = get(name)
-            if any(n in reasons for n in a.needs):
-                chosen.append((name, name, dict(a.defaults)))  # skipped below, with the missing input as reason
-            elif not every and COSTS.index(a.cost) > budget:
-                again = "; run with --attacks all or name it in --attacks"
-                if a.cost == "quadratic":  # never in a default selection, whatever the budget
-                    skipped[name] = f"{a.cost_note or a.cost}{again}"
-                else:
-                    within = f"the {preset} preset's time budget" if preset else f"the default cost ({max_cost})"
-                    skipped[name] = f"not in {within}: {a.cost_note or a.cost}{again}"
-            else:
-                chosen.append((name, name, dict(a.defaults)))
-    else:
-        for item in [spec] if isinstance(spec, str) else list(spec):
-            try:
-                chosen += parse_attacks(item)
-            except AttackError as e:
-                if not tolerant:  # the user's --attacks: the error names the flag, then the registry's reason
-                    raise ExperimentError(f"--attacks: {str(e).splitlines()[0]}") from None
-                skipped[item] = f"not available in this checkout: {str(e).splitlines()[0]}"
-    run = []
-    inputs = AttackInputs(None, ref_model="ref" not in reasons, mlm="mlm" not in reasons)
-    for label, name, params in chosen:
-        why = next((reasons[n] for n in get(name).needs if n in reasons), None)
-        if why is None:
-            try:
-                check_attack_inputs(label, name, params, inputs)  # an attack's own rule, e.g. em_mia:init=ref
-            except AttackError as e:
-                why = str(e).splitlines()[0]
-        if why:
-            skipped[label] = why
-        else:
-            run.append((label, name, params))
-    return run, skipped
-
-
 def score_split(model, examples: Sequence[dict], attacks, *, seed: int, progress: bool, cache_dir=None,
                 max_length: Optional[int] = None, ref_model=None, mlm=None):
     """``mia.score`` of a split's examples as the experiments run it: the ``eval`` partition scored, the others
@@ -381,7 +339,7 @@ def run_blind_baselines(split_path, seed: int, n_resamples: int, features: Seque
 
 # ============================================================================================ outputs
 def sha_file(path) -> str:
-    """Hex SHA-256 of the whole file (``mia.file_hash``)."""
+    """Hex SHA-256 of the whole file (``mia.files.hashing``)."""
     return sha256_of_file(path)
 
 

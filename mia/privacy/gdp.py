@@ -27,7 +27,7 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtr, ndtri
 
-from .metrics import MetricError, checked_scores, check_privacy_args, threshold_counts, clopper_pearson_upper, roc_hull
+from ..metrics import MetricError, checked_scores, check_privacy_args, threshold_counts, clopper_pearson_upper, roc_hull
 
 
 # ----------------------------------------------------------------------------------------------- the curve

@@ -1,11 +1,11 @@
 """A size limit on the mia cache directory, with least-recently-used eviction of whole entries.
 
-The cache root (``$MIA_CACHE_DIR`` or ``~/.cache/mia``; ``mia.file_hash.default_cache_dir``) holds, one level down:
+The cache root (``$MIA_CACHE_DIR`` or ``~/.cache/mia``; ``mia.files.hashing.default_cache_dir``) holds, one level down:
 
   ``<namespace>/part-<name>.{f32,json}``   score parts (``mia.engine.cache.StatsCache``; the pair is one entry)
   ``condll-<namespace>/part-<name>.npz``   conditional log-likelihood parts (``mia.engine.conditional.PairCache``)
   ``neighbors-<tag>/<hash>.json``          neighbour texts (the ``neighbor`` attack)
-  ``file-sha256/<hash>.json``              file-hash memos (``mia.file_hash``)
+  ``file-sha256/<hash>.json``              file-hash memos (``mia.files.hashing``)
   ``xla/<key>-cache`` (+ ``-atime``)       compiled programs (JAX's persistent compilation cache)
 
 An entry's recency is the newest mtime of its files: writers create them, readers touch them (``touch``) when an
@@ -15,7 +15,7 @@ are deleted oldest first until the total is at most ``LOW_WATER`` of it, then na
 are removed.
 
 Safety with several processes: eviction holds an exclusive ``fcntl.flock`` on ``<root>/.evict.lock`` (two evictors
-do not fight); temporary files of ``mia.atomic`` (``.<name>.*.tmp``) are never counted or deleted; a score part
+do not fight); temporary files of ``mia.files.atomic`` (``.<name>.*.tmp``) are never counted or deleted; a score part
 whose index is not written yet is left alone for ``INCOMPLETE_GRACE_S``; files vanishing during a scan are skipped;
 a writer re-creates a namespace directory removed under it (``write_in``).
 A reader that finds its entry gone recomputes it (the score cache checks every block's CRC, so nothing partial is
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from .atomic import is_temporary, write_json
-from .validate import InputError
+from ..validate import InputError
 
 ENV_MAX_GB = "MIA_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 5.0

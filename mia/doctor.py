@@ -19,7 +19,7 @@ says exactly what is written). On the 2-core development CPU it takes under a mi
               (parameters replicated, as ``mia score`` places them by default), then ``data`` x ``model`` with the
               largest model axis the heads divide (FSDP, as ``--mesh`` places them), against one device
   cache       the mia cache and the compilation cache directories are writable (a probe file is written and
-              removed), and their size is within the cache's limit (``mia.cache_limit``)
+              removed), and their size is within the cache's limit (``mia.files.cache_limit``)
   speed       token stats of a Pythia-160m-shaped random model in the auto dtype on every local device: tokens/s,
               and the model FLOP utilisation against the device's peak (``mia.flops``; unknown devices: tokens/s
               only). On a CPU the model keeps 2 of its 12 layers and the rows are short, so that it stays fast; the
@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from . import cache_limit
-from .atomic import write_json
+from .files import cache_limit
+from .files.atomic import write_json
 from .attacks import AttackContext, get
 from .attacks.registry import REGISTRY
 from .attacks.zlib import zlib_length
@@ -61,7 +61,7 @@ from .engine.batching import put_padded
 from .engine.compile_cache import ENV_SWITCH, compile_cache_wanted, default_compile_cache_dir
 from .engine.loop import build_token_stats_step
 from .engine.stats import CONTINUOUS_STATS, STAT_NAMES
-from .file_hash import default_cache_dir
+from .files.hashing import default_cache_dir
 from .flops import forward_flops_per_token, mfu, peak_tflops
 from .models import attention as A
 from .models import hub

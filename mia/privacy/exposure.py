@@ -28,7 +28,7 @@ import math
 import numpy as np
 from scipy.stats import skewnorm
 
-from .metrics import MetricError
+from ..metrics import MetricError
 
 
 def _check_losses(canary_losses, candidate_losses) -> tuple:
