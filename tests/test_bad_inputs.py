@@ -755,7 +755,7 @@ DOCTOR_CASES = [  # mia doctor: each refused before any check runs
     Case("doctor-checks-commas", ["doctor", "--checks", " , "], ("--checks: empty",)),
     Case("doctor-check-unknown", ["doctor", "--checks", "platform,speeed"],
          ("--checks: unknown doctor check(s) speeed; expected some of platform",)),
-    Case("doctor-families-empty", ["doctor", "--families", ","], ("--families: empty; give some of gpt2",)),
+    Case("doctor-families-empty", ["doctor", "--families", ","], ("--families: empty; give some of", "gpt2")),
     Case("doctor-family-unknown", ["doctor", "--families", "gpt3"], ("--families: unknown model family(-ies) gpt3",)),
     Case("doctor-json-directory", ["doctor", "--json", "{tmp}"], ("--json", "is a directory")),
     Case("doctor-json-under-file", ["doctor", "--json", "{tmp}/f/r.json"], ("--json", "is a file"), {"f": "x"}),

@@ -140,7 +140,9 @@ def test_main_job_default_attacks_skip_what_the_testbed_lacks():
         "camia": budget + "~0.2 s per example", "camia_lr": budget + "CAMIA signals of the train partition",
         "samia": budget + "10 sampled continuations per example", "samia_zlib": budget + "10 sampled continuations per "
                                                                                          "example",
-        "pac": budget + "10 augmented copies of every example"}
+        "pac": budget + "10 augmented copies of every example",
+        **dict.fromkeys(("gradnorm", "alora", "jl"), budget + "one forward and one backward pass per example"),
+        "combine": budget + "every combined attack runs on the train partition too"}
     assert set(skipped) == set(expected)
     for name, reason in expected.items():
         assert skipped[name].startswith(reason), (name, skipped[name])
