@@ -127,3 +127,27 @@ def test_train_state_of_the_unstacked_layout_is_never_read(model, tmp_path):
     assert latest_state(tmp_path, "h", upto=10) is None
     with pytest.raises(TestbedError, match="format 'mia-train-state/1'"):
         load_train_state(old, model.params, {}, "h")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "opt"])
+def test_a_tied_heads_stored_copy_is_accepted_only_when_it_equals_the_embedding(model_type):
+    """Some conversions store a tied model's head beside its embedding (transformers drops it): an exact copy
+    loads as if absent; a head that differs is refused naming both tensors (config.json says they are one)."""
+    from mia.doctor import random_params
+    from mia.models.family import tiny_config
+
+    fam = family(model_type)
+    cfg = fam.config_cls.from_hf({**tiny_config(model_type), "tie_word_embeddings": True})
+    module, shapes = abstract_params(fam, cfg)
+    params = random_params(module, 0)
+    tensors = params_to_hf(params, fam, cfg)
+    head = f"{fam.module_cls.HEAD}.weight"
+    embedding = next(k for k in tensors if k.endswith(f"{fam.module_cls.EMBED}.weight"))
+    assert head not in tensors
+    back = params_from_hf({**tensors, head: tensors[embedding].copy()}, fam, cfg, shapes, jnp.float32)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back, params_from_hf(tensors, fam, cfg, shapes, jnp.float32))
+    changed = tensors[embedding].copy()
+    changed[3, 1] += 1.0
+    with pytest.raises(CheckpointError) as e:
+        params_from_hf({**tensors, head: changed}, fam, cfg, shapes, jnp.float32, source="ckpt")
+    assert str(e.value).startswith(f"ckpt: tensor '{head}' differs from the token embedding '{embedding}'")

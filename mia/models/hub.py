@@ -319,6 +319,25 @@ def params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, par
     return jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a).astype(np.float32), dtype=param_dtype), views)
 
 
+def tied_head_copy(name: str, tensors: dict, fam: Family, cfg, source: str) -> bool:
+    """Whether ``name`` is a tied model's head stored anyway as a copy of its token embedding (some conversions of
+    OPT and Llama checkpoints write both; transformers drops it). Such a copy is accepted only when it equals the
+    embedding element for element; a head that differs is a ``CheckpointError``: config.json says the two are one
+    matrix, and scoring with either would be scoring another model than the checkpoint's."""
+    lm = fam.module_cls
+    if not getattr(cfg, "tie_word_embeddings", False) or name != f"{lm.HEAD}.weight":
+        return False
+    embedding = f"{lm.HF_PREFIX}.{lm.EMBED}.weight"
+    found = next((n for n in (embedding, embedding.split(".", 1)[1]) if n in tensors), None)
+    if found is None:
+        return False
+    head, emb = tensors[name], tensors[found]
+    if tuple(head.shape) != tuple(emb.shape) or not np.array_equal(np.asarray(head), np.asarray(emb)):
+        raise CheckpointError(f"{source}: tensor {name!r} differs from the token embedding {found!r}, but config.json "
+                              "says tie_word_embeddings=true (one matrix): fix the config or the checkpoint")
+    return True
+
+
 def host_params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes, source: str = "checkpoint",
                         origin: Optional[dict] = None):
     """HF-named numpy tensors -> our params pytree of host views, strict on names, shapes and dtypes. Nothing is
@@ -369,7 +388,8 @@ def host_params_from_hf(tensors: dict[str, np.ndarray], fam: Family, cfg, shapes
             raise AssertionError(f"{fam.model_type}: layers {[i for i, x in enumerate(layers) if x is None]} of "
                                  f"{path} have no HF mapping")
         _set(params, path, StackedView(layers))
-    extra = [k for k in tensors if k not in used and not any(re.search(p, k) for p in fam.ignored_keys)]
+    extra = [k for k in tensors if k not in used and not any(re.search(p, k) for p in fam.ignored_keys)
+             and not tied_head_copy(k, tensors, fam, cfg, source)]
     if extra:
         raise CheckpointError(f"{source}: unexpected tensor(s) not used by {fam.model_type}: "
                               f"{', '.join(sorted(extra)[:8])}"
