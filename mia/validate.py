@@ -411,13 +411,20 @@ def check_hf_config(hf, source: str, *, error=InputError) -> dict:
     return hf
 
 
+def config_key(field: dataclasses.Field) -> str:
+    """The config.json name of a family config's field (``hf_field(key=...)``: OPT's ``ffn_dim`` is the field
+    ``intermediate_size``), else the field's own name: what an error must name for the user to find it."""
+    spec = field.metadata.get("hf")
+    return getattr(spec, "key", "") or field.name
+
+
 def check_config(cfg, source: str, *, error=InputError):
     """A family config object (frozen dataclass) after ``from_hf``: each field has its annotated type (int, float,
     bool, str, Optional[...]) with sizes >= 1, and the head layout divides (hidden_size by heads, heads by kv heads)."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         v, hint = getattr(cfg, f.name), hints.get(f.name)
-        where = f"{source}: config field {f.name!r}"
+        where = f"{source}: config field {config_key(f)!r}"
         args = typing.get_args(hint)
         if v is None and type(None) in args:
             continue

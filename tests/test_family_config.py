@@ -85,3 +85,14 @@ def test_a_config_finds_its_own_family_not_the_one_it_subclasses(model_type):
     fam = FAMILIES[model_type]
     cfg = read_config(fam.config_cls, tiny_config(model_type), fam.harmless)
     assert family_of_config(cfg) is fam
+
+
+def test_a_bad_value_is_named_as_config_json_spells_the_field():
+    """OPT's config.json says ``ffn_dim`` for what mia's config calls ``intermediate_size``: the error names the key
+    the user can find in the file."""
+    from mia.models.family import family, tiny_config
+    from mia.validate import InputError, check_config
+
+    cfg = family("opt").config_cls.from_hf({**tiny_config("opt"), "ffn_dim": 0})
+    with pytest.raises(InputError, match=r"^config.json: config field 'ffn_dim' must be in \[1, "):
+        check_config(cfg, "config.json")
