@@ -219,11 +219,12 @@ def add_renamed_flag(parser, old: str, new: str) -> None:
 # ============================================================================================== paths
 def utf8_lines(path, error: type = InputError):
     """Yield ``(lineno, line)`` for every non-blank line of the file at ``path`` (1-based line numbers, the newline
-    kept). A line that is not UTF-8 stops with one ``error`` naming ``path:lineno``, the bad byte and its offset."""
+    kept). A line that is not UTF-8 stops with one ``error`` naming ``path:lineno``, the bad byte and its offset. A
+    byte-order mark opening the file (Windows editors write one) is not content and is dropped."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise error(f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at byte {e.start} "
                             "of the line)") from None

@@ -337,3 +337,13 @@ def test_learned_from_sets_may_lack_mapped_columns(tmp_path):
     standard = [{"text": "a b"}]  # a set that uses the standard name for a mapped field
     assert read_data(standard, column_map=cmap, require_columns=False)[0].text == "a b"
     assert read_data(_frame(standard), column_map=cmap, require_columns=False)[0].text == "a b"
+
+
+def test_a_byte_order_mark_opening_a_jsonl_file_is_not_content(tmp_path):
+    """Windows editors open a UTF-8 file with a BOM: the file reads as without it; a BOM elsewhere is still text."""
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    body = '{"text": "hello world", "label": 1}\n{"text": "\\ufeffbye", "label": 0}\n'
+    plain.write_text(body, encoding="utf-8")
+    marked.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
+    assert _fields(read_data(marked)) == _fields(read_data(plain))
+    assert [e.text for e in read_data(marked)] == ["hello world", "\ufeffbye"]
