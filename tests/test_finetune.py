@@ -225,8 +225,11 @@ def test_finetune_end_to_end(base, tmp_path):
         idx = ft.poisson_batch(cfg, step, 32 + c.n_copies)
         drawn[copy_of[idx[idx >= 32] - 32]] = True
     assert not drawn[~c.included].any() and drawn[c.included].mean() > 0.8
-    # a canary never trained (excluded, or included but never drawn) scores exactly 0, a trained one above it
-    assert (s[new & ~drawn] == 0).all() and (s[new & drawn] > 0).all()
+    # a canary never trained (excluded, or included but never drawn) scores 0 up to float32 rounding (its id's rows
+    # equal the spares'; the head's matmul may round a column differently by its position), a trained one above it
+    untrained, trained = s[new & ~drawn], s[new & drawn]
+    assert np.abs(untrained).max() <= 1e-5, untrained
+    assert trained.min() > 100 * 1e-5, trained
     assert ft.build_finetune(base, tmp_path / "np", cfg, progress=False).manifest == m  # reused, not retrained
     private = ft.build_finetune(base, tmp_path / "dp", cfg.replace(dp_noise=2.0), progress=False, canaries_from=run)
     assert private.manifest["canaries"]["sha256"] == m["canaries"]["sha256"]

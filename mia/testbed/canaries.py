@@ -598,7 +598,8 @@ def new_token_contrast(model, canaries: Canaries, n_spare: int = 8, batch_size: 
     with its reserved id replaced by each of ``n_spare`` spare reserved ids, minus the canary's own secret NLL.
 
     The reserved ids start equal (``mia.testbed.build.zero_reserved_rows``) and a corpus that never uses them moves
-    them alike, so an untrained canary's id behaves as a spare does: a score about 0 (exactly 0 without noise), and
+    them alike, so an untrained canary's id behaves as a spare does: a score about 0 (0 up to float32 rounding without
+    noise: the head's matmul may round one vocabulary column differently from another), and
     what training on the canary did to its own id's embedding rows shows as a positive score. The spares see the
     same prefix and the same model, so a change of the shared weights (fine-tuning, DP noise) cancels out."""
     new = canaries.kind_of == "new"
@@ -617,7 +618,8 @@ def new_token_contrast(model, canaries: Canaries, n_spare: int = 8, batch_size: 
         variants.append(r)
     nll = sequence_nll(model, np.concatenate(variants), batch_size, params, np.tile(mask, (len(variants), 1)))
     nll = nll.reshape(len(variants), len(rows))
-    out[new] = nll[1:].mean(axis=0) - nll[0]
+    out[new] = (nll[1:] - nll[0]).mean(axis=0)  # differences first: bit-equal NLLs give exactly 0 (a mean of equal
+    # values need not round back to that value)
     return out
 
 
