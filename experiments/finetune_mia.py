@@ -94,7 +94,7 @@ COLUMNS = ["attack", "full_auc", "full_auc_se", "full_tpr_1", "full_tpr_01", "lo
 
 
 # ============================================================================================ parse
-def parser():
+def build_parser():
     p = experiment_parser(f"python -m {MODULE}", __doc__, PRESETS)
     p.add_argument("--attacks", default=None,
                    help="attack spec (default: the preset's; 'default' = every attack up to the preset's cost)")
@@ -269,7 +269,7 @@ def short_report(s: dict) -> str:
 
 def main(argv=None) -> int:
     argv = argv_or_sys(argv)
-    args = parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     return run_and_report(lambda: run(args.preset, args.out, attacks=args.attacks,
                                       gradient_attacks=args.gradient_attacks, models_dir=args.models_dir,
                                       seed=args.seed, bootstrap=args.bootstrap, progress=not args.no_progress,
