@@ -128,7 +128,7 @@ def draw_examples(base, run, p: Preset, seed: int) -> list:
     start, stop = run.natural_rows()
     n_mem, n_non = p.eval + p.train, p.eval + p.train + p.calib + p.prefix
     if n_mem > stop - start:
-        raise ExperimentError(f"preset {p.full.preset}: {n_mem} members asked, the member set holds {stop - start}")
+        raise ExperimentError(f"{n_mem} members asked, the member set holds {stop - start}")
     if stop + n_non > base.n_rows:
         raise ExperimentError(f"the base's order has {base.n_rows - stop} rows after the member set, "
                               f"{n_non} non-members asked")
@@ -144,10 +144,10 @@ def draw_examples(base, run, p: Preset, seed: int) -> list:
     return assign_partitions(examples, plan, seed)
 
 
-def choose_attacks(p: Preset, spec: Optional[str], gradients: bool) -> tuple:
+def choose_attacks(p: Preset, spec: Optional[str], gradients: bool, name: str = "") -> tuple:
     """([(label, name, params)], {label: reason skipped}) of the run: the spec's (default: the preset's), plus the
     gradient attacks with ``gradients``."""
-    kw = dict(max_cost=p.max_cost, unavailable=tuple(UNAVAILABLE), reasons=UNAVAILABLE, preset=p.full.preset)
+    kw = dict(max_cost=p.max_cost, unavailable=tuple(UNAVAILABLE), reasons=UNAVAILABLE, preset=name)
     run, skipped = select_attacks(spec or p.attacks, **kw)
     if gradients:
         more, _ = select_attacks(GRADIENT_ATTACKS, **kw)
@@ -195,7 +195,7 @@ def run(preset: str = "default", out=None, *, attacks: Optional[str] = None, gra
     p = PRESETS[preset]
     out = Path(out) if out is not None else default_out("finetune_mia", preset)
     check_paths(out=out, output_dirs=[("--models-dir", models_dir)])
-    to_run, skipped = choose_attacks(p, attacks, gradient_attacks)  # a bad --attacks stops before any work
+    to_run, skipped = choose_attacks(p, attacks, gradient_attacks, preset)  # a bad --attacks stops before any work
     say, timings, t0 = say_fn(progress), Timings(), time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     base, runs = build_models(p, Path(models_dir) if models_dir else out / "models", seed=seed, progress=progress,
