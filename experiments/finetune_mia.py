@@ -13,11 +13,13 @@
    base) and write one table: AUC +- bootstrap SE, TPR at 1% and 0.1% FPR, full vs LoRA.
 
 Outputs in ``--out``: table.md/.csv/.tex/.json, report.md, summary.json, roc_full.png, roc_lora.png,
-scores/<mode>.jsonl, adapter/ (the PEFT adapter), models/ (base and fine-tunes), manifest.json, timings.json.
+scores/<mode>.jsonl, examples.jsonl (the evaluated rows: id, tokens, label), adapter/ (the PEFT adapter), models/
+(base and fine-tunes), manifest.json, timings.json.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -203,6 +205,8 @@ def run(preset: str = "default", out=None, *, attacks: Optional[str] = None, gra
     with timings("adapter"):
         adapter = write_peft_adapter(runs["lora"], out / "adapter")
     examples = draw_examples(base, runs["full"], p, seed)
+    write_text(out / "examples.jsonl", "".join(json.dumps({k: e[k] for k in ("id", "tokens", "label")}) + "\n"
+                                               for e in examples if e["partition"] == "eval"))
     results = {}
     for mode in MODES:
         say(f"scoring the {mode} fine-tune ({len(to_run)} attacks) ...")
@@ -216,7 +220,8 @@ def run(preset: str = "default", out=None, *, attacks: Optional[str] = None, gra
     rows, metrics = table_rows(results, bootstrap, seed)
     start, stop = runs["full"].natural_rows()
     summary = {"preset": preset, "seed": seed, "bootstrap": bootstrap, "rows": rows, "metrics": metrics,
-               "skipped": skipped, "base": {"root": str(base.root), "config_hash": base.config.config_hash},
+               "skipped": skipped, "base": {"root": str(base.root), "config_hash": base.config.config_hash,
+                        "checkpoint": str(base.checkpoint_dir(base.train_steps))},
                "finetunes": {m: {"config": r.config.to_dict(), "trained": r.manifest["trained"]}
                              for m, r in runs.items()},
                "split": {"members": [start, stop], "nonmembers_from": stop,
