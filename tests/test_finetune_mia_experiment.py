@@ -138,3 +138,19 @@ def test_adapter_in_peft_gives_the_merged_lora_model(smoke):
     a = mia.score(via, ex, "loss", cache=False, progress=False).scores["loss"]
     b = mia.score(merged_dir, ex, "loss", cache=False, progress=False).scores["loss"]
     np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_finetune_notebook_scores_the_adapter_and_compares_the_attacks(smoke, monkeypatch):
+    """The notebook scores the evaluated rows through the adapter: its AUCs are the run's LoRA column; it shows the
+    run's table and two figures."""
+    from notebook_runner import run_notebook
+
+    root, s = smoke
+    ns, shown, printed = run_notebook("finetune", monkeypatch, {"MIA_FINETUNE_RESULTS": root / "run"})
+    rows = {r["attack"]: r for r in s["rows"]}
+    assert set(ns["aucs"].index) == {"loss", "mink", "ref", "ez_mia", "wbc"}
+    for a in ns["aucs"].index:
+        assert ns["aucs"].loc[a, "AUC"] == pytest.approx(rows[a]["lora_auc"], abs=1e-6), a
+    assert any(o is ns["table"] for o in shown) and len(shown.images()) == 2
+    assert "preset smoke" in printed
