@@ -154,3 +154,45 @@ def test_finetune_notebook_scores_the_adapter_and_compares_the_attacks(smoke, mo
         assert ns["aucs"].loc[a, "AUC"] == pytest.approx(rows[a]["lora_auc"], abs=1e-6), a
     assert any(o is ns["table"] for o in shown) and len(shown.images()) == 2
     assert "preset smoke" in printed
+
+
+def test_peft_export_names_and_orients_the_factors_as_peft_saves_them(tiny_neox_dir, tmp_path):
+    """A testbed LoRA (kernel W [in, out] + s A B, A [L, in, r], B [L, r, out]) exported to a PEFT directory: peft in
+    torch on the base gives the numpy merge of the same factors; a transposed factor or a wrong scale would not."""
+    pytest.importorskip("peft")
+    import torch
+    import transformers as tf
+    from peft import PeftModel
+
+    import mia
+    from mia.models.hub import write_safetensors
+    from mia.testbed import finetune as ft
+    from mia.testbed.peft_export import write_peft_adapter
+
+    cfg = ft.FinetuneConfig(lora_rank=2, lora_alpha=6.0, canary_groups=(("tokens", 1, 1),))
+    rng = np.random.default_rng(0)
+    shapes = {"attention_query_key_value": (32, 96), "attention_dense": (32, 32)}
+    factors = {}
+    for t, (i, o) in shapes.items():
+        factors[f"{t}.A"] = rng.normal(size=(2, i, 2)).astype(np.float32)
+        factors[f"{t}.B"] = rng.normal(size=(2, 2, o)).astype(np.float32) * 0.3
+    (tmp_path / "ft").mkdir()
+    write_safetensors(factors, tmp_path / "ft" / "lora.safetensors")
+    base = SimpleNamespace(config=SimpleNamespace(reserved_tokens=0), train_steps=1,
+                           checkpoint_dir=lambda step: tiny_neox_dir)
+    run = SimpleNamespace(config=cfg, base=base, root=tmp_path / "ft")
+    adapter = write_peft_adapter(run, tmp_path / "adapter")
+    plain = mia.load(tiny_neox_dir, dtype="float32")
+    layers = dict(plain.params["layers"])
+    for t in shapes:  # the testbed's own merge (mia.testbed.finetune.merged_params), in numpy
+        kernel = np.asarray(layers[t]["kernel"]) + cfg.lora_scale * np.einsum("lir,lro->lio", factors[f"{t}.A"],
+                                                                              factors[f"{t}.B"])
+        layers[t] = {**layers[t], "kernel": kernel}
+    merged = {**plain.params, "layers": layers}
+    tokens = rng.integers(0, 40, size=(2, 9))
+    want = np.asarray(plain.logits(merged, tokens))
+    torch_base = tf.AutoModelForCausalLM.from_pretrained(str(tiny_neox_dir), dtype=torch.float32)
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(torch_base, str(adapter)).eval()(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert np.abs(np.asarray(plain.logits(plain.params, tokens)) - want).max() > 1e-2
