@@ -142,6 +142,12 @@ MUTATIONS = (
              "    return zlen_b.astype(jnp.float32) / loglik_b.astype(jnp.float32)",
              ("tests/test_attacks_stats.py",),
              "the zlib attack divides the other way"),
+    Mutation("peft-export-scale", "mia/testbed/peft_export.py",
+             '"lora_alpha": float(cfg.lora_scale * cfg.lora_rank),',
+             '"lora_alpha": float(cfg.lora_rank),',
+             ("tests/test_finetune_mia_experiment.py::test_peft_export_names_and_orients_the_factors_as_peft_saves_"
+              "them",),
+             "an exported PEFT adapter loses the LoRA scale (alpha = r)"),
 )
 
 

@@ -8,7 +8,7 @@ import pytest
 from experiments import harness
 from mia import metrics
 
-MODULES = ("checkmia", "checkmiabench", "em_mia", "camia", "audit", "curves")
+MODULES = ("checkmia", "checkmiabench", "em_mia", "camia", "audit", "curves", "finetune_mia")
 # Shared by name but not by design: each experiment has its own presets (em_mia's default None is "default", or
 # "paper" with --olmo); audit's --delta is the accountant's, which needs delta > 0, checkmiabench's allows 0.
 OWN_MEANING = {"--preset", "--delta", "--help"}
