@@ -618,8 +618,8 @@ def new_token_contrast(model, canaries: Canaries, n_spare: int = 8, batch_size: 
         variants.append(r)
     nll = sequence_nll(model, np.concatenate(variants), batch_size, params, np.tile(mask, (len(variants), 1)))
     nll = nll.reshape(len(variants), len(rows))
-    out[new] = (nll[1:] - nll[0]).mean(axis=0)  # differences first: bit-equal NLLs give exactly 0 (a mean of equal
-    # values need not round back to that value)
+    # differences first: bit-equal NLLs give exactly 0 (a mean of equal values need not round back to that value)
+    out[new] = (nll[1:] - nll[0]).mean(axis=0)
     return out
 
 
