@@ -113,18 +113,24 @@ def gradnorm_score(features_bn3: jax.Array, p: str = "2") -> jax.Array:
     return -total
 
 
+def row_chunks(tokens_bt, valid_bt, chunk: int):
+    """[B, T] tokens and validity -> ([N, c, T], [N, c, T] bool) chunks of c = min(chunk, B) rows, B padded with
+    empty rows to a multiple of c (cut the results back to the first B rows)."""
+    b, t = tokens_bt.shape
+    c = max(1, min(chunk, b))
+    pad = -b % c
+    tok = jnp.pad(tokens_bt, ((0, pad), (0, 0))).reshape(-1, c, t)
+    val = jnp.pad(valid_bt.astype(bool), ((0, pad), (0, 0))).reshape(-1, c, t)
+    return tok, val
+
+
 def chunked_rows(fn: Callable, chunk: int) -> Callable:
     """``fn(params, tokens [T], valid [T]) -> pytree`` over a batch [B, T]: ``vmap`` over ``chunk`` rows at a time,
-    ``lax.map`` over the chunks; B padded with empty rows to a multiple of ``chunk`` (results cut)."""
+    ``lax.map`` over the chunks (``row_chunks``)."""
 
     def run(params, tokens_bt, valid_bt):
-        b, t = tokens_bt.shape
-        c = max(1, min(chunk, b))
-        pad = -b % c
-        tok = jnp.pad(tokens_bt, ((0, pad), (0, 0))).reshape(-1, c, t)
-        val = jnp.pad(valid_bt.astype(bool), ((0, pad), (0, 0))).reshape(-1, c, t)
-        out = jax.lax.map(lambda a: jax.vmap(lambda x, v: fn(params, x, v))(*a), (tok, val))
-        return jax.tree_util.tree_map(lambda y: y.reshape((-1,) + y.shape[2:])[:b], out)
+        out = jax.lax.map(lambda a: jax.vmap(lambda x, v: fn(params, x, v))(*a), row_chunks(tokens_bt, valid_bt, chunk))
+        return jax.tree_util.tree_map(lambda y: y.reshape((-1,) + y.shape[2:])[:tokens_bt.shape[0]], out)
 
     return run
 
@@ -215,13 +221,8 @@ def make_jl(model, k: int = 8, seed: int = JL_SEED, proj_type: str = "normal", c
         return jnp.concatenate(out, axis=1)
 
     def run(params, tokens_bt, valid_bt):
-        b, t = tokens_bt.shape
-        cs = max(1, min(chunk, b))
-        pad = -b % cs
-        tok = jnp.pad(tokens_bt, ((0, pad), (0, 0))).reshape(-1, cs, t)
-        val = jnp.pad(valid_bt.astype(bool), ((0, pad), (0, 0))).reshape(-1, cs, t)
-        out = jax.lax.map(lambda a: chunk_features(params, *a), (tok, val))
-        return out.reshape(-1, out.shape[-1])[:b]
+        out = jax.lax.map(lambda a: chunk_features(params, *a), row_chunks(tokens_bt, valid_bt, chunk))
+        return out.reshape(-1, out.shape[-1])[:tokens_bt.shape[0]]
 
     return run
 
