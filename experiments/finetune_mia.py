@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -220,8 +221,8 @@ def run(preset: str = "default", out=None, *, attacks: Optional[str] = None, gra
     rows, metrics = table_rows(results, bootstrap, seed)
     start, stop = runs["full"].natural_rows()
     summary = {"preset": preset, "seed": seed, "bootstrap": bootstrap, "rows": rows, "metrics": metrics,
-               "skipped": skipped, "base": {"root": str(base.root), "config_hash": base.config.config_hash,
-                        "checkpoint": str(base.checkpoint_dir(base.train_steps))},
+               "skipped": skipped, "base": {"root": relative_to(base.root, out), "config_hash": base.config.config_hash,
+                        "checkpoint": relative_to(base.checkpoint_dir(base.train_steps), out)},
                "finetunes": {m: {"config": r.config.to_dict(), "trained": r.manifest["trained"]}
                              for m, r in runs.items()},
                "split": {"members": [start, stop], "nonmembers_from": stop,
@@ -239,6 +240,11 @@ def run(preset: str = "default", out=None, *, attacks: Optional[str] = None, gra
         outputs=["table.md", "report.md", "summary.json"])
     summary["out"] = str(out)
     return summary
+
+
+def relative_to(path, out: Path) -> str:
+    """``path`` as written from ``out`` (so that two runs' summaries compare equal wherever they were written)."""
+    return os.path.relpath(Path(path).resolve(), Path(out).resolve())
 
 
 # ============================================================================================ report

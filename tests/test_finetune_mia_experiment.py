@@ -3,6 +3,7 @@ as a real PEFT adapter (peft in torch gives the merged model's logits; ``--adapt
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -100,6 +101,10 @@ def test_smoke_same_seed_same_tables(smoke, tmp_path):
     exp.run("smoke", tmp_path / "again", models_dir=root / "models", progress=False, bootstrap=100)
     for f in ("table.md", "table.csv", "table.json", "report.md"):
         assert (tmp_path / "again" / f).read_bytes() == (root / "run" / f).read_bytes(), f
+    base = json.loads((tmp_path / "again" / "summary.json").read_text())["base"]
+    assert not Path(base["root"]).is_absolute()  # paths from the output dir, not from where it happened to be
+    assert (tmp_path / "again" / base["checkpoint"]).resolve() == (root / "models" / "base").resolve() / \
+        Path(base["checkpoint"]).relative_to(base["root"])
 
 
 @pytest.mark.slow
