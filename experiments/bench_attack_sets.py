@@ -8,7 +8,9 @@ config.json). The texts are random token ids in [1, vocab) (seeded; no id 0, whi
 mask would drop), written as JSONL rows ``{"id", "tokens", "text", "label"}``; ``text`` is the ids written as words
 (``w17 w4031 ...``), the text zlib compresses on both sides (given with the ids, so mia never decodes). Every run is
 a separate subprocess with a fresh empty ``MIA_CACHE_DIR`` (no score and no compiled program is reused: compiling is
-part of mia's time) and is timed whole, from the parent; the subprocess also reports its time after its imports.
+part of mia's time) and is timed whole, from the parent; the subprocess also reports its time after its imports. An
+untimed subprocess that only imports jax, torch, transformers and mia runs first (``--no-warmup``: not), so that the
+first timed process does not alone pay for reading the libraries from disk.
 
   whole    ``mia score --attacks loss`` and ``--attacks loss,mink,minkpp`` on ``--rows`` texts (statistics on
            demand: LOSS alone runs the log-prob-only program, Min-K%++ the every-statistic one). Target: LOSS alone
@@ -65,11 +67,15 @@ def write_rows(path: Path, n: int, length: int, vocab: int, seed: int) -> None:
                     + "\n")
 
 
+def child_env() -> dict:
+    """This process's environment with this checkout first on PYTHONPATH (the mia the subprocesses import)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+
+
 def run_worker(args: list, cache_dir: Path) -> tuple[float, dict]:
     """(wall seconds of the whole subprocess, the JSON of its last stdout line). The subprocess is this module
     with ``--worker ...``, a fresh interpreter with ``MIA_CACHE_DIR`` = ``cache_dir``."""
-    env = dict(os.environ, MIA_CACHE_DIR=str(cache_dir))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = dict(child_env(), MIA_CACHE_DIR=str(cache_dir))
     cmd = [sys.executable, "-m", "experiments.bench_attack_sets", WORKER] + [str(a) for a in args]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
@@ -191,6 +197,13 @@ def check_agreement(ours: dict, theirs: dict, rtol: float, atol: float) -> dict:
     return worst
 
 
+def warm_up() -> None:
+    """One untimed subprocess that imports what both sides import, so that the first timed process does not pay
+    for reading the libraries from disk (only the OS page cache carries over; no Python or JAX state)."""
+    subprocess.run([sys.executable, "-c", "import jax, torch, transformers, mia.api, mia.cli"], check=True, cwd=ROOT,
+                   env=child_env())
+
+
 def best_run(fn, repeats: int):
     """The run of ``fn()`` -> (wall, ...) with the smallest wall time, of ``repeats``."""
     return min((fn() for _ in range(repeats)), key=lambda r: r[0])
@@ -260,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", type=float, default=0.1, help="Min-K%% and Min-K%%++ k (pandora's default)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each subprocess; the fastest is reported")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed import subprocess run first")
     ap.add_argument("--rtol", type=float, default=1e-3, help="agreement required between the two sides' scores")
     ap.add_argument("--atol", type=float, default=1e-5)
     return ap
@@ -280,6 +294,8 @@ def main(argv=None) -> dict:
         save_random_gpt_neox(model, hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab)
         print(f"bench_attack_sets: GPT-NeoX hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab "
               f"{args.vocab}; {os.cpu_count()} CPUs, load average {load0:.1f} at the start")
+        if not args.no_warmup:
+            warm_up()
         if args.part in ("whole", "both"):
             out["whole"] = part_whole(model, work, args)
         if args.part in ("pandora", "both"):

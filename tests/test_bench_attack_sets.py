@@ -8,7 +8,7 @@ def test_bench_attack_sets_runs_both_parts_and_its_agreement_check_can_fail(caps
     from experiments.bench_attack_sets import ATTACKS, Disagreement, check_agreement, main
 
     out = main(["--hidden", "32", "--layers", "1", "--heads", "2", "--vocab", "128", "--rows", "4", "--texts", "4",
-                "--length", "24"])
+                "--length", "24", "--no-warmup"])
     text = capsys.readouterr().out
     for row in ("| loss |", "| loss,mink,minkpp |", "| torch, batch 1 | total, one process",
                 "| mia | loss,mink:k=0.1,minkpp:k=0.1,zlib |", "loss alone vs loss,mink,minkpp:",
