@@ -61,6 +61,29 @@ def torch_alora(model, seqs, lr: float) -> np.ndarray:
     return np.array(out)
 
 
+def add_shape_flags(ap, hidden=512, layers=6, heads=8, vocab=50304) -> None:
+    """--hidden --layers --heads --vocab of the random GPT-NeoX (defaults: Pythia-70m's shape)."""
+    ap.add_argument("--hidden", type=int, default=hidden)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--heads", type=int, default=heads)
+    ap.add_argument("--vocab", type=int, default=vocab)
+
+
+def save_random_gpt_neox(path, *, hidden: int, layers: int, heads: int, vocab: int, seed: int = 0):
+    """A random GPT-NeoX made by transformers (MLP 4 x hidden, rotary on a quarter of each head, untied head, as
+    Pythia), saved to ``path`` as safetensors + config.json; returns the float32 torch model in eval mode."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                     num_attention_heads=heads, intermediate_size=4 * hidden,
+                                     max_position_embeddings=2048, rotary_pct=0.25, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
 def timed(fn):
     t0 = time.perf_counter()
     out = fn()
@@ -69,10 +92,7 @@ def timed(fn):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=50304)
+    add_shape_flags(ap)
     ap.add_argument("--texts", type=int, default=64)
     ap.add_argument("--length", type=int, default=512, help="tokens per text")
     ap.add_argument("--chunk", type=int, default=4, help="rows per vmapped chunk of per-example gradients")
@@ -85,7 +105,6 @@ def main(argv=None):
 
     import jax
     import torch
-    import transformers
 
     import mia.models as mm
     from mia.attacks import AttackContext, get
@@ -93,13 +112,7 @@ def main(argv=None):
     from mia.engine.batching import ScoringSettings
 
     with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        hf_cfg = transformers.GPTNeoXConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                                            num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                            intermediate_size=4 * args.hidden, max_position_embeddings=2048,
-                                            rotary_pct=0.25, tie_word_embeddings=False)
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
-        hf.save_pretrained(tmp, safe_serialization=True)
+        hf = save_random_gpt_neox(tmp, hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab)
         model = mm.load(tmp)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1, args.vocab, args.length).astype(np.int64) for _ in range(args.texts)]
