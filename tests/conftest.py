@@ -44,6 +44,8 @@ def pytest_configure(config):
     options and the jax version) and is removed at the end; mia's own switch (``MIA_COMPILE_CACHE``) stays off."""
     import tempfile
 
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6 (see LONGEST_FIRST)
+        config.option.loadscopereorder = False
     shared = getattr(config, "workerinput", {}).get("mia_xla_cache")
     config._mia_cache_dir = tempfile.mkdtemp(prefix="mia-test-cache-")
     os.environ["MIA_CACHE_DIR"] = config._mia_cache_dir
@@ -89,11 +91,15 @@ def pytest_configure_node(node):
 
 
 # The default run is `pytest -n 2 --dist loadfile`: each file goes whole to one of two workers, in collection order,
-# as they free up. Started first, the longest files no longer finish the run alone on one worker (the wall time
-# dropped by about the imbalance, ~20 s of ~300). The first file builds the smoke suite (session fixture, under a
-# file lock); the next ones need no suite, so the other worker has work meanwhile instead of waiting for the lock.
-LONGEST_FIRST = ("test_checkmiabench.py", "test_families_parity.py", "test_plan.py", "test_attacks_model.py",
-                 "test_scoring.py", "test_camia.py", "test_attention.py", "test_splash.py", "test_cli_score.py")
+# as they free up (pytest_configure turns off xdist's own reordering by test count, which would otherwise start the
+# files with the most tiny tests first and leave the long ones for the end). Started first, the longest files no
+# longer finish the run alone on one worker. The first file builds the smoke suite (session fixture, under a file
+# lock); the next ones need no suite, so the other worker has work meanwhile instead of waiting for the lock; the
+# files that read the suite come after them (by then it is built). Order: summed test time per file, longest first.
+LONGEST_FIRST = ("test_checkmiabench.py", "test_families_parity.py", "test_attacks_model.py", "test_doctor.py",
+                 "test_blind.py", "test_testbed_audit.py", "test_camia.py", "test_scoring.py", "test_plan.py",
+                 "test_em_mia_experiment.py", "test_camia_experiment.py", "test_testbed.py", "test_checkmia.py",
+                 "test_suite.py", "test_attention.py", "test_splash.py", "test_cli_score.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -35,6 +35,14 @@ def case(request, tmp_path_factory):
     return _build(request.param, tmp_path_factory)
 
 
+def default_run_only(names, keep, ids=None):
+    """``names`` as pytest params, those not in ``keep`` marked slow: a path every family shares (save, prefix cache,
+    bf16, packed rows, ...) runs for the representative families ``keep`` in the default run and for every family
+    in ``make test-all`` (docs/testing.md); each family's own float32 parity always runs in the default run."""
+    assert set(keep) <= set(names), sorted(set(keep) - set(names))
+    return [pytest.param(n, id=n) if n in keep else pytest.param(n, id=n, marks=pytest.mark.slow) for n in names]
+
+
 def _assert_real_close(got, want, mask, atol):
     worst = 0.0
     for i, n in enumerate(mask.sum(1)):
@@ -51,8 +59,14 @@ def test_logits_match_transformers(case):
     print(f"{name}: max |logit diff| = {worst:.2e}")
 
 
-def test_save_roundtrip_loads_in_transformers(case, tmp_path):
-    name, _, _, model = case
+# tied embeddings (Llama), OPT's project_in/out and post-norm, Gemma 3's per-layer norms and rotary bases: the save
+# mapping's odd cases in the default run; every family in make test-all
+SAVE_KEEP = ("llama_tied", "opt_post", "gemma3_text")
+
+
+@pytest.mark.parametrize("name", default_run_only(sorted(CASES), SAVE_KEEP))
+def test_save_roundtrip_loads_in_transformers(name, tmp_path, tmp_path_factory):
+    name, _, _, model = _build(name, tmp_path_factory)
     mm.save(model, tmp_path)
     back = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
     assert type(back).__name__ == mm.FAMILIES[model.model_type].module_cls.__name__
@@ -63,9 +77,10 @@ def test_save_roundtrip_loads_in_transformers(case, tmp_path):
     assert again.config == model.config
 
 
-# GPT-NeoX's prefix cache is checked against transformers by tests/test_conditional.py (a GPT-NeoX only): here in
-# make test-all only, for default-run time; every other family, the tied-embedding Llama included, in the default run
-PREFIX_CASES = [pytest.param(n, marks=pytest.mark.slow) if n == "gpt_neox" else n for n in sorted(CASES)]
+# GPT-NeoX's prefix cache is also checked against transformers by tests/test_conditional.py. The default run keeps
+# learned positions offset by the cache (gpt2), RoPE with grouped KV heads (llama_gqa) and sliding windows with soft
+# caps (gemma2); every family in make test-all
+PREFIX_CASES = default_run_only(sorted(CASES), ("gpt2", "llama_gqa", "gemma2"))
 
 
 @pytest.mark.parametrize("name", PREFIX_CASES)
@@ -87,10 +102,10 @@ BF16_EPS = 2.0 ** -8  # bfloat16 keeps 8 significant bits: relative rounding of 
 BF16_ROUNDINGS = {"gemma2": 10, "gemma3_text": 10}
 
 
-# every family once in the default run; llama_tied and llama3_rope (more Llamas) in make test-all, for default-run time
-@pytest.mark.parametrize("name", ["gpt2", "gpt_neo", "llama_gqa", pytest.param("llama_tied", marks=pytest.mark.slow),
-                                  pytest.param("llama3_rope", marks=pytest.mark.slow), "olmo", "olmo2", "qwen2",
-                                  "qwen3", "opt", "opt_post", "phi3", "mistral", "gemma2", "gemma3_text"])
+# the default run: a Llama and Gemma 2 (soft caps: its own tolerance); every family in make test-all
+@pytest.mark.parametrize("name", default_run_only(
+    ["gpt2", "gpt_neo", "llama_gqa", "llama_tied", "llama3_rope", "olmo", "olmo2", "qwen2", "qwen3", "opt", "opt_post",
+     "phi3", "mistral", "gemma2", "gemma3_text"], ("llama_gqa", "gemma2")))
 def test_bfloat16_close_to_float32(name, tmp_path_factory):
     """bf16 weights and activations: logits within 6 bf16 roundings of the row's largest float32 logit (these 2-3
     layer nets measure 1.3-3.4; Gemma's: ``BF16_ROUNDINGS``); and not equal to float32, so the bf16 path really runs
@@ -166,17 +181,13 @@ def test_every_registered_family_has_tiny_configs():
         assert shardable(family)["model_type"] == family
 
 
-# Packed rows: the families in EXACT_ONLY are checked with the exact kernel alone in the default run (GPT-NeoX's whole
-# scores also through test_cli_score's --pack check) and with both kernels in make test-all; SLOW_ONLY (the other
-# Llamas, Gemma 3) in make test-all only; the kernels' own packed masks are checked on every other family (Gemma 2's
-# and Qwen2's windows run both kernels in the default run).
+# Packed rows, both attention kernels: the default run keeps learned positions with a padded tail longer than the
+# position table (gpt2) and the windows (Gemma 2's, Qwen2's sliding layer); every family in make test-all. GPT-NeoX's
+# whole packed scores are also checked by test_cli_score's --pack check.
 BOTH = ("exact", "blocked")
-EXACT_ONLY = ("gpt_neox", "opt_post", "mistral")
-SLOW_ONLY = ("llama_tied", "llama3_rope", "gemma3_text")
-PACKED_CASES = [pytest.param(n, BOTH, id=n) for n in sorted(CASES) if n not in EXACT_ONLY + SLOW_ONLY] + [
-    p for n in EXACT_ONLY for p in (pytest.param(n, ("exact",), id=f"{n}-exact"),
-                                    pytest.param(n, BOTH, id=n, marks=pytest.mark.slow))] + [
-    pytest.param(n, BOTH, id=n, marks=pytest.mark.slow) for n in SLOW_ONLY]
+PACKED_KEEP = ("gpt2", "gemma2", "qwen2")
+PACKED_CASES = [pytest.param(p.values[0], BOTH, id=p.id, marks=p.marks)
+                for p in default_run_only(sorted(CASES), PACKED_KEEP)]
 
 
 @pytest.mark.parametrize("name, kernels", PACKED_CASES)
@@ -211,12 +222,14 @@ def test_packed_rows_score_as_separate_rows(name, kernels, tmp_path_factory, mon
     loop.jitted_token_stats.cache_clear()
 
 
-def test_nonfinite_weights_are_refused_naming_the_tensor(case, tmp_path):
+# the check reads the checkpoint's tensors before any family code: two families in the default run, all in test-all
+@pytest.mark.parametrize("name", default_run_only(sorted(CASES), ("gpt_neox", "gemma3_text")))
+def test_nonfinite_weights_are_refused_naming_the_tensor(name, tmp_path, tmp_path_factory):
     """Every family: its largest tensor all NaN, one NaN in it, or one -inf: ``load`` refuses the checkpoint in one
     line naming that tensor (by its checkpoint name) and the file, never a model that scores NaN."""
     from mia.models.hub import CheckpointError, read_safetensors, write_safetensors
 
-    name, path, _, _ = case
+    name, path, _, _ = _build(name, tmp_path_factory)
     tensors = {k: np.array(v) for k, v in read_safetensors(path / "model.safetensors").items()}
     big = max((k for k, v in tensors.items() if v.dtype.kind == "f"), key=lambda k: (tensors[k].size, k))
     for damage in ("all nan", "one nan", "one -inf"):
