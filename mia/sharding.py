@@ -115,6 +115,13 @@ def mesh_axes(mesh) -> dict[str, int]:
     return {a: int(shape.get(a, 1)) for a in AXES}
 
 
+def mesh_platform(mesh) -> str:
+    """The platform of a mesh's devices ("cpu", "gpu", "tpu"; a TPU topology's abstract devices say "tpu"); an
+    AbstractMesh, which holds no devices, gives jax's default backend."""
+    devices = getattr(mesh, "devices", None)
+    return devices.flat[0].platform if devices is not None else jax.default_backend()
+
+
 def describe(mesh) -> str:
     return ",".join(f"{a}={s}" for a, s in mesh_axes(mesh).items())
 

@@ -265,3 +265,22 @@ def test_row_cost_counts_parameters_and_attention_width(tiny_model):
     heads = cfg.num_attention_heads
     assert c.attention == cfg.num_hidden_layers * (4 * cfg.hidden_size + heads * SCORE_OVERHEAD_FLOPS_DEFAULT)
     assert row_cost(tiny_model, backend="cpu").attention > c.attention
+
+
+def test_logits_chunks_fit_a_cpu_cache_and_stay_large_on_accelerators():
+    """The LM head's logits chunk [B, C, V]: 32 MiB of float32 on a CPU (its last-level cache), 128 MiB elsewhere;
+    the step picks the budget of its mesh's devices, not of the host it is traced on."""
+    import jax
+
+    from mia.engine.stats import chunk_budget, chunk_size
+    from mia.sharding import make_mesh, mesh_platform
+
+    assert chunk_budget("cpu") * 4 == 32 << 20 and chunk_budget("tpu") * 4 == chunk_budget("gpu") * 4 == 128 << 20
+    assert chunk_size(8, 511, 50304, platform="cpu") == 16  # 8 x 16 x 50304 x 4 B = 25.8 MB <= 32 MiB, 32 would not fit
+    assert chunk_size(8, 511, 50304, platform="tpu") == 64
+    assert chunk_size(1, 100, 50304, platform="tpu") == 100  # never more than the sequence
+    for platform in ("cpu", "tpu"):
+        b, v = 4, 1000
+        c = chunk_size(b, 10_000, v, platform=platform)
+        assert b * c * v <= chunk_budget(platform) < b * 2 * c * v and c & (c - 1) == 0
+    assert mesh_platform(make_mesh()) == jax.default_backend() == "cpu"

@@ -26,8 +26,9 @@ from ..models.attention import requested_kernel
 from ..validate import InputError, output_dir
 from .stats import STAT_NAMES
 
-STATS_VERSION = "4"  # bump when the meaning or the numerics of cached statistics change (2: precision policy;
-# 3: one attention rounding rule; 4: a part holds the statistics it was asked for, named in its index)
+STATS_VERSION = "5"  # bump when the meaning or the numerics of cached statistics change (2: precision policy;
+# 3: one attention rounding rule; 4: a part holds the statistics it was asked for, named in its index; 5: CPU logits
+# chunks of 32 MiB, so the LM head's matmuls can have other shapes, and the last bits of a statistic may move)
 
 
 class BackgroundWriter:

@@ -46,7 +46,7 @@ from .cache import BackgroundWriter, cache_label, cache_namespace, cacheable, ex
 from .distributed import any_process
 from .failsafe import fail_safe
 from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_device, show_progress
-from ..sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
+from ..sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, mesh_platform, replicated
 from .stats import chunk_size, logprob_from_hidden, next_token_inputs
 
 CONDLL_VERSION = "3"  # bump when the meaning or numerics of cached conditional LLs change (2: precision policy;
@@ -181,7 +181,7 @@ def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, includ
 
     def fn(params, group: PrefixCache, p_idx, tokens, valid):
         b, t = tokens.shape
-        chunk = chunk_size(rows_per_device(b, mesh), t, model.vocab_size)
+        chunk = chunk_size(rows_per_device(b, mesh), t, model.vocab_size, platform=mesh_platform(mesh))
         params = gather_outside_layers(params, shardings, layers)
         return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid,
                                   include_first=include_first, chunk=chunk, layer_transform=gather)

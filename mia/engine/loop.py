@@ -20,7 +20,7 @@ from .batching import (Batch, PackedBatch, ScoringSettings, put_packed, put_padd
 from .failsafe import fail_safe
 from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
 from .distributed import any_process
-from ..sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, make_mesh,
+from ..sharding import (batch_sharding, data_size, fetch, gather_outside_layers, layer_gather, mesh_platform, make_mesh,
                        param_shardings, put_params, replicated, start_fetch)
 from .stats import STAT_NAMES, canonical_stats, chunk_size, program_stats, token_stats
 
@@ -64,7 +64,7 @@ def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None, 
 
     def step(params, tokens, valid):
         b, t = tokens.shape
-        c = chunk or chunk_size(rows_per_device(b, mesh), t - 1, model.vocab_size)
+        c = chunk or chunk_size(rows_per_device(b, mesh), t - 1, model.vocab_size, platform=mesh_platform(mesh))
         params = gather_outside_layers(params, shardings, layers)
         return token_stats(model, params, tokens, valid, chunk=c, layer_transform=gather, stats=stats)
 
