@@ -13,7 +13,7 @@ lint: setup       ## ruff (ruff.toml: pyflakes, pycodestyle, lines <= 120)
 	$(PY) -m ruff check .
 
 test: lint        ## lint, then the default (fast) test suite, as CI runs it: two workers, one test file each at a time
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 test-all: setup   ## everything, including @pytest.mark.slow, then the mutation check (tests/mutations.py)
 	MIA_TEST_XLA_OPT=default $(PY) -m pytest -q -m "slow or not slow"
