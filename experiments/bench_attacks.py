@@ -233,7 +233,8 @@ def main(argv=None):
         for name, seqs in ((f"lowercase: {args.targets} variant texts, one engine pass", xs),
                            (f"PAC n={args.pac_n} (token swaps): {len(copies)} copies of {args.targets} texts",
                             copies)):
-            run_e = lambda: compute_token_stats(model, seqs, settings)  # noqa: E731
+            # as the attacks call it (mia.attacks._texts.stats_or_none): the log-prob alone
+            run_e = lambda: compute_token_stats(model, seqs, settings, stats=("logprob",))  # noqa: E731
             run_e()
             te, a = timed(run_e)
             per_text([next(s for s in seqs if len(s) == n) for n in sorted(set(map(len, seqs)))])  # compile each length
