@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.bench_gradients import add_shape_flags, save_random_gpt_neox
+from experiments.random_models import add_shape_flags, save_random_gpt_neox
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTACKS = ("loss", "mink", "minkpp", "zlib")  # the pandora part's attacks, in the torch loop's order

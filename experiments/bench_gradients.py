@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from experiments.random_models import add_shape_flags, save_random_gpt_neox
+
 
 def torch_gradnorm(model, seqs) -> np.ndarray:
     """[N] -||g||_2 of the whole gradient, pandora's per-example loop (the three per-tensor norms computed too)."""
@@ -59,29 +61,6 @@ def torch_alora(model, seqs, lr: float) -> np.ndarray:
         out.append(float(stepped) - float(base.detach()))
     model.zero_grad()
     return np.array(out)
-
-
-def add_shape_flags(ap, hidden=512, layers=6, heads=8, vocab=50304) -> None:
-    """--hidden --layers --heads --vocab of the random GPT-NeoX (defaults: Pythia-70m's shape)."""
-    ap.add_argument("--hidden", type=int, default=hidden)
-    ap.add_argument("--layers", type=int, default=layers)
-    ap.add_argument("--heads", type=int, default=heads)
-    ap.add_argument("--vocab", type=int, default=vocab)
-
-
-def save_random_gpt_neox(path, *, hidden: int, layers: int, heads: int, vocab: int, seed: int = 0):
-    """A random GPT-NeoX made by transformers (MLP 4 x hidden, rotary on a quarter of each head, untied head, as
-    Pythia), saved to ``path`` as safetensors + config.json; returns the float32 torch model in eval mode."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                     num_attention_heads=heads, intermediate_size=4 * hidden,
-                                     max_position_embeddings=2048, rotary_pct=0.25, tie_word_embeddings=False)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    model.save_pretrained(str(path), safe_serialization=True)
-    return model
 
 
 def timed(fn):

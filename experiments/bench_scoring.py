@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from experiments.random_models import add_shape_flags, save_random_gpt_neox
+
 
 def torch_stats(model, tokens, mask):
     import torch
@@ -71,10 +73,7 @@ def best_of(fn, repeats):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=50304)
+    add_shape_flags(ap)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
@@ -83,18 +82,14 @@ def main(argv=None):
 
     import jax
     import torch
-    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+    from transformers import AutoModelForCausalLM
 
     import mia.models as mm
     from mia.engine.loop import jitted_token_stats
     from mia.flops import forward_flops_per_token
 
-    torch.manual_seed(0)
-    cfg = GPTNeoXConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                        num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
-                        max_position_embeddings=2048, rotary_pct=0.25)
     with tempfile.TemporaryDirectory() as d:
-        AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(d)
+        save_random_gpt_neox(d, hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab)
         ref = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").float().eval()
         ours = mm.load(d)
 
