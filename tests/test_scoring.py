@@ -272,8 +272,9 @@ def test_logits_chunks_fit_a_cpu_cache_and_stay_large_on_accelerators():
     the step picks the budget of its mesh's devices, not of the host it is traced on."""
     import jax
 
+    from mia.engine.loop import mesh_chunk_size
     from mia.engine.stats import chunk_budget, chunk_size
-    from mia.sharding import make_mesh, mesh_platform
+    from mia.sharding import data_size, make_mesh, mesh_platform
 
     assert chunk_budget("cpu") * 4 == 32 << 20 and chunk_budget("tpu") * 4 == chunk_budget("gpu") * 4 == 128 << 20
     assert chunk_size(8, 511, 50304, platform="cpu") == 16  # 8 x 16 x 50304 x 4 B = 25.8 MB <= 32 MiB, 32 would not fit
@@ -284,3 +285,5 @@ def test_logits_chunks_fit_a_cpu_cache_and_stay_large_on_accelerators():
         c = chunk_size(b, 10_000, v, platform=platform)
         assert b * c * v <= chunk_budget(platform) < b * 2 * c * v and c & (c - 1) == 0
     assert mesh_platform(make_mesh()) == jax.default_backend() == "cpu"
+    mesh = make_mesh()  # the step's chunk: one device's rows, the mesh's platform
+    assert mesh_chunk_size(mesh, 8 * data_size(mesh), 511, 50304) == chunk_size(8, 511, 50304, platform="cpu")

@@ -49,11 +49,9 @@ from ..engine.batching import ScoringSettings, plan_batches, put_padded, row_len
 from ..models.attention import traced_over
 from ..engine.conditional import token_logprobs
 from ..engine.failsafe import fail_safe
-from ..engine.loop import engine_layout, pipelined, placed_params, rows_per_device, show_progress
+from ..engine.loop import engine_layout, mesh_chunk_size, pipelined, placed_params, show_progress
 from ..engine.plan import largest_group_bytes, register_planned_attack, row_args
-from ..sharding import (batch_sharding, compose, data_size, gather_outside_layers, layer_gather, mesh_platform,
-                        replicated)
-from ..engine.stats import chunk_size
+from ..sharding import batch_sharding, compose, data_size, gather_outside_layers, layer_gather, replicated
 from ..validate import Range
 from .registry import AttackError, register
 
@@ -208,8 +206,7 @@ def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int, bl
 
     def logprob_fn(p, t, v, layer_transform=None, head_params=None):
         return token_logprobs(model, p, t, v, layer_transform=layer_transform, head_params=head_params,
-                              chunk=chunk_size(rows_per_device(t.shape[0], mesh), t.shape[1] - 1, model.vocab_size,
-                                               platform=mesh_platform(mesh)))
+                              chunk=mesh_chunk_size(mesh, t.shape[0], t.shape[1] - 1, model.vocab_size))
 
     fn = make_mope(logprob_fn, n=n, sigma=sigma, chunk=chunk, layers=layers, shardings=shardings, block=block,
                    gather=layer_gather(shardings, layers),

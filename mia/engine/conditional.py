@@ -45,8 +45,8 @@ from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows,
 from .cache import BackgroundWriter, cache_label, cache_namespace, cacheable, example_key, usable_cache_dir
 from .distributed import any_process
 from .failsafe import fail_safe
-from .loop import DRAIN, engine_layout, pipelined, placed_params, rows_per_device, show_progress
-from ..sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, mesh_platform, replicated
+from .loop import DRAIN, engine_layout, mesh_chunk_size, pipelined, placed_params, show_progress
+from ..sharding import batch_sharding, data_size, gather_outside_layers, layer_gather, replicated
 from .stats import chunk_size, logprob_from_hidden, next_token_inputs
 
 CONDLL_VERSION = "3"  # bump when the meaning or numerics of cached conditional LLs change (2: precision policy;
@@ -181,7 +181,7 @@ def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, includ
 
     def fn(params, group: PrefixCache, p_idx, tokens, valid):
         b, t = tokens.shape
-        chunk = chunk_size(rows_per_device(b, mesh), t, model.vocab_size, platform=mesh_platform(mesh))
+        chunk = mesh_chunk_size(mesh, b, t, model.vocab_size)
         params = gather_outside_layers(params, shardings, layers)
         return conditional_loglik(model, params, group.slice_rows(p_idx, 1), tokens, valid,
                                   include_first=include_first, chunk=chunk, layer_transform=gather)

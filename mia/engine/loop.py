@@ -49,6 +49,12 @@ def rows_per_device(batch_rows: int, mesh) -> int:
     return max(1, batch_rows // data_size(mesh))
 
 
+def mesh_chunk_size(mesh, batch_rows: int, length: int, vocab: int) -> int:
+    """``chunk_size`` of a step on ``mesh``: the rows one device holds, and the logits budget of its devices'
+    platform (``chunk_budget``), not of the host that traces it (a TPU plan compiled on a CPU host)."""
+    return chunk_size(rows_per_device(batch_rows, mesh), length, vocab, platform=mesh_platform(mesh))
+
+
 def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None, stats: tuple = STAT_NAMES):
     """jit of ``token_stats`` with explicit shardings: (params [``shardings``], tokens [B, T] and valid [B, T] rows
     over ``data``) -> {stat: [B, T-1]} (each of ``stats``) replicated on every device. FSDP shards are all-gathered
@@ -64,7 +70,7 @@ def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None, 
 
     def step(params, tokens, valid):
         b, t = tokens.shape
-        c = chunk or chunk_size(rows_per_device(b, mesh), t - 1, model.vocab_size, platform=mesh_platform(mesh))
+        c = chunk or mesh_chunk_size(mesh, b, t - 1, model.vocab_size)
         params = gather_outside_layers(params, shardings, layers)
         return token_stats(model, params, tokens, valid, chunk=c, layer_transform=gather, stats=stats)
 
