@@ -25,7 +25,7 @@ def fast_compile_flags(flags: str, level: str) -> str:
     (``MIA_TEST_XLA_OPT=default``), so the code users compile is tested too."""
     if level == "default" or "xla_backend_optimization_level" in flags:
         return flags
-    return f"{flags} --xla_backend_optimization_level=0".strip()
+    return f"{flags} --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false".strip()
 
 
 # before jax starts its backend (it reads XLA_FLAGS once); subprocesses started by tests inherit it

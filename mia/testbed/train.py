@@ -79,14 +79,22 @@ def row_losses(model, params, rows_bt: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(logp, rows_bt[:, 1:, None], axis=-1)[..., 0], axis=-1)
 
 
-def compiler_options(cfg: TestbedConfig) -> dict:
-    """XLA options of the training step. On CPU, for steps of at most 1,024 tokens (the smoke preset and suite),
-    LLVM's backend optimisation level 0: compile time dominates such runs, and the smoke model's step compiles in
-    2.4 s instead of 7.6 s at the same step time. Larger steps keep XLA's default (level 0 made a 32 x 128-token
-    step 1.2-2.6x slower). Measured once each on 2 busy cores. The choice depends on the config only, so a config
-    always trains the same way."""
-    small = cfg.batch_size * cfg.seq_len <= 1024
-    return {"xla_backend_optimization_level": 0} if small and jax.default_backend() == "cpu" else {}
+# steps x batch x seq_len x hidden_size at or under which a CPU training run compiles at level 0 (see compiler_options)
+SMALL_RUN_WORK = 1 << 21
+
+
+def compiler_options(cfg: TestbedConfig, steps: int) -> dict:
+    """XLA options of a training run of ``steps`` steps. On CPU the backend optimisation level is pinned, whatever
+    ``XLA_FLAGS`` say, so that a run always compiles the same program: level 0 when the run is small (``steps x
+    batch_size x seq_len x hidden_size <= SMALL_RUN_WORK``: the tests' tiny testbeds and the smoke suite's 16-wide
+    member), where compile time dominates; otherwise XLA's default level 3, whose step runs 1.4-3x faster
+    (``python -m experiments.bench_train_step``: the smoke suite's 64- and 96-wide members take 33 and 44 ms a
+    step at level 3, 79 and 126 ms at level 0, for 1-2 s more compile time). Other platforms keep XLA's
+    defaults."""
+    if jax.default_backend() != "cpu":
+        return {}
+    work = int(steps) * cfg.batch_size * cfg.seq_len * cfg.hidden_size
+    return {"xla_backend_optimization_level": 0 if work <= SMALL_RUN_WORK else 3}
 
 
 def make_train_step(model, optimizer, options: Optional[dict] = None):
@@ -165,7 +173,7 @@ def make_step_runner(model, cfg: TestbedConfig, optimizer, batches: BatchRows) -
     """(params, opt_state, s) -> (params, opt_state, metrics) for step s: ordinary training on the order's rows
     (exactly the step of a testbed without canaries), the masked step when canary copies extend the batches, or a
     DP-SGD step (``mia.testbed.dp``). Metrics: loss, grad_norm, and rows (plus clipped) where batches vary."""
-    options = compiler_options(cfg)
+    options = compiler_options(cfg, cfg.train_steps)
     if cfg.private:
 
         clipped_sum = dp.make_clipped_sum(model, cfg.dp_clip, options)
@@ -420,9 +428,9 @@ def memorize(model, params, cfg: TestbedConfig, rows: np.ndarray, epochs: int, s
     lr = (cfg.memorize_lr or cfg.lr) if lr is None else lr
     optimizer = make_optimizer(cfg, learning_rate=lr, weight_decay=0.0)
     opt_state = optimizer.init(params)
-    step_fn = make_train_step(model, optimizer, compiler_options(cfg))
-    rng = np.random.default_rng([int(seed), 0x3E3])
     per_epoch = -(-n // B)
+    step_fn = make_train_step(model, optimizer, compiler_options(cfg, epochs * per_epoch))
+    rng = np.random.default_rng([int(seed), 0x3E3])
     log = []
     with tqdm(total=epochs * per_epoch, desc="memorizing", unit="step", disable=not progress, leave=False) as bar:
         for ep in range(epochs):
