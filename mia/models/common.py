@@ -304,6 +304,23 @@ def refuse_values(model_type: str, hf: dict, refuse: dict[str, Callable[[Any], b
             raise ConfigError(f"{model_type}: config field {field}={hf[field]!r} is not supported")
 
 
+
+_LAYER_SHAPES: dict = {}  # (decoder class, config, dtype, param_dtype) -> abstract stacked layer params
+
+
+def stacked_layer_shapes(decoder, init: Callable):
+    """The abstract (shape, dtype) tree of ``decoder``'s stacked layer params, from ``jax.eval_shape(init)``,
+    traced once per (decoder class, config, dtypes) in a process; an unhashable config is traced every time."""
+    key = (type(decoder), decoder.config, decoder.dtype, decoder.param_dtype)
+    try:
+        hash(key)
+    except TypeError:
+        return jax.eval_shape(init, jax.random.key(0))
+    if key not in _LAYER_SHAPES:
+        _LAYER_SHAPES[key] = jax.eval_shape(init, jax.random.key(0))
+    return _LAYER_SHAPES[key]
+
+
 class DecoderLM(nn.Module):
     """The top of every decoder family: embed -> layer scan (collecting this call's keys/values) -> final norm -> head.
 
@@ -397,10 +414,16 @@ class DecoderLM(nn.Module):
             x = jnp.zeros((1, 1, self.config.hidden_size), self.dtype)
             rotary = self._rotary(pos)
             one = lambda key, i: self.layer_template().init(key, x, *rotary, pos, valid, i, None)["params"]
-            with unrecorded():  # flax traces this init (1 token) inside every apply: not a step's attention call
+            with unrecorded():  # traced by flax's shape check, or here once per config: not an attention call
                 return jax.vmap(one)(jax.random.split(rng, n), jnp.arange(n, dtype=jnp.int32))
 
-        return self.param(self.LAYERS, init)
+        if self.is_initializing():
+            return self.param(self.LAYERS, init)
+        # In apply, flax checks the given params' shapes against jax.eval_shape(init) at every trace: that traces
+        # a whole layer init. Checked against the shapes of one such trace per config instead (same check).
+        shapes = stacked_layer_shapes(self, init)
+        return self.param(self.LAYERS, lambda rng: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                                                          shapes))
 
     def declare(self, tokens_bt):
         """Init only, ``module.init(key, tokens, method="declare")``: creates every param (same values as an init
