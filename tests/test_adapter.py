@@ -4,12 +4,15 @@
 Each case builds a tiny transformers model (tests/tiny_configs.py), wraps it with a peft ``LoraConfig`` whose factors
 are random (``init_lora_weights=False``, so B != 0), saves the adapter with ``save_pretrained`` and merges it in torch.
 """
+import importlib.util
 import json
 
 import numpy as np
 import pytest
 
-pytest.importorskip("peft")
+# skipped without peft, which is imported only by the tests that use it (importing it costs 2 s of
+# collection on every worker)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 
 import mia.models as mm  # noqa: E402
 from mia.models.adapter import AdapterError, pattern_key, targeted  # noqa: E402
