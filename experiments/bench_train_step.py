@@ -7,7 +7,8 @@ member's model and optimizer as ``mia.testbed`` does, compiles ``mia.testbed.tra
 options (``XLA_FLAGS`` cleared, so nothing else changes the program), times the first call (compile + one step) and
 the mean of ``--steps`` further steps on one fixed batch of random rows, and prints a table with the projected time
 of a whole training run (first call + ``train_steps`` steps), with a last row for the level
-``mia.testbed.train.compiler_options`` picks for each member, and each row's ratio against that one. Timings are single runs: quote them only from an otherwise idle machine.
+``mia.testbed.train.compiler_options`` picks for each member, and each row's ratio against that one. Timings are
+single runs: quote them only from an otherwise idle machine.
 """
 from __future__ import annotations
 

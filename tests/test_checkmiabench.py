@@ -50,9 +50,10 @@ def test_smoke_end_to_end(cmb_smoke):
     # Table 2 layout: every (model, step, attack) that ran has AUC, SE, TPR
     ran = s["attacks_run"]
     assert {"loss", "mink:k=0.1", "minkpp:k=0.1", cmb_paper.PAPER_ZLIB} <= set(ran)
-    # the preset's last-checkpoint-only attacks (here the LL/zlib ratio) run at the last checkpoint only
+    # the preset's last-checkpoint-only attacks (here the LL/zlib ratio and the paper's ReCaLL) run at the last
+    # checkpoint only
     last_only = set(json.loads((out / "manifest.json").read_text())["config"]["attacks_last_checkpoint_only"])
-    assert last_only == {"zlib"}
+    assert last_only == {"zlib", "recall:variant=checkmia"}
 
     def ran_at(step):
         return {m for m in ran if step == steps[-1] or m not in last_only}
@@ -111,8 +112,9 @@ def test_curves_rebinned_from_saved_scores(cmb_smoke, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("Recency: ")
     rows = json.loads((out / "recency.json").read_text())["rows"]
     s = cmb_smoke[1]
-    last = max(t["step"] for t in s["targets"])  # the LL/zlib ratio runs at the last checkpoint only
-    per_target = [len(s["attacks_run"]) - (t["step"] != last) for t in s["targets"]]
+    last = max(t["step"] for t in s["targets"])  # some attacks run at the last checkpoint only
+    last_only = json.loads((out / "manifest.json").read_text())["config"]["attacks_last_checkpoint_only"]
+    per_target = [len(s["attacks_run"]) - (t["step"] != last) * len(last_only) for t in s["targets"]]
     assert len(rows) == 4 * sum(per_target) and {r["bin"] for r in rows} == {0, 1, 2, 3}
     assert (out / "scale.json").read_bytes() == (cmb_smoke[0] / "scale.json").read_bytes()
     assert curves.main([str(tmp_path)]) == 2
