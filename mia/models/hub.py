@@ -281,9 +281,25 @@ def init_method(module):
 
 
 def abstract_params(fam: Family, cfg, dtype=jnp.float32, param_dtype=jnp.float32):
+    """(the family's module for ``cfg`` at these dtypes, its params as a tree of ``jax.ShapeDtypeStruct``)."""
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
+    try:
+        shapes = _abstract_params(fam.module_cls, cfg, dtype, param_dtype)
+        return module, jax.tree_util.tree_map(lambda leaf: leaf, shapes)  # fresh containers: the cache's stay as-is
+    except TypeError:  # an unhashable config: traced every time
+        return module, _traced_params(module)
+
+
+def _traced_params(module):
     init = lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32), method=init_method(module))
-    return module, jax.eval_shape(init)["params"]
+    return jax.eval_shape(init)["params"]
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_params(module_cls, cfg, dtype, param_dtype):
+    """Traced once per (module class, config, dtypes) in a process: the trace of a whole init (every layer's)
+    is the costly part of opening a small checkpoint (25 s of the test suite's trace time)."""
+    return _traced_params(module_cls(cfg, dtype=dtype, param_dtype=param_dtype))
 
 
 class StackedView:
