@@ -3,7 +3,6 @@ short, and no file cites a document users do not have."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -149,10 +148,16 @@ def test_catalog_rewrites_only_the_marked_block(tmp_path):
     assert catalog.main(["--write", str(page)]) == 2
 
 
-def test_catalog_prints_the_table():
-    out = subprocess.run([sys.executable, "-m", "mia.attacks.catalog"], capture_output=True, text=True, cwd=ROOT,
-                         check=True).stdout
-    assert out == catalog.attacks_table()
+def test_catalog_prints_the_table(capsys, monkeypatch):
+    """`python -m mia.attacks.catalog` (its ``__main__`` block, run in this process) prints the table."""
+    import runpy
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", ["catalog.py"])  # as `python -m mia.attacks.catalog`: no arguments
+    with pytest.raises(SystemExit) as done, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is already imported (by this file)
+        runpy.run_module("mia.attacks.catalog", run_name="__main__")
+    assert done.value.code in (0, None) and capsys.readouterr().out == catalog.attacks_table()
 
 
 _PRIVATE = ("ALGORITHMS" + ".md", "../" + "shared/")  # spelt in pieces so that this file does not cite them

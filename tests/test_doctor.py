@@ -53,29 +53,12 @@ def rows_by_name(report) -> dict:
     return {r.check: r for r in report.rows}
 
 
-NAME_SCRIPT = """
-import importlib, json, sys
-import mia.doctor              # the submodule first: its import must not rebind mia.doctor
-import mia
-from mia import doctor as imported
-import mia.doctor as aliased
-module = importlib.import_module("mia.doctor")
-print(json.dumps({"function": mia.doctor is mia.api.doctor, "callable": callable(mia.doctor),
-                  "imported": imported is mia.api.doctor, "aliased": aliased is mia.api.doctor,
-                  "module": module.__name__, "checks": list(module.CHECKS),
-                  "in_sys": sys.modules["mia.doctor"] is module,
-                  "report": type(mia.doctor(checks=["platform"], families=["gpt2"])).__name__}))
-"""
-
-
-def test_mia_doctor_is_the_function_after_the_submodule_is_imported():
+def test_mia_doctor_is_the_function_after_the_submodule_is_imported(blocked_doctor_run):
     """``mia/doctor.py`` is the checks' module and ``mia.doctor`` the API function: importing the submodule (which
     binds it on its package) leaves ``mia.doctor`` the function, whatever the import style, and the module is
-    reachable through ``sys.modules`` / ``importlib``."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-c", NAME_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    reachable through ``sys.modules`` / ``importlib`` (checked in the process of the optional-packages test below,
+    which imports the submodule first)."""
+    got = blocked_doctor_run[0]["names"]
     assert got == {"function": True, "callable": True, "imported": True, "aliased": True, "module": "mia.doctor",
                    "checks": list(doctor_module.CHECKS), "in_sys": True, "report": "DoctorReport"}
 
@@ -265,16 +248,24 @@ class Absent(importlib.abc.MetaPathFinder):  # as if the packages were not insta
         return None
 
 sys.meta_path.insert(0, Absent())
+import mia.doctor              # the submodule first: its import must not rebind mia.doctor
 import mia
 import mia.api, mia.cli
+from mia import doctor as imported
+import mia.doctor as aliased
 import importlib
 doctor_module = importlib.import_module("mia.doctor")
+names = {"function": mia.doctor is mia.api.doctor, "callable": callable(mia.doctor),
+         "imported": imported is mia.api.doctor, "aliased": aliased is mia.api.doctor,
+         "module": doctor_module.__name__, "checks": list(doctor_module.CHECKS),
+         "in_sys": sys.modules["mia.doctor"] is doctor_module,
+         "report": type(mia.doctor(checks=["platform"], families=["gpt2"])).__name__}
 from mia.cli import main
 
 status = main(["doctor", "--checks", sys.argv[2], "--json", sys.argv[1]])
 print(json.dumps({"status": status, "asked": [m for m in asked if m.split(".")[0] in NEVER],
                   "loaded": [m for m in sys.modules if m.split(".")[0] in ABSENT],
-                  "attacks": doctor_module.stats_attacks()}))
+                  "attacks": doctor_module.stats_attacks(), "names": names}))
 """
 
 
@@ -289,11 +280,17 @@ def run_without_optional_packages(tmp_path, checks: str) -> tuple:
     return json.loads(p.stdout.strip().splitlines()[-1]), json.loads(out.read_text())
 
 
-def test_mia_and_its_doctor_import_without_the_optional_packages(tmp_path):
+@pytest.fixture(scope="module")
+def blocked_doctor_run(tmp_path_factory):
+    """`mia doctor --checks platform,cache` in a process without the optional packages (one process, two tests)."""
+    return run_without_optional_packages(tmp_path_factory.mktemp("blocked"), "platform,cache")
+
+
+def test_mia_and_its_doctor_import_without_the_optional_packages(blocked_doctor_run):
     """A GPU machine may have jax, flax, optax, scikit-learn and little else: `import mia` and `mia doctor` need
     neither dp-accounting, gensim nor the MiniLM encoder package (nothing even looks for them), nor transformers,
     torch, tokenizers, safetensors, datasets, matplotlib or chex."""
-    got, report = run_without_optional_packages(tmp_path, "platform,cache")
+    got, report = blocked_doctor_run
     assert got["status"] == 0 and got["asked"] == [] and got["loaded"] == [] and report["ok"]
     assert {"loss", "zlib", "mink", "minkpp"} <= set(got["attacks"])
 
