@@ -349,3 +349,25 @@ def test_presets_are_consistent():
     assert preset("smoke").config_hash != preset("smoke", seed=1).config_hash
     with pytest.raises(TestbedError, match="unknown testbed option"):
         preset("smoke", vocab=3)
+
+
+def test_training_compile_level_follows_the_run_size_not_xla_flags():
+    """On CPU the training step's optimisation level is pinned by the run's size (steps x batch x seq_len x width):
+    level 0 for the tests' tiny runs and the smoke suite's 16-wide member (compile time dominates), XLA's default 3
+    for the 64- and 96-wide members (the step runs 1.4-3x faster), whatever XLA_FLAGS say (the tests set level 0)."""
+    import jax
+
+    from mia.testbed import SUITES, preset
+    from mia.testbed.train import SMALL_RUN_WORK, compiler_options
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the pinned level is a CPU rule")
+    levels = [compiler_options(c, c.train_steps)["xla_backend_optimization_level"] for c in SUITES["smoke"]]
+    assert [c.hidden_size for c in SUITES["smoke"]] == [16, 64, 96] and levels == [0, 3, 3]
+    tiny = preset("smoke", seq_len=16, hidden_size=32, batch_size=8, train_steps=40)
+    assert compiler_options(tiny, tiny.train_steps) == {"xla_backend_optimization_level": 0}
+    # the boundary: exactly SMALL_RUN_WORK is small, one step more is not
+    cfg = preset("smoke", seq_len=64, hidden_size=32, batch_size=16)
+    steps = SMALL_RUN_WORK // (16 * 64 * 32)
+    assert compiler_options(cfg, steps)["xla_backend_optimization_level"] == 0
+    assert compiler_options(cfg, steps + 1)["xla_backend_optimization_level"] == 3
