@@ -352,7 +352,7 @@ def test_presets_are_consistent():
 
 
 def test_training_compile_level_follows_the_run_size_not_xla_flags():
-    """On CPU the training step's optimisation level is pinned by the run's size (steps x batch x seq_len x width):
+    """On CPU the training step's optimisation level is pinned by the run's size (steps x batch x seq_len x width^2):
     level 0 for the tests' tiny runs and the smoke suite's 16-wide member (compile time dominates), XLA's default 3
     for the 64- and 96-wide members (the step runs 1.4-3x faster), whatever XLA_FLAGS say (the tests set level 0)."""
     import jax
@@ -368,6 +368,6 @@ def test_training_compile_level_follows_the_run_size_not_xla_flags():
     assert compiler_options(tiny, tiny.train_steps) == {"xla_backend_optimization_level": 0}
     # the boundary: exactly SMALL_RUN_WORK is small, one step more is not
     cfg = preset("smoke", seq_len=64, hidden_size=32, batch_size=16)
-    steps = SMALL_RUN_WORK // (16 * 64 * 32)
+    steps = SMALL_RUN_WORK // (16 * 64 * 32 ** 2)
     assert compiler_options(cfg, steps)["xla_backend_optimization_level"] == 0
     assert compiler_options(cfg, steps + 1)["xla_backend_optimization_level"] == 3

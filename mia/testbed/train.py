@@ -79,21 +79,23 @@ def row_losses(model, params, rows_bt: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(logp, rows_bt[:, 1:, None], axis=-1)[..., 0], axis=-1)
 
 
-# steps x batch x seq_len x hidden_size at or under which a CPU training run compiles at level 0 (see compiler_options)
-SMALL_RUN_WORK = 1 << 21
+# steps x batch x seq_len x hidden_size^2 (about a run's FLOPs) at or under which a CPU training run compiles at
+# level 0 (see compiler_options)
+SMALL_RUN_WORK = 1 << 26
 
 
 def compiler_options(cfg: TestbedConfig, steps: int) -> dict:
     """XLA options of a training run of ``steps`` steps. On CPU the backend optimisation level is pinned, whatever
     ``XLA_FLAGS`` say, so that a run always compiles the same program: level 0 when the run is small (``steps x
-    batch_size x seq_len x hidden_size <= SMALL_RUN_WORK``: the tests' tiny testbeds and the smoke suite's 16-wide
-    member), where compile time dominates; otherwise XLA's default level 3, whose step runs 1.4-3x faster
-    (``python -m experiments.bench_train_step``: the smoke suite's 64- and 96-wide members take 33 and 44 ms a
-    step at level 3, 79 and 126 ms at level 0, for 1-2 s more compile time). Other platforms keep XLA's
+    batch_size x seq_len x hidden_size^2 <= SMALL_RUN_WORK``: the tests' tiny testbeds and the smoke suite's
+    16-wide member), where compile time dominates; otherwise XLA's default level 3, whose step runs 1.4-3x faster
+    (``python -m experiments.bench_train_step``: the smoke suite's 64- and 96-wide members take 27-33 and 44-50 ms
+    a step at level 3, 79-93 and 113-126 ms at level 0, for about 1 s more compile time, so level 3 pays after
+    about 20 steps of the 64-wide model and about 200 of the 16-wide one: the same work). Other platforms keep XLA's
     defaults."""
     if jax.default_backend() != "cpu":
         return {}
-    work = int(steps) * cfg.batch_size * cfg.seq_len * cfg.hidden_size
+    work = int(steps) * cfg.batch_size * cfg.seq_len * cfg.hidden_size ** 2
     return {"xla_backend_optimization_level": 0 if work <= SMALL_RUN_WORK else 3}
 
 
