@@ -151,3 +151,22 @@ def test_a_tied_heads_stored_copy_is_accepted_only_when_it_equals_the_embedding(
     with pytest.raises(CheckpointError) as e:
         params_from_hf({**tensors, head: changed}, fam, cfg, shapes, jnp.float32, source="ckpt")
     assert str(e.value).startswith(f"ckpt: tensor '{head}' differs from the token embedding '{embedding}'")
+
+
+def test_stacked_layers_of_the_wrong_shape_are_refused_before_and_after_a_good_call():
+    """The stacked layers' shape check (traced once per config) still refuses params of another depth or width,
+    both on the first apply of a config and after a correct call has filled the per-config shapes."""
+    import flax.errors
+
+    fresh = _neox(3, hidden=16)  # a config no other test applies
+    tokens, _ = padded_batch(fresh.vocab_size, [5, 3], seed=0)
+    module = family("gpt_neox").module_cls(fresh)
+    _, shapes = abstract_params(family("gpt_neox"), fresh)
+    good = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    one_layer_short = {**good, "layers": jax.tree_util.tree_map(lambda x: x[:2], good["layers"])}
+    for params in (one_layer_short, good, one_layer_short):
+        if params is good:
+            module.apply({"params": params}, jnp.asarray(tokens))
+            continue
+        with pytest.raises(flax.errors.ScopeParamShapeError):
+            module.apply({"params": params}, jnp.asarray(tokens))

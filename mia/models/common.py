@@ -304,7 +304,6 @@ def refuse_values(model_type: str, hf: dict, refuse: dict[str, Callable[[Any], b
             raise ConfigError(f"{model_type}: config field {field}={hf[field]!r} is not supported")
 
 
-
 _LAYER_SHAPES: dict = {}  # (decoder class, config, dtype, param_dtype) -> abstract stacked layer params
 
 
