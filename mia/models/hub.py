@@ -283,11 +283,17 @@ def init_method(module):
 def abstract_params(fam: Family, cfg, dtype=jnp.float32, param_dtype=jnp.float32):
     """(the family's module for ``cfg`` at these dtypes, its params as a tree of ``jax.ShapeDtypeStruct``)."""
     module = fam.module_cls(cfg, dtype=dtype, param_dtype=param_dtype)
+    return module, module_abstract_params(module)
+
+
+def module_abstract_params(module):
+    """The params of a family's module (built as ``module_cls(config, dtype=..., param_dtype=...)``) as a tree of
+    ``jax.ShapeDtypeStruct``: traced once per (class, config, dtypes) in a process, fresh containers each call."""
     try:
-        shapes = _abstract_params(fam.module_cls, cfg, dtype, param_dtype)
-        return module, jax.tree_util.tree_map(lambda leaf: leaf, shapes)  # fresh containers: the cache's stay as-is
+        shapes = _abstract_params(type(module), module.config, module.dtype, module.param_dtype)
     except TypeError:  # an unhashable config: traced every time
-        return module, _traced_params(module)
+        return _traced_params(module)
+    return jax.tree_util.tree_map(lambda leaf: leaf, shapes)  # fresh containers: the cache's stay as they are
 
 
 def _traced_params(module):

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..models.hub import module_abstract_params
+
 # std of a standard normal truncated to [-2, 2] (jax.nn.initializers.truncated_normal's correction)
 _TRUNC_STD = 0.87962566103423978
 
@@ -46,8 +48,9 @@ def leaf_init(name: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
 
 
 def init_params(module, seed: int):
-    """Parameters of a Flax ``module`` (called as ``module(tokens [B, T])``), drawn by :func:`leaf_init`."""
-    shapes = jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"]
+    """Parameters of a family's Flax ``module`` (``mia.models.hub.module_abstract_params``: the shapes of its
+    init, traced once per config), drawn by :func:`leaf_init`."""
+    shapes = module_abstract_params(module)
     rng = np.random.default_rng([int(seed), 0x1A17])
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     out = []
