@@ -256,7 +256,7 @@ def test_resume_equals_uninterrupted(tmp_path):
 @pytest.mark.slow  # (15 s) the default run keeps the dial on a suite member (test_checkmiabench)
 def test_memorization_dial_gives_real_signal(smoke_testbed, tmp_path):
     from experiments.checkmia import draw_split
-    from mia.attacks.loss import mean_loglik
+    from mia.attacks.loss import loss
     from mia.metrics import auc
     from mia.models import load
     from mia.engine.batching import ScoringSettings
@@ -276,7 +276,7 @@ def test_memorization_dial_gives_real_signal(smoke_testbed, tmp_path):
     res = {}
     for name, d in (("clean", tb.checkpoint_dir(c)), ("dial", path)):
         p = pad_stats(compute_token_stats(load(d), toks, settings))
-        res[name] = auc(np.asarray(mean_loglik(p["logprob"], p["mask"])), y)
+        res[name] = auc(np.asarray(loss(p["logprob"], np.zeros_like(p["mask"]), p["mask"])), y)
     assert res["dial"] >= 0.8, res
     assert res["dial"] > res["clean"]
     from mia.testbed import TestbedError
