@@ -66,10 +66,10 @@ def roc(scores, labels, ids=None) -> tuple[np.ndarray, np.ndarray]:
 
 
 def auc(scores, labels, ids=None) -> float:
-    from sklearn.metrics import roc_auc_score
-
+    """ROC AUC: the rank-sum (Mann-Whitney) statistic with midranks, equal to sklearn's ``roc_auc_score`` (ties count
+    1/2) without its input validation, which cost several ms per call (the experiments compute hundreds)."""
     s, y = checked_scores(scores, labels, ids)
-    return float(roc_auc_score(y, s))
+    return float(_auc_rows(s[None], y[None])[0])
 
 
 def tpr_at_fpr(scores, labels, fpr: float = 0.01, ids=None) -> float:

@@ -129,6 +129,30 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))
 
 
+def freeze_heap() -> None:
+    """Collect this process's cyclic garbage, then move every surviving object out of the garbage collector's sight
+    (``gc.freeze``). A worker holds 1.6-1.9 million objects by the end of the default run (jax, torch, transformers,
+    compiled programs), and each of the ~33 full collections Python starts on its own walked all of them: 10-13 s
+    per worker, plus 6 s at exit, where pytest collects five times to find unraisable exceptions. Called after
+    collection and after each test file, a full collection walks only what the current file made. Frozen objects
+    are still freed by reference counting; only a cycle that reaches back into them lives until the process ends."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_collection_finish(session):
+    freeze_heap()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        freeze_heap()
+
+
 def pytest_unconfigure(config):
     import shutil
 

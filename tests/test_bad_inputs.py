@@ -8,6 +8,7 @@ JSONL and safetensors-header readers (any bytes: a valid result or one user erro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -1235,8 +1236,10 @@ def test_fuzz_safetensors_header_long(data):
 
 
 # ---------------------------------------------------------------------------------------------- config.json
-def _family_configs() -> list[dict]:
-    """A valid, complete config.json object of every decoder family (as transformers writes it) and of BERT."""
+@functools.lru_cache(maxsize=None)
+def _family_configs() -> tuple[dict, ...]:
+    """A valid, complete config.json object of every decoder family (as transformers writes it) and of BERT. Built
+    on first use, not at collection: transformers' config classes take seconds to import on every worker."""
     import transformers as tf
 
     kw = dict(vocab_size=97, num_hidden_layers=2, num_attention_heads=4, intermediate_size=52)
@@ -1247,11 +1250,14 @@ def _family_configs() -> list[dict]:
                             attention_types=[[["global", "local"], 1]]),
             tf.OlmoConfig(hidden_size=40, clip_qkv=0.5, **kw), tf.Olmo2Config(hidden_size=40, **kw),
             tf.BertConfig(hidden_size=40, **kw)]
-    return [json.loads(c.to_json_string()) for c in cfgs]
+    return tuple(json.loads(c.to_json_string()) for c in cfgs)
 
 
-_CONFIGS = _family_configs()
-_CONFIG_FIELDS = sorted({k for c in _CONFIGS for k in c} | {"rope_parameters", "rope_scaling", "partial_rotary_factor"})
+def _config_fields() -> list[str]:
+    extra = {"rope_parameters", "rope_scaling", "partial_rotary_factor"}
+    return sorted({k for c in _family_configs() for k in c} | extra)
+
+
 _out_of_range = st.one_of(st.integers(-3, 1), st.integers(2 ** 31 - 2, 2 ** 64), st.floats(-2, 3),
                           st.sampled_from([float("inf"), float("nan"), 1.7, -0.5, 0.0, 1e308, True, "96", "1e-5"]))
 
@@ -1267,9 +1273,9 @@ def _config_bytes(draw):
              b"\xef\xbb\xbf{}", b"[" * 5000, b'{"hidden_size": 1' + b"0" * 5000 + b"}"])))
     if kind == "json":
         return json.dumps(draw(_json_value)).encode()
-    hf = json.loads(json.dumps(draw(st.sampled_from(_CONFIGS))))
+    hf = json.loads(json.dumps(draw(st.sampled_from(_family_configs()))))
     for _ in range(draw(st.integers(1, 4))):
-        key = draw(st.sampled_from(_CONFIG_FIELDS + ["extra_field"]))
+        key = draw(st.sampled_from(_config_fields() + ["extra_field"]))
         how = draw(st.sampled_from(["type", "range", "drop", "rope"]))
         if how == "drop":
             hf.pop(key, None)
@@ -1327,7 +1333,7 @@ def test_family_configs_are_accepted(tmp_path):
     """The fuzz's templates are valid: each loads (so the mutations start from a config that passes)."""
     from mia.models.hub import load_config
 
-    for hf in _CONFIGS[:-1]:
+    for hf in _family_configs()[:-1]:
         (tmp_path / "config.json").write_text(json.dumps(hf))
         fam, _, _ = load_config(tmp_path)
         assert fam.model_type == hf["model_type"]

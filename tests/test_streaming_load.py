@@ -175,12 +175,12 @@ def test_host_transient_of_a_load_is_about_one_block(tmp_path):
 
 def picked_rule(monkeypatch):
     """The finite rule ``hub._finite_flags`` calls on this backend (its name and the function), found by spying on
-    both candidates while it checks one leaf."""
+    both candidates while it checks one leaf (compiled: ``host_bytes=0``)."""
     called, rules = [], {n: getattr(hub, n) for n in ("finite_leaves", "finite_leaves_isfinite")}
     with monkeypatch.context() as m:
         for name, rule in rules.items():
             m.setattr(hub, name, lambda leaves, name=name, rule=rule: called.append(name) or rule(leaves))
-        hub._finite_flags([jnp.ones(3)])
+        hub._finite_flags([jnp.ones(3)], host_bytes=0)
     assert len(called) == 1, called
     return called[0], rules[called[0]]
 
@@ -198,13 +198,27 @@ def test_finite_check_holds_no_bool_per_parameter(monkeypatch):
     for bad, ok in ((np.nan, False), (np.inf, False), (-np.inf, False), (3e38, True)):
         y = x.copy()
         y[1, 2] = bad
-        flags = hub._finite_flags([jnp.asarray(y), jnp.asarray(x, jnp.bfloat16), jnp.zeros((0,)), jnp.arange(3)])
-        assert flags.tolist() == [ok, True, True, True], bad
+        leaves = [jnp.asarray(y), jnp.asarray(x, jnp.bfloat16), jnp.zeros((0,)), jnp.arange(3)]
+        for host_bytes in (0, hub.HOST_FINITE_CHECK_BYTES):  # compiled, then in NumPy
+            assert hub._finite_flags(leaves, host_bytes=host_bytes).tolist() == [ok, True, True, True], bad
 
 
+def test_small_cpu_params_are_checked_in_numpy_and_large_ones_compiled(monkeypatch):
+    """The finite check reads a small model held by CPU devices in NumPy (no program to compile) and compiles the
+    reduction for anything larger than ``host_bytes``: the flags agree either way."""
+    leaves = [jnp.ones((64, 64)), jnp.asarray(np.full(8, np.nan), jnp.bfloat16), np.arange(4)]
+    assert hub._host_checkable(leaves) and not hub._host_checkable(leaves, host_bytes=64 * 64 * 4)
+    assert not hub._host_checkable([jnp.ones(3), object()])
+    compiled = []
+    monkeypatch.setattr(hub, "finite_leaves", lambda ls, rule=hub.finite_leaves: compiled.append(1) or rule(ls))
+    assert hub._finite_flags(leaves).tolist() == [True, False, True] and not compiled
+    assert hub._finite_flags(leaves, host_bytes=64 * 64 * 4).tolist() == [True, False, True] and compiled
+
+
+@pytest.mark.parametrize("host_bytes", [0, 1 << 30], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("dtype", [np.float32, "bfloat16", "bfloat16 as float32"])
 @pytest.mark.parametrize("damage", ["all nan", "one nan", "one inf", "one -inf"])
-def test_finite_check_sees_nan_in_large_leaves(damage, dtype):
+def test_finite_check_sees_nan_in_large_leaves(damage, dtype, host_bytes):
     """Leaves large enough for XLA:CPU to vectorise the reduction (64,000 elements): its float32 max drops NaN (an
     all-NaN leaf's max |x| is -inf, one NaN among ones gives 1), so the check must not rest on max; every damage is
     seen by the check ``_finite_flags`` runs, alone or among healthy leaves, in float32 and bfloat16 leaves, and in
@@ -220,7 +234,7 @@ def test_finite_check_sees_nan_in_large_leaves(damage, dtype):
     else:
         leaf = jnp.asarray(x, dtype)
     healthy = jnp.ones((1000, 64), dtype)
-    assert hub._finite_flags([healthy, leaf, healthy]).tolist() == [True, False, True]
+    assert hub._finite_flags([healthy, leaf, healthy], host_bytes=host_bytes).tolist() == [True, False, True]
     assert hub.finite_rule_holds()
 
 

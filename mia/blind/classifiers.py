@@ -58,8 +58,9 @@ def random_forest(x_train, y_train, x_eval, *, seed: int = 0) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def _mlp_fns(hidden: tuple, lr: float):
-    """(model, optimizer, jitted dense step, jitted sparse step, first-layer function) shared by every call with these
-    hyperparameters, so that jax reuses its compiled steps for shapes it has already seen.
+    """(model, optimizer, jitted dense step, jitted sparse step, jitted dense and sparse P(member) predictors, jitted
+    init) shared by every call with these hyperparameters, so that jax reuses its compiled programs for shapes it has
+    already seen.
 
     The sparse path is the same network: its first Dense layer is computed as an embedding bag,
     x @ W = sum_j x[c_j] W[c_j] over the row's non-zero columns c_j (padded with value 0), so a 50k-word
@@ -110,7 +111,18 @@ def _mlp_fns(hidden: tuple, lr: float):
 
         return step
 
-    return model, opt, make_step(logits_dense), make_step(logits_sparse), logits_dense, logits_sparse
+    @jax.jit
+    def init(key, x_1d):
+        """(params, optimizer state) of a network reading ``d`` features (x_1d: [1, d]): one program per d, where
+        running flax's init and Adam's init op by op compiled each of their operations per shape."""
+        params = model.init(key, x_1d)["params"]
+        return params, opt.init(params)
+
+    def make_predict(logits_fn):
+        return jax.jit(lambda p, xb: jax.nn.sigmoid(logits_fn(p, xb)))
+
+    return (model, opt, make_step(logits_dense), make_step(logits_sparse), make_predict(logits_dense),
+            make_predict(logits_sparse), init)
 
 
 def _padded_rows(x: sp.csr_matrix, width: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -136,21 +148,20 @@ def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size
     xt, xe = _scale(x_train, x_eval)
     y = np.asarray(y_train, np.float32)
     n, d = xt.shape
-    model, opt, step_dense, step_sparse, logits_dense, logits_sparse = _mlp_fns(tuple(hidden), float(lr))
+    _, _, step_dense, step_sparse, predict_dense, predict_sparse, init = _mlp_fns(tuple(hidden), float(lr))
     key = jax.random.PRNGKey(seed)
     key, init_key = jax.random.split(key)
-    params = model.init(init_key, jnp.zeros((1, d), jnp.float32))["params"]
-    state = opt.init(params)
+    params, state = init(init_key, jnp.zeros((1, d), jnp.float32))
     sparse = sp.issparse(xt)
     if sparse:
         xt = _padded_rows(xt)
         xe = _padded_rows(xe)
         take = lambda x, idx: (x[0][idx], x[1][idx])  # noqa: E731
-        step, logits = step_sparse, logits_sparse
+        step, predict = step_sparse, predict_sparse
     else:
         xt, xe = np.asarray(xt, np.float32), np.asarray(xe, np.float32)
         take = lambda x, idx: x[idx]  # noqa: E731
-        step, logits = step_dense, logits_dense
+        step, predict = step_dense, predict_dense
 
     b = min(batch_size, n)
     for _ in range(epochs):
@@ -163,13 +174,17 @@ def mlp(x_train, y_train, x_eval, *, seed: int = 0, epochs: int = 10, batch_size
                 w[len(idx):] = 0
                 idx = np.concatenate([idx, np.zeros(b - len(idx), idx.dtype)])
             params, state, _ = step(params, state, take(xt, idx), y[idx], w)
-    # prediction runs eagerly (no compile per evaluation-set shape), in bounded chunks
+    # prediction in bounded chunks of one row count (the last one padded with repeats of row 0), so that an
+    # evaluation set compiles one program per feature width whatever its size
     n_eval = len(xe[0]) if sparse else len(xe)
     width = xe[0].shape[1] if sparse else d
-    chunk = max(1, min(4096, (1 << 22) // max(width, 1)))
-    out = [np.asarray(jax.nn.sigmoid(logits(params, take(xe, np.arange(lo, min(lo + chunk, n_eval))))))
-           for lo in range(0, n_eval, chunk)]
-    return np.concatenate(out).astype(np.float64)
+    rows = min(max(1, (1 << 22) // max(width, 1)), 4096, 1 << max(3, (max(n_eval, 1) - 1).bit_length()))
+    out = []
+    for lo in range(0, n_eval, rows):
+        idx = np.arange(lo, lo + rows)
+        idx[idx >= n_eval] = 0
+        out.append(np.asarray(predict(params, take(xe, idx)))[: min(rows, n_eval - lo)])
+    return np.concatenate(out).astype(np.float64) if out else np.zeros(0)
 
 
 _FNS = {"lr": logistic_regression, "rf": random_forest, "mlp": mlp}

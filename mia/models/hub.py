@@ -475,11 +475,33 @@ def finite_rule_holds() -> bool:
     return got.tolist() == [finite for _, finite in cases]
 
 
-def _finite_flags(params, mesh=None) -> np.ndarray:
+HOST_FINITE_CHECK_BYTES = 64 << 20  # up to this many parameter bytes held by CPU devices, the check runs in NumPy
+
+
+def _host_checkable(leaves: list, host_bytes: int = HOST_FINITE_CHECK_BYTES) -> bool:
+    """Whether the finite check of ``leaves`` is cheaper in NumPy than compiled: every leaf a NumPy array or a jax
+    array this process holds whole on CPU devices, ``host_bytes`` at most in all. A compiled check costs one XLA
+    program per parameter tree (about 0.1 s to trace, lower and compile, more than reading a small model)."""
+    total = 0
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            if not x.is_fully_addressable or any(d.platform != "cpu" for d in x.devices()):
+                return False
+        elif not isinstance(x, np.ndarray):
+            return False
+        total += x.nbytes
+    return total <= host_bytes
+
+
+def _finite_flags(params, mesh=None, host_bytes: int = HOST_FINITE_CHECK_BYTES) -> np.ndarray:
     """bool [n_leaves]: whether each floating leaf of ``params`` is finite throughout (one ``isfinite().all()``
     reduction per leaf, on the devices holding it, fetched together, replicated over ``mesh`` when given so that
-    every process can read it); non-floating leaves count as finite."""
+    every process can read it; a model of at most ``host_bytes`` held by CPU devices is read in NumPy instead,
+    ``_host_checkable``); non-floating leaves count as finite."""
     leaves = jax.tree_util.tree_leaves(params)
+    if _host_checkable(leaves, host_bytes):
+        return np.array([bool(np.isfinite(np.asarray(x)).all()) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+                         else True for x in leaves], dtype=bool)
     rule = finite_leaves if finite_rule_holds() else finite_leaves_isfinite
     flags = jax.jit(rule, out_shardings=None if mesh is None else replicated(mesh))(leaves)
     return np.asarray(jax.device_get(flags))
