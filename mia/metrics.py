@@ -73,10 +73,10 @@ def auc(scores, labels, ids=None) -> float:
 
 
 def tpr_at_fpr(scores, labels, fpr: float = 0.01, ids=None) -> float:
-    """Largest TPR among ROC points whose FPR <= ``fpr``."""
-    f, t = roc(scores, labels, ids)
-    ok = f <= fpr + _EPS
-    return float(t[ok].max()) if ok.any() else 0.0
+    """Largest TPR among ROC points whose FPR <= ``fpr``: the fraction of members scoring strictly above the (k+1)-th
+    highest non-member score, k = floor(FPR x non-members) (the module docstring), without building the curve."""
+    s, y = checked_scores(scores, labels, ids)
+    return float(_tpr_rows(s[None], y[None], fpr)[0])
 
 
 # ----------------------------------------------------------------------------------------------- vectorised core
