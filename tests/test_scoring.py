@@ -44,6 +44,38 @@ def test_token_stats_match_numpy_reference(tiny_neox_dir, tiny_model):
         assert np.asarray(got["mask"])[i].sum() == n - 1
 
 
+def test_models_of_one_architecture_share_one_step_and_score_with_their_own_params(tiny_model, monkeypatch):
+    """Checkpoints of one architecture (here the tiny model and a copy with other weights) share the engine's
+    stand-in (abstract params, no tokenizer) and so one jitted step, traced once; each scores with its own params
+    (against the NumPy reference on its own logits). Another dtype, or another attention kernel asked for in
+    MIA_ATTENTION, gets its own stand-in."""
+    import dataclasses
+
+    import jax
+    import mia.engine.loop as loop
+    import mia.models as mm
+    from mia.models.hub import program_model
+
+    a = tiny_model
+    b = dataclasses.replace(a, params=jax.tree_util.tree_map(lambda x: x * 0.7 + 0.01, a.params))
+    assert program_model(a) is program_model(b) and program_model(a).tokenizer is None
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(program_model(a).params))
+    assert loop.jitted_token_stats(a) is loop.jitted_token_stats(b)
+    assert program_model(mm.load(a.path, dtype="bfloat16", tokenizer=False)) is not program_model(a)
+    before, step = program_model(a), loop.jitted_token_stats(a)
+    monkeypatch.setenv("MIA_ATTENTION", "exact")
+    assert program_model(b) is not before and loop.jitted_token_stats(b) is not step
+    monkeypatch.delenv("MIA_ATTENTION")
+    assert program_model(b) is before
+    seqs = _random_lists(a.vocab_size, [11, 6], seed=4)
+    got_a, got_b = (compute_token_stats(m, seqs, ScoringSettings(progress=False)) for m in (a, b))
+    for seq, ga, gb in zip(seqs, got_a, got_b):
+        want = numpy_stats(np.asarray(b.logits(b.params, seq[None]))[0], seq)
+        for k, v in want.items():
+            np.testing.assert_allclose(gb[k], v, atol=2e-4, rtol=1e-4, err_msg=k)
+        assert not np.allclose(ga["logprob"], gb["logprob"], atol=1e-3)
+
+
 def _random_lists(vocab, lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]

@@ -47,6 +47,7 @@ import numpy as np
 
 from ..engine.batching import ScoringSettings, plan_batches, put_padded, row_length
 from ..models.attention import traced_over
+from ..models.hub import program_model
 from ..engine.conditional import token_logprobs
 from ..engine.failsafe import fail_safe
 from ..engine.loop import engine_layout, mesh_chunk_size, pipelined, placed_params, show_progress
@@ -216,9 +217,14 @@ def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int, bl
                                      out_shardings=replicated(mesh)))
 
 
-@functools.lru_cache(maxsize=16)
 def jitted_mope(model, n: int, sigma: float, chunk: int):
-    """MoPe on the engine's layout for ``model`` (``scoring.engine_layout``)."""
+    """MoPe on the engine's layout for ``model`` (``scoring.engine_layout``), built once per architecture, dtypes
+    and layout (``mia.models.hub.program_model``)."""
+    return _jitted_mope(program_model(model), n, sigma, chunk)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_mope(model, n: int, sigma: float, chunk: int):
     mesh, shardings = engine_layout(model)
     return build_mope_step(model, mesh, shardings, n, sigma, chunk)
 

@@ -10,12 +10,14 @@ tensor of the right shape, and every tensor in the checkpoint must be used (a fe
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import mmap
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -32,6 +34,7 @@ from ..validate import check_config, check_hf_config, safetensors_header
 from . import hf_cache
 from .common import ConfigError, ParamMapping
 from .family import Family, family, family_of_config, read_config
+from .attention import ENV_VAR as ATTENTION_ENV_VAR
 from .adapter import adapter_digest, adapter_weight_file, merge_lora, read_adapter_config
 from .layouts import native_layout
 from .torch_bin import read_torch_bin
@@ -123,6 +126,50 @@ class Model:
     @property
     def vocab_size(self) -> int:
         return int(self.config.vocab_size)
+
+
+# ------------------------------------------------------------------------------------------ one program per shape
+PROGRAM_MODELS_KEPT = 32  # stand-ins kept per process (``program_model``), least recently used dropped first
+_PROGRAM_MODELS: "collections.OrderedDict[tuple, Model]" = collections.OrderedDict()
+
+
+def program_signature(model: Model) -> Optional[tuple]:
+    """What a program traced for ``model`` depends on besides the values of its params: the module (its class, and
+    as fields its config, dtypes and kernel choices), the model type and config, the layout the params are placed
+    with (mesh, FSDP), the params' tree with each leaf's shape and dtype, and the attention kernel asked for in
+    ``MIA_ATTENTION`` (read when a step is traced). None when a part is not hashable."""
+    leaves, treedef = jax.tree_util.tree_flatten(model.params)
+    signature = (type(model.module), model.module, model.model_type, model.config, model.mesh, bool(model.fsdp),
+                 treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves),
+                 os.environ.get(ATTENTION_ENV_VAR, ""))
+    try:
+        hash(signature)
+    except TypeError:
+        return None
+    return signature
+
+
+def program_model(model: Model) -> Model:
+    """The stand-in the engine builds ``model``'s jitted programs for: a copy with abstract params
+    (``jax.ShapeDtypeStruct``) and no tokenizer, path or fingerprint, shared by every Model of the same
+    ``program_signature``. The programs take params as an argument, so one built for the stand-in runs any of those
+    models: the checkpoints of one run (a checkpoint sweep, a suite's sizes' steps, a model loaded twice) trace,
+    lower and compile each step once per process instead of once per load, and no cached program keeps a
+    checkpoint's weights alive. A model whose signature is not hashable (or any other object) is its own
+    stand-in."""
+    signature = program_signature(model) if isinstance(model, Model) else None
+    if signature is None:
+        return model
+    stand_in = _PROGRAM_MODELS.get(signature)
+    if stand_in is None:
+        params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), model.params)
+        stand_in = dataclasses.replace(model, params=params, tokenizer=None, path=None, content_address="",
+                                       adapter=None)
+        _PROGRAM_MODELS[signature] = stand_in
+        while len(_PROGRAM_MODELS) > PROGRAM_MODELS_KEPT:
+            _PROGRAM_MODELS.popitem(last=False)
+    _PROGRAM_MODELS.move_to_end(signature)
+    return stand_in
 
 
 # ----------------------------------------------------------------------------------------------- safetensors I/O

@@ -388,7 +388,9 @@ def sampled_rows(model, n: int, row_len: int, corpus_vocab: int, rng: np.random.
     """[n, row_len] rows sampled token by token from ``model`` at ``temperature`` after an EOD, over the corpus
     vocabulary [1, corpus_vocab) (EOD and reserved ids never drawn). Gumbel-max with noise from ``rng``: the same
     model and seed give the same rows."""
-    next_logits = _next_logits_fn(model)
+    from ..models.hub import program_model  # local, as jax below
+
+    next_logits = _next_logits_fn(program_model(model))  # one program per architecture, not per checkpoint
     n, L = int(n), int(row_len)
     gumbel = rng.gumbel(size=(n, L, int(corpus_vocab) - 1))
     out = np.zeros((n, L + 1), np.int32)  # column 0: the EOD prompt
@@ -404,7 +406,8 @@ def sampled_rows(model, n: int, row_len: int, corpus_vocab: int, rng: np.random.
 
 @functools.lru_cache(maxsize=2)
 def _next_logits_fn(model):
-    """jit((params, ctx [b, L], t) -> [b, V] float32 logits at position t) of ``model``, compiled once per model."""
+    """jit((params, ctx [b, L], t) -> [b, V] float32 logits at position t) of ``model`` (a ``program_model``
+    stand-in: compiled once per architecture)."""
     import jax
     import jax.numpy as jnp
 
@@ -560,7 +563,9 @@ def sequence_nll(model, rows, batch_size: int = 64, params=None, mask=None) -> n
     mask = np.ones((len(rows), max(rows.shape[1] - 1, 0)), np.float32) if mask is None else \
         np.asarray(mask, np.float32)
     params = model.params if params is None else params
-    nll = _nll_fn(model)
+    from ..models.hub import program_model  # local, as jax below
+
+    nll = _nll_fn(program_model(model))  # one program per architecture, not per checkpoint
     out = []
     b = max(1, min(int(batch_size), len(rows)))
     for lo in range(0, len(rows), b):
@@ -575,8 +580,8 @@ def sequence_nll(model, rows, batch_size: int = 64, params=None, mask=None) -> n
 
 @functools.lru_cache(maxsize=4)
 def _nll_fn(model):
-    """jit((params, rows [b, L], weights [b, L-1]) -> [b] weighted NLL) of ``model``, compiled once per model (a
-    Model hashes by identity)."""
+    """jit((params, rows [b, L], weights [b, L-1]) -> [b] weighted NLL) of ``model`` (a ``program_model`` stand-in:
+    compiled once per architecture)."""
     import jax  # local: the canary file and plan are read without loading JAX (as the testbed CLI does)
     import jax.numpy as jnp
 
