@@ -418,7 +418,7 @@ def test_mope_block_noise_is_gaussian_and_independent_across_blocks():
     n = eps.size
     assert abs(eps.mean()) < 4 * sigma / np.sqrt(n)
     assert abs(eps.std() / sigma - 1) < 4 / np.sqrt(2 * n)
-    assert kstest(eps.ravel() / sigma, "norm").pvalue > 1e-3
+    assert kstest(eps.ravel()[::7] / sigma, "norm").pvalue > 1e-3  # every 7th draw: 900,000 over all 3 rows
     bound = 5 / np.sqrt(shape[1])  # 5 standard errors of a correlation of independent rows
 
     def corr(a, b):
