@@ -122,6 +122,15 @@ def mesh_platform(mesh) -> str:
     return devices.flat[0].platform if devices is not None else jax.default_backend()
 
 
+def loop_compiler_options() -> Optional[dict]:
+    """XLA compiler options of a program that one loop runs many times (the blind MLP's training step, the encoder's
+    embedding batch, a large testbed training run): on CPU, XLA's default optimisation level 3 whatever
+    ``XLA_FLAGS`` say, so such a loop always runs the same, fast program (at level 0, which the default test run
+    sets for everything else, the MLP's step ran 8x and MiniLM's embedding 2x slower); None elsewhere (the
+    platform's defaults)."""
+    return {"xla_backend_optimization_level": 3} if jax.default_backend() == "cpu" else None
+
+
 def describe(mesh) -> str:
     return ",".join(f"{a}={s}" for a, s in mesh_axes(mesh).items())
 

@@ -71,6 +71,8 @@ def _mlp_fns(hidden: tuple, lr: float):
     import jax.numpy as jnp
     import optax
 
+    from ..sharding import loop_compiler_options  # local, as jax: mia.blind loads without it
+
     class MLP(nn.Module):
         def setup(self):
             self.layers = [nn.Dense(h) for h in hidden] + [nn.Dense(1)]
@@ -95,9 +97,9 @@ def _mlp_fns(hidden: tuple, lr: float):
     def logits_sparse(p, xb):
         return model.apply({"params": p}, first_sparse(p, *xb), method=MLP.rest)
 
-    # a training loop runs its step many times: on CPU it compiles at XLA's default optimisation level whatever
-    # XLA_FLAGS say (at level 0 the sparse step ran 8x slower: 0.6 vs 0.08 s a fit of 300 BoW rows)
-    options = {"xla_backend_optimization_level": 3} if jax.default_backend() == "cpu" else None
+    # a training loop runs its step many times (at level 0 the sparse step ran 8x slower: 0.6 vs 0.08 s a fit of
+    # 300 BoW rows)
+    options = loop_compiler_options()
 
     def make_step(logits_fn):
         @functools.partial(jax.jit, compiler_options=options)

@@ -23,6 +23,7 @@ import optax
 
 from ..files.atomic import atomic_write, save_figure, temporary_sibling
 from ..models.hub import read_safetensors, save, write_safetensors
+from ..sharding import loop_compiler_options
 from . import dp
 from .config import TestbedConfig, TestbedError
 from .dp import poisson_batch
@@ -96,7 +97,7 @@ def compiler_options(cfg: TestbedConfig, steps: int) -> dict:
     if jax.default_backend() != "cpu":
         return {}
     work = int(steps) * cfg.batch_size * cfg.seq_len * cfg.hidden_size ** 2
-    return {"xla_backend_optimization_level": 0 if work <= SMALL_RUN_WORK else 3}
+    return {"xla_backend_optimization_level": 0} if work <= SMALL_RUN_WORK else loop_compiler_options()
 
 
 def make_train_step(model, optimizer, options: Optional[dict] = None):
