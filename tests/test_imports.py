@@ -5,6 +5,7 @@ circle hidden behind a local import is still a circle. A local import of one of 
 with a comment on its line saying why (the CLI's fast start, a registry that imports its members).
 """
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,14 @@ def resolve(node, current: str, is_package: bool, modules: dict) -> list[str]:
 
 
 def import_graph() -> tuple[dict, list]:
-    """({module: {imported mia modules}}, [(file, line, statement) of function-level imports of mia modules])."""
+    """({module: {imported mia modules}}, [(file, line, statement) of function-level imports of mia modules]): read
+    once per process (four tests ask), fresh containers each call."""
+    graph, local = _read_import_graph()
+    return {k: set(v) for k, v in graph.items()}, list(local)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_import_graph() -> tuple[dict, list]:
     modules = all_modules()
     graph, local = {}, []
     for name, path in modules.items():
