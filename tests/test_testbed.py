@@ -177,6 +177,21 @@ def test_a_checkpoint_placed_first_by_another_process_is_kept(smoke_testbed, tmp
     assert not [p.name for p in (copy / "checkpoints").iterdir() if p.name.endswith(".tmp")]
 
 
+def test_the_dial_traces_its_training_step_once(smoke_suite, monkeypatch):
+    """``memorize`` from a loaded checkpoint (params placed on the engine's mesh) traces its step once for all its
+    steps (the loss is called once per trace): the first call's inputs are typed as its outputs will be."""
+    from mia.models import load
+    from mia.testbed import train
+
+    traced, row_loss = [], train.row_loss
+    monkeypatch.setattr(train, "row_loss", lambda *a: traced.append(1) or row_loss(*a))
+    tb = min(smoke_suite.members, key=lambda m: m.config.hidden_size)  # the smallest: the quickest to compile
+    base = load(tb.checkpoint_dir(tb.train_steps), tokenizer=False)
+    rows = tb.dataset().get_rows(np.arange(3 * tb.batch_size // 2))  # 2 steps an epoch
+    params, log = train.memorize(base, base.params, tb.config, rows, epochs=2, progress=False)
+    assert len(log) == 2 and len(traced) == 1
+
+
 def test_reuse_does_not_retrain(smoke_testbed):
     from mia.testbed import TestbedError, build_testbed
 

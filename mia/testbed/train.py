@@ -430,6 +430,10 @@ def memorize(model, params, cfg: TestbedConfig, rows: np.ndarray, epochs: int, s
         return params, []
     lr = (cfg.memorize_lr or cfg.lr) if lr is None else lr
     optimizer = make_optimizer(cfg, learning_rate=lr, weight_decay=0.0)
+    # params on one device, as the step's outputs will be: a loaded model's params are placed on the scoring
+    # engine's mesh, whose sharding spec differs from that of the step's outputs, and the step was compiled a second
+    # time at its second call (2-2.5 s for the smoke suite's 64-wide model)
+    params = jax.device_put(jax.device_get(params), jax.devices()[0])
     opt_state = optimizer.init(params)
     per_epoch = -(-n // B)
     step_fn = make_train_step(model, optimizer, compiler_options(cfg, epochs * per_epoch))
