@@ -98,8 +98,12 @@ def test_same_seed_same_tables_byte_for_byte(request, cmb_smoke, tmp_path):
 
 
 def test_tables_are_a_function_of_the_saved_rows(cmb_smoke):
-    """report.md and every table CSV rendered again from summary/table rows, under another string-hash seed."""
-    same = rendered_again("experiments.checkmiabench", cmb_smoke[0],
+    """report.md and every table CSV rendered again from summary/table rows, under another string-hash seed (by the
+    experiment's renderer, without the experiment's jax)."""
+    from experiments.checkmiabench_report import report_markdown
+
+    assert cmb.report_markdown is report_markdown
+    same = rendered_again("experiments.checkmiabench_report", cmb_smoke[0],
                           ["blind", "blind_runs", "attacks", "recency", "scale"])
     assert same and all(same.values()), same
 
