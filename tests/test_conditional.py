@@ -116,7 +116,7 @@ def test_batching_does_not_change_values(model):
 
 def test_bucketed_shapes_compile_once(model, monkeypatch):
     monkeypatch.setattr(C, "_TRACE_WRAP", lambda f: chex.assert_max_traces(f, n=1))
-    for fn in (C._jitted_prefix, C._jitted_conditional):
+    for fn in (C.jitted_prefix, C.jitted_conditional):
         fn.cache_clear()
     try:
         # every length is in the 32-bucket, 2 prefixes and 4 targets: one shape each, whatever the lengths
@@ -126,7 +126,7 @@ def test_bucketed_shapes_compile_once(model, monkeypatch):
             targets = seqs(rng.integers(2, 16, 4), seed + 10)
             C.loglik_matrix(model, prefixes, targets, include_first=False, settings=SETTINGS)
     finally:
-        for fn in (C._jitted_prefix, C._jitted_conditional):
+        for fn in (C.jitted_prefix, C.jitted_conditional):
             fn.cache_clear()
         chex.clear_trace_counter()
 

@@ -214,12 +214,12 @@ def test_packed_rows_score_as_separate_rows(name, kernels, tmp_path_factory, mon
     monkeypatch.setattr(A, "BLOCK_K", 4)
     for kernel in kernels:
         monkeypatch.setenv(A.ENV_VAR, kernel)  # read when traced: a fresh jitted step per kernel
-        loop._jitted_token_stats.cache_clear()
+        loop.jitted_token_stats.cache_clear()
         got = loop.compute_token_stats(model, texts, packed)
         for g, w in zip(got, want):
             for s in STAT_NAMES:
                 np.testing.assert_allclose(g[s], w[s], atol=2e-5, rtol=0, err_msg=f"{name} {kernel} {s}")
-    loop._jitted_token_stats.cache_clear()
+    loop.jitted_token_stats.cache_clear()
 
 
 # the check reads the checkpoint's tensors before any family code: two families in the default run, all in test-all

@@ -35,7 +35,6 @@ Not here: pandora's gradient with respect to the input embeddings (``x_grad``): 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Optional
 
 import jax
@@ -48,7 +47,7 @@ from ..engine.conditional import token_logprobs
 from ..engine.failsafe import fail_safe
 from ..engine.loop import engine_layout, pipelined, placed_params, show_progress
 from ..engine.plan import register_planned_attack, row_args
-from ..models.hub import program_model
+from ..models.hub import cached_per_architecture
 from ..sharding import batch_sharding, data_size, replicated
 from ..validate import Range
 from .combine import CLASSIFIERS, labelled_rows, register_features, supervised_scores
@@ -245,15 +244,11 @@ def build_gradient_step(model, mesh, shardings, kind: str, chunk: int, lr: float
     return fail_safe(lambda: jax.jit(fn, in_shardings=(shardings, rows, rows), out_shardings=replicated(mesh)))
 
 
+@cached_per_architecture(maxsize=16)
 def jitted_gradient_step(model, kind: str, chunk: int, lr: float = 1e-4, k: int = 8, seed: int = JL_SEED,
                          proj_type: str = "normal"):
     """``build_gradient_step`` on the engine's layout for ``model``, built once per architecture, dtypes and layout
     (``mia.models.hub.program_model``)."""
-    return _jitted_gradient_step(program_model(model), kind, chunk, lr, k, seed, proj_type)
-
-
-@functools.lru_cache(maxsize=16)
-def _jitted_gradient_step(model, kind: str, chunk: int, lr: float, k: int, seed: int, proj_type: str):
     mesh, shardings = engine_layout(model)
     return build_gradient_step(model, mesh, shardings, kind, chunk, lr, k, seed, proj_type)
 

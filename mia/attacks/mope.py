@@ -37,7 +37,6 @@ none of them. Nothing goes to disk.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable, Optional
 
@@ -47,7 +46,7 @@ import numpy as np
 
 from ..engine.batching import ScoringSettings, plan_batches, put_padded, row_length
 from ..models.attention import traced_over
-from ..models.hub import program_model
+from ..models.hub import cached_per_architecture
 from ..engine.conditional import token_logprobs
 from ..engine.failsafe import fail_safe
 from ..engine.loop import engine_layout, mesh_chunk_size, pipelined, placed_params, show_progress
@@ -217,14 +216,10 @@ def build_mope_step(model, mesh, shardings, n: int, sigma: float, chunk: int, bl
                                      out_shardings=replicated(mesh)))
 
 
+@cached_per_architecture(maxsize=16)
 def jitted_mope(model, n: int, sigma: float, chunk: int):
     """MoPe on the engine's layout for ``model`` (``scoring.engine_layout``), built once per architecture, dtypes
     and layout (``mia.models.hub.program_model``)."""
-    return _jitted_mope(program_model(model), n, sigma, chunk)
-
-
-@functools.lru_cache(maxsize=16)
-def _jitted_mope(model, n: int, sigma: float, chunk: int):
     mesh, shardings = engine_layout(model)
     return build_mope_step(model, mesh, shardings, n, sigma, chunk)
 

@@ -22,7 +22,6 @@ path (concatenate [p ; x], one pass, keep the target positions); tests and ``exp
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import sys
@@ -40,7 +39,7 @@ from ..files import cache_limit
 from ..files.atomic import save_npz
 from ..models.attention import traced_over
 from ..models.common import KVCache
-from ..models.hub import program_model
+from ..models.hub import cached_per_architecture
 from .batching import (ScoringSettings, bucket_length, bucket_rows, padded_rows, plan_batches, pow2_ceil, pow2_floor,
                        put_padded)
 from .cache import BackgroundWriter, cache_label, cache_namespace, cacheable, example_key, usable_cache_dir
@@ -192,36 +191,24 @@ def build_cond_step(model, mesh, shardings, cache_shardings: PrefixCache, includ
                                      out_shardings=replicated(mesh)))
 
 
+@cached_per_architecture()
 def jitted_prefix(model):
     """The prefix pass on the engine's layout (``build_prefix_step``), built once per architecture, dtypes and
     layout (``mia.models.hub.program_model``), as the two below."""
-    return _jitted_prefix(program_model(model))
-
-
-def jitted_conditional(model, include_first: bool):
-    """The conditional-LL call on the engine's layout (``build_cond_step``)."""
-    return _jitted_conditional(program_model(model), include_first)
-
-
-def jitted_token_logprobs(model):
-    """``token_logprobs`` jitted for ``model`` (a plain pass, no prefix cache; default placement)."""
-    return _jitted_token_logprobs(program_model(model))
-
-
-@functools.lru_cache(maxsize=32)
-def _jitted_prefix(model):
     mesh, shardings = engine_layout(model)
     return build_prefix_step(model, mesh, shardings, prefix_shardings(model, mesh))
 
 
-@functools.lru_cache(maxsize=32)
-def _jitted_conditional(model, include_first: bool):
+@cached_per_architecture()
+def jitted_conditional(model, include_first: bool):
+    """The conditional-LL call on the engine's layout (``build_cond_step``)."""
     mesh, shardings = engine_layout(model)
     return build_cond_step(model, mesh, shardings, prefix_shardings(model, mesh), include_first)
 
 
-@functools.lru_cache(maxsize=32)
-def _jitted_token_logprobs(model):
+@cached_per_architecture()
+def jitted_token_logprobs(model):
+    """``token_logprobs`` jitted for ``model`` (a plain pass, no prefix cache; default placement)."""
     return fail_safe(lambda: jax.jit(_TRACE_WRAP(lambda params, tokens, valid: token_logprobs(model, params, tokens,
                                                                                              valid))))
 

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..models.attention import traced_over
 from ..models.common import KVCache
-from ..models.hub import program_model
+from ..models.hub import cached_per_architecture
 from .batching import bucket_length, bucket_rows, pow2_ceil, put_padded
 from .failsafe import fail_safe
 from .loop import engine_layout, placed_params
@@ -279,15 +279,11 @@ def build_decode_step(model, mesh, shardings, cfg: Sampling):
                                      out_shardings=(rep, rep)))
 
 
+@cached_per_architecture()
 def jitted_decode(model, cfg: Sampling):
     """``decode`` compiled for one model and one ``Sampling`` on the model's layout (``engine_layout``): (params,
     tokens, valid, prompt ids, seed, budget, temperature, eos, pad_id) -> (generated, lengths); built once per
     architecture, dtypes and layout (``mia.models.hub.program_model``)."""
-    return _jitted_decode(program_model(model), cfg)
-
-
-@functools.lru_cache(maxsize=32)
-def _jitted_decode(model, cfg: Sampling):
     mesh, shardings = engine_layout(model)
     return build_decode_step(model, mesh, shardings, cfg)
 

@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..models.attention import traced_over
-from ..models.hub import program_model
+from ..models.hub import cached_per_architecture
 from .batching import (Batch, PackedBatch, ScoringSettings, put_packed, put_padded, row_cost, token_stats_plan)
 from .failsafe import fail_safe
 from .cache import BackgroundWriter, StatsCache, cache_label, cacheable, cache_namespace, example_key
@@ -79,14 +79,10 @@ def build_token_stats_step(model, mesh, shardings, chunk: Optional[int] = None, 
                                      out_shardings=replicated(mesh)))
 
 
+@cached_per_architecture()
 def jitted_token_stats(model, chunk: Optional[int] = None, stats: tuple = STAT_NAMES):
     """The engine's token-stats step for one Model and one set of statistics, on its layout (``engine_layout``);
     built once for every Model of the same architecture, dtypes and layout (``mia.models.hub.program_model``)."""
-    return _jitted_token_stats(program_model(model), chunk, stats)
-
-
-@functools.lru_cache(maxsize=32)
-def _jitted_token_stats(model, chunk: Optional[int], stats: tuple):
     mesh, shardings = engine_layout(model)
     return build_token_stats_step(model, mesh, shardings, chunk, program_stats(stats))
 

@@ -172,6 +172,23 @@ def program_model(model: Model) -> Model:
     return stand_in
 
 
+def cached_per_architecture(maxsize: int = 32):
+    """Decorator of a function ``build(model, *args)`` that builds a jitted program: its results are memoized per
+    (``program_model(model)``, args), so every Model of one architecture, dtypes and layout shares one program
+    (``wrapper.cache_clear()`` empties the memo)."""
+    def decorate(build):
+        cached = functools.lru_cache(maxsize=maxsize)(build)
+
+        @functools.wraps(build)
+        def wrapper(model, *args, **kwargs):
+            return cached(program_model(model), *args, **kwargs)
+
+        wrapper.cache_clear = cached.cache_clear
+        return wrapper
+
+    return decorate
+
+
 # ----------------------------------------------------------------------------------------------- safetensors I/O
 SAFETENSORS_DTYPES = {  # safetensors dtype name -> numpy dtype
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
