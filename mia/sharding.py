@@ -126,8 +126,8 @@ def loop_compiler_options() -> Optional[dict]:
     """XLA compiler options of a program that one loop runs many times (the blind MLP's training step, a large
     testbed training run): on CPU, XLA's default optimisation level 3 whatever ``XLA_FLAGS`` say, so such a loop
     always runs the same, fast program (at level 0, which the default test run sets for everything else, the MLP's
-    step ran 8x slower); None elsewhere (the platform's defaults). Not the encoder's embedding: pinned, it embedded
-    240 texts in 2.5 s instead of 5.1 s but compiled about 1 s longer, and the test run's embeddings are smaller."""
+    step ran 8x slower); None elsewhere (the platform's defaults). Not the encoder's embedding: its longer compile
+    cost the test run's small embeddings as much as it saved on large ones (docs/testing.md)."""
     return {"xla_backend_optimization_level": 3} if jax.default_backend() == "cpu" else None
 
 

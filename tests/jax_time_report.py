@@ -3,7 +3,8 @@
     python -m pytest -q -n 2 --dist loadfile -p tests.jax_time_report   # then: python -m tests.jax_time_report DIR
 
 Each process sums JAX's own monitoring events (jaxpr tracing, lowering to MLIR, XLA backend compile and the number
-of programs compiled) and the process CPU time of each test file, and writes them as JSON under
+of programs compiled), the time Python's garbage collector ran (``gc.callbacks``) and the process CPU time of each
+test file, and writes them as JSON under
 ``$MIA_JAX_TIME_DIR`` (default ``jax-time/``) at the end of its session; ``python -m tests.jax_time_report DIR``
 adds the workers' files up and prints a table, longest file first."""
 from __future__ import annotations
@@ -21,6 +22,7 @@ EVENTS = {"jaxpr_trace_duration": "trace_s", "jaxpr_to_mlir_module_duration": "l
           "backend_compile_duration": "compile_s"}
 _sums: dict = collections.defaultdict(collections.Counter)
 _current = {"file": "<collection>"}
+_gc_start: list = []
 
 
 def _listen(event: str, duration: float, **_):
@@ -31,10 +33,20 @@ def _listen(event: str, duration: float, **_):
             _sums[_current["file"]]["programs"] += 1
 
 
+def _gc_timer(phase: str, info: dict):
+    if phase == "start":
+        _gc_start[:] = [time.perf_counter()]
+    elif _gc_start:
+        _sums[_current["file"]]["gc_s"] += time.perf_counter() - _gc_start.pop()
+
+
 def pytest_configure(config):
+    import gc
+
     import jax.monitoring
 
     jax.monitoring.register_event_duration_secs_listener(_listen)
+    gc.callbacks.append(_gc_timer)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -59,7 +71,7 @@ def main(argv=None) -> int:
     for path in Path(argv[0] if argv else "jax-time").glob("*.json"):
         for f, c in json.loads(path.read_text()).items():
             total[f].update(c)
-    keys = ("cpu_s", "trace_s", "lower_s", "compile_s", "programs")
+    keys = ("cpu_s", "trace_s", "lower_s", "compile_s", "gc_s", "programs")
     grand = sum(total.values(), collections.Counter())
     print("| file | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
     for f, c in sorted(total.items(), key=lambda kv: -kv[1]["cpu_s"]) + [("all files", grand)]:
