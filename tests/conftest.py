@@ -34,7 +34,9 @@ def one_thread_per_worker(environ) -> None:
     """Under pytest-xdist with at least as many workers as cores (CI: ``-n 2`` on 2 cores), every runtime of a
     worker runs on one thread: XLA's CPU ops (``--xla_cpu_multi_thread_eigen=false``), torch's and OpenBLAS's
     OpenMP pools. Otherwise each worker's pools span every core, and threads spinning for work that is not there
-    take the core from the other worker (the default run: 538 -> 518 s of CPU time, 279 -> 269 s wall). Set before
+    take the core from the other worker (the default run: 538 -> 518 s of CPU time, 279 -> 269 s wall). XLA's
+    compiler, too, gets one thread: it no longer splits each program's LLVM module into parts for a thread pool
+    (``--xla_cpu_parallel_codegen_split_count=1``; the parity and attention files' compile time: 16 -> 13 s). Set before
     numpy, torch or jax load (they read these once; xdist sets the worker count before it loads this file), and
     inherited by the subprocesses tests start. A reduction split over fewer threads may round differently in its
     last bits; every tolerance holds either way (``make test-all``, in one process, keeps the pools)."""
@@ -43,8 +45,9 @@ def one_thread_per_worker(environ) -> None:
         return
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         environ.setdefault(name, "1")
-    if "xla_cpu_multi_thread_eigen" not in environ.get("XLA_FLAGS", ""):
-        environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip()
+    for flag in ("xla_cpu_multi_thread_eigen=false", "xla_cpu_parallel_codegen_split_count=1"):
+        if flag.split("=")[0] not in environ.get("XLA_FLAGS", ""):
+            environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} --{flag}".strip()
 
 
 # before jax starts its backend (it reads XLA_FLAGS once); subprocesses started by tests inherit it
@@ -142,14 +145,22 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def pytest_collection_finish(session):
-    """Freeze the heap (``freeze_heap``), and start a collection after 20,000 allocations instead of 700: tracing a
-    program allocates tens of thousands of short-lived containers, and at Python's default each worker ran about
-    9,000 young-generation collections."""
+def fewer_collections() -> None:
+    """Start a young-generation collection after 20,000 allocations instead of Python's 700: tracing a program
+    allocates tens of thousands of short-lived containers, and at the default each worker ran about 9,000 young
+    collections. Set when this file loads, before the test modules are imported: collecting them (jax, torch,
+    transformers, 90 test files) took another 3 s of collections per worker at the default."""
     import gc
 
-    freeze_heap()
     gc.set_threshold(20_000, 10, 10)
+
+
+fewer_collections()
+
+
+def pytest_collection_finish(session):
+    """Freeze the heap (``freeze_heap``) once the test modules are imported."""
+    freeze_heap()
 
 
 @pytest.hookimpl(hookwrapper=True)
