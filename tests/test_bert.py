@@ -89,12 +89,21 @@ def test_missing_encoder_dir_says_how_to_install(tmp_path):
         B.load_encoder(tmp_path / "nope")
 
 
+def test_minilm_is_installed_with_its_sentence_pooling():
+    """make setup installs MiniLM: its absence fails here, it is not skipped. Its weights' parity with transformers
+    (5-6 s: torch's BertModel and two compiles of the 22M-parameter encoder) is ``test_minilm_parity`` under
+    ``-m slow``; the default run checks the same Flax BERT against transformers on a tiny random BERT
+    (``test_tiny_random_parity``) and embeds with MiniLM in the blind and EM-MIA tests."""
+    enc = B.load_encoder(B.default_encoder_dir(), tokenizer=False)
+    assert enc.pooling == "mean" and enc.normalize and enc.max_length == 256 and enc.config.hidden_size == 384
+
+
+@pytest.mark.slow
 def test_minilm_parity():
     from transformers import BertModel
 
-    root = B.default_encoder_dir()  # make setup installs MiniLM: its absence fails here, it is not skipped
+    root = B.default_encoder_dir()
     enc = B.load_encoder()
-    assert enc.pooling == "mean" and enc.normalize and enc.max_length == 256 and enc.config.hidden_size == 384
     ref = BertModel.from_pretrained(str(root)).float().eval()
     texts = ["The quick brown fox jumps over the lazy dog.", "Membership inference on language models.",
              "a", "Tokens, tokens and more tokens " * 9]
