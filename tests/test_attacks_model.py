@@ -428,9 +428,10 @@ def test_mope_block_noise_is_gaussian_and_independent_across_blocks():
     assert corr(eps[2], other_leaf[2]) < bound and corr(eps[0], other_leaf[0]) < bound  # another leaf's key
     assert not np.array_equal(eps[2], eps[0]) and np.all(eps != 0, axis=1).mean() == 1.0
     # in bf16 jax.random.normal is coarse (128 distinct values, mean about -0.011, std 0.997): within 2% of sigma
-    eps16 = np.asarray(perturb_leaf(k, zero.astype(jnp.bfloat16), sigma), np.float64)
+    # (on a leaf an eighth as wide, one block: the dtype's draw, not the layout, is checked here)
+    eps16 = np.asarray(perturb_leaf(k, jnp.zeros((3, shape[1] // 8), jnp.bfloat16), sigma), np.float64)
     assert abs(eps16.mean()) < 0.02 * sigma and abs(eps16.std() / sigma - 1) < 0.01
-    assert corr(eps16[0], eps16[2]) < bound
+    assert corr(eps16[0], eps16[2]) < 5 / np.sqrt(eps16.shape[1])
 
 
 # ------------------------------------------------------------------------------------------------ EM-MIA Kendall
