@@ -180,10 +180,16 @@ def test_old_testbed_format_is_refused(smoke_testbed, tmp_path):
     old.mkdir()
     m = dict(smoke_testbed.manifest, format="mia-testbed/2")
     (old / "testbed.json").write_text(json.dumps(m))
-    with pytest.raises(TestbedError, match=r"another version of mia.testbed \(mia-testbed/2, now mia-testbed/3\)"):
+    with pytest.raises(TestbedError, match=r"another version of mia.testbed \('mia-testbed/2', now mia-testbed/3\)"):
         open_testbed(old)
     with pytest.raises(TestbedError, match="delete it to rebuild"):
         build_testbed("smoke", old, progress=False)
+    # a format field holding a line break (found by test_surface_fuzz's long run) is shown quoted: still one line
+    (old / "testbed.json").write_text(json.dumps(dict(m, format="mia-testbed/2\nnow")))
+    for call in (lambda: open_testbed(old), lambda: build_testbed("smoke", old, progress=False)):
+        with pytest.raises(TestbedError, match=r"\('mia-testbed/2\\nnow', now") as e:
+            call()
+        assert "\n" not in str(e.value)
 
 
 def _init_leaves(hidden: int = 128):

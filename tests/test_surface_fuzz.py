@@ -759,6 +759,6 @@ def test_an_incomplete_suite_json_with_odd_members_is_one_line(manifests, monkey
     shutil.copytree(manifests.parent / "template_suite", root)
     m = json.loads((root / "suite.json").read_text())
     (root / "suite.json").write_text(json.dumps(dict(m, complete=False, members=[None])))
-    with pytest.raises(ValueError, match=r"holds another suite \(smoke, mia-suite/1\) or one built by another "
+    with pytest.raises(ValueError, match=r"holds another suite \('smoke', 'mia-suite/1'\) or one built by another "
                                          r"version \(its suite.json\)"):
         checkpoints.open_suite_members("smoke", root)

@@ -338,8 +338,9 @@ def open_testbed(path) -> Testbed:
         raise TestbedError(f"{root}: testbed build is incomplete; rerun python -m mia.testbed --out {root} to finish "
                            "it")
     if m.get("format") != FORMAT:
-        raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, now "
-                           f"{FORMAT}); rebuild it (delete the directory, or build into another --out)")
+        raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed "
+                           f"({str(m.get('format'))[:40]!r}, now {FORMAT}); rebuild it (delete the directory, or build "
+                           "into another --out)")
     cfg = config_of_manifest(m, mf)
     check_recorded_fields(m, mf)
     damaged = verify_data(root, m)
@@ -486,8 +487,9 @@ def build_from_config(cfg: TestbedConfig, root, *, progress: bool = True, save_e
     if mf_path.exists():
         m = read_manifest(mf_path, TESTBED_FIELDS)
         if m.get("format") != FORMAT:
-            raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed ({m.get('format')}, "
-                               f"now {FORMAT}); delete it to rebuild, or use another --out")
+            raise TestbedError(f"{root} holds a testbed built by another version of mia.testbed "
+                               f"({str(m.get('format'))[:40]!r}, now {FORMAT}); delete it to rebuild, or use another "
+                               "--out")
         if m.get("config_hash") != cfg.config_hash:
             old = m.get("config", {})
             diff = sorted(

@@ -163,8 +163,8 @@ def build_suite(name: str, out_dir=None, *, progress: bool = True, save_every: i
         hashes = [e.get("config_hash") if isinstance(e, dict) else None for e in old.get("members", [])]
         if old.get("format") != SUITE_FORMAT or old.get("name") != name or \
                 hashes != [e["config_hash"] for e in entries]:
-            raise TestbedError(f"{root} holds another suite ({str(old.get('name'))[:40]}, "
-                               f"{str(old.get('format'))[:40]}) or one built by another version (its {mf.name}); "
+            raise TestbedError(f"{root} holds another suite ({str(old.get('name'))[:40]!r}, "
+                               f"{str(old.get('format'))[:40]!r}) or one built by another version (its {mf.name}); "
                                "delete it to rebuild, or use another --out")
     m = {"format": SUITE_FORMAT, "name": name, "complete": False, "members": entries}
     if not (old and old.get("complete")):
